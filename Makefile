@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` and `make test`. Both set everything up themselves.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_PACKAGES := redis-server wrk
+
+.PHONY: install system-packages run test lint clean
+
+install: system-packages $(STAMP)
+
+# System packages the tests and benchmarks use (Debian/Ubuntu).
+system-packages:
+	@missing=""; for bin in redis-server wrk; do command -v $$bin >/dev/null 2>&1 || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); \
+	fi
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/gateway serve --mock-pods 4
+
+test: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+lint: install
+	$(VENV)/bin/ruff check gateway plugins tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The OpenAI surface: request structs, error envelopes and the headers contract."""

@@ -1,0 +1,66 @@
+"""The parts of OpenAI request bodies the gateway reads.
+
+Bodies are decoded once into these structs to route; the bytes sent upstream are the client's own,
+never re-encoded. Unknown fields are ignored (engines accept many extensions), while the fields we read
+are checked strictly so a wrong type is a clear 400, not a surprise later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.api.errors import ApiError, bad_request
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class Metadata(msgspec.Struct):
+    workflow_id: str | None = None
+    stage_id: str | None = None
+
+
+class InferenceRequest(msgspec.Struct):
+    """Routing-relevant fields shared by chat, completions, responses and embeddings bodies."""
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: Any = None
+    input: Any = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: Metadata | None = None
+
+
+_decoder = msgspec.json.Decoder(InferenceRequest)
+
+
+def parse_inference_request(body: bytes) -> InferenceRequest:
+    if not body:
+        raise bad_request("The request body is empty; a JSON object is required.")
+    try:
+        req = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not req.model:
+        raise bad_request("You must provide a model parameter.", param="model", code="missing_model")
+    return req
+
+
+def _field_error(detail: str) -> ApiError:
+    # msgspec says "... - at `$.messages[0]`"; surface the field as the OpenAI ``param``.
+    param = None
+    if "at `$." in detail:
+        param = detail.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+    if detail.startswith("Expected `object`, got") and "at `$" not in detail:
+        return bad_request("The request body must be a JSON object.", code="invalid_json")
+    return bad_request(f"Invalid request: {detail}", param=param)

@@ -1,0 +1,77 @@
+"""HTTP routes: the OpenAI endpoints (proxied) and the operational ones (models, health, metrics)."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+# Path → request kind; responses are routed like chat.
+PROXIED_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+}
+
+
+def add_routes(app: web.Application, gateway: Gateway) -> None:
+    for path, kind in PROXIED_ROUTES.items():
+        app.router.add_post(path, partial(_proxied, gateway, kind))
+    app.router.add_get("/v1/models", partial(_models, gateway))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", partial(_readyz, gateway))
+    app.router.add_get("/metrics", partial(_metrics, gateway))
+    app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
+
+
+async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
+    gateway.auth.check(request)
+    return await gateway.proxy.handle(request, kind)
+
+
+async def _models(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check(request)
+    return web.json_response({"object": "list", "data": gateway.pods.model_cards()})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
+    now = time.monotonic()
+    ready_pods = sum(1 for p in gateway.pods.all() if p.available(now))
+    if gateway.draining:
+        return web.json_response({"status": "draining", "ready_pods": ready_pods}, status=503)
+    if not ready_pods:
+        return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
+    return web.json_response({"status": "ready", "ready_pods": ready_pods})
+
+
+async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
+    return web.Response(body=gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
+    now = time.monotonic()
+    pods = [
+        {
+            "name": p.name,
+            "url": p.url,
+            "models": sorted(p.models),
+            "healthy": p.healthy,
+            "ejected_for_s": round(max(0.0, p.ejected_until - now), 3),
+            "ejections": p.ejections,
+            "in_flight": p.in_flight,
+            "last_error": p.last_error,
+        }
+        for p in gateway.pods.all()
+    ]
+    return web.json_response({"pods": pods, "default_policy": gateway.router.default_policy,
+                              "policies": gateway.policies.names()})

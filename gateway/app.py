@@ -1,0 +1,88 @@
+"""Builds the gateway's aiohttp ``Application`` from a config: creates every component and wires them.
+
+Nothing else in the package holds global state; tests build as many independent apps as they like.
+Background tasks (health checks) start in ``on_startup`` and stop in ``on_cleanup``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from gateway.api.auth import ApiKeyAuth
+from gateway.api.middleware import openai_errors
+from gateway.api.routes import add_routes
+from gateway.backends.health import HealthChecker
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.plugin_registry import PluginRegistry
+from gateway.proxy import Proxy
+from gateway.routing.router import Router
+
+POLICY_GROUP = "gateway.policies"
+
+
+@dataclass(eq=False)
+class Gateway:
+    """Every component of one gateway instance."""
+
+    config: GatewayConfig
+    pods: PodRegistry
+    metrics: GatewayMetrics
+    router: Router
+    proxy: Proxy
+    auth: ApiKeyAuth
+    policies: PluginRegistry
+    health: HealthChecker | None = None
+    session: aiohttp.ClientSession | None = None
+    draining: bool = False
+
+
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
+def build_gateway(config: GatewayConfig) -> Gateway:
+    pods = PodRegistry(config.pods, config.health)
+    metrics = GatewayMetrics()
+    policies = PluginRegistry(POLICY_GROUP)
+    router = Router(pods, policies, config.routing.policy)
+    proxy = Proxy(pods, router, metrics, config.routing, config.timeouts, config.auth)
+    return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
+                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    gateway = build_gateway(config)
+    app = web.Application(middlewares=[openai_errors], client_max_size=config.server.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    add_routes(app, gateway)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    gw = app[GATEWAY_KEY]
+    # One pooled session for all upstream traffic; no per-host cap, since pods are few and hot.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+    gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    gw.proxy.session = gw.session
+
+    def on_health_change(pod: Pod) -> None:
+        gw.metrics.pod_healthy.labels(pod.name).set(1 if pod.healthy else 0)
+
+    gw.health = HealthChecker(gw.pods, gw.session, gw.config.health, on_health_change)
+    await gw.health.start()
+    for pod in gw.pods.all():
+        on_health_change(pod)
+
+
+async def _stop(app: web.Application) -> None:
+    gw = app[GATEWAY_KEY]
+    if gw.health:
+        await gw.health.stop()
+    if gw.session:
+        await gw.session.close()

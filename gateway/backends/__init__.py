@@ -1,0 +1,1 @@
+"""Pods the gateway routes to: the registry, their health and live state."""

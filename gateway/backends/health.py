@@ -1,0 +1,122 @@
+"""Active health checks: ``GET /health`` per pod, with failure and success thresholds.
+
+Owner: the :class:`HealthChecker` writes ``Pod.healthy`` and, for pods without configured models, the
+pod's model list from ``GET /v1/models`` (refreshed while the pod is healthy, so adapters loaded later
+appear).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import HealthConfig
+
+log = logging.getLogger("gateway.health")
+
+MODEL_REFRESH_EVERY = 5  # checks
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        registry: PodRegistry,
+        session: aiohttp.ClientSession,
+        config: HealthConfig,
+        on_change: Callable[[Pod], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._session = session
+        self._config = config
+        self._on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+        self._rounds = 0
+
+    async def start(self) -> None:
+        """Check every pod once (setting health directly from that result), then keep checking."""
+        await self.check_all(initial=True)
+        self._task = asyncio.create_task(self._loop(), name="health-checker")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            # Jitter keeps many gateway replicas from probing pods in lockstep.
+            await asyncio.sleep(self._config.interval_s * random.uniform(0.9, 1.1))
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health round failed")
+
+    async def check_all(self, initial: bool = False) -> None:
+        self._rounds += 1
+        refresh_models = initial or self._rounds % MODEL_REFRESH_EVERY == 0
+        pods = self._registry.all()
+        await asyncio.gather(*(self.check(p, initial, refresh_models) for p in pods))
+
+    async def check(self, pod: Pod, initial: bool = False, refresh_models: bool = False) -> None:
+        ok, error = await self._probe(pod)
+        if ok and (refresh_models or not pod.models) and not pod.config.models:
+            ok, error = await self._fetch_models(pod)
+        pod.last_check = time.monotonic()
+        self._record(pod, ok, error, initial)
+
+    def _record(self, pod: Pod, ok: bool, error: str | None, initial: bool) -> None:
+        was = pod.healthy
+        if ok:
+            pod.consecutive_successes += 1
+            pod.consecutive_failures = 0
+            if initial or pod.consecutive_successes >= self._config.success_threshold:
+                pod.healthy = True
+        else:
+            pod.consecutive_failures += 1
+            pod.consecutive_successes = 0
+            pod.last_error = error
+            if initial or pod.consecutive_failures >= self._config.failure_threshold:
+                pod.healthy = False
+        if was != pod.healthy:
+            if pod.healthy:
+                log.info("pod %s is healthy", pod.name)
+            else:
+                log.warning("pod %s is unhealthy: %s", pod.name, error)
+            if self._on_change:
+                self._on_change(pod)
+
+    async def _probe(self, pod: Pod) -> tuple[bool, str | None]:
+        try:
+            async with self._session.get(
+                f"{pod.url}/health", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
+            ) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True, None
+                return False, f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"/health failed: {type(exc).__name__}: {exc}"
+
+    async def _fetch_models(self, pod: Pod) -> tuple[bool, str | None]:
+        try:
+            async with self._session.get(
+                f"{pod.url}/v1/models", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    return False, f"/v1/models answered {resp.status}"
+                payload = await resp.json(content_type=None)
+            cards = payload.get("data") if isinstance(payload, dict) else None
+            if not isinstance(cards, list):
+                return False, "/v1/models returned no data list"
+            pod.set_models([c for c in cards if isinstance(c, dict)])
+            return True, None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return False, f"/v1/models failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,102 @@
+"""The pod registry: every pod the gateway knows, its models, health and in-flight count.
+
+Owner: :class:`PodRegistry` owns the set of pods; :class:`HealthChecker` alone writes a pod's health
+and model list; the proxy alone writes ``in_flight`` and reports connection failures (passive ejection).
+Everything else reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import HealthConfig, PodConfig
+
+
+@dataclass(eq=False, slots=True)
+class Pod:
+    config: PodConfig
+    name: str
+    url: str
+    # Model cards as the pod lists them at /v1/models (LoRA adapters included).
+    model_cards: list[dict[str, Any]] = field(default_factory=list)
+    models: frozenset[str] = frozenset()
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    in_flight: int = 0
+    last_error: str | None = None
+    last_check: float = 0.0
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.ejected_until
+
+    def set_models(self, cards: list[dict[str, Any]]) -> None:
+        self.model_cards = cards
+        self.models = frozenset(str(c["id"]) for c in cards if "id" in c)
+
+
+class PodRegistry:
+    def __init__(self, pods: list[PodConfig], health: HealthConfig) -> None:
+        self._health = health
+        self._pods: dict[str, Pod] = {}
+        for cfg in pods:
+            self.add(cfg)
+
+    def add(self, cfg: PodConfig) -> Pod:
+        assert cfg.name is not None
+        if cfg.name in self._pods:
+            raise ValueError(f"duplicate pod name {cfg.name!r}")
+        pod = Pod(config=cfg, name=cfg.name, url=cfg.url)
+        if cfg.models:
+            pod.set_models([{"id": m, "object": "model", "owned_by": "gateway"} for m in cfg.models])
+        self._pods[cfg.name] = pod
+        return pod
+
+    def remove(self, name: str) -> Pod | None:
+        return self._pods.pop(name, None)
+
+    def get(self, name: str) -> Pod | None:
+        return self._pods.get(name)
+
+    def all(self) -> list[Pod]:
+        return list(self._pods.values())
+
+    def knows_model(self, model: str) -> bool:
+        return any(p.serves(model) for p in self._pods.values())
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Pod]:
+        """Pods serving ``model`` that are healthy, not ejected and not excluded."""
+        now = time.monotonic()
+        return [
+            p for p in self._pods.values()
+            if p.serves(model) and p.available(now) and p.name not in exclude
+        ]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of all pods' models, one card per id (first pod's card wins)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for pod in self._pods.values():
+            for card in pod.model_cards:
+                cards.setdefault(str(card.get("id")), card)
+        return list(cards.values())
+
+    # Passive health, reported by the proxy.
+
+    def report_connect_failure(self, pod: Pod, error: str) -> None:
+        """Eject the pod for a backoff that doubles with each consecutive ejection."""
+        pod.ejections += 1
+        backoff = min(self._health.ejection_base_s * 2 ** (pod.ejections - 1), self._health.ejection_max_s)
+        pod.ejected_until = time.monotonic() + backoff
+        pod.last_error = error
+
+    def report_success(self, pod: Pod) -> None:
+        if pod.ejections:
+            pod.ejections = 0
+            pod.ejected_until = 0.0

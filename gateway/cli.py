@@ -1,0 +1,183 @@
+"""``gateway``: the command line (serve, mock, hash-key)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import msgspec
+
+from gateway.config import ConfigError, GatewayConfig, LoggingConfig, hash_api_key, load_config
+from gateway.kv.events import Encoding
+
+log = logging.getLogger("gateway.cli")
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+def parse_pod(spec: str) -> dict[str, Any]:
+    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang]``."""
+    url, *options = spec.split(",")
+    pod: dict[str, Any] = {"url": url}
+    keys = {"events": "kv_events", "replay": "kv_replay", "name": "name", "flavor": "flavor",
+            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size"}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or (key not in keys and key != "models"):
+            raise ConfigError(f"--pod {spec!r}: unknown option {option!r}")
+        if key == "models":
+            pod["models"] = [m for m in value.split("+") if m]
+        else:
+            pod[keys[key]] = value
+    return pod
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    server: dict[str, Any] = {}
+    if args.host:
+        server["host"] = args.host
+    if args.port is not None:
+        server["port"] = args.port
+    overrides: dict[str, Any] = {"server": server} if server else {}
+    if args.policy:
+        overrides["routing"] = {"policy": args.policy}
+    if args.pod:
+        overrides["pods"] = [parse_pod(p) for p in args.pod]
+    if args.mock_pods is not None:
+        mock: dict[str, Any] = {"count": args.mock_pods}
+        if args.mock_speed is not None:
+            mock["speed"] = args.mock_speed
+        overrides["mock_pods"] = mock
+    if args.log_json:
+        overrides["logging"] = {"json": True}
+    return overrides
+
+
+async def serve(config: GatewayConfig) -> None:
+    from gateway.mock.launcher import MockPodFleet
+    from gateway.server import run_gateway
+
+    fleet = None
+    if config.mock_pods.count:
+        fleet = MockPodFleet(config.mock_pods)
+        try:
+            pods = await fleet.astart()
+        except BaseException:
+            fleet.stop()
+            raise
+        config = msgspec.structs.replace(config, pods=[*config.pods, *pods])
+        log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
+    try:
+        await run_gateway(config)
+    finally:
+        if fleet:
+            fleet.stop()
+
+
+async def mock(args: argparse.Namespace) -> None:
+    from gateway.mock.pod import MockPod, MockPodConfig
+
+    config = MockPodConfig(
+        host=args.host, port=args.port,
+        events_port=None if args.no_events else args.events_port,
+        replay_port=None if args.no_replay else args.replay_port,
+        block_size=args.block_size, num_blocks=args.num_blocks, speed=args.speed, flavor=args.flavor,
+        model=args.model, tokenizer=args.tokenizer, encoding=Encoding(args.encoding) if args.encoding else None,
+        topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
+    )
+    pod = MockPod(config)
+    await pod.start()
+    pub = pod.publisher
+    log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
+             pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await pod.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway")
+    s.add_argument("--config", help="YAML or JSON config file")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--policy", help="default routing policy")
+    s.add_argument("--pod", action="append",
+                   help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b] (repeatable)")
+    s.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
+    s.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
+    s.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+
+    m = sub.add_parser("mock", help="run one simulated vLLM/SGLang pod")
+    m.add_argument("--host", default="127.0.0.1")
+    m.add_argument("--port", type=int, default=8000)
+    m.add_argument("--events-port", type=int, default=5557)
+    m.add_argument("--replay-port", type=int, default=5558)
+    m.add_argument("--no-events", action="store_true")
+    m.add_argument("--no-replay", action="store_true")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--num-blocks", type=int, default=2048)
+    m.add_argument("--speed", type=float, default=1.0, help="time factor: 1 realistic, 0 no delay")
+    m.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
+    m.add_argument("--model", default="mock-llama")
+    m.add_argument("--tokenizer", help="HF tokenizer directory (default: the bundled one)")
+    m.add_argument("--encoding", choices=[e.value for e in Encoding], help="KV-event wire format")
+    m.add_argument("--topic", default="")
+    m.add_argument("--max-num-seqs", type=int, default=128)
+    m.add_argument("--max-batched-tokens", type=int, default=2048)
+    m.add_argument("--default-max-tokens", type=int, default=16)
+    m.add_argument("--lora-adapter", action="append", help="adapter name to list as a model")
+
+    k = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for auth.api_key_hashes")
+    k.add_argument("key")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "hash-key":
+        print(hash_api_key(args.key))
+        return 0
+    from gateway.logs import configure_logging
+
+    if args.command == "mock":
+        configure_logging(LoggingConfig(access_log=False))
+        run_loop(mock(args))
+        return 0
+    try:
+        config = load_config(args.config, serve_overrides(args))
+    except (ConfigError, OSError) as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.logging)
+    if not config.pods and not config.mock_pods.count:
+        print("gateway: no pods configured (use --pod URL, a config file, or --mock-pods N)", file=sys.stderr)
+        return 2
+    try:
+        run_loop(serve(config))
+    except Exception as exc:  # start-up failures (port in use, unknown policy, ...) are one clear line
+        print(f"gateway: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,192 @@
+"""All gateway settings as one msgspec ``Struct`` tree.
+
+Sources, later ones winning: a YAML/JSON file, ``GATEWAY_*`` environment variables, CLI flags.
+Environment variables name a field by its path with ``__`` between levels, for example
+``GATEWAY_SERVER__PORT=9000`` or ``GATEWAY_ROUTING__POLICY=least_request``; values are read as YAML
+scalars, so numbers, booleans and lists (``[a, b]``) work. Validation happens once, in
+:func:`load_config`, and a bad value fails with a message naming the field's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+ENV_PREFIX = "GATEWAY_"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the offending field."""
+
+
+class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    name: str | None = None
+    # Empty: learned from the pod's ``/v1/models``.
+    models: list[str] = []
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    # ZeroMQ endpoints of the pod's KV-event publisher and replay socket (rank 0; rank r adds r).
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    kv_topic: str = ""
+    dp_size: int = 1
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"pod url must start with http:// or https://, got {self.url!r}")
+        self.url = self.url.rstrip("/")
+        if self.name is None:
+            self.name = self.url.split("://", 1)[1]
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be >= 1")
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 8 * 1024 * 1024
+    # How long SIGTERM waits for in-flight requests before closing them.
+    shutdown_grace_s: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+
+
+class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    policy: str = "round_robin"
+    # Extra tries on other pods when a pod fails before the first byte reached the client.
+    max_retries: int = 2
+    # Whether clients may pick a policy per request with ``x-routing-strategy``.
+    allow_strategy_header: bool = True
+
+
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    # Passive ejection after a connection error: base backoff, doubled per consecutive ejection.
+    ejection_base_s: float = 1.0
+    ejection_max_s: float = 30.0
+
+
+class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True):
+    connect_s: float = 2.0
+    first_byte_s: float = 120.0
+    idle_s: float = 120.0
+    total_s: float = 900.0
+
+
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # SHA-256 hex digests of accepted gateway API keys; empty disables gateway authentication.
+    api_key_hashes: list[str] = []
+    # What the pod receives as ``Authorization``: the client's header, ``upstream_api_key``, or nothing.
+    upstream: Literal["pass", "replace", "strip"] = "pass"
+    upstream_api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for digest in self.api_key_hashes:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+                raise ValueError("api_key_hashes entries must be SHA-256 hex digests")
+        if self.upstream == "replace" and not self.upstream_api_key:
+            raise ValueError("upstream 'replace' needs upstream_api_key")
+
+
+class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json: bool = False
+    # One line per request; off keeps only warnings and errors.
+    access_log: bool = True
+
+
+class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Simulated pods started beside the gateway (``gateway serve --mock-pods N``)."""
+
+    count: int = 0
+    model: str = "mock-llama"
+    block_size: int = 16
+    num_blocks: int = 2048
+    speed: float = 1.0
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    base_port: int = 0
+
+
+class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    pods: list[PodConfig] = []
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX:
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with another GATEWAY_ variable")
+        node[path[-1]] = yaml.safe_load(raw) if raw else raw
+    return tree
+
+
+def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> GatewayConfig:
+    """Build and validate the config: file, then ``GATEWAY_*`` env, then ``overrides`` (CLI flags)."""
+    data: dict[str, Any] = read_config_file(path) if path else {}
+    data = deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    data = deep_merge(data, overrides or {})
+    try:
+        return msgspec.convert(data, GatewayConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc

@@ -1,0 +1,44 @@
+"""Logging set-up: plain text or one JSON object per line, and the per-request access record."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+
+from gateway.config import LoggingConfig
+
+ACCESS_LOGGER = "gateway.access"
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in _RESERVED})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.converter = time.gmtime
+
+
+def configure_logging(config: LoggingConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if config.json else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.level.upper())
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if config.access_log else logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,247 @@
+"""The simulated engine: continuous batching over a paged KV cache, with a timing model.
+
+Owner: the :class:`MockEngine` owns its waiting queue, running batch and the pod's
+:class:`~gateway.mock.kvcache.PagedKvCache`; the HTTP layer only submits and aborts sequences.
+
+Each scheduler step, as in vLLM: every running sequence that finished prefill decodes one token, and
+the rest of a token budget goes to prefill chunks (admitting waiting sequences first-come first-served
+while slots and blocks allow). A step takes ``base + prefill_tokens * per_token + decode_seqs *
+per_seq`` seconds, times the speed factor. Cached prompt tokens are not prefilled, so TTFT falls with
+cache hits and rises with load, as on a real engine. The KV events of a step leave as one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.kv.events import KvEvent
+from gateway.mock.kvcache import PagedKvCache, SequenceBlocks
+
+
+class TimingModel(msgspec.Struct, frozen=True):
+    step_base_s: float = 0.004
+    prefill_per_token_s: float = 0.00008
+    decode_per_seq_s: float = 0.0002
+    # Multiplies every simulated duration: 1 is a mid-size GPU, 0.1 ten times faster, 0 no delay at all.
+    speed: float = 1.0
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return self.speed * (
+            self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
+        )
+
+
+class EngineLimits(msgspec.Struct, frozen=True):
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+class PromptRejected(ValueError):
+    """The prompt can never run on this engine (too long for the model or the cache)."""
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    max_tokens: int
+    arrived: float
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    reserved_blocks: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    finished: bool = False
+    outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+
+    async def tokens(self) -> AsyncIterator[int]:
+        while (token := await self.outputs.get()) is not None:
+            yield token
+
+
+@dataclass(slots=True)
+class _Step:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk for _, chunk in self.prefill)
+
+
+class MockEngine:
+    def __init__(
+        self,
+        cache: PagedKvCache,
+        output_tokens: list[int],
+        publish: Callable[[list[KvEvent]], None],
+        timing: TimingModel | None = None,
+        limits: EngineLimits | None = None,
+    ) -> None:
+        if not output_tokens:
+            raise ValueError("output_tokens must not be empty")
+        self.cache = cache
+        self.timing = timing or TimingModel()
+        self.limits = limits or EngineLimits()
+        self._output_tokens = output_tokens
+        self._publish = publish
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._reserved = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self.finished_requests = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="mock-engine")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Sequence:
+        if not prompt:
+            raise PromptRejected("The prompt is empty.")
+        if len(prompt) + max_tokens > self.limits.max_model_len:
+            raise PromptRejected(
+                f"This model's maximum context length is {self.limits.max_model_len} tokens. However, you "
+                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
+                f"{max_tokens} in the completion)."
+            )
+        bs = self.cache.block_size
+        if -(-(len(prompt) + max_tokens) // bs) > self.cache.num_blocks:
+            raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max(1, max_tokens),
+                       time.monotonic())
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.finished = True
+            seq.outputs.put_nowait(None)
+        elif seq in self.running:
+            self._finish(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.cache.reset()
+        self._flush_events()
+        return ok
+
+    # The scheduler loop
+
+    async def _run(self) -> None:
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            step = self._schedule()
+            seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode))
+            # Even with no simulated delay, yield so HTTP handlers run between steps.
+            await asyncio.sleep(seconds)
+            self._complete(step)
+            self._flush_events()
+
+    def _schedule(self) -> _Step:
+        step = _Step(decode=[s for s in self.running if s.num_computed >= s.prompt_len])
+        budget = self.limits.max_batched_tokens - len(step.decode)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_computed < seq.prompt_len:
+                chunk = min(budget, seq.prompt_len - seq.num_computed)
+                step.prefill.append((seq, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break  # first-come first-served: the head waits for blocks, the rest wait behind it
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunk = min(budget, seq.prompt_len - seq.num_computed)
+            step.prefill.append((seq, chunk))
+            budget -= chunk
+        return step
+
+    def _admit(self, seq: Sequence) -> bool:
+        cache, bs = self.cache, self.cache.block_size
+        if not seq.blocks.hashes:
+            seq.blocks.hashes = cache.chain_hashes(seq.token_ids)
+        # The engine always computes the last prompt token, so it can never be a hit.
+        hit = cache.cached_prefix(seq.blocks.hashes[: (seq.prompt_len - 1) // bs])
+        prompt_blocks = -(-seq.prompt_len // bs)
+        reserve = -(-(seq.prompt_len + seq.max_tokens) // bs) - prompt_blocks
+        if cache.free_blocks_excluding(hit) - self._reserved < prompt_blocks - len(hit) + reserve:
+            return False
+        cache.touch(hit)
+        seq.blocks.blocks = hit + cache.allocate(prompt_blocks - len(hit))
+        seq.blocks.num_cached = len(hit)
+        seq.num_computed = seq.cached_tokens = len(hit) * bs
+        seq.reserved_blocks = reserve
+        self._reserved += reserve
+        cache.stats.queries += seq.prompt_len
+        cache.stats.hits += seq.cached_tokens
+        self.prompt_tokens_total += seq.prompt_len
+        return True
+
+    def _complete(self, step: _Step) -> None:
+        for seq, chunk in step.prefill:
+            if seq.finished:
+                continue
+            seq.num_computed += chunk
+            if seq.num_computed >= seq.prompt_len:
+                self.cache.cache_full_blocks(seq.blocks, seq.token_ids)
+                self._emit(seq)
+        for seq in step.decode:
+            if not seq.finished:
+                self.cache.cache_full_blocks(seq.blocks, seq.token_ids)
+                self._emit(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        token = self._output_tokens[seq.generated % len(self._output_tokens)]
+        seq.token_ids.append(token)
+        seq.generated += 1
+        self.generation_tokens_total += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        seq.outputs.put_nowait(token)
+        if seq.generated >= seq.max_tokens:
+            self.finished_requests += 1
+            self._finish(seq)
+        elif len(seq.token_ids) > len(seq.blocks.blocks) * self.cache.block_size:
+            seq.blocks.blocks += self.cache.allocate(1)
+            seq.reserved_blocks -= 1
+            self._reserved -= 1
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finished = True
+        self.running.remove(seq)
+        self.cache.free(seq.blocks)
+        self._reserved -= seq.reserved_blocks
+        seq.reserved_blocks = 0
+        seq.outputs.put_nowait(None)
+
+    def _flush_events(self) -> None:
+        events = self.cache.take_events()
+        if events:
+            self._publish(events)

@@ -1,0 +1,203 @@
+"""A paged KV cache with prefix caching, modelled on vLLM's block pool.
+
+Owner: one :class:`PagedKvCache` per simulated pod, driven only by that pod's engine.
+
+As in vLLM: blocks have a fixed size; a full block is cached under a chained hash of its tokens
+(``sha256(seed, parent hash, tokens)``, low 64 bits exported); blocks referenced by a running request
+are never evicted; free blocks wait in an LRU queue and a cached one is evicted (``BlockRemoved``) only
+when its slot is reused; the same hash may be cached twice (vLLM does not deduplicate physical blocks),
+and each copy is stored and removed with its own event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from gateway.kv.hashing import prefix_hashes
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    # The gateway's own chained hash of this block's tokens and all before it (for /debug/blocks).
+    token_hash: int | None = None
+
+
+@dataclass(eq=False, slots=True)
+class CacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+    evictions: int = 0
+
+
+@dataclass(slots=True)
+class SequenceBlocks:
+    """The blocks one request holds, and the hashes of its full blocks so far."""
+
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    token_hashes: list[int] = field(default_factory=list)
+    # How many of ``blocks`` are already cached (hashed and announced).
+    num_cached: int = 0
+
+
+class PagedKvCache:
+    def __init__(self, num_blocks: int, block_size: int, *, signed_hashes: bool = False,
+                 hash_seed: bytes | None = None, medium: str | None = None, token_hash_root: int = 0) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError("need at least 2 blocks of at least 1 token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.signed_hashes = signed_hashes
+        self.medium = medium
+        self.token_hash_root = token_hash_root
+        self.hash_seed = hash_seed if hash_seed is not None else os.urandom(16)
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently used first. Cached free blocks stay here until their slot is reused.
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
+        self._cached: dict[int, dict[int, Block]] = {}
+        self.events: list[KvEvent] = []
+        self.stats = CacheStats()
+
+    # Hashing
+
+    def chain_hashes(self, token_ids: list[int], parent: int | None = None, start: int = 0) -> list[int]:
+        """Hashes of the full blocks of ``token_ids[start:]``, chained from ``parent``."""
+        bs = self.block_size
+        out: list[int] = []
+        for i in range(start, len(token_ids) - bs + 1, bs):
+            parent = self._hash_block(parent, token_ids[i : i + bs])
+            out.append(parent)
+        return out
+
+    def _hash_block(self, parent: int | None, tokens: list[int]) -> int:
+        h = hashlib.sha256(self.hash_seed)
+        h.update(b"\x00" * 8 if parent is None else (parent & _MASK64).to_bytes(8, "little"))
+        h.update(array("I", tokens).tobytes())
+        value = int.from_bytes(h.digest()[-8:], "little")
+        if self.signed_hashes and value >= 1 << 63:
+            value -= 1 << 64
+        return value
+
+    # Queries
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_prefix(self, hashes: list[int]) -> list[Block]:
+        """Blocks holding the longest cached run of ``hashes`` from the first."""
+        found: list[Block] = []
+        for h in hashes:
+            copies = self._cached.get(h)
+            if not copies:
+                break
+            found.append(next(iter(copies.values())))
+        return found
+
+    def free_blocks_excluding(self, blocks: list[Block]) -> int:
+        """Free blocks left if ``blocks`` were taken out of the free queue (touched by a hit)."""
+        return len(self._free) - sum(1 for b in blocks if b.ref_count == 0)
+
+    def cached_blocks(self) -> list[Block]:
+        return [b for copies in self._cached.values() for b in copies.values()]
+
+    # Mutations
+
+    def touch(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        copies = self._cached[block.block_hash]
+        del copies[block.block_id]
+        if not copies:
+            del self._cached[block.block_hash]
+        self.events.append(BlockRemoved(block_hashes=[block.block_hash], medium=self.medium))
+        self.stats.evictions += 1
+        block.block_hash = None
+        block.token_ids = ()
+        block.token_hash = None
+
+    def cache_full_blocks(self, seq: SequenceBlocks, token_ids: list[int]) -> None:
+        """Hash and announce the sequence's blocks that became full since the last call."""
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if num_full <= seq.num_cached:
+            return
+        parent = seq.hashes[seq.num_cached - 1] if seq.num_cached else None
+        start = seq.num_cached * bs
+        new_hashes = seq.hashes[seq.num_cached : num_full]
+        if len(new_hashes) < num_full - seq.num_cached:
+            new_hashes = self.chain_hashes(token_ids[: num_full * bs], parent, start)
+            seq.hashes[seq.num_cached :] = new_hashes
+        done = len(seq.token_hashes)
+        seq.token_hashes += prefix_hashes(
+            seq.token_hashes[-1] if done else self.token_hash_root, token_ids[done * bs : num_full * bs], bs
+        )
+        for offset, h in enumerate(new_hashes):
+            block = seq.blocks[seq.num_cached + offset]
+            i = start + offset * bs
+            block.block_hash = h
+            block.token_ids = tuple(token_ids[i : i + bs])
+            block.token_hash = seq.token_hashes[seq.num_cached + offset]
+            # A second copy of a hash is cached and announced again, as vLLM does.
+            self._cached.setdefault(h, {})[block.block_id] = block
+        self.events.append(BlockStored(
+            block_hashes=new_hashes, parent_block_hash=parent, token_ids=token_ids[start : num_full * bs],
+            block_size=bs, medium=self.medium,
+        ))
+        seq.num_cached = num_full
+
+    def free(self, seq: SequenceBlocks) -> None:
+        # Reverse order, as vLLM: the tail of a prefix is evicted before its head.
+        for block in reversed(seq.blocks):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+        seq.blocks = []
+
+    def reset(self, announce: bool = True) -> bool:
+        """Drop every cached block; refused (False) while any block is in use, like vLLM."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self._blocks:
+            block.block_hash = None
+            block.token_ids = ()
+            block.token_hash = None
+        self._cached.clear()
+        if announce:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events

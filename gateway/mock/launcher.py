@@ -1,0 +1,88 @@
+"""Starts simulated pods as subprocesses (``gateway mock``) and waits until they answer.
+
+Subprocesses keep the pods' simulated work off the gateway's event loop and core, so what a benchmark
+measures is the gateway. Owner: a :class:`MockPodFleet` owns its processes and stops them (by pid,
+terminate then kill) whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from gateway.config import MockPodsConfig, PodConfig
+from gateway.mock.pod import free_port
+
+log = logging.getLogger("gateway.mock")
+
+
+@dataclass
+class MockPodProcess:
+    process: subprocess.Popen[bytes]
+    pod: PodConfig
+
+
+class MockPodFleet:
+    def __init__(self, config: MockPodsConfig, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.host = host
+        self.members: list[MockPodProcess] = []
+
+    def start(self, timeout_s: float = 60.0) -> list[PodConfig]:
+        for i in range(self.config.count):
+            self.members.append(self._spawn(i))
+        deadline = time.monotonic() + timeout_s
+        for member in self.members:
+            self._wait_ready(member, deadline)
+        return [m.pod for m in self.members]
+
+    def _spawn(self, index: int) -> MockPodProcess:
+        c = self.config
+        port = c.base_port + index if c.base_port else free_port(self.host)
+        events, replay = free_port(self.host), free_port(self.host)
+        cmd = [
+            sys.executable, "-m", "gateway", "mock", "--host", self.host, "--port", str(port),
+            "--events-port", str(events), "--replay-port", str(replay), "--block-size", str(c.block_size),
+            "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
+            "--model", c.model,
+        ]
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        url = f"http://{self.host}:{port}"
+        pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor,
+                        kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",
+                        block_size=c.block_size)
+        return MockPodProcess(process, pod)
+
+    def _wait_ready(self, member: MockPodProcess, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if member.process.poll() is not None:
+                raise RuntimeError(f"mock pod {member.pod.name} exited with {member.process.returncode}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{member.pod.url}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.1)
+        raise TimeoutError(f"mock pod {member.pod.name} did not become healthy in time")
+
+    def stop(self) -> None:
+        for member in self.members:
+            if member.process.poll() is None:
+                member.process.send_signal(signal.SIGTERM)
+        for member in self.members:
+            try:
+                member.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(member.process.pid, signal.SIGKILL)
+                member.process.wait()
+        self.members.clear()
+
+    async def astart(self, timeout_s: float = 60.0) -> list[PodConfig]:
+        return await asyncio.to_thread(self.start, timeout_s)

@@ -1,0 +1,484 @@
+"""A simulated vLLM or SGLang pod: the engine's HTTP API, metrics and KV events, without a GPU.
+
+Owner: a :class:`MockPod` owns its engine, cache, publisher and fault switches. Its HTTP API is the
+subset of vLLM's (and SGLang's) that routing depends on, in the same shapes: OpenAI endpoints with
+``usage.prompt_tokens_details.cached_tokens``, ``/tokenize``, the ``/render`` endpoints of vLLM 0.32's
+scale-out mode, ``/metrics`` with the engines' metric names, and the cache-reset endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import socket
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+import orjson
+import zmq.asyncio
+from aiohttp import web
+
+from gateway.config import PodConfig
+from gateway.kv.events import Encoding, KvEvent
+from gateway.kv.hashing import namespace_root
+from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from gateway.mock.kvcache import PagedKvCache
+from gateway.mock.publisher import KvEventPublisher
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+
+log = logging.getLogger("gateway.mock")
+
+OUTPUT_TEXT = (
+    " The quick brown fox jumps over the lazy dog while the gateway routes every request to the pod"
+    " that already holds its prefix, and the cache stays warm from one stage to the next."
+)
+
+
+class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
+    port: int = 0
+    host: str = "127.0.0.1"
+    # None: no KV events (or no replay); 0: any free port.
+    events_port: int | None = 0
+    replay_port: int | None = 0
+    block_size: int = 16
+    num_blocks: int = 2048
+    speed: float = 1.0
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    model: str = "mock-llama"
+    tokenizer: str | None = None
+    encoding: Encoding | None = None
+    topic: str = ""
+    default_max_tokens: int = 16
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    lora_adapters: list[str] = []
+    timing: TimingModel | None = None
+
+
+class Faults(msgspec.Struct):
+    """Switches for fault-injection tests (``POST /debug/faults``)."""
+
+    error_fraction: float = 0.0  # answer HTTP 500 to this share of inference requests
+    stall_s: float = 0.0  # wait this long before answering an inference request
+    die_mid_stream_fraction: float = 0.0  # cut this share of streams after the first chunk
+    drop_event_fraction: float = 0.0  # lose this share of event batches in transit (still replayable)
+    publish_events: bool = True
+
+
+class _FaultRequest(Faults, forbid_unknown_fields=True):
+    restart: bool = False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MockPod:
+    def __init__(self, config: MockPodConfig, tokenizer: HfTokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or HfTokenizer(config.tokenizer or MOCK_TOKENIZER_DIR)
+        self.faults = Faults()
+        self.aborted_requests = 0
+        self._rng = random.Random()
+        self._started = int(time.time())
+        self._output_tokens = self.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)
+        self._token_text = {t: self.tokenizer.decode([t]) for t in set(self._output_tokens)}
+        encoding = config.encoding or (Encoding.SGLANG if config.flavor == "sglang" else Encoding.CURRENT)
+        self.publisher: KvEventPublisher | None = None
+        self._encoding = encoding
+        self.engine = self._new_engine()
+        self._runner: web.AppRunner | None = None
+        self.port = config.port
+
+    # Lifecycle
+
+    def _new_engine(self) -> MockEngine:
+        c = self.config
+        cache = PagedKvCache(c.num_blocks, c.block_size, signed_hashes=c.flavor == "sglang",
+                             token_hash_root=namespace_root(c.model))
+        timing = c.timing or TimingModel(speed=c.speed)
+        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
+        return MockEngine(cache, self._output_tokens, self._publish, timing, limits)
+
+    def _publish(self, events: list[KvEvent]) -> None:
+        if self.publisher:
+            self.publisher.publish(events)
+
+    async def start(self) -> None:
+        c = self.config
+        if c.events_port is not None:
+            events_port = c.events_port or free_port(c.host)
+            replay_port = None if c.replay_port is None else (c.replay_port or free_port(c.host))
+            self.publisher = KvEventPublisher(
+                f"tcp://{c.host}:{events_port}",
+                f"tcp://{c.host}:{replay_port}" if replay_port else None,
+                topic=c.topic, encoding=self._encoding, context=zmq.asyncio.Context.instance(),
+            )
+            self.publisher.start()
+        self.engine.start()
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port, backlog=2048)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+        await self.engine.stop()
+        if self.publisher:
+            await self.publisher.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def pod_config(self) -> PodConfig:
+        """How a gateway reaches this pod."""
+        pub = self.publisher
+        return PodConfig(
+            url=self.url,
+            models=[self.config.model, *self.config.lora_adapters],
+            flavor=self.config.flavor,
+            kv_events=pub.endpoint if pub else None,
+            kv_replay=pub.replay_endpoint if pub else None,
+            kv_topic=self.config.topic,
+            block_size=self.config.block_size,
+        )
+
+    def restart(self) -> None:
+        """Simulate a crash and restart: requests fail, the cache is empty, hashes reseed, seq restarts."""
+        old = self.engine
+        for seq in [*old.waiting, *old.running]:
+            old.abort(seq)
+        old.cache.reset(announce=False)
+        old.cache.hash_seed = hashlib.sha256(uuid.uuid4().bytes).digest()[:16]
+        if self.publisher:
+            self.publisher.restart()
+
+    # HTTP
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/embeddings", self._embeddings)
+        r.add_post("/v1/chat/completions/render", self._render_chat)
+        r.add_post("/v1/completions/render", self._render_completions)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/debug/blocks", self._debug_blocks)
+        r.add_post("/debug/faults", self._set_faults)
+        if self.config.flavor == "sglang":
+            r.add_post("/flush_cache", self._flush_cache)
+            r.add_get("/server_info", self._server_info)
+        else:
+            r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        return app
+
+    @staticmethod
+    def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
+        body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+        return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise web.HTTPBadRequest(text=f"invalid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(text="the body must be a JSON object")
+        return body
+
+    async def _inference_faults(self) -> web.Response | None:
+        f = self.faults
+        if f.stall_s:
+            await asyncio.sleep(f.stall_s)
+        if f.error_fraction and self._rng.random() < f.error_fraction:
+            return self._error(500, "injected failure", "InternalServerError")
+        return None
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PromptRejected("messages must be a non-empty list")
+        return self.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tools=body.get("tools"),
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+        )
+
+    def _prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            return [p for item in prompt for p in self._prompt_ids(item, add_special_tokens)]
+        raise PromptRejected("prompt must be a string, a list of strings or token ids")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            ids = self._chat_ids(body)
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        return await self._generate(request, body, ids, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            prompts = self._prompt_ids(body.get("prompt"), body.get("add_special_tokens", True))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        return await self._generate(request, body, prompts[0], chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
+    ) -> web.StreamResponse:
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            seq = self.engine.submit(ids, int(max_tokens), request_id)
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        try:
+            if body.get("stream"):
+                options = body.get("stream_options") or {}
+                return await self._stream(request, seq, chat, bool(options.get("include_usage")))
+            tokens = [t async for t in seq.tokens()]
+            return self._complete_response(seq, tokens, chat)
+        finally:
+            if not seq.finished:  # the client went away: free the engine's slot, as vLLM aborts
+                self.aborted_requests += 1
+                self.engine.abort(seq)
+
+    def _usage(self, seq: Sequence) -> dict[str, Any]:
+        return {
+            "prompt_tokens": seq.prompt_len,
+            "completion_tokens": seq.generated,
+            "total_tokens": seq.prompt_len + seq.generated,
+            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+        }
+
+    def _complete_response(self, seq: Sequence, tokens: list[int], chat: bool) -> web.Response:
+        text = "".join(self._token_text[t] for t in tokens)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{seq.request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+            "choices": [choice],
+            "usage": self._usage(seq),
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{seq.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+        }
+        die = self.faults.die_mid_stream_fraction and self._rng.random() < self.faults.die_mid_stream_fraction
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            await resp.write(_sse({**base, "choices": [role]}))
+        emitted = 0
+        async for token in seq.tokens():
+            emitted += 1
+            finish = "length" if emitted >= seq.max_tokens else None
+            text = self._token_text[token]
+            choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            await resp.write(_sse({**base, "choices": [choice]}))
+            if die:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+        if include_usage:
+            await resp.write(_sse({**base, "choices": [], "usage": self._usage(seq)}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            inputs = self._prompt_ids(body.get("input"))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        data = [{"object": "embedding", "index": i, "embedding": _pseudo_embedding(ids)}
+                for i, ids in enumerate(inputs)]
+        n = sum(len(ids) for ids in inputs)
+        return web.json_response({"object": "list", "data": data, "model": self.config.model,
+                                  "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        try:
+            if "messages" in body:
+                ids = self._chat_ids(body)
+            else:
+                ids = self._prompt_ids(body.get("prompt"), body.get("add_special_tokens", True))[0]
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        return web.json_response({"count": len(ids), "max_model_len": self.config.max_model_len,
+                                  "tokens": ids})
+
+    def _rendered(self, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        return {
+            "request_id": uuid.uuid4().hex,
+            "model": body.get("model", self.config.model),
+            "token_ids": ids,
+            "sampling_params": {"max_tokens": body.get("max_completion_tokens") or body.get("max_tokens")},
+            "stream": bool(body.get("stream")),
+        }
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        try:
+            return web.json_response(self._rendered(body, self._chat_ids(body)))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+
+    async def _render_completions(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        try:
+            prompts = self._prompt_ids(body.get("prompt"))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        return web.json_response([self._rendered(body, ids) for ids in prompts])
+
+    async def _models(self, request: web.Request) -> web.Response:
+        c = self.config
+        owner = "sglang" if c.flavor == "sglang" else "vllm"
+        cards = [{"id": c.model, "object": "model", "created": self._started, "owned_by": owner,
+                  "root": c.model, "parent": None, "max_model_len": c.max_model_len}]
+        cards += [{"id": name, "object": "model", "created": self._started, "owned_by": owner,
+                   "root": name, "parent": c.model, "max_model_len": c.max_model_len}
+                  for name in c.lora_adapters]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self._sglang_metrics() if self.config.flavor == "sglang" else self._vllm_metrics()
+        return web.Response(text=text, content_type="text/plain")
+
+    def _vllm_metrics(self) -> str:
+        e, c = self.engine, self.engine.cache
+        labels = f'engine="0",model_name="{self.config.model}"'
+        return "".join([
+            f"vllm:num_requests_running{{{labels}}} {len(e.running)}\n",
+            f"vllm:num_requests_waiting{{{labels}}} {len(e.waiting)}\n",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {c.usage()}\n",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {float(c.stats.queries)}\n",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {float(c.stats.hits)}\n",
+            f"vllm:prompt_tokens_total{{{labels}}} {float(e.prompt_tokens_total)}\n",
+            f"vllm:generation_tokens_total{{{labels}}} {float(e.generation_tokens_total)}\n",
+            f"vllm:request_success_total{{{labels},finished_reason=\"length\"}} {float(e.finished_requests)}\n",
+            f'vllm:cache_config_info{{block_size="{c.block_size}",enable_prefix_caching="True",'
+            f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n',
+        ])
+
+    def _sglang_metrics(self) -> str:
+        e, c = self.engine, self.engine.cache
+        labels = f'model_name="{self.config.model}"'
+        hit_rate = c.stats.hits / c.stats.queries if c.stats.queries else 0.0
+        return "".join([
+            f"sglang:num_running_reqs{{{labels}}} {float(len(e.running))}\n",
+            f"sglang:num_queue_reqs{{{labels}}} {float(len(e.waiting))}\n",
+            f"sglang:token_usage{{{labels}}} {c.usage()}\n",
+            f"sglang:cache_hit_rate{{{labels}}} {hit_rate}\n",
+            f"sglang:max_total_num_tokens{{{labels}}} {float(c.num_blocks * c.block_size)}\n",
+            f"sglang:prompt_tokens_total{{{labels}}} {float(e.prompt_tokens_total)}\n",
+            f"sglang:cached_tokens_total{{{labels}}} {float(c.stats.hits)}\n",
+            f"sglang:generation_tokens_total{{{labels}}} {float(e.generation_tokens_total)}\n",
+        ])
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = self.engine.reset_prefix_cache()
+        return web.json_response({"success": ok}, status=200 if ok else 400)
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        e = self.engine
+        if e.running or e.waiting or not e.reset_prefix_cache():
+            # SGLang refuses while requests run, and says so in a 200 body.
+            return web.Response(text=f"Cache not flushed because there are pending requests. "
+                                     f"#queue-req: {len(e.waiting)}, #running-req: {len(e.running)}")
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        c, pub = self.config, self.publisher
+        kv_events = None
+        if pub:
+            kv_events = {"host": c.host, "port": int(pub.endpoint.rsplit(":", 1)[1]), "topic": c.topic,
+                         "block_size": c.block_size, "dp_size": 1,
+                         "replay_port": int(pub.replay_endpoint.rsplit(":", 1)[1]) if pub.replay_endpoint
+                         else None}
+        return web.json_response({"model_path": c.model, "served_model_name": c.model,
+                                  "page_size": c.block_size, "dp_size": 1, "kv_events": kv_events})
+
+    async def _debug_blocks(self, request: web.Request) -> web.Response:
+        blocks = [{"hash": b.block_hash, "token_hash": b.token_hash, "token_ids": list(b.token_ids),
+                   "in_use": b.ref_count > 0}
+                  for b in self.engine.cache.cached_blocks()]
+        stats = self.engine.cache.stats
+        return web.json_response({"block_size": self.config.block_size, "num_blocks": self.config.num_blocks,
+                                  "blocks": blocks, "hits": stats.hits, "queries": stats.queries,
+                                  "evictions": stats.evictions,
+                                  "events_seq": self.publisher.seq if self.publisher else None})
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        try:
+            change = msgspec.convert(await self._body(request), _FaultRequest)
+        except msgspec.ValidationError as exc:
+            return self._error(400, str(exc))
+        self.faults = Faults(**{f: getattr(change, f) for f in Faults.__struct_fields__})
+        if self.publisher:
+            self.publisher.drop_fraction = change.drop_event_fraction
+            self.publisher.sending = change.publish_events
+        if change.restart:
+            self.restart()
+        return web.json_response(msgspec.to_builtins(self.faults))
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _pseudo_embedding(ids: list[int], dims: int = 16) -> list[float]:
+    digest = hashlib.sha256(str(ids).encode()).digest()
+    raw = [(b - 127.5) / 127.5 for b in digest[:dims]]
+    norm = sum(x * x for x in raw) ** 0.5 or 1.0
+    return [x / norm for x in raw]

@@ -1,0 +1,335 @@
+"""The request path: parse, route, forward to the chosen pod, relay the answer byte for byte.
+
+Owner: the proxy writes each pod's ``in_flight`` count (incremented before the request is sent) and
+reports connection failures to the registry. One shared ``aiohttp.ClientSession`` carries all upstream
+traffic. The client's body is sent upstream as received, and the pod's bytes (SSE chunks included)
+reach the client unchanged: nothing on this path re-encodes JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from gateway.api.errors import ApiError, unknown_model, upstream_failed, upstream_timeout
+from gateway.api.requests import parse_inference_request
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import AuthConfig, RoutingConfig, TimeoutConfig
+from gateway.logs import ACCESS_LOGGER
+from gateway.metrics import GatewayMetrics
+from gateway.routing.policy import Decision, RoutingRequest
+from gateway.routing.router import Router
+
+log = logging.getLogger("gateway.proxy")
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+# Never forwarded: hop-by-hop headers, and those aiohttp sets itself for the new connection.
+_SKIP_REQUEST_HEADERS = frozenset(
+    h.lower() for h in (
+        "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+        "upgrade", "proxy-authorization", "proxy-connection", "authorization", "expect",
+    )
+)
+_RELAYED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
+_UPSTREAM_ERROR_SNIPPET = 512
+
+
+class RetryableFailure(Exception):
+    """The pod failed before anything reached the client: another pod may take the request."""
+
+    def __init__(self, error: ApiError, cause: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.cause = cause
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _UsageCarrier(msgspec.Struct):
+    usage: Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_UsageCarrier)
+
+
+def usage_of_body(body: bytes) -> Usage | None:
+    try:
+        return _usage_decoder.decode(body).usage
+    except msgspec.MsgspecError:
+        return None
+
+
+def usage_of_stream_tail(chunks: deque[bytes]) -> Usage | None:
+    """The usage of a finished SSE stream: it rides in the last ``data:`` event that has one."""
+    tail = b"".join(chunks)
+    for event in reversed(tail.split(b"\n\n")):
+        event = event.strip()
+        if event.startswith(b"data: {") and b'"usage"' in event:
+            return usage_of_body(event[6:])
+    return None
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one client request went through, for metrics and the access log."""
+
+    request_id: str
+    kind: str
+    started: float
+    model: str = "-"
+    decision: Decision | None = None
+    status: int = 0
+    first_byte_at: float | None = None
+    attempts: int = 0
+    usage: Usage | None = None
+
+
+class Proxy:
+    def __init__(
+        self,
+        pods: PodRegistry,
+        router: Router,
+        metrics: GatewayMetrics,
+        routing: RoutingConfig,
+        timeouts: TimeoutConfig,
+        auth: AuthConfig,
+    ) -> None:
+        self._pods = pods
+        self._router = router
+        self._metrics = metrics
+        self._routing = routing
+        self._auth = auth
+        self._first_byte_s = timeouts.first_byte_s
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.idle_s
+        )
+        self.session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        ex = Exchange(
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            kind=kind,
+            started=time.monotonic(),
+        )
+        request["request_id"] = ex.request_id
+        try:
+            response = await self._serve(request, ex)
+            ex.status = response.status
+            return response
+        except ApiError as err:
+            ex.status = err.status
+            raise
+        except asyncio.CancelledError:
+            ex.status = 499  # the client went away first
+            raise
+        finally:
+            self._observe(request, ex)
+
+    async def _serve(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        body = await request.read()
+        parsed = parse_inference_request(body)
+        ex.model = model = parsed.model or ""
+        if not self._pods.knows_model(model):
+            raise unknown_model(model)
+        override = request.headers.get("x-routing-strategy") if self._routing.allow_strategy_header else None
+        policy = self._router.resolve(override)
+        routing_request = RoutingRequest(ex.request_id, model, ex.kind, parsed)
+        headers = self._upstream_headers(request.headers, ex.request_id)
+        exclude: set[str] = set()
+        failure: RetryableFailure | None = None
+        for attempt in range(self._routing.max_retries + 1):
+            try:
+                decision = self._router.route(routing_request, policy, frozenset(exclude))
+            except ApiError:
+                if failure:  # every pod we could try has failed: say why, not just "none left"
+                    raise failure.error from None
+                raise
+            decision.attempt = attempt
+            ex.decision = decision
+            ex.attempts = attempt + 1
+            self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+            try:
+                return await self._attempt(request, ex, decision, body, headers)
+            except RetryableFailure as exc:
+                failure = exc
+                exclude.add(decision.pod.name)
+                self._metrics.retries.labels(decision.pod.name, exc.cause).inc()
+                log.warning("request %s: pod %s failed before the first byte (%s: %s)",
+                            ex.request_id, decision.pod.name, exc.cause, exc.error.message)
+        assert failure is not None
+        raise failure.error
+
+    def _upstream_headers(self, incoming: CIMultiDictProxy[str], request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in incoming.items() if k.lower() not in _SKIP_REQUEST_HEADERS}
+        headers["x-request-id"] = request_id
+        if self._auth.upstream == "pass":
+            if "authorization" in incoming:
+                headers["authorization"] = incoming["authorization"]
+        elif self._auth.upstream == "replace":
+            headers["authorization"] = f"Bearer {self._auth.upstream_api_key}"
+        return headers
+
+    async def _attempt(
+        self, request: web.Request, ex: Exchange, decision: Decision, body: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        pod = decision.pod
+        pod.in_flight += 1
+        gauge = self._metrics.in_flight.labels(pod.name)
+        gauge.inc()
+        try:
+            upstream = await self._send(pod, request.path_qs, body, headers)
+            try:
+                if upstream.status >= 500:
+                    raise await self._upstream_5xx(pod, upstream)
+                self._pods.report_success(pod)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    return await self._relay_stream(request, ex, decision, upstream)
+                return await self._relay_body(ex, decision, upstream)
+            finally:
+                # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
+                upstream.close()
+        finally:
+            pod.in_flight -= 1
+            gauge.dec()
+
+    async def _send(
+        self, pod: Pod, path: str, body: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        try:
+            async with asyncio.timeout(self._first_byte_s):
+                return await self.session.post(
+                    pod.url + path, data=body, headers=headers, timeout=self._client_timeout
+                )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._pods.report_connect_failure(pod, str(exc))
+            self._metrics.upstream_errors.labels(pod.name, "connect").inc()
+            raise RetryableFailure(upstream_failed(f"Pod {pod.name} is unreachable: {exc}"), "connect") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            self._metrics.upstream_errors.labels(pod.name, "disconnect").inc()
+            raise RetryableFailure(
+                upstream_failed(f"Pod {pod.name} closed the connection before answering: {exc}"),
+                "disconnect",
+            ) from None
+        except TimeoutError:
+            # Not retried: the pod may still be working on it, and a second copy would double the load.
+            self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()
+            raise upstream_timeout(
+                f"Pod {pod.name} sent nothing within {self._first_byte_s:g} s."
+            ) from None
+
+    async def _upstream_5xx(self, pod: Pod, upstream: aiohttp.ClientResponse) -> RetryableFailure:
+        try:
+            snippet = (await upstream.content.read(_UPSTREAM_ERROR_SNIPPET)).decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError):
+            snippet = ""
+        self._metrics.upstream_errors.labels(pod.name, f"status_{upstream.status}").inc()
+        detail = f": {snippet.strip()}" if snippet.strip() else ""
+        return RetryableFailure(
+            upstream_failed(f"Pod {pod.name} answered HTTP {upstream.status}{detail}"), "status_5xx"
+        )
+
+    def _response_headers(self, ex: Exchange, decision: Decision, upstream: aiohttp.ClientResponse) -> dict:
+        headers = {h: upstream.headers[h] for h in _RELAYED_RESPONSE_HEADERS if h in upstream.headers}
+        headers["x-request-id"] = ex.request_id
+        headers["x-gateway-pod"] = decision.pod.name
+        headers["x-gateway-policy"] = decision.policy
+        headers["x-gateway-prefix-tokens"] = str(decision.prefix_tokens)
+        headers["x-gateway-cache-action"] = "none"
+        return headers
+
+    async def _relay_body(
+        self, ex: Exchange, decision: Decision, upstream: aiohttp.ClientResponse
+    ) -> web.Response:
+        pod = decision.pod
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            self._metrics.upstream_errors.labels(pod.name, "body").inc()
+            raise RetryableFailure(
+                upstream_failed(f"Pod {pod.name} failed while sending its answer: {exc}"), "body"
+            ) from None
+        except TimeoutError:
+            self._metrics.upstream_errors.labels(pod.name, "idle_timeout").inc()
+            raise upstream_timeout(f"Pod {pod.name} stalled while sending its answer.") from None
+        ex.first_byte_at = time.monotonic()
+        if upstream.status == 200:
+            ex.usage = usage_of_body(data)
+        return web.Response(status=upstream.status, body=data,
+                            headers=self._response_headers(ex, decision, upstream))
+
+    async def _relay_stream(
+        self, request: web.Request, ex: Exchange, decision: Decision, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        pod = decision.pod
+        response = web.StreamResponse(status=upstream.status,
+                                      headers=self._response_headers(ex, decision, upstream))
+        await response.prepare(request)
+        last_chunks: deque[bytes] = deque(maxlen=4)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if ex.first_byte_at is None:
+                    ex.first_byte_at = time.monotonic()
+                await response.write(chunk)
+                last_chunks.append(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                TimeoutError) as exc:
+            kind = "idle_timeout" if isinstance(exc, TimeoutError) else "mid_stream"
+            self._metrics.stream_aborts.labels(pod.name, "upstream").inc()
+            self._metrics.upstream_errors.labels(pod.name, kind).inc()
+            log.warning("request %s: pod %s broke the stream (%s)", ex.request_id, pod.name, kind)
+            error = upstream_failed(f"Pod {pod.name} stopped the stream early ({kind}).")
+            await response.write(b"data: " + error.body() + b"\n\n")
+            ex.status = 502
+            return response
+        except ConnectionResetError:
+            self._metrics.stream_aborts.labels(pod.name, "client").inc()
+            ex.status = 499
+            return response
+        ex.usage = usage_of_stream_tail(last_chunks)
+        await response.write_eof()
+        return response
+
+    def _observe(self, request: web.Request, ex: Exchange) -> None:
+        now = time.monotonic()
+        pod = ex.decision.pod.name if ex.decision else "-"
+        m = self._metrics
+        status = ex.status or 500
+        m.requests.labels(ex.model, pod, str(status)).inc()
+        m.latency.labels(ex.model).observe(now - ex.started)
+        if ex.first_byte_at is not None:
+            m.ttft.labels(ex.model).observe(ex.first_byte_at - ex.started)
+        if ex.usage:
+            m.tokens.labels(ex.model, "prompt").inc(ex.usage.prompt_tokens)
+            m.tokens.labels(ex.model, "completion").inc(ex.usage.completion_tokens)
+        if access_log.isEnabledFor(logging.INFO):
+            self._log_access(request, ex, now, pod, status)
+
+    def _log_access(self, request: web.Request, ex: Exchange, now: float, pod: str, status: int) -> None:
+        d = ex.decision
+        ttfb_ms = round((ex.first_byte_at - ex.started) * 1000, 2) if ex.first_byte_at else None
+        fields = {
+            "request_id": ex.request_id, "method": request.method, "path": request.path,
+            "status": status, "model": ex.model, "pod": pod,
+            "policy": d.policy if d else None, "reason": d.reason if d else None,
+            "prefix_tokens": d.prefix_tokens if d else 0, "attempts": ex.attempts,
+            "duration_ms": round((now - ex.started) * 1000, 2), "ttfb_ms": ttfb_ms,
+        }
+        access_log.info(
+            "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s id=%s",
+            request.method, request.path, status, ex.model, pod, fields["policy"], fields["reason"],
+            ex.attempts, fields["duration_ms"], ttfb_ms, ex.request_id, extra=fields,
+        )
+

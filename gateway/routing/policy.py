@@ -1,0 +1,87 @@
+"""The plugin interfaces of routing and the :class:`Policy` that composes them.
+
+A policy narrows the candidates with filters, scores the survivors with weighted scorers (each score
+in ``[0, 1]``, higher is better) and lets a picker choose one. Plugins build policies from these parts;
+the :class:`~gateway.routing.router.Router` only runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.backends.registry import Pod, PodRegistry
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    request_id: str
+    model: str
+    # The API path family: "chat", "completions", "responses", "embeddings".
+    kind: str
+    body: Any = None
+    token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    pod: Pod
+    policy: str
+    # A short, countable reason code ("rotation", "least_in_flight", ...) and a human detail.
+    reason: str
+    detail: str = ""
+    scores: dict[str, float] = field(default_factory=dict)
+    prefix_tokens: int = 0
+    attempt: int = 0
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]: ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]: ...
+
+
+@dataclass(slots=True)
+class Pick:
+    pod: Pod
+    reason: str
+    detail: str = ""
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, request: RoutingRequest, pods: list[Pod], scores: list[float]) -> Pick: ...
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class Policy:
+    name: str
+    picker: Picker
+    filters: list[Filter] = field(default_factory=list)
+    scorers: list[WeightedScorer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PolicyContext:
+    """What a policy plugin may use when it is built."""
+
+    pods: PodRegistry
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class PolicyFactory(Protocol):
+    def __call__(self, context: PolicyContext) -> Policy: ...

@@ -1,0 +1,75 @@
+"""The :class:`Router`: runs the chosen policy over the healthy pods of the requested model.
+
+Owner: the router owns the built policies (and their internal state, such as a round-robin cursor).
+It reads pods from the registry and never changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.api.errors import bad_request, no_pod_available
+from gateway.backends.registry import PodRegistry
+from gateway.plugin_registry import PluginRegistry, UnknownPlugin
+from gateway.routing.policy import Decision, Policy, PolicyContext, RoutingRequest
+
+log = logging.getLogger("gateway.routing")
+
+
+class Router:
+    def __init__(
+        self,
+        pods: PodRegistry,
+        plugins: PluginRegistry,
+        default_policy: str,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self._pods = pods
+        self._plugins = plugins
+        self._options = options or {}
+        self._policies: dict[str, Policy] = {}
+        self.default_policy = default_policy
+        self.policy(default_policy)  # fail at start on an unknown default
+
+    def policy(self, name: str) -> Policy:
+        """The policy named ``name``, built on first use and kept (its state persists)."""
+        policy = self._policies.get(name)
+        if policy is None:
+            factory = self._plugins.load(name)
+            policy = factory(PolicyContext(pods=self._pods, options=self._options.get(name, {})))
+            self._policies[name] = policy
+        return policy
+
+    def resolve(self, name: str | None) -> Policy:
+        """The per-request override ``name`` (from ``x-routing-strategy``), or the default policy."""
+        if not name:
+            return self.policy(self.default_policy)
+        try:
+            return self.policy(name)
+        except UnknownPlugin as exc:
+            raise bad_request(str(exc), param="x-routing-strategy", code="unknown_routing_strategy") from None
+
+    def route(
+        self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset()
+    ) -> Decision:
+        pods = self._pods.candidates(request.model, exclude)
+        for f in policy.filters:
+            if not pods:
+                break
+            pods = f.filter(request, pods)
+        if not pods:
+            raise no_pod_available(request.model)
+        scores = [0.0] * len(pods)
+        for ws in policy.scorers:
+            for i, s in enumerate(ws.scorer.score(request, pods)):
+                scores[i] += ws.weight * s
+        pick = policy.picker.pick(request, pods, scores)
+        return Decision(
+            pod=pick.pod,
+            policy=policy.name,
+            reason=pick.reason,
+            detail=pick.detail,
+            scores={p.name: s for p, s in zip(pods, scores, strict=True)} if policy.scorers else {},
+        )

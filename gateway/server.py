@@ -1,0 +1,56 @@
+"""Runs a gateway process: listener, optional simulated pods, signals and graceful shutdown.
+
+On SIGTERM/SIGINT the gateway reports not-ready, stops accepting connections, lets in-flight requests
+(streams included) finish for up to ``server.shutdown_grace_s``, then closes what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+
+from aiohttp import web
+
+from gateway.app import GATEWAY_KEY, build_app
+from gateway.config import GatewayConfig, ServerConfig
+
+log = logging.getLogger("gateway.server")
+
+
+def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
+    if not server.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(server.tls_cert, server.tls_key)
+    return context
+
+
+async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None) -> None:
+    app = build_app(config)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, ssl_context=tls_context(config.server),
+                       backlog=2048, shutdown_timeout=config.server.shutdown_grace_s)
+    await site.start()
+    log.info("gateway listening on %s (policy %s, %d pods)", site.name, config.routing.policy,
+             len(config.pods))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: draining in-flight requests for up to %.0f s",
+                 config.server.shutdown_grace_s)
+        app[GATEWAY_KEY].draining = True
+        await runner.cleanup()
+        log.info("gateway stopped")

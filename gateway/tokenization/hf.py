@@ -1,0 +1,58 @@
+"""A Hugging Face tokenizer loaded from a local directory, used as vLLM uses it.
+
+vLLM renders chat requests with the model's chat template (``add_generation_prompt=True`` by default)
+and tokenizes the rendered text *without* adding special tokens (the template carries BOS); plain
+completion prompts are tokenized *with* special tokens. Getting either wrong shifts every block.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
+
+
+class HfTokenizer:
+    def __init__(self, path: str | Path) -> None:
+        # Never reach a model hub: tokenizers come from local directories only.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer  # heavy import, paid only by who tokenizes
+
+        self.path = str(path)
+        self._tok = AutoTokenizer.from_pretrained(self.path)
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        return self._tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template=chat_template,
+            **(chat_template_kwargs or {}),
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)

@@ -1,0 +1,23 @@
+"""``round_robin``: each candidate in turn, skipping pods that are unhealthy or excluded."""
+
+from __future__ import annotations
+
+import itertools
+
+from gateway.backends.registry import Pod
+from gateway.routing.policy import Pick, Policy, PolicyContext, RoutingRequest
+
+
+class RoundRobinPicker:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, request: RoutingRequest, pods: list[Pod], scores: list[float]) -> Pick:
+        turn = next(self._counter)
+        return Pick(pods[turn % len(pods)], "rotation", f"turn {turn} over {len(pods)}")
+
+
+def build(context: PolicyContext) -> Policy:
+    return Policy(name="round_robin", picker=RoundRobinPicker())
