@@ -47,7 +47,7 @@ GATEWAY_KEY = web.AppKey("gateway", Gateway)
 def build_gateway(config: GatewayConfig) -> Gateway:
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
-    policies = PluginRegistry(POLICY_GROUP)
+    policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy)
     proxy = Proxy(pods, router, metrics, config.routing, config.timeouts, config.auth)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,

@@ -81,6 +81,8 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Passive ejection after a connection error: base backoff, doubled per consecutive ejection.
     ejection_base_s: float = 1.0
     ejection_max_s: float = 30.0
+    # Consecutive 5xx answers that eject a pod (connection failures eject at once).
+    eject_after_5xx: int = 3
 
 
 class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -11,14 +11,15 @@ from typing import Any
 
 
 class UnknownPlugin(LookupError):
-    def __init__(self, group: str, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown {group.rsplit('.', 1)[-1][:-1]} {name!r}; known: {', '.join(known)}")
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown {kind} {name!r}; known: {', '.join(known)}")
         self.name = name
 
 
 class PluginRegistry:
-    def __init__(self, group: str) -> None:
+    def __init__(self, group: str, kind: str) -> None:
         self.group = group
+        self.kind = kind
         self._entries = {ep.name: ep for ep in entry_points(group=group)}
         self._loaded: dict[str, Any] = {}
 
@@ -28,6 +29,6 @@ class PluginRegistry:
     def load(self, name: str) -> Any:
         if name not in self._loaded:
             if name not in self._entries:
-                raise UnknownPlugin(self.group, name, self.names())
+                raise UnknownPlugin(self.kind, name, self.names())
             self._loaded[name] = self._entries[name].load()
         return self._loaded[name]

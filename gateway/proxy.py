@@ -21,6 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from gateway.api.errors import ApiError, unknown_model, upstream_failed, upstream_timeout
+from gateway.api.middleware import REQUEST_ID
 from gateway.api.requests import parse_inference_request
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.config import AuthConfig, RoutingConfig, TimeoutConfig
@@ -123,7 +124,7 @@ class Proxy:
             kind=kind,
             started=time.monotonic(),
         )
-        request["request_id"] = ex.request_id
+        request[REQUEST_ID] = ex.request_id
         try:
             response = await self._serve(request, ex)
             ex.status = response.status
@@ -237,9 +238,9 @@ class Proxy:
             snippet = ""
         self._metrics.upstream_errors.labels(pod.name, f"status_{upstream.status}").inc()
         detail = f": {snippet.strip()}" if snippet.strip() else ""
-        return RetryableFailure(
-            upstream_failed(f"Pod {pod.name} answered HTTP {upstream.status}{detail}"), "status_5xx"
-        )
+        message = f"Pod {pod.name} answered HTTP {upstream.status}{detail}"
+        self._pods.report_server_error(pod, message)
+        return RetryableFailure(upstream_failed(message), "status_5xx")
 
     def _response_headers(self, ex: Exchange, decision: Decision, upstream: aiohttp.ClientResponse) -> dict:
         headers = {h: upstream.headers[h] for h in _RELAYED_RESPONSE_HEADERS if h in upstream.headers}

@@ -11,6 +11,8 @@ from gateway.api.errors import ApiError, internal_error
 
 log = logging.getLogger("gateway.api")
 
+REQUEST_ID = web.RequestKey("request_id", str)
+
 _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
@@ -37,7 +39,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 
 
 def _with_request_id(response: web.Response, request: web.Request) -> web.Response:
-    request_id = request.get("request_id") or request.headers.get("x-request-id")
+    request_id = request.get(REQUEST_ID) or request.headers.get("x-request-id")
     if request_id:
         response.headers["x-request-id"] = request_id
     return response

@@ -27,6 +27,7 @@ class Pod:
     consecutive_successes: int = 0
     ejected_until: float = 0.0
     ejections: int = 0
+    consecutive_5xx: int = 0
     in_flight: int = 0
     last_error: str | None = None
     last_check: float = 0.0
@@ -90,6 +91,17 @@ class PodRegistry:
     # Passive health, reported by the proxy.
 
     def report_connect_failure(self, pod: Pod, error: str) -> None:
+        self._eject(pod, error)
+
+    def report_server_error(self, pod: Pod, error: str) -> None:
+        """A 5xx answer: eject after ``eject_after_5xx`` in a row."""
+        pod.consecutive_5xx += 1
+        pod.last_error = error
+        if pod.consecutive_5xx >= self._health.eject_after_5xx:
+            pod.consecutive_5xx = 0
+            self._eject(pod, error)
+
+    def _eject(self, pod: Pod, error: str) -> None:
         """Eject the pod for a backoff that doubles with each consecutive ejection."""
         pod.ejections += 1
         backoff = min(self._health.ejection_base_s * 2 ** (pod.ejections - 1), self._health.ejection_max_s)
@@ -97,6 +109,7 @@ class PodRegistry:
         pod.last_error = error
 
     def report_success(self, pod: Pod) -> None:
+        pod.consecutive_5xx = 0
         if pod.ejections:
             pod.ejections = 0
             pod.ejected_until = 0.0

@@ -17,8 +17,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gateway.kv.hashing import prefix_hashes
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from gateway.kv.hashing import prefix_hashes
 
 _MASK64 = (1 << 64) - 1
 

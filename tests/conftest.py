@@ -1,0 +1,113 @@
+"""Shared fixtures: real mock pods, real backends and a real gateway, all on loopback TCP sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.app import GATEWAY_KEY, Gateway, build_app
+from gateway.config import GatewayConfig, load_config
+from gateway.mock.pod import MockPod, MockPodConfig
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> HfTokenizer:
+    return HfTokenizer(MOCK_TOKENIZER_DIR)
+
+
+class RunningGateway:
+    def __init__(self, runner: web.AppRunner, app: web.Application) -> None:
+        self.runner = runner
+        self.app = app
+        self.port = runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app[GATEWAY_KEY]
+
+
+async def serve_app(app: web.Application) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[Callable[..., Awaitable[RunningGateway]]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(pods: list[Any], **overrides: Any) -> RunningGateway:
+        pod_dicts = [p if isinstance(p, dict) else {"url": p} for p in pods]
+        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5})
+        config: GatewayConfig = load_config(overrides={"pods": pod_dicts, **overrides}, environ={})
+        app = build_app(config)
+        runner = await serve_app(app)
+        runners.append(runner)
+        return RunningGateway(runner, app)
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def start_mock_pod(tokenizer: HfTokenizer) -> AsyncIterator[Callable[..., Awaitable[MockPod]]]:
+    pods: list[MockPod] = []
+
+    async def start(**overrides: Any) -> MockPod:
+        overrides.setdefault("speed", 0.0)
+        pod = MockPod(MockPodConfig(**overrides), tokenizer=tokenizer)
+        await pod.start()
+        pods.append(pod)
+        return pod
+
+    yield start
+    for pod in pods:
+        await pod.stop()
+
+
+@pytest.fixture
+async def start_backend() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
+    """A plain aiohttp app as a pod; returns its base URL."""
+    runners: list[web.AppRunner] = []
+
+    async def start(app: web.Application) -> str:
+        if not any(r.resource and r.resource.canonical == "/health" for r in app.router.routes()):
+            app.router.add_get("/health", _ok)
+        runner = await serve_app(app)
+        runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def chat_body(content: str = "Hello there", model: str = "mock-llama", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def models_of(*models: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A ``/v1/models`` handler listing ``models``."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
+
+    return handler

@@ -1,0 +1,179 @@
+"""Every failure reaches the client as OpenAI error JSON with the documented status."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from gateway.config import hash_api_key
+from gateway.mock.pod import free_port
+from tests.conftest import chat_body, models_of
+
+
+def assert_openai_error(payload: dict, code: str | None = None) -> dict:
+    assert set(payload) == {"error"}
+    error = payload["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["message"] and "Traceback" not in error["message"]
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def backend(handler, model: str = "m") -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_get("/v1/models", models_of(model))
+    return app
+
+
+async def ok(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"id": "ok", "choices": [], "served_by": request.url.port})
+
+
+@pytest.fixture
+async def gw(start_backend, start_gateway):
+    return await start_gateway([await start_backend(backend(ok))], server={"max_body_bytes": 4096})
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_json", None),
+        (b"", 400, "invalid_request", None),
+        (b"[1, 2]", 400, "invalid_json", None),
+        (b'{"messages": []}', 400, "missing_model", "model"),
+        (b'{"model": 42}', 400, "invalid_request", "model"),
+        (b'{"model": "m", "stream": "yes"}', 400, "invalid_request", "stream"),
+        (b'{"model": "other"}', 404, "model_not_found", "model"),
+    ],
+)
+async def test_bad_requests(gw, http, body, status, code, param):
+    async with http.post(f"{gw.url}/v1/chat/completions", data=body,
+                         headers={"content-type": "application/json"}) as resp:
+        assert resp.status == status
+        assert resp.headers["content-type"].startswith("application/json")
+        error = assert_openai_error(await resp.json(), code)
+        assert error["param"] == param
+
+
+async def test_oversized_body_is_413(gw, http):
+    body = chat_body(model="m", messages=[{"role": "user", "content": "x" * 10_000}])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 413
+        assert_openai_error(await resp.json(), "request_too_large")
+
+
+async def test_unknown_route_and_method(gw, http):
+    async with http.get(f"{gw.url}/v1/nothing") as resp:
+        assert resp.status == 404
+        assert_openai_error(await resp.json(), "not_found")
+    async with http.get(f"{gw.url}/v1/chat/completions") as resp:
+        assert resp.status == 405
+        assert_openai_error(await resp.json(), "method_not_allowed")
+
+
+async def test_unknown_routing_strategy_is_400(gw, http):
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                         headers={"x-routing-strategy": "psychic"}) as resp:
+        assert resp.status == 400
+        error = assert_openai_error(await resp.json(), "unknown_routing_strategy")
+        assert "round_robin" in error["message"]
+
+
+async def test_all_pods_down_at_start_is_503(start_gateway, http):
+    gw = await start_gateway([{"url": f"http://127.0.0.1:{free_port()}", "models": ["m"]}])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 503
+        assert_openai_error(await resp.json(), "no_healthy_pod")
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 503
+
+
+async def test_pod_dying_after_health_check_is_502(start_gateway, http):
+    from tests.conftest import serve_app
+
+    app = backend(ok)
+    app.router.add_get("/health", ok)
+    runner = await serve_app(app)
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    gw = await start_gateway([url], health={"interval_s": 60})
+    await runner.cleanup()  # the pod dies; the gateway still believes it healthy
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 502
+        error = assert_openai_error(await resp.json(), "bad_gateway")
+        assert "unreachable" in error["message"]
+
+
+async def test_backend_500_is_502_with_its_message(start_backend, start_gateway, http):
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="CUDA out of memory")
+
+    gw = await start_gateway([await start_backend(backend(broken))])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 502
+        error = assert_openai_error(await resp.json(), "bad_gateway")
+        assert "HTTP 500" in error["message"] and "CUDA out of memory" in error["message"]
+
+
+async def test_backend_4xx_is_relayed_as_is(start_backend, start_gateway, http):
+    body = {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}}
+
+    async def refuses(request: web.Request) -> web.Response:
+        return web.json_response(body, status=400)
+
+    gw = await start_gateway([await start_backend(backend(refuses))])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 400
+        assert await resp.json() == body
+
+
+async def test_backend_timeout_is_504(start_backend, start_gateway, http):
+    async def hangs(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    gw = await start_gateway([await start_backend(backend(hangs))], timeouts={"first_byte_s": 0.3})
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 504
+        assert_openai_error(await resp.json(), "gateway_timeout")
+
+
+async def test_gateway_api_keys(start_backend, start_gateway, http):
+    seen_auth = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen_auth.append(request.headers.get("authorization"))
+        return web.json_response({"ok": True})
+
+    gw = await start_gateway(
+        [await start_backend(backend(record))],
+        auth={"api_key_hashes": [hash_api_key("sk-good")], "upstream": "replace", "upstream_api_key": "pod-key"},
+    )
+    for headers in ({}, {"authorization": "Bearer sk-bad"}, {"authorization": "Basic sk-good"}):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"), headers=headers) as resp:
+            assert resp.status == 401
+            assert_openai_error(await resp.json(), "invalid_api_key")
+        async with http.get(f"{gw.url}/v1/models", headers=headers) as resp:
+            assert resp.status == 401
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                         headers={"authorization": "Bearer sk-good"}) as resp:
+        assert resp.status == 200
+    # The pod got the configured upstream key, never the client's gateway key.
+    assert seen_auth == ["Bearer pod-key"]
+
+
+async def test_authorization_passthrough_by_default(start_backend, start_gateway, http):
+    seen_auth = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen_auth.append(request.headers.get("authorization"))
+        return web.json_response({"ok": True})
+
+    gw = await start_gateway([await start_backend(backend(record))])
+    await http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                    headers={"authorization": "Bearer client-token"})
+    assert seen_auth == ["Bearer client-token"]

@@ -1,0 +1,155 @@
+"""Routing policies over real backends: which pod was chosen, and why."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from aiohttp import web
+
+from tests.conftest import chat_body, models_of
+
+
+def counting_backend(name: str, hits: Counter, hold: asyncio.Event | None = None,
+                     health_status: int = 200) -> web.Application:
+    async def chat(request: web.Request) -> web.Response:
+        hits[name] += 1
+        if hold is not None:
+            await hold.wait()
+        return web.json_response({"pod": name})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=health_status)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models_of("m"))
+    app.router.add_get("/health", health)
+    return app
+
+
+async def decisions(http, gw) -> dict[tuple[str, str], float]:
+    text = await (await http.get(f"{gw.url}/metrics")).text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("gateway_routing_decisions_total{"):
+            labels, value = line[len("gateway_routing_decisions_total{"):].split("} ")
+            parts = dict(kv.split("=") for kv in labels.split(","))
+            out[(parts["policy"].strip('"'), parts["reason"].strip('"'))] = float(value)
+    return out
+
+
+async def test_round_robin_spreads_evenly(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    urls = [await start_backend(counting_backend(f"p{i}", hits)) for i in range(4)]
+    gw = await start_gateway(urls, routing={"policy": "round_robin"})
+    chosen = Counter()
+    for _ in range(40):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-gateway-policy"] == "round_robin"
+            chosen[(await resp.json())["pod"]] += 1
+    assert chosen == Counter({"p0": 10, "p1": 10, "p2": 10, "p3": 10})
+    assert await decisions(http, gw) == {("round_robin", "rotation"): 40.0}
+
+
+async def test_least_request_prefers_the_idle_pod(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    hold = asyncio.Event()
+    busy = await start_backend(counting_backend("busy", hits, hold=hold))
+    idle = await start_backend(counting_backend("idle", hits))
+    gw = await start_gateway([busy, idle], routing={"policy": "least_request"}, timeouts={"first_byte_s": 20})
+    held = []
+    for _ in range(20):
+        busy_before, total_before = hits["busy"], sum(hits.values())
+        task = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")))
+        while sum(hits.values()) == total_before:  # wait until a pod has received it
+            await asyncio.sleep(0.005)
+        if hits["busy"] > busy_before:
+            held.append(task)  # stays in flight on the busy pod
+        else:
+            resp = await task
+            assert resp.status == 200 and (await resp.json())["pod"] == "idle"
+    # Once the busy pod holds one request, every later one goes to the idle pod.
+    assert hits["busy"] <= 1 and hits["idle"] >= 19
+    assert (await decisions(http, gw))[("least_request", "least_in_flight")] == 20.0
+    hold.set()
+    for task in held:
+        assert (await task).status == 200
+
+
+async def test_least_request_splits_a_burst_evenly(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    hold = asyncio.Event()
+    urls = [await start_backend(counting_backend(f"p{i}", hits, hold=hold)) for i in range(2)]
+    gw = await start_gateway(urls, routing={"policy": "least_request"})
+    tasks = [asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")))
+             for _ in range(10)]
+    while sum(hits.values()) < 10:
+        await asyncio.sleep(0.01)
+    # In-flight counts rise before the request is sent, so a burst splits evenly.
+    assert hits == Counter({"p0": 5, "p1": 5})
+    assert sorted(p.in_flight for p in gw.gateway.pods.all()) == [5, 5]
+    hold.set()
+    assert [r.status for r in await asyncio.gather(*tasks)] == [200] * 10
+
+
+async def test_unhealthy_pod_receives_nothing(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    sick = await start_backend(counting_backend("sick", hits, health_status=503))
+    urls = [await start_backend(counting_backend(f"p{i}", hits)) for i in range(2)]
+    gw = await start_gateway([{"url": sick, "models": ["m"]}, *urls])
+    for policy in ("round_robin", "random", "least_request"):
+        for _ in range(10):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                                 headers={"x-routing-strategy": policy}) as resp:
+                assert resp.status == 200 and resp.headers["x-gateway-policy"] == policy
+    assert hits["sick"] == 0 and hits["p0"] + hits["p1"] == 30
+    pods = {p["url"]: p for p in (await (await http.get(f"{gw.url}/debug/pods")).json())["pods"]}
+    assert pods[sick]["healthy"] is False and "503" in pods[sick]["last_error"]
+
+
+async def test_retry_before_first_byte_moves_to_another_pod(start_backend, start_gateway, http):
+    from gateway.mock.pod import free_port
+
+    hits: Counter = Counter()
+    dead = f"http://127.0.0.1:{free_port()}"
+    alive = await start_backend(counting_backend("alive", hits))
+    gw = await start_gateway([{"url": dead, "models": ["m"], "name": "dead"}, {"url": alive, "name": "alive"}],
+                             health={"interval_s": 60})
+    gw.gateway.pods.get("dead").healthy = True  # as if it died right after its last health check
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-gateway-pod"] == "alive"
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'gateway_retries_total{cause="connect",pod="dead"} 1.0' in metrics
+    # Passive ejection: the dead pod is skipped without another failed try.
+    dead_pod = gw.gateway.pods.get("dead")
+    assert dead_pod.ejections == 1 and not dead_pod.available(time.monotonic())
+    for _ in range(5):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            assert resp.headers["x-gateway-pod"] == "alive"
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'gateway_retries_total{cause="connect",pod="dead"} 1.0' in metrics
+    assert hits["alive"] == 6
+
+
+async def test_retry_after_backend_500(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+
+    async def failing(request: web.Request) -> web.Response:
+        hits["failing"] += 1
+        return web.Response(status=503, text="overloaded")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", failing)
+    app.router.add_get("/v1/models", models_of("m"))
+    gw = await start_gateway([{"url": await start_backend(app), "name": "failing"},
+                              {"url": await start_backend(counting_backend("good", hits)), "name": "good"}])
+    for _ in range(4):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            assert resp.status == 200 and resp.headers["x-gateway-pod"] == "good"
+    # Round robin keeps offering the failing pod until three 5xx in a row eject it.
+    assert hits == Counter({"good": 4, "failing": 3})
+    assert gw.gateway.pods.get("failing").ejections == 1

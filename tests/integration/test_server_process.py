@@ -1,0 +1,82 @@
+"""The gateway as a real process: start-up errors, readiness, and graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import aiohttp
+from aiohttp import web
+
+from gateway.mock.pod import free_port
+from tests.conftest import chat_body, models_of
+
+
+def gateway_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway", "serve", *args]
+
+
+def test_start_up_errors_are_one_clear_line():
+    result = subprocess.run(gateway_cmd(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no pods configured" in result.stderr
+    result = subprocess.run(gateway_cmd("--pod", "http://127.0.0.1:1", "--policy", "nope",
+                                        "--port", str(free_port())),
+                            capture_output=True, text=True, timeout=60)
+    assert "unknown routing policy 'nope'" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run(gateway_cmd("--pod", "nothttp"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "$.pods[0]" in result.stderr
+
+
+async def wait_ready(url: str, http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> None:
+    for _ in range(300):
+        assert proc.returncode is None, "gateway exited during start-up"
+        try:
+            async with http.get(f"{url}/readyz") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("gateway never became ready")
+
+
+async def test_sigterm_drains_in_flight_stream(start_backend, http):
+    release = asyncio.Event()
+
+    async def slow_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        await release.wait()
+        await resp.write(b'data: {"n": 2}\n\ndata: [DONE]\n\n')
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", slow_stream)
+    app.router.add_get("/v1/models", models_of("m"))
+    backend = await start_backend(app)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *gateway_cmd("--pod", backend, "--port", str(port)), stderr=asyncio.subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, http, proc)
+        resp = await http.post(f"{url}/v1/chat/completions", json=chat_body(model="m", stream=True))
+        assert await resp.content.readany() == b'data: {"n": 1}\n\n'
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert proc.returncode is None  # still draining the open stream
+        release.set()
+        rest = await asyncio.wait_for(resp.content.read(), timeout=10)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), timeout=15) == 0
+        stderr = (await proc.stderr.read()).decode()
+        assert "draining" in stderr and "gateway stopped" in stderr and "Traceback" not in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

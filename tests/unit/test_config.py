@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli import build_parser, parse_pod, serve_overrides
+from gateway.config import ConfigError, load_config
+
+
+def test_defaults_are_valid():
+    config = load_config(environ={})
+    assert config.server.port == 8080 and config.routing.policy == "round_robin" and config.pods == []
+
+
+def test_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("server:\n  port: 9000\n  host: 0.0.0.0\nrouting:\n  policy: random\n"
+                    "pods:\n  - url: http://a:8000/\n    models: [m]\n")
+    env = {"GATEWAY_SERVER__PORT": "9100", "GATEWAY_HEALTH__FAILURE_THRESHOLD": "5", "OTHER": "x"}
+    config = load_config(path, {"routing": {"policy": "least_request"}}, environ=env)
+    assert config.server.port == 9100  # env beats file
+    assert config.server.host == "0.0.0.0"  # file kept where nothing overrides
+    assert config.routing.policy == "least_request"  # flags beat everything
+    assert config.health.failure_threshold == 5
+    assert config.pods[0].url == "http://a:8000" and config.pods[0].name == "a:8000"
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "gw.json"
+    path.write_text('{"pods": [{"url": "http://p:1", "kv_events": "tcp://p:5557"}]}')
+    assert load_config(path, environ={}).pods[0].kv_events == "tcp://p:5557"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "fragment"),
+    [
+        ({"server": {"port": "eighty"}}, {}, "$.server.port"),
+        ({"server": {"port": 70000}}, {}, "$.server"),
+        ({"pods": [{"url": "ftp://x"}]}, {}, "$.pods[0]"),
+        ({"pods": [{"url": "http://x", "colour": "red"}]}, {}, "colour"),
+        ({"auth": {"upstream": "replace"}}, {}, "upstream_api_key"),
+        ({"auth": {"api_key_hashes": ["abc"]}}, {}, "SHA-256"),
+        ({}, {"GATEWAY_ROUTING__MAX_RETRIES": "many"}, "$.routing.max_retries"),
+        ({}, {"GATEWAY_NOPE": "1"}, "nope"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, env, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides, environ=env)
+    assert fragment in str(info.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path, environ={})
+
+
+def test_pod_flag_syntax():
+    assert parse_pod("http://h:8000,events=tcp://h:5557,replay=tcp://h:5558,models=a+b,name=p1") == {
+        "url": "http://h:8000", "kv_events": "tcp://h:5557", "kv_replay": "tcp://h:5558",
+        "models": ["a", "b"], "name": "p1",
+    }
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_pod("http://h:8000,colour=red")
+
+
+def test_serve_flags_become_overrides():
+    args = build_parser().parse_args(
+        ["serve", "--port", "9999", "--policy", "random", "--pod", "http://a:1", "--mock-pods", "2"]
+    )
+    config = load_config(overrides=serve_overrides(args), environ={})
+    assert config.server.port == 9999 and config.routing.policy == "random"
+    assert [p.url for p in config.pods] == ["http://a:1"] and config.mock_pods.count == 2

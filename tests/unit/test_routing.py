@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from gateway.api.errors import ApiError
+from gateway.backends.health import HealthChecker
+from gateway.backends.registry import PodRegistry
+from gateway.config import HealthConfig, PodConfig
+from gateway.plugin_registry import PluginRegistry, UnknownPlugin
+from gateway.routing.policy import RoutingRequest
+from gateway.routing.router import Router
+
+
+def registry(n: int = 3, model: str = "m") -> PodRegistry:
+    pods = PodRegistry([PodConfig(url=f"http://p{i}:1", name=f"p{i}", models=[model]) for i in range(n)],
+                       HealthConfig(ejection_base_s=10))
+    for pod in pods.all():
+        pod.healthy = True
+    return pods
+
+
+def policies() -> PluginRegistry:
+    return PluginRegistry("gateway.policies", "routing policy")
+
+
+def request(model: str = "m") -> RoutingRequest:
+    return RoutingRequest("r", model, "chat")
+
+
+def test_policies_are_found_through_entry_points():
+    plugins = policies()
+    assert {"random", "round_robin", "least_request"} <= set(plugins.names())
+    with pytest.raises(UnknownPlugin, match="known: least_request"):
+        plugins.load("nope")
+
+
+def test_unknown_default_policy_fails_at_start():
+    with pytest.raises(UnknownPlugin):
+        Router(registry(), policies(), "nope")
+
+
+def test_round_robin_skips_excluded_and_unhealthy():
+    pods = registry(3)
+    router = Router(pods, policies(), "round_robin")
+    policy = router.resolve(None)
+    pods.get("p1").healthy = False
+    chosen = [router.route(request(), policy).pod.name for _ in range(4)]
+    assert chosen == ["p0", "p2", "p0", "p2"]
+    decision = router.route(request(), policy, exclude=frozenset({"p0"}))
+    assert decision.pod.name == "p2" and decision.reason == "rotation"
+
+
+def test_least_request_scores_and_reason():
+    pods = registry(3)
+    pods.get("p0").in_flight = 4
+    pods.get("p1").in_flight = 1
+    pods.get("p2").in_flight = 2
+    router = Router(pods, policies(), "least_request")
+    decision = router.route(request(), router.resolve(None))
+    assert decision.pod.name == "p1" and decision.reason == "least_in_flight"
+    assert decision.scores == {"p0": 0.25, "p1": 1.0, "p2": 0.5}
+
+
+def test_random_policy_uses_every_pod():
+    pods = registry(3)
+    router = Router(pods, policies(), "random", options={"random": {"seed": 7}})
+    counts = Counter(router.route(request(), router.resolve(None)).pod.name for _ in range(300))
+    assert set(counts) == {"p0", "p1", "p2"} and min(counts.values()) > 60
+
+
+def test_no_candidates_is_503_and_unknown_override_is_400():
+    pods = registry(2)
+    router = Router(pods, policies(), "round_robin")
+    with pytest.raises(ApiError) as info:
+        router.route(request("other-model"), router.resolve(None))
+    assert info.value.status == 503
+    with pytest.raises(ApiError) as info:
+        router.resolve("nope")
+    assert info.value.status == 400 and info.value.param == "x-routing-strategy"
+
+
+def test_passive_ejection_backoff_doubles_and_success_resets():
+    pods = registry(1)
+    pod = pods.get("p0")
+    pods.report_connect_failure(pod, "refused")
+    first = pod.ejected_until - time.monotonic()
+    pods.report_connect_failure(pod, "refused")
+    second = pod.ejected_until - time.monotonic()
+    assert 9 < first <= 10 and 19 < second <= 20
+    assert pods.candidates("m") == []
+    pods.report_success(pod)
+    assert pods.candidates("m") == [pod]
+
+
+def test_health_thresholds():
+    pods = registry(1)
+    pod = pods.get("p0")
+    changes = []
+    checker = HealthChecker(pods, session=None, config=HealthConfig(failure_threshold=3, success_threshold=2),
+                            on_change=changes.append)
+    for _ in range(2):
+        checker._record(pod, False, "down", initial=False)
+    assert pod.healthy  # two failures are below the threshold
+    checker._record(pod, False, "down", initial=False)
+    assert not pod.healthy and changes == [pod]
+    checker._record(pod, True, None, initial=False)
+    assert not pod.healthy
+    checker._record(pod, False, "down", initial=False)
+    checker._record(pod, True, None, initial=False)
+    checker._record(pod, True, None, initial=False)
+    assert pod.healthy and len(changes) == 2
+
+
+def test_model_union_keeps_lora_adapters():
+    pods = registry(2)
+    pods.get("p0").set_models([{"id": "base"}, {"id": "lora-a", "parent": "base"}])
+    pods.get("p1").set_models([{"id": "base"}, {"id": "lora-b", "parent": "base"}])
+    assert [c["id"] for c in pods.model_cards()] == ["base", "lora-a", "lora-b"]
+    assert pods.knows_model("lora-b") and not pods.knows_model("m")
