@@ -34,9 +34,8 @@ class TimingModel(msgspec.Struct, frozen=True):
     speed: float = 1.0
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.speed * (
-            self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
-        )
+        """Simulated duration of one step at speed 1 (the engine sleeps this times ``speed``)."""
+        return self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
 
 
 class EngineLimits(msgspec.Struct, frozen=True):
@@ -62,6 +61,9 @@ class Sequence:
     reserved_blocks: int = 0
     generated: int = 0
     first_token_at: float | None = None
+    # On the engine's simulated clock (speed 1), independent of how fast the host runs the simulation.
+    submitted_clock: float = 0.0
+    simulated_ttft_s: float | None = None
     finished: bool = False
     outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
 
@@ -102,6 +104,7 @@ class MockEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        self.clock = 0.0  # simulated seconds of engine work so far
         self.finished_requests = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -128,7 +131,7 @@ class MockEngine:
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.num_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max(1, max_tokens),
-                       time.monotonic())
+                       time.monotonic(), submitted_clock=self.clock)
         self.waiting.append(seq)
         self._wake.set()
         return seq
@@ -157,8 +160,9 @@ class MockEngine:
                 await self._wake.wait()
             step = self._schedule()
             seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode))
+            self.clock += seconds
             # Even with no simulated delay, yield so HTTP handlers run between steps.
-            await asyncio.sleep(seconds)
+            await asyncio.sleep(seconds * self.timing.speed)
             self._complete(step)
             self._flush_events()
 
@@ -224,6 +228,7 @@ class MockEngine:
         self.generation_tokens_total += 1
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
+            seq.simulated_ttft_s = self.clock - seq.submitted_clock
         seq.outputs.put_nowait(token)
         if seq.generated >= seq.max_tokens:
             self.finished_requests += 1

@@ -80,3 +80,33 @@ async def test_sigterm_drains_in_flight_stream(start_backend, http):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_serve_with_mock_pods_answers_an_openai_client(http):
+    """What `make run` does: one command, simulated pods beside the gateway, an SDK client answered."""
+    import openai
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *gateway_cmd("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)), stderr=asyncio.subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, http, proc)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["mock-llama"]
+        pods = set()
+        for _ in range(4):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="mock-llama", messages=[{"role": "user", "content": "hello"}], max_tokens=3)
+            assert raw.parse().choices[0].message.content
+            pods.add(raw.headers["x-gateway-pod"])
+        assert pods == {"mock-0", "mock-1"}
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

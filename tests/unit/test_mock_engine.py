@@ -1,0 +1,162 @@
+"""The simulated engine and its paged KV cache behave like vLLM's where routing depends on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, TimingModel
+from gateway.mock.kvcache import PagedKvCache
+
+OUTPUT = [900, 901, 902, 903, 904]
+
+
+class Harness:
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, **limits) -> None:
+        self.batches: list[list] = []
+        self.cache = PagedKvCache(num_blocks, block_size)
+        self.engine = MockEngine(self.cache, OUTPUT, self.batches.append, TimingModel(speed=0.0),
+                                 EngineLimits(**limits) if limits else None)
+
+    @property
+    def events(self) -> list:
+        return [e for batch in self.batches for e in batch]
+
+    async def run(self, prompt: list[int], max_tokens: int = 2):
+        seq = self.engine.submit(prompt, max_tokens)
+        return seq, await drain(seq)
+
+
+async def drain(seq) -> list[int]:
+    return [t async for t in seq.tokens()]
+
+
+@pytest.fixture
+async def harness():
+    h = Harness()
+    h.engine.start()
+    yield h
+    await h.engine.stop()
+
+
+async def test_hits_are_whole_blocks_and_never_the_last_token(harness):
+    prompt = list(range(1, 11))  # 10 tokens, block size 4
+    seq, tokens = await harness.run(prompt)
+    assert seq.cached_tokens == 0 and tokens == OUTPUT[:2]
+    seq, _ = await harness.run(prompt)
+    assert seq.cached_tokens == 8
+    seq, _ = await harness.run(prompt[:8])  # the 2nd block holds the last token: only 1 block can hit
+    assert seq.cached_tokens == 4
+    seq, _ = await harness.run([99, *prompt[1:]])  # a different first token breaks the whole chain
+    assert seq.cached_tokens == 0
+    assert harness.cache.stats.queries == 10 + 10 + 8 + 10 and harness.cache.stats.hits == 12
+
+
+async def test_block_stored_events_chain_and_carry_tokens(harness):
+    await harness.run(list(range(1, 10)), max_tokens=4)  # 9 prompt + 3 computed outputs = 12 tokens
+    stored = [e for e in harness.events if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None and len(stored[0].block_hashes) == 2
+    assert stored[0].token_ids == list(range(1, 9)) and stored[0].block_size == 4
+    # The third block fills during decode (prompt token 9 + outputs) and chains to the second.
+    assert stored[1].parent_block_hash == stored[0].block_hashes[-1]
+    assert stored[1].token_ids == [9, *OUTPUT[:3]]
+    held = Counter(b.block_hash for b in harness.cache.cached_blocks())
+    assert held == Counter(h for e in stored for h in e.block_hashes)
+
+
+async def test_identical_prompts_in_one_step_are_cached_twice():
+    h = Harness()
+    prompt = list(range(1, 10))
+    first, second = h.engine.submit(prompt, 1), h.engine.submit(prompt, 1)
+    h.engine.start()
+    try:
+        await asyncio.gather(drain(first), drain(second))
+    finally:
+        await h.engine.stop()
+    assert first.cached_tokens == second.cached_tokens == 0
+    stored = [e for e in h.events if isinstance(e, BlockStored)]
+    assert len(stored) == 2 and stored[0].block_hashes == stored[1].block_hashes
+    assert Counter(b.block_hash for b in h.cache.cached_blocks()) == Counter(stored[0].block_hashes * 2)
+
+
+async def test_lru_eviction_announces_removed_blocks():
+    h = Harness(num_blocks=6, block_size=4)
+    h.engine.start()
+    try:
+        await h.run(list(range(1, 10)), max_tokens=1)  # 3 blocks, 2 of them full and cached
+        await h.run(list(range(100, 117)), max_tokens=1)  # 5 blocks: must reuse cached slots
+    finally:
+        await h.engine.stop()
+    first = next(e for e in h.events if isinstance(e, BlockStored))
+    removed = [hh for e in h.events if isinstance(e, BlockRemoved) for hh in e.block_hashes]
+    assert set(removed) <= set(first.block_hashes) and removed
+    # The tail of the old prefix goes before its head (freed in reverse order).
+    assert removed[0] == first.block_hashes[-1]
+    held = {b.block_hash for b in h.cache.cached_blocks()}
+    assert not held & set(removed) and h.cache.stats.evictions == len(removed)
+
+
+async def test_blocks_in_use_are_never_evicted_requests_wait_instead():
+    h = Harness(num_blocks=8, block_size=4)
+    long = h.engine.submit(list(range(1, 13)), max_tokens=12)  # 12 prompt + 12 out: 6 blocks reserved
+    other = h.engine.submit(list(range(50, 62)), max_tokens=1)  # needs 3 more: must wait
+    h.engine.start()
+    try:
+        it = long.tokens()
+        await it.__anext__()
+        assert other in h.engine.waiting and not other.blocks.blocks
+        assert all(b.ref_count == 1 for b in long.blocks.blocks) and not h.cache.stats.evictions
+        rest = [t async for t in it]
+        assert len(rest) == 11
+        await asyncio.wait_for(other.outputs.get(), timeout=5)
+    finally:
+        await h.engine.stop()
+    assert long.generated == 12 and other.cached_tokens == 0
+
+
+async def test_simulated_ttft_falls_with_cache_hits():
+    h = Harness(num_blocks=512, block_size=16)
+    h.engine.start()
+    try:
+        prompt = list(range(1, 1001))
+        cold, _ = await h.run(prompt, max_tokens=1)
+        warm, _ = await h.run(prompt, max_tokens=1)
+    finally:
+        await h.engine.stop()
+    t = TimingModel()
+    assert cold.simulated_ttft_s == pytest.approx(t.step_seconds(1000, 0))
+    assert warm.cached_tokens == 992
+    assert warm.simulated_ttft_s == pytest.approx(t.step_seconds(8, 0))
+    assert warm.simulated_ttft_s < cold.simulated_ttft_s / 10
+
+
+async def test_ttft_grows_with_load():
+    h = Harness(num_blocks=2048, block_size=16, max_batched_tokens=512)
+    seqs = [h.engine.submit([i, *range(1000, 1400)], max_tokens=1) for i in range(4)]
+    h.engine.start()
+    try:
+        await asyncio.gather(*(drain(s) for s in seqs))
+    finally:
+        await h.engine.stop()
+    ttfts = [s.simulated_ttft_s for s in seqs]
+    assert ttfts == sorted(ttfts) and ttfts[-1] > 3 * ttfts[0]
+
+
+async def test_reset_refused_while_blocks_are_in_use(harness):
+    seq = harness.engine.submit(list(range(1, 10)), max_tokens=50)
+    await seq.outputs.get()
+    assert harness.engine.reset_prefix_cache() is False
+    harness.engine.abort(seq)
+    assert harness.engine.reset_prefix_cache() is True
+    assert isinstance(harness.events[-1], AllBlocksCleared) and harness.cache.cached_blocks() == []
+
+
+def test_prompts_that_cannot_fit_are_rejected():
+    h = Harness(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(PromptRejected, match="maximum context length"):
+        h.engine.submit(list(range(60)), max_tokens=10)
+    with pytest.raises(PromptRejected, match="KV-cache blocks"):
+        h.engine.submit(list(range(20)), max_tokens=1)
