@@ -51,7 +51,7 @@ class Subscriber:
 
     async def drain_until(self, seq: int) -> None:
         while self.last_seq < seq:
-            topic, seq_frame, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout=5)
+            _topic, seq_frame, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout=5)
             self.last_seq = decode_seq(seq_frame)
             for event in decode_batch(payload).events:
                 if isinstance(event, Stored):
@@ -174,7 +174,8 @@ async def test_tokenize_and_render_match_the_tokenizer(start_mock_pod, http, tok
     async with http.post(f"{pod.url}/v1/chat/completions/render",
                          json={"model": "mock-llama", "messages": messages}) as resp:
         assert (await resp.json())["token_ids"] == tokenizer.encode_chat(messages)
-    async with http.post(f"{pod.url}/v1/completions/render", json={"model": "mock-llama", "prompt": ["a", "b"]}) as resp:
+    render = {"model": "mock-llama", "prompt": ["a", "b"]}
+    async with http.post(f"{pod.url}/v1/completions/render", json=render) as resp:
         rendered = await resp.json()
     assert [r["token_ids"] for r in rendered] == [tokenizer.encode("a"), tokenizer.encode("b")]
 
@@ -247,7 +248,7 @@ async def test_faults_errors_restart_and_dropped_batches(start_mock_pod, http):
             assert resp.status == 200
         assert pod.publisher.seq == 0 and await blocks_of(http, pod) == Counter()
         await chat(http, pod, "after restart " * 10)
-        topic, seq, payload = await asyncio.wait_for(sub.sock.recv_multipart(), timeout=5)
+        _topic, seq, _payload = await asyncio.wait_for(sub.sock.recv_multipart(), timeout=5)
         assert decode_seq(seq) == 0  # seq back to 0 tells subscribers the engine restarted
         async with http.post(f"{pod.url}/debug/faults", json={"bogus": 1}) as resp:
             assert resp.status == 400
