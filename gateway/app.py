@@ -78,6 +78,7 @@ async def _start(app: web.Application) -> None:
     await gw.health.start()
     for pod in gw.pods.all():
         on_health_change(pod)
+        gw.metrics.watch_pod(pod)
 
 
 async def _stop(app: web.Application) -> None:

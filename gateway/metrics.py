@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from gateway.backends.registry import Pod
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -42,8 +47,44 @@ class GatewayMetrics:
         self.tokens = Counter(
             "gateway_tokens", "Tokens reported in usage, by model and kind", ["model", "kind"], registry=r
         )
+        self._per_request: dict[tuple[str, str, int], tuple] = {}
+        self._decisions: dict[tuple[str, str], Counter] = {}
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
+
+    def watch_pod(self, pod: Pod) -> None:
+        """Export the pod's in-flight count, read at scrape time (nothing to update per request)."""
+        self.in_flight.labels(pod.name).set_function(lambda: pod.in_flight)
+
+    def decision_made(self, policy: str, reason: str) -> None:
+        child = self._decisions.get((policy, reason))
+        if child is None:
+            child = self._decisions[(policy, reason)] = self.decisions.labels(policy, reason)
+        child.inc()
+
+    def request_done(
+        self, model: str, pod: str, status: int, seconds: float, first_byte_s: float | None,
+        usage: tuple[int, int] | None,
+    ) -> None:
+        """Everything observed when a request ends (labelled children cached: ``labels()`` is slow)."""
+        key = (model, pod, status)
+        children = self._per_request.get(key)
+        if children is None:
+            children = self._per_request[key] = (
+                self.requests.labels(model, pod, str(status)),
+                self.latency.labels(model),
+                self.ttft.labels(model),
+                self.tokens.labels(model, "prompt"),
+                self.tokens.labels(model, "completion"),
+            )
+        requests, latency, ttft, prompt_tokens, completion_tokens = children
+        requests.inc()
+        latency.observe(seconds)
+        if first_byte_s is not None:
+            ttft.observe(first_byte_s)
+        if usage:
+            prompt_tokens.inc(usage[0])
+            completion_tokens.inc(usage[1])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

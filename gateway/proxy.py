@@ -9,10 +9,12 @@ reach the client unchanged: nothing on this path re-encodes JSON.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import time
-import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -113,14 +115,23 @@ class Proxy:
         self._routing = routing
         self._auth = auth
         self._first_byte_s = timeouts.first_byte_s
+        self._idle_s = timeouts.idle_s
+        # aiohttp's per-read timeout covers both the wait for headers and the gaps between chunks; an
+        # extra timer per request is paid only for whichever of the two is configured shorter.
+        sock_read = max(timeouts.first_byte_s, timeouts.idle_s)
+        self._explicit_first_byte = timeouts.first_byte_s < sock_read
+        self._explicit_idle = timeouts.idle_s < sock_read
         self._client_timeout = aiohttp.ClientTimeout(
-            total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.idle_s
+            total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=sock_read
         )
+        # Request ids unique across replicas without the cost of uuid4 per request.
+        self._id_prefix = os.urandom(6).hex()
+        self._id_counter = itertools.count()
         self.session: aiohttp.ClientSession | None = None
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         ex = Exchange(
-            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            request_id=request.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}",
             kind=kind,
             started=time.monotonic(),
         )
@@ -160,7 +171,7 @@ class Proxy:
             decision.attempt = attempt
             ex.decision = decision
             ex.attempts = attempt + 1
-            self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+            self._metrics.decision_made(decision.policy, decision.reason)
             try:
                 return await self._attempt(request, ex, decision, body, headers)
             except RetryableFailure as exc:
@@ -187,8 +198,6 @@ class Proxy:
     ) -> web.StreamResponse:
         pod = decision.pod
         pod.in_flight += 1
-        gauge = self._metrics.in_flight.labels(pod.name)
-        gauge.inc()
         try:
             upstream = await self._send(pod, request.path_qs, body, headers)
             try:
@@ -203,17 +212,17 @@ class Proxy:
                 upstream.close()
         finally:
             pod.in_flight -= 1
-            gauge.dec()
 
     async def _send(
         self, pod: Pod, path: str, body: bytes, headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
         assert self.session is not None
         try:
+            request = self.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
+            if not self._explicit_first_byte:
+                return await request
             async with asyncio.timeout(self._first_byte_s):
-                return await self.session.post(
-                    pod.url + path, data=body, headers=headers, timeout=self._client_timeout
-                )
+                return await request
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._pods.report_connect_failure(pod, str(exc))
             self._metrics.upstream_errors.labels(pod.name, "connect").inc()
@@ -280,7 +289,7 @@ class Proxy:
         await response.prepare(request)
         last_chunks: deque[bytes] = deque(maxlen=4)
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in self._chunks(upstream):
                 if ex.first_byte_at is None:
                     ex.first_byte_at = time.monotonic()
                 await response.write(chunk)
@@ -303,18 +312,27 @@ class Proxy:
         await response.write_eof()
         return response
 
+    async def _chunks(self, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        if not self._explicit_idle:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+            return
+        while True:
+            async with asyncio.timeout(self._idle_s):
+                chunk = await upstream.content.readany()
+            if not chunk:
+                return
+            yield chunk
+
     def _observe(self, request: web.Request, ex: Exchange) -> None:
         now = time.monotonic()
         pod = ex.decision.pod.name if ex.decision else "-"
-        m = self._metrics
         status = ex.status or 500
-        m.requests.labels(ex.model, pod, str(status)).inc()
-        m.latency.labels(ex.model).observe(now - ex.started)
-        if ex.first_byte_at is not None:
-            m.ttft.labels(ex.model).observe(ex.first_byte_at - ex.started)
-        if ex.usage:
-            m.tokens.labels(ex.model, "prompt").inc(ex.usage.prompt_tokens)
-            m.tokens.labels(ex.model, "completion").inc(ex.usage.completion_tokens)
+        self._metrics.request_done(
+            ex.model, pod, status, now - ex.started,
+            None if ex.first_byte_at is None else ex.first_byte_at - ex.started,
+            (ex.usage.prompt_tokens, ex.usage.completion_tokens) if ex.usage else None,
+        )
         if access_log.isEnabledFor(logging.INFO):
             self._log_access(request, ex, now, pod, status)
 

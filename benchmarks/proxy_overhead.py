@@ -1,0 +1,113 @@
+"""What the gateway adds to a request: wrk against a trivial backend, direct vs through the gateway.
+
+    python benchmarks/proxy_overhead.py [--duration 10] [--policy round_robin]
+
+A 4 KB non-streaming chat request; 1 connection (added latency) and 16 connections (throughput). All
+processes share this machine, so compare the ratios of one run, not numbers across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def wrk_script(path: Path) -> None:
+    filler = "The gateway routes each request to the pod holding its prefix. " * 60
+    body = json.dumps({"model": "bench", "max_tokens": 1,
+                       "messages": [{"role": "system", "content": filler[:3900]},
+                                    {"role": "user", "content": "Say ok."}]})
+    path.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
+                    'wrk.headers["Content-Type"] = "application/json"\n')
+
+
+def parse_wrk(output: str) -> dict[str, float]:
+    def ms(value: str) -> float:
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", value).groups()
+        return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+    pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", output, re.M))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    return {"req_per_s": rps, "p50_ms": ms(pct["50"]), "p99_ms": ms(pct["99"]),
+            "non_2xx": int(errors.group(1)) if errors else 0}
+
+
+def run_wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
+           f"{url}/v1/chat/completions"]
+    return parse_wrk(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
+    args = parser.parse_args()
+    if not shutil.which("wrk"):
+        print("wrk is missing: `make install` installs it", file=sys.stderr)
+        return 2
+    backend_port, gateway_port = free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "trivial_backend.py"), str(backend_port)])]
+    env_log = [] if args.access_log else ["GATEWAY_LOGGING__ACCESS_LOG=false"]
+    gateway = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port),
+               "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
+    procs.append(subprocess.Popen(gateway, stderr=subprocess.DEVNULL))
+    try:
+        direct, through = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
+        wait_ready(f"{direct}/health")
+        wait_ready(f"{through}/readyz")
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "post.lua"
+            wrk_script(script)
+            run_wrk(through, 4, 2, script)  # warm-up: connection pools, caches
+            results = {}
+            for connections in (1, 16):
+                results[f"direct_c{connections}"] = run_wrk(direct, connections, args.duration, script)
+                results[f"gateway_c{connections}"] = run_wrk(through, connections, args.duration, script)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+    print(f"{'run':<14}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
+    for name, r in results.items():
+        print(f"{name:<14}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")
+    added = results["gateway_c1"]["p50_ms"] - results["direct_c1"]["p50_ms"]
+    print(f"added p50 at 1 connection: {added:.3f} ms; gateway at 16 connections: "
+          f"{results['gateway_c16']['req_per_s']:.0f} req/s")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
