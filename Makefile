@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(VENV)/bin/gateway serve --mock-pods 4
+	$(VENV)/bin/gateway serve --mock-pods 4 --policy kv_aware
 
 test: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests

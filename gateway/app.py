@@ -6,6 +6,7 @@ Background tasks (health checks) start in ``on_startup`` and stop in ``on_cleanu
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -17,10 +18,15 @@ from gateway.api.routes import add_routes
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.config import GatewayConfig
+from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.index import PrefixIndex
+from gateway.kv.service import KvEventService, KvMetricsCollector
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.proxy import Proxy
+from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
+from gateway.tokenization.service import TokenizationService
 
 POLICY_GROUP = "gateway.policies"
 
@@ -36,6 +42,8 @@ class Gateway:
     proxy: Proxy
     auth: ApiKeyAuth
     policies: PluginRegistry
+    kv: KvEventService
+    tokens: TokenizationService
     health: HealthChecker | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
@@ -48,10 +56,15 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
-    router = Router(pods, policies, config.routing.policy)
-    proxy = Proxy(pods, router, metrics, config.routing, config.timeouts, config.auth)
+    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s)
+    kv = KvEventService(index)
+    metrics.registry.register(KvMetricsCollector(kv))
+    tokens = TokenizationService(config.tokenization, pods, metrics)
+    context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics)
+    router = Router(pods, policies, config.routing.policy, config.routing.options, context)
+    proxy = Proxy(pods, router, metrics, tokens, config.routing, config.timeouts, config.auth)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
-                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies)
+                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies, kv=kv, tokens=tokens)
 
 
 def build_app(config: GatewayConfig) -> web.Application:
@@ -69,7 +82,8 @@ async def _start(app: web.Application) -> None:
     # One pooled session for all upstream traffic; no per-host cap, since pods are few and hot.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
     gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    gw.proxy.session = gw.session
+    gw.proxy.session = gw.tokens.session = gw.session
+    await asyncio.to_thread(gw.tokens.load)
 
     def on_health_change(pod: Pod) -> None:
         gw.metrics.pod_healthy.labels(pod.name).set(1 if pod.healthy else 0)
@@ -79,11 +93,13 @@ async def _start(app: web.Application) -> None:
     for pod in gw.pods.all():
         on_health_change(pod)
         gw.metrics.watch_pod(pod)
+        gw.kv.add_pod(pod)
 
 
 async def _stop(app: web.Application) -> None:
     gw = app[GATEWAY_KEY]
     if gw.health:
         await gw.health.stop()
+    await gw.kv.stop()
     if gw.session:
         await gw.session.close()

@@ -13,7 +13,15 @@ from typing import Any
 
 import msgspec
 
-from gateway.config import ConfigError, GatewayConfig, LoggingConfig, hash_api_key, load_config
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    LoggingConfig,
+    ModelTokenizerConfig,
+    TokenizationConfig,
+    hash_api_key,
+    load_config,
+)
 from gateway.kv.events import Encoding
 
 log = logging.getLogger("gateway.cli")
@@ -66,6 +74,15 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def with_mock_tokenizer(config: GatewayConfig) -> TokenizationConfig:
+    """The simulated pods tokenize with the bundled tokenizer: the gateway loads the same one."""
+    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+
+    models = dict(config.tokenization.models)
+    models.setdefault(config.mock_pods.model, ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR)))
+    return msgspec.structs.replace(config.tokenization, models=models)
+
+
 async def serve(config: GatewayConfig) -> None:
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
@@ -78,7 +95,8 @@ async def serve(config: GatewayConfig) -> None:
         except BaseException:
             fleet.stop()
             raise
-        config = msgspec.structs.replace(config, pods=[*config.pods, *pods])
+        config = msgspec.structs.replace(config, pods=[*config.pods, *pods],
+                                         tokenization=with_mock_tokenizer(config))
         log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
     try:
         await run_gateway(config)

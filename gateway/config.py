@@ -71,6 +71,8 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_retries: int = 2
     # Whether clients may pick a policy per request with ``x-routing-strategy``.
     allow_strategy_header: bool = True
+    # Per-policy settings, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
+    options: dict[str, dict[str, Any]] = {}
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,6 +109,35 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("upstream 'replace' needs upstream_api_key")
 
 
+class ModelTokenizerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # A local HF tokenizer directory (tokenizer.json + tokenizer_config.json with its chat template).
+    path: str | None = None
+    # local: this gateway tokenizes; remote: a pod of the model does (POST /tokenize); none: no tokens.
+    mode: Literal["local", "remote", "none"] = "local"
+
+    def __post_init__(self) -> None:
+        if self.mode == "local" and not self.path:
+            raise ValueError("mode 'local' needs a tokenizer path")
+
+
+class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
+    models: dict[str, ModelTokenizerConfig] = {}
+    # For models not listed: ask a pod (exact by construction) or route without tokens.
+    default_mode: Literal["remote", "none"] = "remote"
+    remote_timeout_s: float = 0.5
+    segment_cache_size: int = 50_000
+    prompt_cache_size: int = 4_096
+    # New text longer than this is tokenized in a worker thread, off the event loop.
+    offload_chars: int = 8_000
+
+
+class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # Memory bound: past this many blocks a pod's view forgets its least recently stored tenth.
+    max_blocks_per_view: int = 2_000_000
+    # How long a routed prompt's blocks count as on the chosen pod before its events confirm them.
+    speculative_ttl_s: float = 2.0
+
+
 class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool = False
@@ -133,6 +164,8 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    tokenization: TokenizationConfig = msgspec.field(default_factory=TokenizationConfig)
+    kv_index: KvIndexConfig = msgspec.field(default_factory=KvIndexConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
 

@@ -47,6 +47,22 @@ class GatewayMetrics:
         self.tokens = Counter(
             "gateway_tokens", "Tokens reported in usage, by model and kind", ["model", "kind"], registry=r
         )
+        self.tokenization = Counter(
+            "gateway_tokenization", "Tokenization attempts for routing, by model, mode and outcome",
+            ["model", "mode", "outcome"], registry=r,
+        )
+        self.tokenization_seconds = Histogram(
+            "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=r,
+        )
+        self.prefix_hit_tokens = Histogram(
+            "gateway_prefix_hit_tokens", "Cached prompt tokens predicted on the chosen pod, per decision",
+            ["policy"], buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
+        )
+        self.lookup_seconds = Histogram(
+            "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
+            buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
+        )
         self._per_request: dict[tuple[str, str, int], tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
@@ -85,6 +101,11 @@ class GatewayMetrics:
         if usage:
             prompt_tokens.inc(usage[0])
             completion_tokens.inc(usage[1])
+
+    def tokenization_done(self, model: str, mode: str, outcome: str, seconds: float | None) -> None:
+        self.tokenization.labels(model, mode, outcome).inc()
+        if seconds is not None:
+            self.tokenization_seconds.labels(mode).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

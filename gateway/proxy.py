@@ -31,6 +31,7 @@ from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import Decision, RoutingRequest
 from gateway.routing.router import Router
+from gateway.tokenization.service import TokenizationService
 
 log = logging.getLogger("gateway.proxy")
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -105,6 +106,7 @@ class Proxy:
         pods: PodRegistry,
         router: Router,
         metrics: GatewayMetrics,
+        tokens: TokenizationService,
         routing: RoutingConfig,
         timeouts: TimeoutConfig,
         auth: AuthConfig,
@@ -112,6 +114,7 @@ class Proxy:
         self._pods = pods
         self._router = router
         self._metrics = metrics
+        self._tokens = tokens
         self._routing = routing
         self._auth = auth
         self._first_byte_s = timeouts.first_byte_s
@@ -157,7 +160,11 @@ class Proxy:
             raise unknown_model(model)
         override = request.headers.get("x-routing-strategy") if self._routing.allow_strategy_header else None
         policy = self._router.resolve(override)
-        routing_request = RoutingRequest(ex.request_id, model, ex.kind, parsed)
+        base = self._pods.base_model(model)
+        routing_request = RoutingRequest(ex.request_id, model, ex.kind, parsed, base_model=base,
+                                         lora_name=model if base != model else None)
+        if policy.needs_tokens:
+            routing_request.token_ids = await self._tokens.tokenize(model, ex.kind, parsed)
         headers = self._upstream_headers(request.headers, ex.request_id)
         exclude: set[str] = set()
         failure: RetryableFailure | None = None
@@ -172,6 +179,8 @@ class Proxy:
             ex.decision = decision
             ex.attempts = attempt + 1
             self._metrics.decision_made(decision.policy, decision.reason)
+            if routing_request.token_ids is not None:
+                self._metrics.prefix_hit_tokens.labels(decision.policy).observe(decision.prefix_tokens)
             try:
                 return await self._attempt(request, ex, decision, body, headers)
             except RetryableFailure as exc:

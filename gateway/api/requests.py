@@ -37,6 +37,12 @@ class InferenceRequest(msgspec.Struct):
     user: str | None = None
     prompt_cache_key: str | None = None
     metadata: Metadata | None = None
+    # What changes the engine's rendering of a chat prompt, passed through to tokenization.
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    instructions: Any = None
 
 
 _decoder = msgspec.json.Decoder(InferenceRequest)

@@ -28,6 +28,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     app.router.add_get("/readyz", partial(_readyz, gateway))
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
+    app.router.add_get("/debug/index", partial(_debug_index, gateway))
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
@@ -75,3 +76,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
     ]
     return web.json_response({"pods": pods, "default_policy": gateway.router.default_policy,
                               "policies": gateway.policies.names()})
+
+
+async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
+    return web.json_response(gateway.kv.debug())

@@ -72,6 +72,15 @@ class PodRegistry:
     def knows_model(self, model: str) -> bool:
         return any(p.serves(model) for p in self._pods.values())
 
+    def base_model(self, model: str) -> str:
+        """The base model of a LoRA adapter (its card's ``parent``), or ``model`` itself."""
+        for pod in self._pods.values():
+            for card in pod.model_cards:
+                if card.get("id") == model:
+                    parent = card.get("parent")
+                    return str(parent) if parent else model
+        return model
+
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Pod]:
         """Pods serving ``model`` that are healthy, not ejected and not excluded."""
         now = time.monotonic()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Any
 
 import msgspec
 
@@ -44,7 +45,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[list | None] | None = None
+    # Per block: None, or what else went into the engine's hash (multimodal ids, cache salt, ...).
+    extra_keys: list[Any] | None = None
+    lookahead_token_ids: list[int] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
@@ -98,3 +101,67 @@ def replay_end(encoding: Encoding) -> list[bytes]:
     if encoding in (Encoding.V0_23, Encoding.V0_25):
         return [b"", END_OF_REPLAY_SEQ, b""]
     return [b"", b"", END_OF_REPLAY_SEQ, b""]
+
+
+# Decoding: the fast path is a typed decode of the current form; anything else (legacy tagged arrays,
+# unknown event types, stray fields of the wrong type) goes through a tolerant generic path that keeps
+# every event it can read and counts the rest.
+
+
+class BadEventBatch(ValueError):
+    """The payload is not an event batch at all."""
+
+
+class DecodedBatch(msgspec.Struct):
+    ts: float
+    events: list[KvEvent]
+    dp_rank: int | None = None
+    skipped: int = 0  # events that could not be read
+
+
+_typed_decoder = msgspec.msgpack.Decoder(EventBatch)
+_EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
+    "BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared,
+}
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    try:
+        batch = _typed_decoder.decode(payload)
+        return DecodedBatch(batch.ts, batch.events, batch.data_parallel_rank)
+    except msgspec.MsgspecError:
+        pass
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.MsgspecError as exc:
+        raise BadEventBatch(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise BadEventBatch("not a [ts, events, dp_rank] array")
+    ts = raw[0] if isinstance(raw[0], int | float) else 0.0
+    rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
+    events: list[KvEvent] = []
+    skipped = 0
+    for item in raw[1]:
+        event = _decode_event(item)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return DecodedBatch(float(ts), events, rank, skipped)
+
+
+def _decode_event(item: Any) -> KvEvent | None:
+    if isinstance(item, dict):
+        cls = _EVENT_TYPES.get(item.get("type"))  # type: ignore[arg-type]
+        fields = {k: v for k, v in item.items() if k != "type"}
+    elif isinstance(item, list) and item and isinstance(item[0], str):
+        cls = _EVENT_TYPES.get(item[0])
+        fields = dict(zip(cls.__struct_fields__, item[1:], strict=False)) if cls else {}
+    else:
+        return None
+    if cls is None:
+        return None
+    try:
+        return msgspec.convert(fields, cls)  # type: ignore[return-value]
+    except msgspec.ValidationError:
+        return None

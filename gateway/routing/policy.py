@@ -7,11 +7,16 @@ the :class:`~gateway.routing.router.Router` only runs them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.backends.registry import Pod, PodRegistry
+
+if TYPE_CHECKING:
+    from gateway.kv.approx import ApproximatePrefixIndex
+    from gateway.kv.index import PrefixIndex
+    from gateway.metrics import GatewayMetrics
 
 
 @dataclass(slots=True)
@@ -22,6 +27,12 @@ class RoutingRequest:
     kind: str
     body: Any = None
     token_ids: list[int] | None = None
+    # The base model and LoRA adapter the prompt's KV blocks are namespaced by.
+    base_model: str = ""
+    lora_name: str | None = None
+    # Filled by scorers: predicted cached prompt tokens per pod, and notes for the decision's reason.
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -67,12 +78,19 @@ class WeightedScorer:
     weight: float = 1.0
 
 
+RoutedHook = Callable[[RoutingRequest, Decision], None]
+
+
 @dataclass(slots=True)
 class Policy:
     name: str
     picker: Picker
     filters: list[Filter] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
+    # Whether the proxy must tokenize the prompt before routing.
+    needs_tokens: bool = False
+    # Called with the decision once a pod is chosen (e.g. to record what that pod will now cache).
+    on_routed: list[RoutedHook] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +99,9 @@ class PolicyContext:
 
     pods: PodRegistry
     options: Mapping[str, Any] = field(default_factory=dict)
+    index: PrefixIndex | None = None
+    approximate: ApproximatePrefixIndex | None = None
+    metrics: GatewayMetrics | None = None
 
 
 class PolicyFactory(Protocol):

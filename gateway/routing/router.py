@@ -6,6 +6,7 @@ It reads pods from the registry and never changes them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -25,10 +26,12 @@ class Router:
         plugins: PluginRegistry,
         default_policy: str,
         options: Mapping[str, Mapping[str, Any]] | None = None,
+        context: PolicyContext | None = None,
     ) -> None:
         self._pods = pods
         self._plugins = plugins
         self._options = options or {}
+        self._context = context or PolicyContext(pods=pods)
         self._policies: dict[str, Policy] = {}
         self.default_policy = default_policy
         self.policy(default_policy)  # fail at start on an unknown default
@@ -38,7 +41,7 @@ class Router:
         policy = self._policies.get(name)
         if policy is None:
             factory = self._plugins.load(name)
-            policy = factory(PolicyContext(pods=self._pods, options=self._options.get(name, {})))
+            policy = factory(dataclasses.replace(self._context, options=self._options.get(name, {})))
             self._policies[name] = policy
         return policy
 
@@ -66,10 +69,14 @@ class Router:
             for i, s in enumerate(ws.scorer.score(request, pods)):
                 scores[i] += ws.weight * s
         pick = policy.picker.pick(request, pods, scores)
-        return Decision(
+        decision = Decision(
             pod=pick.pod,
             policy=policy.name,
             reason=pick.reason,
             detail=pick.detail,
             scores={p.name: s for p, s in zip(pods, scores, strict=True)} if policy.scorers else {},
+            prefix_tokens=request.prefix_tokens.get(pick.pod.name, 0),
         )
+        for hook in policy.on_routed:
+            hook(request, decision)
+        return decision

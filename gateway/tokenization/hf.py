@@ -14,6 +14,17 @@ from typing import Any
 MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
 
 
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to a string-content chat template: text parts joined by newlines."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        out.append(message)
+    return out
+
+
 class HfTokenizer:
     def __init__(self, path: str | Path) -> None:
         # Never reach a model hub: tokenizers come from local directories only.
@@ -39,7 +50,7 @@ class HfTokenizer:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         return self._tok.apply_chat_template(
-            messages,
+            normalize_messages(messages),
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -56,3 +67,13 @@ class HfTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids)
+
+    def added_tokens(self) -> dict[str, int]:
+        """Tokens matched before the model's own tokenization runs (specials, chat markers)."""
+        return {t.content: i for i, t in self._tok.added_tokens_decoder.items()}
+
+    def added_tokens_split_cleanly(self) -> bool:
+        """Whether no added token eats neighbouring whitespace or needs word boundaries, so the text
+        between added tokens tokenizes independently of what surrounds it."""
+        return not any(t.lstrip or t.rstrip or t.single_word or t.normalized
+                       for t in self._tok.added_tokens_decoder.values())

@@ -1,0 +1,80 @@
+"""The approximate prefix index: the gateway's own routing history, for pods without KV events and for
+requests that could not be tokenized.
+
+It remembers which pod received which text, in chained blocks of characters, and assumes a pod still
+holds what it was sent recently. Owner: routing alone (records after each decision, reads in scoring).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import xxhash
+
+
+def request_text(messages: list[dict[str, Any]] | None, prompt: Any) -> str:
+    """A canonical text of the prompt: roles and contents in order (what a chat template would see)."""
+    if messages:
+        parts = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(f"\x1e{m.get('role', '')}\x1f{content or ''}")
+        return "".join(parts)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return ""
+
+
+class ApproximatePrefixIndex:
+    def __init__(self, block_chars: int = 256, max_blocks: int = 500_000, ttl_s: float = 600.0) -> None:
+        self.block_chars = block_chars
+        self.max_blocks = max_blocks
+        self.ttl_s = ttl_s
+        # block hash → {pod: last time that pod was sent this block}; insertion order is the LRU.
+        self._blocks: dict[int, dict[str, float]] = {}
+
+    def _hashes(self, text: str) -> list[int]:
+        out, parent, step = [], 0, self.block_chars
+        for i in range(0, len(text) - step + 1, step):
+            parent = xxhash.xxh3_64_intdigest(text[i : i + step].encode(), seed=parent)
+            out.append(parent)
+        return out
+
+    def lookup(self, text: str, pods: Iterable[str]) -> dict[str, int]:
+        """Per pod, how many leading characters of ``text`` it was sent recently."""
+        alive = set(pods)
+        matched = dict.fromkeys(alive, 0)
+        oldest = time.monotonic() - self.ttl_s
+        for i, h in enumerate(self._hashes(text)):
+            holders = self._blocks.get(h)
+            if not holders:
+                break
+            alive = {p for p in alive if holders.get(p, 0.0) > oldest}
+            if not alive:
+                break
+            for pod in alive:
+                matched[pod] = (i + 1) * self.block_chars
+        return matched
+
+    def record(self, text: str, pod: str) -> None:
+        now = time.monotonic()
+        blocks = self._blocks
+        for h in self._hashes(text):
+            holders = blocks.pop(h, None) or {}
+            holders[pod] = now
+            blocks[h] = holders
+        while len(blocks) > self.max_blocks:
+            del blocks[next(iter(blocks))]
+
+    def forget_pod(self, pod: str) -> None:
+        for holders in self._blocks.values():
+            holders.pop(pod, None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)

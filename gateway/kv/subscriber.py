@@ -1,0 +1,196 @@
+"""One :class:`KvEventSubscriber` per pod and DP rank: live events over SUB, gaps filled over DEALER.
+
+Owner: the subscriber owns its sockets and its view's sequence state, and is the only writer of its
+view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules (spec: ``specs/kv-events.md``):
+
+- ``seq == last + 1``: apply. A seq already applied through replay: drop as a duplicate.
+- first message, or a gap: replay from ``last + 1`` (from 0 after connecting: the slow joiner misses
+  the start) before applying the live batch; if the replay starts later than asked, the missing
+  batches are gone and the view is marked approximate until a clean base returns.
+- seq below what was applied (and not a replay duplicate): the engine restarted; drop the view.
+
+ZeroMQ reconnects a dropped connection by itself (with the backoff set below), so a publisher that is
+down at start or restarts needs no code here beyond the restart rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_batch, decode_seq, encode_seq
+from gateway.kv.index import EngineView, PrefixIndex
+
+log = logging.getLogger("gateway.kv.subscriber")
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    skipped_events: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    restarts: int = 0
+    unrecoverable: int = 0
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        view: EngineView,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+        on_batch: Callable[[SubscriberStats], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.view = view
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = SubscriberStats()
+        self._on_batch = on_batch
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        # Seqs in [_replayed_from, view.last_seq] arrived by replay; their live copies are duplicates.
+        self._replayed_from: int | None = None
+
+    def start(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.view.pod}-{self.view.rank}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sub is not None:
+            self._sub.close(linger=0)
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                await self.handle(frames)
+            except Exception:  # one bad batch must never stop the subscriber
+                self.stats.malformed += 1
+                log.exception("pod %s rank %d: failed to handle an event batch", self.view.pod, self.view.rank)
+
+    async def handle(self, frames: list[bytes]) -> None:
+        """One live message ``[topic, seq, payload]``."""
+        self.stats.batches += 1
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.malformed += 1
+            return
+        seq, payload = decode_seq(frames[1]), frames[2]
+        last = self.view.last_seq
+        if seq > last:
+            self._replayed_from = None  # live progress: replay duplicates are behind us
+        elif self._replayed_from is not None and seq >= self._replayed_from:
+            self.stats.duplicates += 1
+            return
+        else:
+            self._restarted(seq)
+            last = -1
+        if seq != last + 1:
+            await self._fill_gap(last + 1, seq)
+        if seq > self.view.last_seq:
+            self._apply(seq, payload)
+
+    def _restarted(self, seq: int) -> None:
+        self.stats.restarts += 1
+        log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
+                    self.view.rank, seq, self.view.last_seq)
+        self.index.reset_view(self.view)
+        self.view.last_seq = -1
+        self._replayed_from = None
+
+    async def _fill_gap(self, start: int, live_seq: int) -> None:
+        if self.view.last_seq >= 0:
+            self.stats.gaps += 1
+        if not self.replay_endpoint:
+            self._lost(start, live_seq)
+            return
+        self.stats.replays += 1
+        first = await self._replay(start)
+        if first is None:
+            self.stats.replay_failures += 1
+            self._lost(start, live_seq)
+        elif first > start:
+            self._lost(start, first)
+
+    def _lost(self, start: int, until: int) -> None:
+        self.stats.unrecoverable += 1
+        if not self.view.approximate:
+            log.warning("pod %s rank %d: event batches %d..%d are lost; index marked approximate",
+                        self.view.pod, self.view.rank, start, until - 1)
+        self.view.approximate = True
+
+    async def _replay(self, start: int) -> int | None:
+        """Ask for every buffered batch from ``start``; apply them; the first seq received, if any."""
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        first: int | None = None
+        try:
+            await dealer.send_multipart([b"", encode_seq(start)])
+            while True:
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
+                # [b"", topic, seq, payload] (vLLM >= 0.26, SGLang) or [b"", seq, payload] (older).
+                if len(frames) not in (3, 4) or frames[0] != b"":
+                    self.stats.malformed += 1
+                    continue
+                seq_frame, payload = frames[-2], frames[-1]
+                if seq_frame == END_OF_REPLAY_SEQ or not payload:
+                    return first if first is not None else start
+                seq = decode_seq(seq_frame)
+                if first is None:
+                    first = seq
+                    self._replayed_from = seq
+                if seq > self.view.last_seq:
+                    self._apply(seq, payload)
+        except TimeoutError:
+            log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
+            return first
+        finally:
+            dealer.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except BadEventBatch as exc:
+            self.stats.malformed += 1
+            log.warning("pod %s rank %d: malformed batch %d: %s", self.view.pod, self.view.rank, seq, exc)
+        else:
+            self.stats.skipped_events += batch.skipped
+            self.index.apply(self.view, batch.events)
+            self.stats.applied += 1
+        self.view.last_seq = seq
+        if self._on_batch:
+            self._on_batch(self.stats)

@@ -1,0 +1,92 @@
+"""Exact, cached tokenization of rendered chat prompts, segment by segment.
+
+A tokenizer matches its added tokens (``<|eot_id|>``, role markers, ...) before anything else and
+tokenizes the text between them independently. So a rendered prompt's tokens are the concatenation of
+each segment's tokens and the added tokens' ids, and each segment (a system prompt, an earlier turn)
+can be cached by its text: a conversation that grows by one message costs one new segment.
+
+Owner: a :class:`SegmentEncoder` owns its LRU of segment encodings. Exactness is checked at start-up
+(:meth:`SegmentEncoder.self_check`); a tokenizer for which it does not hold is encoded whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from gateway.tokenization.hf import HfTokenizer
+
+# Conversations that exercise what segmenting could get wrong: leading spaces, newlines, unicode,
+# digits, text hugging the added tokens.
+_PROBES = [
+    [{"role": "system", "content": "  You are helpful.\n\n"}, {"role": "user", "content": "Hi there!  "}],
+    [{"role": "user", "content": "naïve café — 東京 ✓ 12345 x=y+1"}, {"role": "assistant", "content": "\nOK\n"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}, {"role": "user", "content": "c\t"}],
+]
+
+
+class SegmentEncoder:
+    def __init__(self, tokenizer: HfTokenizer, max_segments: int = 50_000) -> None:
+        self._tok = tokenizer
+        self._added = tokenizer.added_tokens()
+        # Longest first, so a token that is a prefix of another never wins the match.
+        names = sorted(self._added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        self._cache: dict[str, list[int]] = {}
+        self._max_segments = max_segments
+        self.hits = 0
+        self.misses = 0
+        self.exact = tokenizer.added_tokens_split_cleanly() and self._split is not None
+
+    def encode(self, text: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt (no special tokens added beyond those in the text)."""
+        if not self.exact:
+            return self._tok.encode(text, add_special_tokens=False)
+        assert self._split is not None
+        out: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:  # odd pieces are the added tokens themselves
+                out.append(self._added[piece])
+            elif piece:
+                out.extend(self.segment(piece, encode_segment))
+        return out
+
+    def uncached(self, text: str) -> list[str]:
+        """The segments of ``text`` not yet in the cache (to encode off the event loop first)."""
+        if not self.exact:
+            return [text]
+        assert self._split is not None
+        return [p for i, p in enumerate(self._split.split(text)) if not i % 2 and p and p not in self._cache]
+
+    def segment(self, piece: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
+        ids = self._cache.pop(piece, None)
+        if ids is None:
+            self.misses += 1
+            ids = (encode_segment or self._encode_plain)(piece)
+            if len(self._cache) >= self._max_segments:
+                del self._cache[next(iter(self._cache))]
+        else:
+            self.hits += 1
+        self._cache[piece] = ids  # (re)inserted last: most recently used
+        return ids
+
+    def remember(self, piece: str, ids: list[int]) -> None:
+        self._cache[piece] = ids
+
+    def _encode_plain(self, piece: str) -> list[int]:
+        return self._tok.encode(piece, add_special_tokens=False)
+
+    def self_check(self) -> bool:
+        """Compare segmented and whole tokenization on probe conversations; disable segmenting if off."""
+        if not self.exact:
+            return False
+        for messages in _PROBES:
+            try:
+                text = self._tok.render_chat(messages)
+            except Exception:  # a template that rejects a probe (e.g. no system role) proves nothing
+                continue
+            if self.encode(text) != self._tok.encode(text, add_special_tokens=False):
+                self.exact = False
+                self._cache.clear()
+                return False
+        return True

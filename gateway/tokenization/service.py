@@ -1,0 +1,196 @@
+"""Token ids for routing, per model: local (HF tokenizer, cached by segment) or remote (a pod's
+``/tokenize``), with the outcome of every attempt counted.
+
+Owner: the :class:`TokenizationService` owns the loaded tokenizers and their caches. It never raises
+into the request path: when tokens cannot be had it returns ``None`` and routing falls back to the
+approximate (text) prefix match, which the metrics and a one-time log line make visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from gateway.api.requests import InferenceRequest
+from gateway.backends.registry import PodRegistry
+from gateway.config import ModelTokenizerConfig, TokenizationConfig
+from gateway.metrics import GatewayMetrics
+from gateway.tokenization.hf import HfTokenizer, normalize_messages
+from gateway.tokenization.segments import SegmentEncoder
+
+log = logging.getLogger("gateway.tokenization")
+
+CHAT_KINDS = frozenset({"chat", "responses"})
+
+
+class LocalTokenizer:
+    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig) -> None:
+        self.tokenizer = tokenizer
+        self.segments = SegmentEncoder(tokenizer, config.segment_cache_size)
+        if not self.segments.self_check():
+            log.warning("tokenizer %s: segments do not tokenize independently; encoding prompts whole",
+                        tokenizer.path)
+        self._prompts: dict[str, list[int]] = {}
+        self._max_prompts = config.prompt_cache_size
+        self._offload_chars = config.offload_chars
+
+    async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest) -> list[int]:
+        text = self.tokenizer.render_chat(
+            messages,
+            add_generation_prompt=req.add_generation_prompt if req.add_generation_prompt is not None else True,
+            continue_final_message=bool(req.continue_final_message),
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        new = self.segments.uncached(text)
+        if sum(map(len, new)) > self._offload_chars:
+            encoded = await asyncio.to_thread(
+                lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in new]
+            )
+            if not self.segments.exact:
+                return encoded[0]
+            for piece, ids in zip(new, encoded, strict=True):
+                self.segments.remember(piece, ids)
+        return self.segments.encode(text)
+
+    async def prompt(self, prompt: str) -> list[int]:
+        ids = self._prompts.pop(prompt, None)
+        if ids is None:
+            if len(prompt) > self._offload_chars:
+                ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            else:
+                ids = self.tokenizer.encode(prompt)
+            if len(self._prompts) >= self._max_prompts:
+                del self._prompts[next(iter(self._prompts))]
+        self._prompts[prompt] = ids
+        return ids
+
+
+class TokenizationService:
+    def __init__(self, config: TokenizationConfig, pods: PodRegistry, metrics: GatewayMetrics) -> None:
+        self._config = config
+        self._pods = pods
+        self._metrics = metrics
+        self._local: dict[str, LocalTokenizer] = {}
+        self._warned: set[str] = set()
+        self._remote_timeout = aiohttp.ClientTimeout(total=config.remote_timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    def load(self) -> None:
+        """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
+        for model, cfg in self._config.models.items():
+            if cfg.mode == "local" and cfg.path:
+                self._local[model] = LocalTokenizer(HfTokenizer(cfg.path), self._config)
+                log.info("model %s: local tokenizer from %s", model, cfg.path)
+
+    def local(self, model: str) -> LocalTokenizer | None:
+        return self._local.get(model)
+
+    def mode_of(self, model: str) -> str:
+        cfg = self._config.models.get(model)
+        return cfg.mode if cfg else self._config.default_mode
+
+    async def tokenize(self, model: str, kind: str, req: InferenceRequest) -> list[int] | None:
+        base = self._pods.base_model(model)
+        mode = self.mode_of(base)
+        started = time.perf_counter()
+        try:
+            if mode == "local" and base in self._local:
+                ids = await self._local_tokens(self._local[base], kind, req)
+            elif mode in ("local", "remote"):
+                mode = "remote"
+                ids = await self._remote_tokens(model, kind, req)
+            else:
+                ids = None
+                self._warn_once(base, "no tokenizer is configured for it")
+        except _NotTokenizable as exc:
+            self._metrics.tokenization_done(base, mode, exc.outcome, None)
+            return None
+        self._metrics.tokenization_done(base, mode, "ok" if ids is not None else "unavailable",
+                                        time.perf_counter() - started)
+        return ids
+
+    async def _local_tokens(self, local: LocalTokenizer, kind: str, req: InferenceRequest) -> list[int] | None:
+        try:
+            if kind in CHAT_KINDS:
+                messages = chat_messages(kind, req)
+                return await local.chat(messages, req) if messages else None
+            prompt = first_prompt(req.prompt)
+            if isinstance(prompt, str):
+                return await local.prompt(prompt)
+            return prompt
+        except Exception as exc:  # a template that rejects the conversation: the pod will say why
+            log.debug("local tokenization failed: %s", exc)
+            raise _NotTokenizable("render_error") from None
+
+    async def _remote_tokens(self, model: str, kind: str, req: InferenceRequest) -> list[int] | None:
+        if kind in CHAT_KINDS:
+            messages = chat_messages(kind, req)
+            if not messages:
+                return None
+            body: dict[str, Any] = {"model": model, "messages": messages,
+                                    "add_generation_prompt": req.add_generation_prompt is not False}
+            for key in ("tools", "chat_template_kwargs", "continue_final_message"):
+                if getattr(req, key) is not None:
+                    body[key] = getattr(req, key)
+        else:
+            prompt = first_prompt(req.prompt)
+            if not isinstance(prompt, str):
+                return prompt
+            body = {"model": model, "prompt": prompt}
+        pods = self._pods.candidates(model)
+        if not pods or self.session is None:
+            raise _NotTokenizable("remote_unavailable")
+        pod = min(pods, key=lambda p: p.in_flight)
+        try:
+            async with self.session.post(f"{pod.url}/tokenize", json=body, timeout=self._remote_timeout) as resp:
+                if resp.status != 200:
+                    raise _NotTokenizable(f"remote_http_{resp.status}")
+                tokens = (await resp.json(content_type=None)).get("tokens")
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            raise _NotTokenizable("remote_error") from None
+        if not isinstance(tokens, list):
+            raise _NotTokenizable("remote_error")
+        return tokens
+
+    def _warn_once(self, model: str, why: str) -> None:
+        if model not in self._warned:
+            self._warned.add(model)
+            log.warning("model %s: %s; routing it by approximate (text) prefix instead", model, why)
+
+
+class _NotTokenizable(Exception):
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def chat_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+    if kind == "chat":
+        return req.messages
+    # Responses API: instructions become the system message; input is a string or a list of messages.
+    messages: list[dict[str, Any]] = []
+    if isinstance(req.instructions, str):
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    elif isinstance(req.input, list):
+        messages.extend(m for m in req.input if isinstance(m, dict) and "role" in m)
+    return normalize_messages(messages) or None
+
+
+def first_prompt(prompt: Any) -> str | list[int] | None:
+    """The prompt routing looks at: a batch of prompts is routed by its first."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return prompt
+        first = prompt[0]
+        if isinstance(first, str) or isinstance(first, list) and all(isinstance(t, int) for t in first):
+            return first
+    return None
