@@ -280,13 +280,13 @@ class PrefixIndex:
 
     def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int]) -> None:
         """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view)."""
+        now = time.monotonic()
+        self._expire_speculative(now)
         view = self._views.get((pod, 0))
         if view is None or not view.block_size or self.speculative_ttl_s <= 0:
             return
         bs = view.block_size
         hashes = prefix_hashes(namespace_root(model, lora_name), token_ids[: len(token_ids) // bs * bs], bs)
-        now = time.monotonic()
-        self._expire_speculative(now)
         expiry = now + self.speculative_ttl_s
         for h in hashes:
             self._speculative.setdefault(h, {})[view.bit] = expiry

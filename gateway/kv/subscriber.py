@@ -92,6 +92,8 @@ class KvEventSubscriber:
 
     async def _run(self) -> None:
         assert self._sub is not None
+        if self.replay_endpoint:
+            await self._catch_up()
         while True:
             frames = await self._sub.recv_multipart()
             try:
@@ -120,6 +122,18 @@ class KvEventSubscriber:
             await self._fill_gap(last + 1, seq)
         if seq > self.view.last_seq:
             self._apply(seq, payload)
+
+    async def _catch_up(self) -> None:
+        """Rebuild from the pod's replay buffer at start, without waiting for its next batch (a gateway
+        restarted beside long-running pods routes precisely at once)."""
+        self.stats.replays += 1
+        try:
+            first = await self._replay(0)
+        except zmq.ZMQError as exc:
+            log.warning("pod %s rank %d: initial replay failed: %s", self.view.pod, self.view.rank, exc)
+            return
+        if first is not None and first > 0:
+            self._lost(0, first)
 
     def _restarted(self, seq: int) -> None:
         self.stats.restarts += 1

@@ -1,0 +1,166 @@
+"""The KV-event subscriber over real ZMQ sockets: order, gaps, replay, restarts, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from gateway.kv.events import BlockStored, Encoding, encode_seq
+from gateway.kv.hashing import namespace_root, prefix_hashes
+from gateway.kv.index import PrefixIndex
+from gateway.kv.subscriber import KvEventSubscriber
+from gateway.mock.pod import free_port
+from gateway.mock.publisher import KvEventPublisher
+
+BS = 4
+
+
+def block(i: int, parent: int | None = None) -> BlockStored:
+    """Block ``i`` of a chain of 4-token blocks with engine hashes 1000 + i."""
+    return BlockStored([1000 + i], parent, list(range(i * BS, (i + 1) * BS)), BS)
+
+
+def chain_hashes(n: int) -> set[int]:
+    return set(prefix_hashes(namespace_root("m"), list(range(n * BS)), BS))
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    assert condition()
+
+
+class Rig:
+    def __init__(self, encoding: Encoding = Encoding.CURRENT, replay: bool = True) -> None:
+        self.pub = KvEventPublisher(f"tcp://127.0.0.1:{free_port()}",
+                                    f"tcp://127.0.0.1:{free_port()}" if replay else None,
+                                    topic="kv", encoding=encoding)
+        self.index = PrefixIndex()
+        self.view = self.index.view("p", 0, "m", BS)
+        self.sub = KvEventSubscriber(self.index, self.view, self.pub.endpoint, self.pub.replay_endpoint,
+                                     topic="kv", replay_timeout_s=1.0)
+        self.n = 0
+
+    def store_next(self) -> None:
+        self.pub.publish([block(self.n, 1000 + self.n - 1 if self.n else None)])
+        self.n += 1
+
+    def held(self) -> set[int]:
+        return self.index.own_hashes("p")
+
+    async def close(self) -> None:
+        await self.sub.stop()
+        await self.pub.stop()
+
+
+@pytest.fixture
+async def rig_factory():
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        rig = Rig(**kw)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        await rig.close()
+
+
+async def connected(rig: Rig) -> None:
+    rig.pub.start()
+    rig.sub.start()
+    await asyncio.sleep(0.3)  # the subscription reaches the publisher (ZMQ slow joiner)
+
+
+@pytest.mark.parametrize("encoding", [Encoding.CURRENT, Encoding.V0_25, Encoding.V0_23, Encoding.SGLANG])
+async def test_gap_is_filled_by_replay(rig_factory, encoding):
+    rig = rig_factory(encoding=encoding)
+    await connected(rig)
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 0)
+    rig.pub.drop_fraction = 1.0  # lost in transit, still in the replay buffer
+    rig.store_next()
+    rig.store_next()
+    rig.pub.drop_fraction = 0.0
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 3)
+    assert rig.held() == chain_hashes(4)
+    assert rig.sub.stats.gaps == 1 and rig.sub.stats.replays >= 2 and not rig.view.approximate
+
+
+async def test_gap_without_replay_marks_approximate_until_clear(rig_factory):
+    from gateway.kv.events import AllBlocksCleared
+
+    rig = rig_factory(replay=False)
+    await connected(rig)
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 0)
+    rig.pub.sending = False
+    rig.store_next()
+    rig.pub.sending = True
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    assert rig.view.approximate and rig.sub.stats.unrecoverable == 1
+    assert rig.held() == chain_hashes(1)  # block 2's parent was never seen: not indexed
+    rig.pub.publish([AllBlocksCleared()])
+    await eventually(lambda: rig.view.last_seq == 3)
+    assert not rig.view.approximate and rig.held() == set()
+
+
+async def test_restart_drops_the_view_and_rebuilds(rig_factory):
+    rig = rig_factory()
+    await connected(rig)
+    for _ in range(3):
+        rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    assert rig.held() == chain_hashes(3)
+    rig.pub.restart()
+    rig.pub.publish([block(0)])  # a new engine, a new cache: seq 0 again
+    await eventually(lambda: rig.sub.stats.restarts == 1 and rig.view.last_seq == 0)
+    assert rig.held() == chain_hashes(1)
+
+
+async def test_subscriber_started_late_catches_up_by_replay(rig_factory):
+    rig = rig_factory()
+    rig.pub.start()
+    for _ in range(5):
+        rig.store_next()  # nobody listening yet
+    rig.sub.start()
+    await eventually(lambda: rig.view.last_seq == 4)
+    assert rig.held() == chain_hashes(5)
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 5)
+    assert rig.held() == chain_hashes(6) and rig.sub.stats.restarts == 0
+
+
+async def test_publisher_down_at_start_then_up(rig_factory):
+    rig = rig_factory(replay=False)
+    rig.sub.start()
+    await asyncio.sleep(0.3)
+    rig.pub.start()
+    await asyncio.sleep(0.5)  # ZMQ reconnects on its own
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 0)
+    assert rig.held() == chain_hashes(1) and not rig.view.approximate
+
+
+async def test_garbage_is_counted_and_the_subscriber_keeps_going(rig_factory):
+    rig = rig_factory(replay=False)
+    await connected(rig)
+    sock = rig.pub._pub  # the publisher's own socket, to send what no engine would
+    assert sock is not None
+    sock.send_multipart([b"kv", encode_seq(0), b"\xc1\xff garbage"])
+    sock.send_multipart([b"kv", b"short", b""])
+    sock.send_multipart([b"kv", encode_seq(1)])
+    sock.send_multipart([b"kv", encode_seq(1), b"\x93\x00\x90\x00"])  # [0, [], 0]: a valid empty batch
+    await eventually(lambda: rig.view.last_seq == 1)
+    assert rig.sub.stats.malformed == 3 and rig.sub.stats.applied == 1
+    rig.pub.seq = 2
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    assert rig.held() == chain_hashes(1)

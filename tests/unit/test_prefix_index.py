@@ -1,0 +1,181 @@
+"""The prefix index against hand-built event sequences, in every encoding the engines use."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Encoding,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
+from gateway.kv.hashing import namespace_root, prefix_hashes
+from gateway.kv.index import PrefixIndex
+
+BS = 4
+PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, and the engine may hit at most 16 tokens
+
+
+def stored(hashes, parent, tokens, **kw) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, **kw)
+
+
+def through_wire(events, encoding: Encoding):
+    return decode_batch(encode_batch(EventBatch(1.0, events, 0), encoding)).events
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex()
+
+
+def match(index: PrefixIndex, tokens=PROMPT, pods=("a", "b"), lora=None):
+    return {p: m.gpu_tokens for p, m in index.lookup("m", lora, tokens, pods).items()}
+
+
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_chain_across_batches_in_every_encoding(index, encoding):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, through_wire([stored([11, 12], None, PROMPT[:8])], encoding))
+    assert match(index) == {"a": 8, "b": 0}
+    index.apply(view, through_wire([stored([13, 14], 12, PROMPT[8:16])], encoding))
+    assert match(index) == {"a": 16, "b": 0}  # capped: the 17th token is never a hit
+    assert match(index, PROMPT[:16]) == {"a": 12, "b": 0}  # 16 tokens: the last block holds the last token
+    # The own hashes are the gateway's chained hashes of the tokens, whatever the engine's hashes were.
+    assert index.own_hashes("a") == set(prefix_hashes(namespace_root("m"), PROMPT[:16], BS))
+
+
+def test_engine_hashes_do_not_matter_across_pods(index):
+    a, b = index.view("a", 0, "m", BS), index.view("b", 0, "m", BS)
+    index.apply(a, [stored([1, 2], None, PROMPT[:8])])
+    index.apply(b, [stored([-77, 2**64 - 1], None, PROMPT[:8])])  # another seed; SGLang's signed ints
+    assert match(index) == {"a": 8, "b": 8}
+
+
+def test_longest_run_from_the_first_block(index):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2, 3], None, PROMPT[:12])])
+    index.apply(view, [BlockRemoved([2])])
+    assert match(index) == {"a": 4, "b": 0}  # block 3 is still held, but the run broke at block 2
+    other = [999, *PROMPT[1:]]
+    assert match(index, other) == {"a": 0, "b": 0}
+
+
+def test_duplicates_are_reference_counted(index):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2], None, PROMPT[:8]), stored([1, 2], None, PROMPT[:8])])
+    index.apply(view, [BlockRemoved([1, 2])])
+    assert match(index) == {"a": 8, "b": 0}  # the second copy still holds the prefix
+    index.apply(view, [BlockRemoved([1, 2])])
+    assert match(index) == {"a": 0, "b": 0}
+    index.apply(view, [BlockRemoved([1])])  # a third removal has nothing left to remove
+    assert index.stats.unknown_removed == 1
+
+
+def test_clear_and_restart_drop_the_view_only(index):
+    a, b = index.view("a", 0, "m", BS), index.view("b", 0, "m", BS)
+    for view in (a, b):
+        index.apply(view, [stored([1, 2], None, PROMPT[:8])])
+    index.apply(a, [AllBlocksCleared()])
+    assert match(index) == {"a": 0, "b": 8}
+    index.apply(a, [stored([3], 2, PROMPT[8:12])])  # its engine map was cleared too: parent unknown
+    assert index.stats.unknown_parent == 1 and match(index) == {"a": 0, "b": 8}
+    index.reset_view(b)
+    assert match(index) == {"a": 0, "b": 0} and index.size() == 0
+
+
+def test_lora_and_extra_keys_never_match_plain_blocks(index):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2], None, PROMPT[:8], lora_name="sql", lora_id=1)])
+    assert match(index) == {"a": 0, "b": 0}
+    assert match(index, lora="sql") == {"a": 8, "b": 0}
+    index.apply(view, [stored([5, 6], None, PROMPT[:8], extra_keys=[["salt-1"], None])])
+    assert match(index) == {"a": 0, "b": 0}  # a salted first block poisons the whole chain
+
+
+def test_malformed_stores_are_rejected(index):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2], None, PROMPT[:7])])  # token count does not fill the blocks
+    index.apply(view, [stored([1], None, PROMPT[:4], lookahead_token_ids=[5])])
+    assert index.stats.rejected == 2 and match(index) == {"a": 0, "b": 0}
+
+
+def test_offload_tier_counts_separately(index):
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1], None, PROMPT[:4]), stored([2, 3], 1, PROMPT[4:12], medium="CPU")])
+    m = index.lookup("m", None, PROMPT, ["a"])["a"]
+    assert (m.gpu_tokens, m.offload_tokens) == (4, 8)
+    index.apply(view, [BlockRemoved([2, 3], medium="CPU")])
+    m = index.lookup("m", None, PROMPT, ["a"])["a"]
+    assert (m.gpu_tokens, m.offload_tokens) == (4, 0)
+
+
+def test_block_sizes_learned_per_pod(index):
+    a, b = index.view("a", 0, "m"), index.view("b", 0, "m", 8)
+    index.apply(a, [stored([1, 2], None, PROMPT[:8])])
+    index.apply(b, [BlockStored([9, 10], None, PROMPT[:16], 8)])
+    assert a.block_size == 4 and match(index) == {"a": 8, "b": 16}
+
+
+def test_best_rank_wins_and_approximate_is_reported(index):
+    r0, r1 = index.view("a", 0, "m", BS), index.view("a", 1, "m", BS)
+    index.apply(r0, [stored([1], None, PROMPT[:4])])
+    index.apply(r1, [stored([1, 2, 3], None, PROMPT[:12])])
+    r1.approximate = True
+    m = index.lookup("m", None, PROMPT, ["a"])["a"]
+    assert m.gpu_tokens == 12 and m.approximate
+
+
+def test_speculative_insertion_expires(index):
+    index.speculative_ttl_s = 0.05
+    view = index.view("a", 0, "m", BS)
+    index.expect("a", "m", None, PROMPT)
+    m = index.lookup("m", None, PROMPT, ["a", "b"])
+    assert m["a"].gpu_tokens == 16 and m["a"].speculative_tokens == 16 and m["b"].gpu_tokens == 0
+    index.apply(view, [stored([1], None, PROMPT[:4])])
+    assert index.lookup("m", None, PROMPT, ["a"])["a"].speculative_tokens == 12
+    time.sleep(0.06)
+    index.expect("b", "m", None, [1, 2, 3, 4, 5])  # any later insertion sweeps expired entries
+    assert match(index) == {"a": 4, "b": 0} and len(index._speculative) == 0
+
+
+def test_memory_bound_forgets_least_recent(index):
+    index.max_blocks_per_view = 100
+    view = index.view("a", 0, "m", BS)
+    parent = None
+    for i in range(60):
+        tokens = list(range(i * 8, i * 8 + 8))
+        index.apply(view, [stored([2 * i + 1, 2 * i + 2], None, tokens)])
+        parent = 2 * i + 2
+    assert parent and len(view.refs) <= 100 and index.stats.evicted_for_memory > 0
+    assert index.lookup("m", None, list(range(59 * 8, 59 * 8 + 9)), ["a"])["a"].gpu_tokens == 8  # newest kept
+    assert index.lookup("m", None, list(range(0, 9)), ["a"])["a"].gpu_tokens == 0  # oldest forgotten
+
+
+def test_drop_pod_frees_its_bit(index):
+    a = index.view("a", 0, "m", BS)
+    index.apply(a, [stored([1, 2], None, PROMPT[:8])])
+    index.drop_pod("a")
+    c = index.view("c", 0, "m", BS)
+    assert c.bit == a.bit and match(index, pods=("a", "c")) == {"a": 0, "c": 0}
+
+
+def test_garbage_payloads_are_rejected_or_skipped():
+    from gateway.kv.events import BadEventBatch
+
+    with pytest.raises(BadEventBatch):
+        decode_batch(b"\xc1 not msgpack")
+    with pytest.raises(BadEventBatch):
+        decode_batch(b"\x93\x01\x02\x03")  # [1, 2, 3]: events is not a list
+    import msgspec
+
+    payload = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": "nope"}, ["Mystery", 1],
+                                            {"type": "BlockRemoved", "block_hashes": [1]}, 42]])
+    batch = decode_batch(payload)
+    assert batch.skipped == 3 and batch.events == [BlockRemoved([1])]
