@@ -17,7 +17,7 @@ import aiohttp
 
 from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
-from gateway.config import ModelTokenizerConfig, TokenizationConfig
+from gateway.config import TokenizationConfig
 from gateway.metrics import GatewayMetrics
 from gateway.tokenization.hf import HfTokenizer, normalize_messages
 from gateway.tokenization.segments import SegmentEncoder
@@ -191,6 +191,6 @@ def first_prompt(prompt: Any) -> str | list[int] | None:
         if all(isinstance(t, int) for t in prompt):
             return prompt
         first = prompt[0]
-        if isinstance(first, str) or isinstance(first, list) and all(isinstance(t, int) for t in first):
+        if isinstance(first, str) or (isinstance(first, list) and all(isinstance(t, int) for t in first)):
             return first
     return None

@@ -26,8 +26,8 @@ def chain_hashes(n: int) -> set[int]:
     return set(prefix_hashes(namespace_root("m"), list(range(n * BS)), BS))
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
+async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
+    for _ in range(int(within_s / 0.01)):
         if condition():
             return
         await asyncio.sleep(0.01)

@@ -33,7 +33,7 @@ def request(model: str = "m") -> RoutingRequest:
 def test_policies_are_found_through_entry_points():
     plugins = policies()
     assert {"random", "round_robin", "least_request"} <= set(plugins.names())
-    with pytest.raises(UnknownPlugin, match="known: .*least_request"):
+    with pytest.raises(UnknownPlugin, match=r"known: .*least_request"):
         plugins.load("nope")
 
 

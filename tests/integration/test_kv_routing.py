@@ -1,0 +1,139 @@
+"""KV-aware routing end to end: a gateway in front of 4 simulated vLLM pods with KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import msgspec
+
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from tests.integration.test_kv_subscriber import eventually
+
+MODEL = "mock-llama"
+
+
+async def fleet(start_mock_pod, start_gateway, n=4, pod_kw=None, **gateway_kw):
+    pods = [await start_mock_pod(**(pod_kw or {})) for _ in range(n)]
+    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+    gateway_kw.setdefault("routing", {"policy": "kv_aware"})
+    gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(pods)],
+                             **gateway_kw)
+    return pods, gw
+
+
+async def synced(gw, pods) -> None:
+    """Wait until the gateway has applied every event batch each pod has published."""
+    index = gw.gateway.kv.index
+    await eventually(lambda: all(
+        index.view(f"pod{i}", 0, MODEL).last_seq == p.publisher.seq - 1 for i, p in enumerate(pods)))
+
+
+def system_prompt(group: int) -> str:
+    rng = random.Random(group)
+    words = ["cache", "prefix", "router", "token", "block", "engine", "agent", "stage", "latency", "pod"]
+    return f"Group {group}. " + " ".join(rng.choice(words) for _ in range(500))
+
+
+async def ask(http, gw, group: int, question: str, max_tokens: int = 4, **headers):
+    body = {"model": MODEL, "max_tokens": max_tokens, "messages": [
+        {"role": "system", "content": system_prompt(group)}, {"role": "user", "content": question}]}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        usage = (await resp.json())["usage"]
+        return resp.headers["x-gateway-pod"], int(resp.headers["x-gateway-prefix-tokens"]), usage
+
+
+async def test_shared_prefix_follows_its_pod_and_predictions_are_exact(start_mock_pod, start_gateway, http):
+    # Small caches (256 blocks of 16 tokens per pod) so the run goes through evictions.
+    pods, gw = await fleet(start_mock_pod, start_gateway, pod_kw={"num_blocks": 256},
+                           kv_index={"speculative_ttl_s": 0})
+    home: dict[int, str] = {}
+    rng = random.Random(7)
+    checked = hits = 0
+    for i in range(60):
+        group = rng.randrange(10)
+        pod, predicted, usage = await ask(http, gw, group, f"Question {i} about group {group}?")
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert predicted == cached, (i, group, pod, predicted, cached)
+        if group in home and cached:
+            assert pod == home[group]  # a group's requests go where its prefix is
+            hits += 1
+        if cached or group not in home:
+            home[group] = pod
+        checked += 1
+        await synced(gw, pods)
+    evictions = sum(p.engine.cache.stats.evictions for p in pods)
+    assert checked == 60 and hits >= 30 and evictions > 0
+    assert len(set(home.values())) >= 3  # groups spread over the fleet
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'gateway_routing_decisions_total{policy="kv_aware",reason="cache_hit"}' in metrics
+
+
+async def test_burst_with_one_new_prefix_follows_the_first_request(start_mock_pod, start_gateway, http):
+    _, gw = await fleet(start_mock_pod, start_gateway, pod_kw={"speed": 0.05})
+    results = await asyncio.gather(*(ask(http, gw, 99, f"burst {i}") for i in range(8)))
+    chosen = Counter(pod for pod, _, _ in results)
+    # Speculative insertion: the burst lands where the first one went, before any event came back.
+    assert len(chosen) == 1
+
+
+async def test_hot_prefix_is_rebalanced_when_its_pod_is_overloaded(start_mock_pod, start_gateway, http):
+    pods, gw = await fleet(start_mock_pod, start_gateway, pod_kw={"speed": 0.2},
+                           routing={"policy": "kv_aware", "options": {"kv_aware": {"overload_slack": 2}}})
+    await ask(http, gw, 5, "warm-up")
+    await synced(gw, pods)
+    results = await asyncio.gather(*(ask(http, gw, 5, f"hot {i}", max_tokens=64) for i in range(12)))
+    chosen = Counter(pod for pod, _, _ in results)
+    assert len(chosen) > 1 and max(chosen.values()) < 12
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'reason="rebalanced"' in metrics and 'reason="cache_hit"' in metrics
+
+
+async def test_model_without_tokenizer_routes_approximately(start_mock_pod, start_gateway, http):
+    _, gw = await fleet(start_mock_pod, start_gateway, tokenization={"default_mode": "none"})
+    first, _, _ = await ask(http, gw, 1, "one")
+    for i in range(4):
+        pod, _, usage = await ask(http, gw, 1, f"again {i}")
+        assert pod == first and usage["prompt_tokens_details"]["cached_tokens"] > 0
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'gateway_routing_decisions_total{policy="kv_aware",reason="approximate"} 5.0' in metrics
+    assert 'gateway_tokenization_total{mode="none",model="mock-llama",outcome="unavailable"} 5.0' in metrics
+
+
+async def test_remote_tokenization_routes_precisely(start_mock_pod, start_gateway, http):
+    pods, gw = await fleet(start_mock_pod, start_gateway, tokenization={"default_mode": "remote"},
+                           kv_index={"speculative_ttl_s": 0})
+    first, _, _ = await ask(http, gw, 3, "one")
+    await synced(gw, pods)
+    pod, predicted, usage = await ask(http, gw, 3, "two")
+    assert pod == first and predicted == usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_index_converges_after_lost_batches_and_a_restart(start_mock_pod, start_gateway, http):
+    pods, gw = await fleet(start_mock_pod, start_gateway, pod_kw={"num_blocks": 200})
+    for p in pods:
+        p.publisher.drop_fraction = 0.05
+    rng = random.Random(3)
+    for i in range(80):
+        await ask(http, gw, rng.randrange(12), f"chaos {i}")
+        if i == 40:
+            pods[1].restart()  # the engine dies and comes back empty, seq from 0
+    for p in pods:
+        p.publisher.drop_fraction = 0.0
+    for group in range(12):  # fresh batches reveal any trailing gap, which replay then fills
+        await ask(http, gw, group, "settle")
+    await synced(gw, pods)
+
+    async def truth(i: int) -> set[int]:
+        async with http.get(f"{pods[i].url}/debug/blocks") as resp:
+            return {b["token_hash"] for b in (await resp.json())["blocks"]}
+
+    index = gw.gateway.kv.index
+    for i in range(4):
+        assert index.own_hashes(f"pod{i}") == await truth(i), f"pod{i}"
+    debug = await (await http.get(f"{gw.url}/debug/index")).json()
+    stats = {v["pod"]: v["subscriber"] for v in debug["views"]}
+    assert sum(s["gaps"] for s in stats.values()) > 0 and stats["pod1"]["restarts"] == 1
+    assert not any(v["approximate"] for v in debug["views"])

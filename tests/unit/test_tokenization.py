@@ -1,0 +1,129 @@
+"""Tokenization for routing is exactly the engine's: segment caching proven against whole-prompt
+tokenization, completions with special tokens, remote mode, and visible fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from gateway.api.requests import InferenceRequest
+from gateway.backends.registry import PodRegistry
+from gateway.config import HealthConfig, ModelTokenizerConfig, TokenizationConfig
+from gateway.metrics import GatewayMetrics
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.segments import SegmentEncoder
+from gateway.tokenization.service import LocalTokenizer, TokenizationService
+
+WORDS = ["the", "gateway", " routes", "naïve", "東京", "  ", "\n", "\n\n", "\t", "x=1;", "<|eot_id|>", "🙂",
+         "<|start_header_id|>", "Ünïcödé", "12345", " ", ".", "KV-cache", "'quoted'", "<|", "|>"]
+
+
+def random_conversation(rng: random.Random) -> list[dict]:
+    roles = ["system"] if rng.random() < 0.5 else []
+    roles += ["user", "assistant"] * rng.randint(1, 4)
+    if rng.random() < 0.5:
+        roles.append("user")
+    return [{"role": r, "content": "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 40)))} for r in roles]
+
+
+def test_segmented_tokenization_equals_whole_prompt(tokenizer):
+    encoder = SegmentEncoder(tokenizer)
+    assert encoder.self_check() and encoder.exact
+    rng = random.Random(1234)
+    for _ in range(300):
+        text = tokenizer.render_chat(random_conversation(rng))
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False), text
+    assert encoder.hits > 1000  # roles and repeated segments come from the cache
+
+
+def test_growing_conversation_reuses_cached_segments(tokenizer):
+    encoder = SegmentEncoder(tokenizer)
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 50}]
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Question {turn}?"})
+        encoder.encode(tokenizer.render_chat(messages))
+        misses = encoder.misses
+        messages.append({"role": "assistant", "content": f"Answer {turn}."})
+    encoder.encode(tokenizer.render_chat(messages))
+    assert encoder.misses - misses == 1  # only the newest message was tokenized
+
+
+def make_service(models=None, default_mode="none", **kw) -> TokenizationService:
+    config = TokenizationConfig(models=models or {}, default_mode=default_mode, **kw)
+    service = TokenizationService(config, PodRegistry([], HealthConfig()), GatewayMetrics())
+    service.load()
+    return service
+
+
+def local_models() -> dict:
+    return {"m": ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}
+
+
+async def test_service_local_chat_and_completions(tokenizer):
+    service = make_service(local_models())
+    messages = [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}]
+    ids = await service.tokenize("m", "chat", InferenceRequest(model="m", messages=messages))
+    assert ids == tokenizer.encode_chat([{"role": "user", "content": "part one\ntwo"}])
+    ids = await service.tokenize("m", "completions", InferenceRequest(model="m", prompt="Hello world"))
+    assert ids == tokenizer.encode("Hello world") and ids[0] == 0  # BOS, as the engine adds it
+    assert await service.tokenize("m", "completions", InferenceRequest(model="m", prompt=[5, 6, 7])) == [5, 6, 7]
+    assert await service.tokenize("m", "completions", InferenceRequest(model="m", prompt=["a", "b"])) == \
+        tokenizer.encode("a")
+    responses = InferenceRequest(model="m", instructions="Be brief.", input="Hi")
+    assert await service.tokenize("m", "responses", responses) == tokenizer.encode_chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+
+
+async def test_long_new_text_is_tokenized_off_the_loop_with_the_same_result(tokenizer):
+    service = make_service(local_models(), offload_chars=100)
+    local = service.local("m")
+    assert isinstance(local, LocalTokenizer)
+    misses = local.segments.misses
+    messages = [{"role": "system", "content": "long system prompt " * 100}, {"role": "user", "content": "hi"}]
+    ids = await service.tokenize("m", "chat", InferenceRequest(model="m", messages=messages))
+    assert ids == tokenizer.encode_chat(messages)
+    assert local.segments.misses == misses  # the new segments were encoded in the worker thread
+
+
+async def test_unknown_model_is_counted_and_logged_once(caplog):
+    service = make_service(default_mode="none")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert await service.tokenize("x", "chat", InferenceRequest(model="x", messages=[{"role": "user"}])) is None
+    assert sum("approximate" in r.message for r in caplog.records) == 1
+    text = service._metrics.render().decode()
+    assert 'gateway_tokenization_total{mode="none",model="x",outcome="unavailable"} 3.0' in text
+
+
+async def test_template_errors_fall_back_visibly():
+    service = make_service(local_models())
+    bad = InferenceRequest(model="m", messages=[{"role": "user", "content": 5}])  # the template cannot render it
+    assert await service.tokenize("m", "chat", bad) is None
+    assert 'outcome="render_error"' in service._metrics.render().decode()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_remote_mode_matches_local(start_mock_pod, tokenizer, kind):
+    import aiohttp
+
+    from gateway.config import PodConfig
+
+    pod = await start_mock_pod()
+    registry = PodRegistry([PodConfig(url=pod.url, models=["mock-llama"])], HealthConfig())
+    registry.all()[0].healthy = True
+    service = TokenizationService(TokenizationConfig(default_mode="remote"), registry, GatewayMetrics())
+    async with aiohttp.ClientSession() as session:
+        service.session = session
+        messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "remote please"}]
+        req = InferenceRequest(model="mock-llama", messages=messages, prompt="remote please")
+        ids = await service.tokenize("mock-llama", kind, req)
+    expected = tokenizer.encode_chat(messages) if kind == "chat" else tokenizer.encode("remote please")
+    assert ids == expected
+    await pod.stop()
+    registry.all()[0].healthy = True
+    async with aiohttp.ClientSession() as session:
+        service.session = session
+        assert await service.tokenize("mock-llama", kind, req) is None
+    assert 'outcome="remote_error"' in service._metrics.render().decode()
