@@ -1,8 +1,9 @@
 """The gateway's own chained hash of token blocks (spec: ``specs/kv-events.md``, "Why the gateway
 hashes tokens itself").
 
-``h_i = xxh3_64(h_{i-1} || tokens_i)``, seeded per namespace (model, LoRA adapter) so blocks of
-different adapters never collide. Engine hashes differ per process and version; these do not.
+``h_i = xxh3_64(tokens_i as uint32 bytes [+ extra keys], seed=h_{i-1})``, starting from a root per
+namespace (model, LoRA adapter) so blocks of different adapters never collide. Engine hashes differ per
+process and version; these do not. Seeding with the parent avoids building a new buffer per block.
 """
 
 from __future__ import annotations
@@ -11,21 +12,49 @@ from array import array
 
 import xxhash
 
+_hash = xxhash.xxh3_64_intdigest
+
 
 def namespace_root(model: str, lora_name: str | None = None) -> int:
-    return xxhash.xxh3_64_intdigest(f"{model}\x00{lora_name or ''}".encode())
+    return _hash(f"{model}\x00{lora_name or ''}".encode())
 
 
 def chain_hash(parent: int, block_tokens: list[int] | tuple[int, ...], extra: bytes = b"") -> int:
-    data = parent.to_bytes(8, "little") + array("I", block_tokens).tobytes() + extra
-    return xxhash.xxh3_64_intdigest(data)
+    data = array("I", block_tokens).tobytes()
+    return _hash(data + extra if extra else data, parent)
 
 
 def prefix_hashes(root: int, token_ids: list[int], block_size: int) -> list[int]:
     """Hashes of every full block of ``token_ids``, each chained to the one before."""
+    data = array("I", token_ids).tobytes()  # slicing bytes is cheaper than slicing a memoryview
+    step = 4 * block_size
     out: list[int] = []
     parent = root
-    for i in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[i : i + block_size])
+    for offset in range(0, len(token_ids) // block_size * step, step):
+        parent = _hash(data[offset : offset + step], parent)
         out.append(parent)
     return out
+
+
+class PromptHashes:
+    """A prompt's block hashes, computed lazily per block size and only as far as a lookup needs."""
+
+    __slots__ = ("_by_size", "_data", "root", "token_count")
+
+    def __init__(self, root: int, token_ids: list[int]) -> None:
+        self.root = root
+        self.token_count = len(token_ids)
+        self._data = array("I", token_ids).tobytes()
+        self._by_size: dict[int, list[int]] = {}
+
+    def first(self, block_size: int, count: int) -> list[int]:
+        """At least the first ``count`` hashes (fewer only if the prompt has fewer full blocks)."""
+        done = self._by_size.setdefault(block_size, [])
+        count = min(count, self.token_count // block_size)
+        if len(done) < count:
+            step, data = 4 * block_size, self._data
+            parent = done[-1] if done else self.root
+            for offset in range(len(done) * step, count * step, step):
+                parent = _hash(data[offset : offset + step], parent)
+                done.append(parent)
+        return done

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
-from gateway.kv.hashing import chain_hash, namespace_root, prefix_hashes
+from gateway.kv.hashing import PromptHashes, chain_hash, namespace_root
 
 log = logging.getLogger("gateway.kv.index")
 
@@ -218,24 +218,27 @@ class PrefixIndex:
 
     # Lookup (routing's side)
 
-    def lookup(self, model: str, lora_name: str | None, token_ids: list[int],
+    def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int]) -> PromptHashes:
+        return PromptHashes(namespace_root(model, lora_name), token_ids)
+
+    def lookup(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                pods: Iterable[str]) -> dict[str, PodMatch]:
         """Per pod, the longest run of the prompt's blocks cached from the first block."""
+        hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         wanted = set(pods)
         by_size: dict[int, list[EngineView]] = {}
         for view in self._views.values():
             if view.pod in wanted and view.block_size:
                 by_size.setdefault(view.block_size, []).append(view)
         out: dict[str, PodMatch] = {}
-        root = namespace_root(model, lora_name)
         now = time.monotonic()
         for bs, views in by_size.items():
             # The engine always recomputes the last prompt token: it never counts as a hit.
-            usable = (len(token_ids) - 1) // bs
-            hashes = prefix_hashes(root, token_ids[: usable * bs], bs)
-            confirmed = self._runs(hashes, views, self._gpu, None)
-            with_spec = self._runs(hashes, views, self._gpu, now) if self._speculative else confirmed
-            any_tier = self._runs(hashes, views, self._gpu, None, self._offload) if self._offload else confirmed
+            usable = (hashes.token_count - 1) // bs
+            confirmed = self._runs(hashes, bs, usable, views, self._gpu, None)
+            with_spec = self._runs(hashes, bs, usable, views, self._gpu, now) if self._speculative else confirmed
+            any_tier = (self._runs(hashes, bs, usable, views, self._gpu, None, self._offload) if self._offload
+                        else confirmed)
             for view in views:
                 gpu = with_spec[view.bit]
                 match = PodMatch(gpu * bs, max(0, any_tier[view.bit] - gpu) * bs,
@@ -247,15 +250,20 @@ class PrefixIndex:
             out[pod] = PodMatch()
         return out
 
-    def _runs(self, hashes: list[int], views: list[EngineView], tier: dict[int, int], now: float | None,
-              also: dict[int, int] | None = None) -> dict[int, int]:
-        """Length of the run of leading blocks held, per view bit."""
+    def _runs(self, prompt: PromptHashes, bs: int, usable: int, views: list[EngineView], tier: dict[int, int],
+              now: float | None, also: dict[int, int] | None = None) -> dict[int, int]:
+        """Length of the run of leading blocks held, per view bit (hashing no further than needed)."""
         mask = 0
         for view in views:
             mask |= 1 << view.bit
         runs: dict[int, int] = {}
         spec = self._speculative if now is not None else None
-        for i, h in enumerate(hashes):
+        hashes: list[int] = []
+        i = 0
+        while mask and i < usable:
+            if i == len(hashes):
+                hashes = prompt.first(bs, min(usable, max(8, 2 * i)))
+            h = hashes[i]
             held = tier.get(h, 0)
             if also is not None:
                 held |= also.get(h, 0)
@@ -270,23 +278,22 @@ class PrefixIndex:
                 runs[low.bit_length() - 1] = i
                 dropped ^= low
             mask = held
-            if not mask:
-                break
+            i += 1
         while mask:
             low = mask & -mask
-            runs[low.bit_length() - 1] = len(hashes)
+            runs[low.bit_length() - 1] = i
             mask ^= low
         return runs
 
-    def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int]) -> None:
+    def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes) -> None:
         """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view)."""
         now = time.monotonic()
         self._expire_speculative(now)
         view = self._views.get((pod, 0))
         if view is None or not view.block_size or self.speculative_ttl_s <= 0:
             return
-        bs = view.block_size
-        hashes = prefix_hashes(namespace_root(model, lora_name), token_ids[: len(token_ids) // bs * bs], bs)
+        prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
+        hashes = prompt.first(view.block_size, prompt.token_count)
         expiry = now + self.speculative_ttl_s
         for h in hashes:
             self._speculative.setdefault(h, {})[view.bit] = expiry

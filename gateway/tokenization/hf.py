@@ -34,6 +34,9 @@ class HfTokenizer:
 
         self.path = str(path)
         self._tok = AutoTokenizer.from_pretrained(self.path)
+        # The Rust tokenizer underneath, called directly: the same ids without transformers' per-call
+        # overhead (which dominates for the short segments that routing tokenizes).
+        self._backend = getattr(self._tok, "backend_tokenizer", None)
         self.eos_token_id: int | None = self._tok.eos_token_id
 
     def __len__(self) -> int:
@@ -63,6 +66,8 @@ class HfTokenizer:
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:

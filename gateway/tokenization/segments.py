@@ -38,25 +38,28 @@ class SegmentEncoder:
         self.misses = 0
         self.exact = tokenizer.added_tokens_split_cleanly() and self._split is not None
 
-    def encode(self, text: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
-        """Token ids of a rendered chat prompt (no special tokens added beyond those in the text)."""
-        if not self.exact:
-            return self._tok.encode(text, add_special_tokens=False)
+    def split(self, text: str) -> list[str]:
+        """Text and added tokens alternating: even items are text (maybe empty), odd ones added tokens."""
         assert self._split is not None
+        return self._split.split(text)
+
+    def encode(self, text: str | list[str], encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt (no special tokens added beyond those in the text);
+        ``text`` may come already :meth:`split`."""
+        if not self.exact:
+            assert isinstance(text, str)
+            return self._tok.encode(text, add_special_tokens=False)
         out: list[int] = []
-        for i, piece in enumerate(self._split.split(text)):
+        for i, piece in enumerate(self.split(text) if isinstance(text, str) else text):
             if i % 2:  # odd pieces are the added tokens themselves
                 out.append(self._added[piece])
             elif piece:
                 out.extend(self.segment(piece, encode_segment))
         return out
 
-    def uncached(self, text: str) -> list[str]:
-        """The segments of ``text`` not yet in the cache (to encode off the event loop first)."""
-        if not self.exact:
-            return [text]
-        assert self._split is not None
-        return [p for i, p in enumerate(self._split.split(text)) if not i % 2 and p and p not in self._cache]
+    def uncached(self, pieces: list[str]) -> list[str]:
+        """The text segments among :meth:`split` ``pieces`` not yet in the cache."""
+        return [p for i, p in enumerate(pieces) if not i % 2 and p and p not in self._cache]
 
     def segment(self, piece: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
         ids = self._cache.pop(piece, None)

@@ -46,16 +46,19 @@ class LocalTokenizer:
             tools=req.tools,
             chat_template_kwargs=req.chat_template_kwargs,
         )
-        new = self.segments.uncached(text)
+        if not self.segments.exact:
+            if len(text) > self._offload_chars:
+                return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        pieces = self.segments.split(text)
+        new = self.segments.uncached(pieces)
         if sum(map(len, new)) > self._offload_chars:
             encoded = await asyncio.to_thread(
                 lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in new]
             )
-            if not self.segments.exact:
-                return encoded[0]
             for piece, ids in zip(new, encoded, strict=True):
                 self.segments.remember(piece, ids)
-        return self.segments.encode(text)
+        return self.segments.encode(pieces)
 
     async def prompt(self, prompt: str) -> list[int]:
         ids = self._prompts.pop(prompt, None)

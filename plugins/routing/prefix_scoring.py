@@ -40,7 +40,11 @@ class PrefixScorer:
     def _precise(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
         assert self._index is not None and request.token_ids is not None
         started = time.perf_counter()
-        matches = self._index.lookup(request.base_model or request.model, request.lora_name, request.token_ids,
+        hashes = request.notes.get("hashes")
+        if hashes is None:
+            hashes = request.notes["hashes"] = self._index.prompt_hashes(
+                request.base_model or request.model, request.lora_name, request.token_ids)
+        matches = self._index.lookup(request.base_model or request.model, request.lora_name, hashes,
                                      [p.name for p in pods])
         if self._metrics:
             self._metrics.lookup_seconds.observe(time.perf_counter() - started)
@@ -67,7 +71,7 @@ class PrefixScorer:
         index until its events confirm them)."""
         if request.notes.get("precise") and self._index is not None and request.token_ids:
             self._index.expect(decision.pod.name, request.base_model or request.model, request.lora_name,
-                               request.token_ids)
+                               request.notes.get("hashes") or request.token_ids)
         else:
             text = request.notes.get("text") or _text_of(request)
             if text:
