@@ -12,15 +12,20 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from gateway.admission import AdmissionController
 from gateway.api.auth import ApiKeyAuth
 from gateway.api.middleware import openai_errors
 from gateway.api.routes import add_routes
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.backends.scraper import MetricsScraper
 from gateway.config import GatewayConfig
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
+from gateway.load.pending import PendingLoad
+from gateway.load.predictor import OutputLengthPredictor
+from gateway.load.profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.proxy import Proxy
@@ -44,6 +49,10 @@ class Gateway:
     policies: PluginRegistry
     kv: KvEventService
     tokens: TokenizationService
+    profiles: ProfileStore
+    load: PendingLoad
+    admission: AdmissionController
+    scraper: MetricsScraper | None = None
     health: HealthChecker | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
@@ -60,11 +69,25 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     kv = KvEventService(index)
     metrics.registry.register(KvMetricsCollector(kv))
     tokens = TokenizationService(config.tokenization, pods, metrics)
-    context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics)
+    lc = config.load
+    profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
+    load = PendingLoad(profiles, lc.default_capacity, lambda name: deployment_of(pods, name), lc.embedding_share)
+    predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
+                                      lc.max_output_tokens, lc.predictor_percentile)
+    admission = AdmissionController(config.admission, load, metrics)
+    context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics,
+                            load=load)
     router = Router(pods, policies, config.routing.policy, config.routing.options, context)
-    proxy = Proxy(pods, router, metrics, tokens, config.routing, config.timeouts, config.auth)
+    proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, config.routing, config.timeouts,
+                  config.auth)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
-                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies, kv=kv, tokens=tokens)
+                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies, kv=kv, tokens=tokens,
+                   profiles=profiles, load=load, admission=admission)
+
+
+def deployment_of(pods: PodRegistry, name: str) -> str:
+    pod = pods.get(name)
+    return (pod.config.deployment or pod.name) if pod else name
 
 
 def build_app(config: GatewayConfig) -> web.Application:
@@ -92,8 +115,14 @@ async def _start(app: web.Application) -> None:
     await gw.health.start()
     for pod in gw.pods.all():
         on_health_change(pod)
-        gw.metrics.watch_pod(pod)
+        gw.metrics.watch_pod(pod, gw.load)
         gw.kv.add_pod(pod)
+        gw.profiles.known_models |= pod.models
+    await gw.profiles.start()
+    if gw.config.load.scrape_interval_s > 0:
+        gw.scraper = MetricsScraper(gw.pods, gw.load.engine, gw.session, gw.config.load.scrape_interval_s)
+        gw.scraper.start()
+    gw.admission.start()
 
 
 async def _stop(app: web.Application) -> None:
@@ -101,5 +130,9 @@ async def _stop(app: web.Application) -> None:
     if gw.health:
         await gw.health.stop()
     await gw.kv.stop()
+    await gw.admission.stop()
+    if gw.scraper:
+        await gw.scraper.stop()
+    await gw.profiles.stop()
     if gw.session:
         await gw.session.close()

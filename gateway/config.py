@@ -38,6 +38,8 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_topic: str = ""
     dp_size: int = 1
     block_size: int | None = None
+    # The deployment whose GPU profile applies (Redis key aibrix:profile_<model>_<deployment>).
+    deployment: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -138,6 +140,42 @@ class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):
     speculative_ttl_s: float = 2.0
 
 
+class LoadConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # Redis holding GPU profiles (AIBrix format); none: every pod holds ``default_capacity`` requests.
+    redis_url: str | None = None
+    profile_refresh_s: float = 10.0
+    default_capacity: int = 64
+    # Most of a pod that embedding requests may take, so they cannot starve chat of admission.
+    embedding_share: float = 0.2
+    # Engine /metrics scrape period; 0 turns scraping off.
+    scrape_interval_s: float = 0.5
+    predictor_window_s: float = 240.0
+    predictor_slot_s: float = 10.0
+    cold_start: Literal["optimistic", "input", "pessimistic"] = "input"
+    max_output_tokens: int = 4096
+    # Predict this percentile of recent output lengths; none: a draw weighted by their counts.
+    predictor_percentile: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.default_capacity < 1 or not 0 < self.embedding_share <= 1:
+            raise ValueError("default_capacity must be >= 1 and embedding_share in (0, 1]")
+
+
+class SloTargets(msgspec.Struct, forbid_unknown_fields=True):
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool = False
+    queue_size: int = 256
+    max_queue_wait_s: float = 5.0
+    # Per model, the SLO of requests that send no x-slo-* headers.
+    slo_defaults: dict[str, SloTargets] = {}
+    # Request latency assumed for Retry-After when no profile gives one.
+    typical_e2e_s: float = 2.0
+
+
 class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool = False
@@ -166,6 +204,8 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     tokenization: TokenizationConfig = msgspec.field(default_factory=TokenizationConfig)
     kv_index: KvIndexConfig = msgspec.field(default_factory=KvIndexConfig)
+    load: LoadConfig = msgspec.field(default_factory=LoadConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
 

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 if TYPE_CHECKING:
     from gateway.backends.registry import Pod
+    from gateway.load.pending import PendingLoad
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -63,14 +64,31 @@ class GatewayMetrics:
             "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
+        self.admission = Counter(
+            "gateway_admission", "Admission outcomes by reason", ["outcome", "reason"], registry=r,
+        )
+        self.output_tokens = Histogram(
+            "gateway_output_tokens", "Output tokens per request: predicted at admission and actual",
+            ["kind"], buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r,
+        )
+        self.slo_slack = Histogram(
+            "gateway_slo_slack_seconds", "TTFT target minus time spent, at dispatch and at first byte",
+            ["stage"], buckets=(-10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
+        )
+        self.pending_load = Gauge("gateway_pod_pending_load", "Little's-law pending load (1 = full)", ["pod"],
+                                  registry=r)
+        self.kv_usage = Gauge("gateway_pod_kv_usage", "KV-cache usage the pod reports (0-1)", ["pod"], registry=r)
         self._per_request: dict[tuple[str, str, int], tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
 
-    def watch_pod(self, pod: Pod) -> None:
-        """Export the pod's in-flight count, read at scrape time (nothing to update per request)."""
+    def watch_pod(self, pod: Pod, load: PendingLoad) -> None:
+        """Export the pod's live numbers, read at scrape time (nothing to update per request)."""
         self.in_flight.labels(pod.name).set_function(lambda: pod.in_flight)
+        self.pending_load.labels(pod.name).set_function(lambda: load.load(pod.name))
+        self.kv_usage.labels(pod.name).set_function(
+            lambda: stats.kv_usage if (stats := load.engine.get(pod.name)) else 0.0)
 
     def decision_made(self, policy: str, reason: str) -> None:
         child = self._decisions.get((policy, reason))

@@ -22,11 +22,14 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from gateway.admission import AdmissionController, Slo
 from gateway.api.errors import ApiError, unknown_model, upstream_failed, upstream_timeout
 from gateway.api.middleware import REQUEST_ID
 from gateway.api.requests import parse_inference_request
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.config import AuthConfig, RoutingConfig, TimeoutConfig
+from gateway.load.pending import PendingLoad
+from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import Decision, RoutingRequest
@@ -98,6 +101,9 @@ class Exchange:
     first_byte_at: float | None = None
     attempts: int = 0
     usage: Usage | None = None
+    base_model: str = "-"
+    slo: Slo | None = None
+    streamed_events: int = 0
 
 
 class Proxy:
@@ -107,6 +113,9 @@ class Proxy:
         router: Router,
         metrics: GatewayMetrics,
         tokens: TokenizationService,
+        load: PendingLoad,
+        predictor: OutputLengthPredictor,
+        admission: AdmissionController,
         routing: RoutingConfig,
         timeouts: TimeoutConfig,
         auth: AuthConfig,
@@ -115,6 +124,9 @@ class Proxy:
         self._router = router
         self._metrics = metrics
         self._tokens = tokens
+        self._load = load
+        self._predictor = predictor
+        self._admission = admission
         self._routing = routing
         self._auth = auth
         self._first_byte_s = timeouts.first_byte_s
@@ -160,11 +172,13 @@ class Proxy:
             raise unknown_model(model)
         override = request.headers.get("x-routing-strategy") if self._routing.allow_strategy_header else None
         policy = self._router.resolve(override)
-        base = self._pods.base_model(model)
+        ex.base_model = base = self._pods.base_model(model)
         routing_request = RoutingRequest(ex.request_id, model, ex.kind, parsed, base_model=base,
                                          lora_name=model if base != model else None)
         if policy.needs_tokens:
             routing_request.token_ids = await self._tokens.tokenize(model, ex.kind, parsed)
+        if self._admission.config.enabled or policy.needs_load:
+            await self._estimate_and_admit(request, ex, routing_request, body)
         headers = self._upstream_headers(request.headers, ex.request_id)
         exclude: set[str] = set()
         failure: RetryableFailure | None = None
@@ -182,7 +196,7 @@ class Proxy:
             if routing_request.token_ids is not None:
                 self._metrics.prefix_hit_tokens.labels(decision.policy).observe(decision.prefix_tokens)
             try:
-                return await self._attempt(request, ex, decision, body, headers)
+                return await self._attempt(request, ex, routing_request, decision, body, headers)
             except RetryableFailure as exc:
                 failure = exc
                 exclude.add(decision.pod.name)
@@ -191,6 +205,24 @@ class Proxy:
                             ex.request_id, decision.pod.name, exc.cause, exc.error.message)
         assert failure is not None
         raise failure.error
+
+    async def _estimate_and_admit(
+        self, request: web.Request, ex: Exchange, rr: RoutingRequest, body: bytes
+    ) -> None:
+        parsed = rr.body
+        rr.input_tokens = len(rr.token_ids) if rr.token_ids else max(1, len(body) // 4)
+        rr.predicted_output_tokens = self._predictor.predict(
+            rr.base_model, rr.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
+        self._metrics.output_tokens.labels("predicted").observe(rr.predicted_output_tokens)
+        candidates = self._pods.candidates(rr.model)
+        rr.estimates = {p.name: self._load.estimate(p.name, rr.base_model, rr.input_tokens,
+                                                    rr.predicted_output_tokens) for p in candidates}
+        h = request.headers
+        ex.slo = self._admission.slo_for(rr.base_model, h.get("x-slo-ttft-ms"), h.get("x-slo-e2e-ms"),
+                                         h.get("x-priority"))
+        await self._admission.admit(candidates, ex.kind, rr.estimates, ex.slo)
+        if ex.slo.ttft_s is not None:
+            self._metrics.slo_slack.labels("dispatch").observe(ex.slo.ttft_s - (time.monotonic() - ex.started))
 
     def _upstream_headers(self, incoming: CIMultiDictProxy[str], request_id: str) -> dict[str, str]:
         headers = {k: v for k, v in incoming.items() if k.lower() not in _SKIP_REQUEST_HEADERS}
@@ -203,10 +235,14 @@ class Proxy:
         return headers
 
     async def _attempt(
-        self, request: web.Request, ex: Exchange, decision: Decision, body: bytes, headers: dict[str, str]
+        self, request: web.Request, ex: Exchange, rr: RoutingRequest, decision: Decision, body: bytes,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         pod = decision.pod
         pod.in_flight += 1
+        estimate = rr.estimates.get(pod.name)
+        ticket = self._load.dispatch(pod.name, estimate.consumption if estimate else self._load.default_consumption,
+                                     ex.kind)
         try:
             upstream = await self._send(pod, request.path_qs, body, headers)
             try:
@@ -221,6 +257,8 @@ class Proxy:
                 upstream.close()
         finally:
             pod.in_flight -= 1
+            self._load.finish(ticket)
+            self._admission.release()
 
     async def _send(
         self, pod: Pod, path: str, body: bytes, headers: dict[str, str]
@@ -303,6 +341,7 @@ class Proxy:
                     ex.first_byte_at = time.monotonic()
                 await response.write(chunk)
                 last_chunks.append(chunk)
+                ex.streamed_events += chunk.count(b"data: ")
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 TimeoutError) as exc:
             kind = "idle_timeout" if isinstance(exc, TimeoutError) else "mid_stream"
@@ -337,6 +376,7 @@ class Proxy:
         now = time.monotonic()
         pod = ex.decision.pod.name if ex.decision else "-"
         status = ex.status or 500
+        self._learn(ex)
         self._metrics.request_done(
             ex.model, pod, status, now - ex.started,
             None if ex.first_byte_at is None else ex.first_byte_at - ex.started,
@@ -344,6 +384,22 @@ class Proxy:
         )
         if access_log.isEnabledFor(logging.INFO):
             self._log_access(request, ex, now, pod, status)
+
+    def _learn(self, ex: Exchange) -> None:
+        """Feed the output-length predictor and the SLO telemetry from a finished request."""
+        if ex.status != 200 or ex.kind == "embeddings":
+            return
+        if ex.usage is not None:
+            prompt, output = ex.usage.prompt_tokens, ex.usage.completion_tokens
+        elif ex.streamed_events > 2:  # no usage asked for: about one token per event, less role and [DONE]
+            prompt, output = 0, ex.streamed_events - 2
+        else:
+            return
+        if prompt:
+            self._predictor.observe(ex.base_model, prompt, output)
+        self._metrics.output_tokens.labels("actual").observe(output)
+        if ex.slo and ex.slo.ttft_s is not None and ex.first_byte_at is not None:
+            self._metrics.slo_slack.labels("first_byte").observe(ex.slo.ttft_s - (ex.first_byte_at - ex.started))
 
     def _log_access(self, request: web.Request, ex: Exchange, now: float, pod: str, status: int) -> None:
         d = ex.decision

@@ -16,6 +16,7 @@ from gateway.backends.registry import Pod, PodRegistry
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
     from gateway.kv.index import PrefixIndex
+    from gateway.load.pending import Estimate, PendingLoad
     from gateway.metrics import GatewayMetrics
 
 
@@ -30,6 +31,10 @@ class RoutingRequest:
     # The base model and LoRA adapter the prompt's KV blocks are namespaced by.
     base_model: str = ""
     lora_name: str | None = None
+    input_tokens: int = 0
+    predicted_output_tokens: int = 0
+    # Per pod, the request's predicted cost there (filled when admission or the policy needs load).
+    estimates: dict[str, Estimate] = field(default_factory=dict)
     # Filled by scorers: predicted cached prompt tokens per pod, and notes for the decision's reason.
     prefix_tokens: dict[str, int] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
@@ -87,8 +92,9 @@ class Policy:
     picker: Picker
     filters: list[Filter] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
-    # Whether the proxy must tokenize the prompt before routing.
+    # Whether the proxy must tokenize the prompt, or estimate its load per pod, before routing.
     needs_tokens: bool = False
+    needs_load: bool = False
     # Called with the decision once a pod is chosen (e.g. to record what that pod will now cache).
     on_routed: list[RoutedHook] = field(default_factory=list)
 
@@ -102,6 +108,7 @@ class PolicyContext:
     index: PrefixIndex | None = None
     approximate: ApproximatePrefixIndex | None = None
     metrics: GatewayMetrics | None = None
+    load: PendingLoad | None = None
 
 
 class PolicyFactory(Protocol):

@@ -126,7 +126,7 @@ class CacheAwarePicker:
         pick = self._best.pick(request, pods, scores)
         precise = request.notes.get("precise")
         hit = request.prefix_tokens.get(pick.pod.name, 0) if precise else None
-        if request.notes.get("overloaded"):
+        if request.notes.get("overloaded") or request.notes.get("over_capacity"):
             pick.reason = "rebalanced"
         elif precise is False:
             pick.reason = "approximate"

@@ -1,0 +1,102 @@
+"""Engine metrics scraper: each pod's ``/metrics`` (vLLM or SGLang names) every interval, jittered.
+
+Owner: the :class:`MetricsScraper` alone writes :class:`~gateway.load.pending.EngineStats`. A failed
+scrape keeps the last values and marks them stale, so routing falls back to the gateway's own counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+import aiohttp
+
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.load.pending import EngineStats
+
+log = logging.getLogger("gateway.scraper")
+
+# Metric name → EngineStats field, for both engines. Values of one name are summed over label sets
+# (e.g. several vLLM engines behind one server).
+METRIC_FIELDS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # before vLLM 0.10
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:token_usage": "kv_usage",
+    "sglang:prompt_tokens_total": "prefix_queries",
+    "sglang:cached_tokens_total": "prefix_hits",
+}
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The fields of ``METRIC_FIELDS`` found in a Prometheus text exposition."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        field = METRIC_FIELDS.get(line[:name_end])
+        if field is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        values[field] = values.get(field, 0.0) + value
+    return values
+
+
+class MetricsScraper:
+    def __init__(self, pods: PodRegistry, stats: dict[str, EngineStats], session: aiohttp.ClientSession,
+                 interval_s: float = 0.5, timeout_s: float = 1.0) -> None:
+        self._pods = pods
+        self.stats = stats
+        self._session = session
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="metrics-scraper")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self._interval_s * random.uniform(0.8, 1.2))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(p) for p in self._pods.all()))
+
+    async def scrape(self, pod: Pod) -> None:
+        stats = self.stats.setdefault(pod.name, EngineStats())
+        try:
+            async with self._session.get(f"{pod.url}/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                values = parse_engine_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            stats.failures += 1
+            if not stats.stale:
+                log.warning("scraping %s failed; keeping its last values (stale): %s", pod.name, exc)
+            stats.stale = True
+            return
+        for field, value in values.items():
+            setattr(stats, field, value)
+        stats.scraped_at = time.monotonic()
+        stats.stale = False

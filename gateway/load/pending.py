@@ -1,0 +1,121 @@
+"""Pending load per pod by Little's law, and the engines' own view of their queues.
+
+Owner: the proxy alone dispatches and finishes :class:`LoadTicket`s; the metrics scraper alone writes
+:class:`EngineStats`. Routing and admission read :meth:`PendingLoad.load`.
+
+A request of signature ``s`` on a pod whose profile says it sustains ``tputs[s]`` req/s at latency
+``e2e[s]`` consumes ``1 / (tputs[s] * e2e[s])`` of that pod; a pod's load is the sum over its in-flight
+requests, 1.0 being full. Without a profile a pod holds ``default_capacity`` requests. The engines'
+scraped counts correct the gateway's (other replicas send work too): a pod with requests waiting in its
+own queue is full whatever this gateway thinks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.load.profiles import ProfileStore
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a pod's ``/metrics`` said last (vLLM or SGLang names)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    scraped_at: float = 0.0
+    stale: bool = True
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class Estimate:
+    """A request's predicted cost on one pod."""
+
+    consumption: float  # share of the pod it takes while in flight (inf: the SLO cannot be met there)
+    signature: tuple[int, int] | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass(eq=False, slots=True)
+class LoadTicket:
+    pod: str
+    consumption: float
+    kind: str
+    dispatched_at: float = field(default_factory=time.monotonic)
+
+
+class PendingLoad:
+    def __init__(self, profiles: ProfileStore, default_capacity: int, deployment_of: Callable[[str], str],
+                 embedding_share: float = 0.2) -> None:
+        self.profiles = profiles
+        self.default_capacity = default_capacity
+        self.embedding_share = embedding_share
+        self._deployment_of = deployment_of
+        self._load: dict[str, float] = {}
+        self._embedding_load: dict[str, float] = {}
+        self._in_flight: dict[str, int] = {}
+        self.engine: dict[str, EngineStats] = {}
+
+    @property
+    def default_consumption(self) -> float:
+        return 1.0 / self.default_capacity
+
+    def estimate(self, pod: str, model: str, input_tokens: int, output_tokens: int) -> Estimate:
+        profile = self.profiles.get(model, self._deployment_of(pod))
+        if profile is None:
+            return Estimate(1.0 / self.default_capacity)
+        sig = profile.signature(output_tokens, input_tokens)
+        capacity = profile.capacity(sig)
+        return Estimate(1.0 / capacity if capacity > 0 else math.inf, sig, profile.ttft_s(sig), profile.e2e_s(sig))
+
+    def load(self, pod: str) -> float:
+        """The pod's pending load, corrected by its engine's own counts when they are fresh."""
+        own = self._load.get(pod, 0.0)
+        stats = self.engine.get(pod)
+        if stats is None or stats.stale:
+            return own
+        if stats.waiting > 0:
+            return max(own, 1.0)
+        in_flight = self._in_flight.get(pod, 0)
+        per_request = own / in_flight if in_flight else 1.0 / self.default_capacity
+        return max(own, stats.running * per_request)
+
+    def embedding_load(self, pod: str) -> float:
+        return self._embedding_load.get(pod, 0.0)
+
+    def fits(self, pod: str, estimate: Estimate, kind: str) -> bool:
+        if kind == "embeddings" and self.embedding_load(pod) + estimate.consumption > self.embedding_share:
+            return False
+        return self.load(pod) + estimate.consumption <= 1.0
+
+    def dispatch(self, pod: str, consumption: float, kind: str) -> LoadTicket:
+        consumption = consumption if math.isfinite(consumption) else 1.0
+        self._load[pod] = self._load.get(pod, 0.0) + consumption
+        self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+        if kind == "embeddings":
+            self._embedding_load[pod] = self._embedding_load.get(pod, 0.0) + consumption
+        return LoadTicket(pod, consumption, kind)
+
+    def finish(self, ticket: LoadTicket) -> None:
+        pod = ticket.pod
+        self._in_flight[pod] = max(0, self._in_flight.get(pod, 0) - 1)
+        # Clamp: float sums drift, and a pod with nothing in flight has no pending load.
+        self._load[pod] = max(0.0, self._load.get(pod, 0.0) - ticket.consumption) if self._in_flight[pod] else 0.0
+        if ticket.kind == "embeddings":
+            self._embedding_load[pod] = max(0.0, self._embedding_load.get(pod, 0.0) - ticket.consumption)
+
+    def drain_seconds(self, pod: str, excess: float, typical_e2e_s: float) -> float:
+        """Roughly when ``excess`` of the pod's load will have finished: in-flight requests end, on
+        average, half a request's latency from now, releasing load in proportion."""
+        load = self._load.get(pod, 0.0)
+        if load <= 0:
+            return typical_e2e_s
+        return max(0.0, min(excess / load, 1.0)) * typical_e2e_s + typical_e2e_s / 2

@@ -1,0 +1,15 @@
+"""``throughput``: the pod that can still take the most requests/s of this request's shape, by its
+deployment's profile and its current load."""
+
+from __future__ import annotations
+
+from gateway.routing.pickers import MaxScorePicker
+from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
+from plugins.routing.load_scoring import CapacityFilter, ThroughputScorer
+
+
+def build(context: PolicyContext) -> Policy:
+    assert context.load is not None, "throughput needs the gateway's PendingLoad"
+    return Policy(name="throughput", picker=MaxScorePicker("most_headroom"),
+                  filters=[CapacityFilter(context.load)],
+                  scorers=[WeightedScorer(ThroughputScorer(context.load))], needs_load=True)
