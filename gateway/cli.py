@@ -71,6 +71,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["mock_pods"] = mock
     if args.log_json:
         overrides["logging"] = {"json": True}
+    if args.redis:
+        overrides["load"] = {"redis_url": args.redis}
+    if args.admission:
+        overrides["admission"] = {"enabled": True}
     return overrides
 
 
@@ -147,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
     s.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
     s.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    s.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
+    s.add_argument("--admission", action="store_true", help="turn SLO admission on")
 
     m = sub.add_parser("mock", help="run one simulated vLLM/SGLang pod")
     m.add_argument("--host", default="127.0.0.1")
@@ -168,9 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--default-max-tokens", type=int, default=16)
     m.add_argument("--lora-adapter", action="append", help="adapter name to list as a model")
 
+    from gateway.load.cli import add_profiles_parser
+
+    add_profiles_parser(sub)
+
     k = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for auth.api_key_hashes")
     k.add_argument("key")
     return parser
+
+
+def configure_logging_early() -> None:
+    from gateway.logs import configure_logging
+
+    configure_logging(LoggingConfig(access_log=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_api_key(args.key))
         return 0
+    if args.command == "profiles":
+        from gateway.load.cli import run
+
+        configure_logging_early()
+        return run(args)
     from gateway.logs import configure_logging
 
     if args.command == "mock":

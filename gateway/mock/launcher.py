@@ -56,7 +56,7 @@ class MockPodFleet:
         ]
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         url = f"http://{self.host}:{port}"
-        pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor,
+        pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor, deployment="mock",
                         kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",
                         block_size=c.block_size)
         return MockPodProcess(process, pod)
