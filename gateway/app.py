@@ -7,6 +7,8 @@ Background tasks (health checks) start in ``on_startup`` and stop in ``on_cleanu
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -28,12 +30,21 @@ from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
+from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy import Proxy
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
+from gateway.workflow.actions import CacheActionExecutor, CacheController
+from gateway.workflow.service import WorkflowService
+from gateway.workflow.sessions import SessionAffinity
+from gateway.workflow.tracker import WorkflowTracker
 
 POLICY_GROUP = "gateway.policies"
+CONTROLLER_GROUP = "gateway.cache_controllers"
+PRESSURE_GROUP = "gateway.pressure_sources"
+
+log = logging.getLogger("gateway.app")
 
 
 @dataclass(eq=False)
@@ -52,6 +63,8 @@ class Gateway:
     profiles: ProfileStore
     load: PendingLoad
     admission: AdmissionController
+    workflows: WorkflowService
+    pressure: PressureMonitor | None = None
     scraper: MetricsScraper | None = None
     health: HealthChecker | None = None
     session: aiohttp.ClientSession | None = None
@@ -78,11 +91,46 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics,
                             load=load)
     router = Router(pods, policies, config.routing.policy, config.routing.options, context)
-    proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, config.routing, config.timeouts,
-                  config.auth)
+    wc = config.workflow
+    tracker = WorkflowTracker(wc)
+    executor = CacheActionExecutor(tracker, pods, metrics, cache_controllers(wc.controller), hard_flush=wc.hard_flush,
+                                   retries=wc.flush_retries, retry_base_s=wc.flush_retry_base_s)
+    workflows = WorkflowService(wc, tracker, SessionAffinity(wc.max_sessions), executor, load)
+    proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, workflows, config.routing,
+                  config.timeouts, config.auth)
+    pressure = None
+    if config.pressure.enabled:
+        pressure = PressureMonitor(config.pressure, pods, pressure_source(config, load), tracker, executor, load,
+                                   metrics)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
                    auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies, kv=kv, tokens=tokens,
-                   profiles=profiles, load=load, admission=admission)
+                   profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure)
+
+
+def cache_controllers(choice: str) -> Callable[[Pod], CacheController | None]:
+    """Per pod, the controller named by config, or (``auto``) the one matching the pod's engine."""
+    plugins = PluginRegistry(CONTROLLER_GROUP, "cache controller")
+    if choice != "auto":
+        plugins.load(choice)  # fail at start on an unknown name
+    built: dict[str, CacheController | None] = {}
+
+    def controller_for(pod: Pod) -> CacheController | None:
+        name = pod.config.flavor if choice == "auto" else choice
+        if name not in built:
+            built[name] = plugins.load(name)()
+        return built[name]
+
+    return controller_for
+
+
+def pressure_source(config: GatewayConfig, load: PendingLoad) -> PressureSource:
+    plugins = PluginRegistry(PRESSURE_GROUP, "pressure source")
+    context = PressureContext(load=load, options=dict(config.pressure.options))
+    try:
+        return plugins.load(config.pressure.source)(context)
+    except PressureSourceUnavailable as exc:
+        log.warning("pressure source %s is unavailable here (%s); using engine metrics", config.pressure.source, exc)
+        return plugins.load("engine_metrics")(context)
 
 
 def deployment_of(pods: PodRegistry, name: str) -> str:
@@ -123,6 +171,10 @@ async def _start(app: web.Application) -> None:
         gw.scraper = MetricsScraper(gw.pods, gw.load.engine, gw.session, gw.config.load.scrape_interval_s)
         gw.scraper.start()
     gw.admission.start()
+    gw.workflows.executor.session = gw.session
+    gw.workflows.start()
+    if gw.pressure:
+        gw.pressure.start()
 
 
 async def _stop(app: web.Application) -> None:
@@ -131,6 +183,9 @@ async def _stop(app: web.Application) -> None:
         await gw.health.stop()
     await gw.kv.stop()
     await gw.admission.stop()
+    await gw.workflows.stop()
+    if gw.pressure:
+        await gw.pressure.stop()
     if gw.scraper:
         await gw.scraper.stop()
     await gw.profiles.stop()

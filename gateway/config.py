@@ -176,6 +176,39 @@ class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True):
     typical_e2e_s: float = 2.0
 
 
+class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool = True
+    # A stage whose prompt grew by at most this many tokens stays on the pod holding the workflow's cache.
+    preserve_threshold_tokens: int = 256
+    idle_ttl_s: float = 600.0
+    # Hard flushes go through the pod's cache controller (auto: by the pod's flavor; none: soft only).
+    controller: str = "auto"
+    hard_flush: bool = True
+    flush_retries: int = 5
+    flush_retry_base_s: float = 0.5
+    # Requests without a workflow but with a session key (x-session-id, prompt_cache_key, user) stick to
+    # the pod that served the session last.
+    session_affinity: bool = True
+    max_sessions: int = 100_000
+
+
+class PressureConfig(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool = True
+    source: str = "engine_metrics"
+    options: dict[str, Any] = {}
+    interval_s: float = 2.0
+    # KV usage at which each mode starts: normal, pressure, critical, emergency (below normal: relaxed).
+    normal: float = 0.70
+    pressure: float = 0.85
+    critical: float = 0.92
+    emergency: float = 0.96
+    hysteresis: float = 0.03
+
+    def __post_init__(self) -> None:
+        if not 0 < self.normal < self.pressure < self.critical < self.emergency <= 1:
+            raise ValueError("thresholds must rise: 0 < normal < pressure < critical < emergency <= 1")
+
+
 class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool = False
@@ -206,6 +239,8 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_index: KvIndexConfig = msgspec.field(default_factory=KvIndexConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
+    pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
 

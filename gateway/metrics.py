@@ -71,6 +71,10 @@ class GatewayMetrics:
             "gateway_output_tokens", "Output tokens per request: predicted at admission and actual",
             ["kind"], buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r,
         )
+        self.output_prediction_error = Histogram(
+            "gateway_output_prediction_error_tokens", "Actual minus predicted output tokens, per request",
+            buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096), registry=r,
+        )
         self.slo_slack = Histogram(
             "gateway_slo_slack_seconds", "TTFT target minus time spent, at dispatch and at first byte",
             ["stage"], buckets=(-10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
@@ -78,6 +82,13 @@ class GatewayMetrics:
         self.pending_load = Gauge("gateway_pod_pending_load", "Little's-law pending load (1 = full)", ["pod"],
                                   registry=r)
         self.kv_usage = Gauge("gateway_pod_kv_usage", "KV-cache usage the pod reports (0-1)", ["pod"], registry=r)
+        self.cache_actions = Counter(
+            "gateway_cache_actions", "Workflow cache actions by action, reason and pod", ["action", "reason", "pod"],
+            registry=r,
+        )
+        self.pressure_mode = Gauge(
+            "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
+        )
         self._per_request: dict[tuple[str, str, int], tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],

@@ -15,7 +15,7 @@ import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import Decision, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
+from gateway.workflow.service import NO_PLAN, RequestPlan, WorkflowService
 
 log = logging.getLogger("gateway.proxy")
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -104,6 +105,8 @@ class Exchange:
     base_model: str = "-"
     slo: Slo | None = None
     streamed_events: int = 0
+    predicted_output_tokens: int = 0
+    workflow: RequestPlan = field(default_factory=lambda: NO_PLAN)
 
 
 class Proxy:
@@ -116,6 +119,7 @@ class Proxy:
         load: PendingLoad,
         predictor: OutputLengthPredictor,
         admission: AdmissionController,
+        workflows: WorkflowService,
         routing: RoutingConfig,
         timeouts: TimeoutConfig,
         auth: AuthConfig,
@@ -127,6 +131,7 @@ class Proxy:
         self._load = load
         self._predictor = predictor
         self._admission = admission
+        self._workflows = workflows
         self._routing = routing
         self._auth = auth
         self._first_byte_s = timeouts.first_byte_s
@@ -179,12 +184,14 @@ class Proxy:
             routing_request.token_ids = await self._tokens.tokenize(model, ex.kind, parsed)
         if self._admission.config.enabled or policy.needs_load:
             await self._estimate_and_admit(request, ex, routing_request, body)
+        prompt_tokens = len(routing_request.token_ids) if routing_request.token_ids else len(body) // 4
+        ex.workflow = wf = self._workflows.plan(request.headers, parsed, base, prompt_tokens)
         headers = self._upstream_headers(request.headers, ex.request_id)
         exclude: set[str] = set()
         failure: RetryableFailure | None = None
         for attempt in range(self._routing.max_retries + 1):
             try:
-                decision = self._router.route(routing_request, policy, frozenset(exclude))
+                decision = self._router.route(routing_request, policy, frozenset(exclude), wf.pin, wf.pin_reason)
             except ApiError:
                 if failure:  # every pod we could try has failed: say why, not just "none left"
                     raise failure.error from None
@@ -214,6 +221,7 @@ class Proxy:
         rr.predicted_output_tokens = self._predictor.predict(
             rr.base_model, rr.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
         self._metrics.output_tokens.labels("predicted").observe(rr.predicted_output_tokens)
+        ex.predicted_output_tokens = rr.predicted_output_tokens
         candidates = self._pods.candidates(rr.model)
         rr.estimates = {p.name: self._load.estimate(p.name, rr.base_model, rr.input_tokens,
                                                     rr.predicted_output_tokens) for p in candidates}
@@ -243,6 +251,7 @@ class Proxy:
         estimate = rr.estimates.get(pod.name)
         ticket = self._load.dispatch(pod.name, estimate.consumption if estimate else self._load.default_consumption,
                                      ex.kind)
+        self._workflows.dispatched(ex.workflow, ex.request_id, decision, rr.base_model, rr.notes)
         try:
             upstream = await self._send(pod, request.path_qs, body, headers)
             try:
@@ -259,6 +268,8 @@ class Proxy:
             pod.in_flight -= 1
             self._load.finish(ticket)
             self._admission.release()
+            self._workflows.finished(ex.workflow, ex.request_id, pod.name,
+                                     ex.usage.prompt_tokens if ex.usage else None)
 
     async def _send(
         self, pod: Pod, path: str, body: bytes, headers: dict[str, str]
@@ -304,7 +315,7 @@ class Proxy:
         headers["x-gateway-pod"] = decision.pod.name
         headers["x-gateway-policy"] = decision.policy
         headers["x-gateway-prefix-tokens"] = str(decision.prefix_tokens)
-        headers["x-gateway-cache-action"] = "none"
+        headers["x-gateway-cache-action"] = ex.workflow.header
         return headers
 
     async def _relay_body(
@@ -398,6 +409,8 @@ class Proxy:
         if prompt:
             self._predictor.observe(ex.base_model, prompt, output)
         self._metrics.output_tokens.labels("actual").observe(output)
+        if ex.predicted_output_tokens:
+            self._metrics.output_prediction_error.observe(output - ex.predicted_output_tokens)
         if ex.slo and ex.slo.ttft_s is not None and ex.first_byte_at is not None:
             self._metrics.slo_slack.labels("first_byte").observe(ex.slo.ttft_s - (ex.first_byte_at - ex.started))
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.api.errors import ApiError
+
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.workflow.tracker import Workflow
 
 # Path → request kind; responses are routed like chat.
 PROXIED_ROUTES = {
@@ -29,6 +32,9 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
+    app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
+    app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
+    app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
@@ -80,3 +86,52 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
     return web.json_response(gateway.kv.debug())
+
+
+async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check(request)
+    workflow_id = request.match_info["workflow_id"]
+    tracker = gateway.workflows.tracker
+    workflow = tracker.workflows.get(workflow_id)
+    if workflow is None:
+        raise ApiError(404, f"No workflow `{workflow_id}` is being tracked.", type="not_found_error",
+                       code="workflow_not_found")
+    actions = tracker.complete(workflow_id)
+    gateway.workflows.executor.carry_out(actions)
+    status = "completed" if workflow_id not in tracker.workflows else "completing"
+    return web.json_response({"workflow_id": workflow_id, "status": status,
+                              "actions": [{"action": a.kind.value, "reason": a.reason, "pod": a.pod} for a in actions]})
+
+
+def _workflow_json(workflow: Workflow) -> dict[str, Any]:
+    now = time.monotonic()
+    return {
+        "workflow_id": workflow.id, "in_flight": workflow.in_flight, "idle_s": round(now - workflow.last_activity, 3),
+        "complete_requested": workflow.complete_requested,
+        "stages": [{"stage_id": s.id, "model": s.model, "pod": s.pod, "prompt_tokens": s.prompt_tokens,
+                    "status": "completed" if s.completed else "active"}
+                   for s in (workflow.stages[i] for i in workflow.order)],
+        "cache": [{"pod": e.pod, "model": e.model, "tokens": e.tokens, "preserved": e.preserved}
+                  for e in workflow.entries.values()],
+    }
+
+
+async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check(request)
+    workflow_id = request.match_info["workflow_id"]
+    workflow = gateway.workflows.tracker.workflows.get(workflow_id)
+    if workflow is None:
+        raise ApiError(404, f"No workflow `{workflow_id}` is being tracked.", type="not_found_error",
+                       code="workflow_not_found")
+    return web.json_response(_workflow_json(workflow))
+
+
+async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
+    tracker = gateway.workflows.tracker
+    modes = gateway.pressure.modes if gateway.pressure else {}
+    return web.json_response({
+        "workflows": [_workflow_json(w) for w in tracker.workflows.values()],
+        "sessions": len(gateway.workflows.sessions),
+        "pressure": {pod: mode.name.lower() for pod, mode in modes.items()},
+        "hard_flushes": gateway.workflows.executor.hard_flushes,
+    })

@@ -57,6 +57,7 @@ class EngineView:
     # Set when events were lost for good: routing trusts this view less until a clean base returns.
     approximate: bool = False
     last_seq: int = -1
+    evictions: int = 0  # BlockRemoved blocks: the engine reused a cached block's slot
 
     @property
     def key(self) -> tuple[str, int]:
@@ -195,6 +196,7 @@ class PrefixIndex:
             if not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
                 self._clear_bit(tier, own, view.bit)
             self.stats.blocks_removed += 1
+            view.evictions += 1
 
     @staticmethod
     def _clear_bit(tier: dict[int, int], own: int, bit: int) -> None:

@@ -98,6 +98,8 @@ class KvMetricsCollector(Collector):
         approximate = GaugeMetricFamily("gateway_kv_view_approximate", "1 when a pod's index lost events for good",
                                         labels=["pod", "rank"])
         blocks = GaugeMetricFamily("gateway_kv_indexed_blocks", "Blocks in the prefix index", labels=["pod", "rank"])
+        evictions = CounterMetricFamily("gateway_kv_evictions", "Cached blocks the pod evicted (BlockRemoved)",
+                                        labels=["pod", "rank"])
         for sub in self._service.subscribers():
             pod, rank, s = sub.view.pod, str(sub.view.rank), sub.stats
             for outcome in ("batches", "applied", "duplicates", "malformed"):
@@ -106,10 +108,11 @@ class KvMetricsCollector(Collector):
                 recovery.add_metric([pod, rank, kind], getattr(s, kind))
             approximate.add_metric([pod, rank], 1.0 if sub.view.approximate else 0.0)
             blocks.add_metric([pod, rank], len(sub.view.refs))
+            evictions.add_metric([pod, rank], sub.view.evictions)
         stats = self._service.index.stats
         index = CounterMetricFamily("gateway_kv_index_blocks", "Block operations applied to the index",
                                     labels=["op"])
         for op in ("blocks_stored", "blocks_removed", "clears", "unknown_parent", "unknown_removed", "rejected",
                    "evicted_for_memory"):
             index.add_metric([op], getattr(stats, op))
-        yield from (events, recovery, approximate, blocks, index)
+        yield from (events, recovery, approximate, blocks, evictions, index)

@@ -63,6 +63,8 @@ class PendingLoad:
         self._embedding_load: dict[str, float] = {}
         self._in_flight: dict[str, int] = {}
         self.engine: dict[str, EngineStats] = {}
+        # Pods in KV-memory emergency (written by the pressure monitor): full for admission and routing.
+        self.blocked: set[str] = set()
 
     @property
     def default_consumption(self) -> float:
@@ -92,6 +94,8 @@ class PendingLoad:
         return self._embedding_load.get(pod, 0.0)
 
     def fits(self, pod: str, estimate: Estimate, kind: str) -> bool:
+        if pod in self.blocked:
+            return False
         if kind == "embeddings" and self.embedding_load(pod) + estimate.consumption > self.embedding_share:
             return False
         return self.load(pod) + estimate.consumption <= 1.0

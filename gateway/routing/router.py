@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.api.errors import bad_request, no_pod_available
-from gateway.backends.registry import PodRegistry
+from gateway.backends.registry import Pod, PodRegistry
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
-from gateway.routing.policy import Decision, Policy, PolicyContext, RoutingRequest
+from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, RoutingRequest
 
 log = logging.getLogger("gateway.routing")
 
@@ -55,8 +55,11 @@ class Router:
             raise bad_request(str(exc), param="x-routing-strategy", code="unknown_routing_strategy") from None
 
     def route(
-        self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset()
+        self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset(),
+        pin: str | None = None, pin_reason: str = "pinned",
     ) -> Decision:
+        """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
+        (healthy, not excluded, not saturated), else the policy decides and ``request.notes`` says so."""
         pods = self._pods.candidates(request.model, exclude)
         for f in policy.filters:
             if not pods:
@@ -68,7 +71,7 @@ class Router:
         for ws in policy.scorers:
             for i, s in enumerate(ws.scorer.score(request, pods)):
                 scores[i] += ws.weight * s
-        pick = policy.picker.pick(request, pods, scores)
+        pick = self._pinned(request, pods, pin, pin_reason) or policy.picker.pick(request, pods, scores)
         decision = Decision(
             pod=pick.pod,
             policy=policy.name,
@@ -80,3 +83,13 @@ class Router:
         for hook in policy.on_routed:
             hook(request, decision)
         return decision
+
+    @staticmethod
+    def _pinned(request: RoutingRequest, pods: list[Pod], pin: str | None, reason: str) -> Pick | None:
+        if pin is None:
+            return None
+        for pod in pods:
+            if pod.name == pin:
+                return Pick(pod, reason, "pinned")
+        request.notes["pin_fallback"] = pin
+        return None

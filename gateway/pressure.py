@@ -1,0 +1,117 @@
+"""KV-memory pressure per pod: five modes with hysteresis, and what each mode makes the gateway do.
+
+Owner: the :class:`PressureMonitor` owns each pod's mode. Above ``pressure`` it flushes the oldest idle
+workflow cache preserved on that pod (never one with a request in flight), one per tick, until the mode
+falls back; in ``emergency`` it stops new work from being pinned there and tells admission the pod is
+full (through :attr:`PendingLoad.blocked`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import PressureConfig
+from gateway.load.pending import PendingLoad
+from gateway.metrics import GatewayMetrics
+from gateway.workflow.actions import CacheActionExecutor
+from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
+
+log = logging.getLogger("gateway.pressure")
+
+
+class PressureMode(enum.IntEnum):
+    RELAXED = 0
+    NORMAL = 1
+    PRESSURE = 2
+    CRITICAL = 3
+    EMERGENCY = 4
+
+
+class PressureSourceUnavailable(RuntimeError):
+    """The source cannot run here (library or device missing); the monitor falls back to engine metrics."""
+
+
+class PressureSource(Protocol):
+    name: str
+
+    def usage(self, pod: Pod) -> float | None: ...
+
+
+@dataclass(slots=True)
+class PressureContext:
+    """What a pressure-source plugin may use when it is built."""
+
+    load: PendingLoad
+    options: dict[str, Any]
+
+
+def next_mode(current: PressureMode, usage: float, thresholds: list[float], hysteresis: float) -> PressureMode:
+    """Up as soon as a threshold is reached; down only once usage is ``hysteresis`` below it."""
+    target = sum(1 for t in thresholds if usage >= t)
+    if target >= current:
+        return PressureMode(target)
+    mode = int(current)
+    while mode > target and usage < thresholds[mode - 1] - hysteresis:
+        mode -= 1
+    return PressureMode(mode)
+
+
+class PressureMonitor:
+    def __init__(self, config: PressureConfig, pods: PodRegistry, source: PressureSource, tracker: WorkflowTracker,
+                 executor: CacheActionExecutor, load: PendingLoad, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.source = source
+        self._pods = pods
+        self._tracker = tracker
+        self._executor = executor
+        self._load = load
+        self._metrics = metrics
+        self.modes: dict[str, PressureMode] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="pressure-monitor")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                self.tick()
+            except Exception:  # a bug here must not end pressure handling for good
+                log.exception("pressure tick failed")
+
+    def tick(self) -> None:
+        thresholds = [self.config.normal, self.config.pressure, self.config.critical, self.config.emergency]
+        for pod in self._pods.all():
+            usage = self.source.usage(pod)
+            if usage is None:
+                continue
+            before = self.modes.get(pod.name, PressureMode.RELAXED)
+            mode = self.modes[pod.name] = next_mode(before, usage, thresholds, self.config.hysteresis)
+            self._metrics.pressure_mode.labels(pod.name).set(int(mode))
+            if mode != before:
+                log.info("pod %s: KV pressure %s -> %s (usage %.2f)", pod.name, before.name, mode.name, usage)
+            if mode >= PressureMode.EMERGENCY:
+                self._load.blocked.add(pod.name)
+            else:
+                self._load.blocked.discard(pod.name)
+            if mode >= PressureMode.PRESSURE:
+                self._relieve(pod)
+
+    def _relieve(self, pod: Pod) -> None:
+        idle = self._tracker.idle_preserved(pod.name)
+        if idle:
+            oldest = idle[0]
+            self._executor.carry_out([CacheAction(ActionKind.FLUSH, "pressure", oldest.id, pod.name)])

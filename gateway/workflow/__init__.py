@@ -1,0 +1,1 @@
+"""Workflow-aware KV-cache actions (spec: ``specs/workflow-cache.md``)."""

@@ -1,0 +1,97 @@
+"""Carrying out cache actions: soft flush always, hard flush through the pod's cache controller when no
+other workflow has a request in flight there, refused flushes retried with backoff.
+
+Owner: the :class:`CacheActionExecutor` owns the pending hard flushes (one task per pod at most). The KV
+index learns a hard flush's result from the pod's ``AllBlocksCleared`` event, not from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import aiohttp
+
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.metrics import GatewayMetrics
+from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
+
+log = logging.getLogger("gateway.workflow")
+
+FlushOutcome = Literal["done", "refused", "failed"]
+
+
+class CacheController(Protocol):
+    """Frees a pod's whole prefix cache (engines offer nothing finer)."""
+
+    name: str
+
+    async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]: ...
+
+
+class CacheActionExecutor:
+    def __init__(self, tracker: WorkflowTracker, pods: PodRegistry, metrics: GatewayMetrics,
+                 controller_for: Callable[[Pod], CacheController | None], *, hard_flush: bool = True,
+                 retries: int = 5, retry_base_s: float = 0.5) -> None:
+        self._tracker = tracker
+        self._pods = pods
+        self._metrics = metrics
+        self._controller_for = controller_for
+        self._hard_flush = hard_flush
+        self._retries = retries
+        self._retry_base_s = retry_base_s
+        self._pending: dict[str, asyncio.Task[None]] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.hard_flushes: dict[str, int] = {}
+
+    def record(self, action: CacheAction) -> None:
+        self._metrics.cache_actions.labels(action.kind.value, action.reason, action.pod or "-").inc()
+
+    def carry_out(self, actions: list[CacheAction]) -> None:
+        for action in actions:
+            self.record(action)
+            if action.kind is ActionKind.FLUSH and action.pod:
+                self._tracker.soft_flush(action.pod, action.workflow_id)
+                self._maybe_hard_flush(action)
+
+    def _maybe_hard_flush(self, action: CacheAction) -> None:
+        pod = self._pods.get(action.pod or "")
+        if not self._hard_flush or pod is None or self._controller_for(pod) is None:
+            return
+        if self._tracker.other_in_flight(pod.name, action.workflow_id):
+            self._metrics.cache_actions.labels("hard_flush_skipped", "other_in_flight", pod.name).inc()
+            return
+        if pod.name not in self._pending or self._pending[pod.name].done():
+            self._pending[pod.name] = asyncio.create_task(self._hard(pod, action), name=f"flush-{pod.name}")
+
+    async def _hard(self, pod: Pod, action: CacheAction) -> None:
+        controller = self._controller_for(pod)
+        assert controller is not None and self.session is not None
+        delay = self._retry_base_s
+        for attempt in range(self._retries + 1):
+            if self._tracker.other_in_flight(pod.name, action.workflow_id):
+                await asyncio.sleep(delay)  # wait for the pod to be quiet, as a refusal would
+                delay *= 2
+                continue
+            outcome, detail = await controller.flush(self.session, pod)
+            self._metrics.cache_actions.labels(f"hard_flush_{outcome}", action.reason, pod.name).inc()
+            if outcome == "done":
+                self.hard_flushes[pod.name] = self.hard_flushes.get(pod.name, 0) + 1
+                self._tracker.soft_flush(pod.name)  # the whole pod's cache is gone, every workflow's
+                return
+            if outcome == "failed":
+                log.warning("hard flush of %s failed (%s); the soft flush stands", pod.name, detail)
+                return
+            log.info("pod %s refused a flush (%s); retry %d in %.1f s", pod.name, detail, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            delay *= 2
+        log.warning("pod %s kept refusing to flush; giving up after %d tries", pod.name, self._retries + 1)
+
+    async def stop(self) -> None:
+        for task in self._pending.values():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

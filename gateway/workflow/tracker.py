@@ -1,0 +1,225 @@
+"""The workflow tracker: workflows, their stages, per-pod cache entries and in-flight requests.
+
+Owner: the :class:`WorkflowTracker` is the only writer of workflow state; the proxy calls it as requests
+start, are dispatched and finish, and the API and the pressure monitor read it. It decides cache actions
+(spec: ``specs/workflow-cache.md``) but carries none out: that is the executor's job.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from gateway.config import WorkflowConfig
+from gateway.workflow.context import WorkflowContext
+
+
+class ActionKind(enum.StrEnum):
+    NOOP = "noop"
+    PRESERVE = "preserve"
+    FLUSH = "flush"
+
+
+@dataclass(slots=True)
+class CacheAction:
+    kind: ActionKind
+    reason: str
+    workflow_id: str | None = None
+    pod: str | None = None  # preserve: where to route; flush: whose cache to let go
+
+    @property
+    def header(self) -> str:
+        return self.kind.value if self.kind is ActionKind.NOOP else f"{self.kind.value}:{self.reason}"
+
+
+NOOP = CacheAction(ActionKind.NOOP, "none")
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    pod: str
+    model: str
+    tokens: int
+    preserved: bool
+    updated: float
+
+
+@dataclass(slots=True)
+class Stage:
+    id: str
+    model: str
+    prompt_tokens: int
+    started: float
+    pod: str | None = None
+    in_flight: int = 0
+    completed: bool = False
+
+
+@dataclass(slots=True)
+class Workflow:
+    id: str
+    started: float
+    last_activity: float
+    stages: dict[str, Stage] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    entries: dict[str, CacheEntry] = field(default_factory=dict)
+    in_flight: int = 0
+    complete_requested: bool = False
+
+    def previous_stage(self, stage_id: str) -> Stage | None:
+        index = self.order.index(stage_id) if stage_id in self.order else len(self.order)
+        return self.stages[self.order[index - 1]] if index > 0 else None
+
+    def preserved_pod(self) -> str | None:
+        preserved = [e for e in self.entries.values() if e.preserved]
+        return max(preserved, key=lambda e: e.updated).pod if preserved else None
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the tracker decided for one request before routing."""
+
+    workflow: Workflow | None
+    stage: Stage | None
+    action: CacheAction
+
+
+class WorkflowTracker:
+    def __init__(self, config: WorkflowConfig) -> None:
+        self.config = config
+        self.workflows: dict[str, Workflow] = {}
+        # pod → request id → workflow id (None: a request outside any workflow).
+        self.in_flight: dict[str, dict[str, str | None]] = {}
+
+    # Request lifecycle
+
+    def begin(self, ctx: WorkflowContext, model: str, prompt_tokens: int, now: float | None = None) -> Plan:
+        if not ctx.workflow_id:
+            return Plan(None, None, NOOP)
+        now = time.monotonic() if now is None else now
+        wf = self.workflows.get(ctx.workflow_id)
+        if wf is None:
+            wf = self.workflows[ctx.workflow_id] = Workflow(ctx.workflow_id, now, now)
+        wf.last_activity = now
+        wf.complete_requested |= ctx.complete
+        stage_id = ctx.stage_id or (wf.order[-1] if wf.order else "default")
+        stage = wf.stages.get(stage_id)
+        if stage is not None:  # another request of a running stage: keep it where the stage is
+            pod = stage.pod or wf.preserved_pod()
+            kind = ActionKind.PRESERVE if pod and wf.entries.get(pod, None) and wf.entries[pod].preserved \
+                else ActionKind.NOOP
+            return Plan(wf, stage, CacheAction(kind, "same_stage", wf.id, pod) if kind is ActionKind.PRESERVE
+                        else NOOP)
+        stage = Stage(stage_id, model, prompt_tokens, now)
+        wf.stages[stage_id] = stage
+        wf.order.append(stage_id)
+        return Plan(wf, stage, self.decide(ctx, wf, stage))
+
+    def decide(self, ctx: WorkflowContext, wf: Workflow, stage: Stage) -> CacheAction:
+        """The policy chain at a stage start: override, small increment, boundary, noop."""
+        previous = wf.previous_stage(stage.id)
+        holder = wf.preserved_pod() or (previous.pod if previous else None)
+        if ctx.cache_policy == "preserve":
+            return CacheAction(ActionKind.PRESERVE, "override", wf.id, holder) if holder else NOOP
+        if ctx.cache_policy == "flush":
+            return CacheAction(ActionKind.FLUSH, "override", wf.id, holder) if holder else NOOP
+        if previous is None or previous.pod is None:
+            return NOOP
+        if previous.model != stage.model:
+            return CacheAction(ActionKind.FLUSH, "model_changed", wf.id, previous.pod)
+        threshold = ctx.preserve_threshold if ctx.preserve_threshold is not None \
+            else self.config.preserve_threshold_tokens
+        entry = wf.entries.get(previous.pod)
+        base = entry.tokens if entry else previous.prompt_tokens
+        if stage.prompt_tokens - base <= threshold:
+            return CacheAction(ActionKind.PRESERVE, "small_increment", wf.id, previous.pod)
+        return NOOP
+
+    def dispatched(self, plan: Plan, request_id: str, pod: str, model: str, now: float | None = None
+                   ) -> list[CacheAction]:
+        """The request went to ``pod``: record it; a workflow leaving a preserved pod flushes it there."""
+        wf, stage = plan.workflow, plan.stage
+        self.in_flight.setdefault(pod, {})[request_id] = wf.id if wf else None
+        if wf is None or stage is None:
+            return []
+        now = time.monotonic() if now is None else now
+        wf.in_flight += 1
+        stage.in_flight += 1
+        stage.pod = pod
+        flushes = [CacheAction(ActionKind.FLUSH, "left_pod", wf.id, other)
+                   for other, e in wf.entries.items() if e.preserved and other != pod]
+        if plan.action.kind is ActionKind.FLUSH and plan.action.pod and plan.action.pod != pod:
+            flushes.append(plan.action)
+        for action in flushes:
+            wf.entries[action.pod].preserved = False  # type: ignore[index]
+        keep = plan.action.kind is ActionKind.PRESERVE and plan.action.pod == pod
+        entry = wf.entries.get(pod)
+        wf.entries[pod] = CacheEntry(pod, model, max(stage.prompt_tokens, entry.tokens if entry else 0), keep, now)
+        return _dedupe(flushes)
+
+    def finished(self, request_id: str, pod: str, plan: Plan, prompt_tokens: int | None = None,
+                 now: float | None = None) -> list[CacheAction]:
+        self.in_flight.get(pod, {}).pop(request_id, None)
+        wf, stage = plan.workflow, plan.stage
+        if wf is None or stage is None:
+            return []
+        now = time.monotonic() if now is None else now
+        wf.in_flight = max(0, wf.in_flight - 1)
+        stage.in_flight = max(0, stage.in_flight - 1)
+        wf.last_activity = now
+        if prompt_tokens:  # the engine's own count is exact: the next stage's increment is measured from it
+            stage.prompt_tokens = prompt_tokens
+            if pod in wf.entries:
+                wf.entries[pod].tokens = prompt_tokens
+        if stage.in_flight == 0:
+            stage.completed = True
+        if wf.complete_requested and wf.in_flight == 0:
+            return self.complete(wf.id, "workflow_complete")
+        return []
+
+    def complete(self, workflow_id: str, reason: str = "workflow_complete") -> list[CacheAction]:
+        wf = self.workflows.get(workflow_id)
+        if wf is None:
+            return []
+        if wf.in_flight:
+            wf.complete_requested = True  # finishes when its last request does
+            return []
+        del self.workflows[workflow_id]
+        return [CacheAction(ActionKind.FLUSH, reason, wf.id, pod) for pod in wf.entries]
+
+    def expire_idle(self, now: float | None = None) -> list[CacheAction]:
+        now = time.monotonic() if now is None else now
+        idle = [wf.id for wf in self.workflows.values()
+                if not wf.in_flight and now - wf.last_activity > self.config.idle_ttl_s]
+        return [a for wid in idle for a in self.complete(wid, "idle_expired")]
+
+    # Queries
+
+    def other_in_flight(self, pod: str, workflow_id: str | None) -> bool:
+        """Whether any request of another workflow (or of none) is running on ``pod``."""
+        return any(w != workflow_id or w is None for w in self.in_flight.get(pod, {}).values())
+
+    def idle_preserved(self, pod: str) -> list[Workflow]:
+        """Workflows preserving a cache on ``pod`` with nothing in flight, least recently active first."""
+        found = [wf for wf in self.workflows.values()
+                 if not wf.in_flight and (e := wf.entries.get(pod)) is not None and e.preserved]
+        return sorted(found, key=lambda wf: wf.last_activity)
+
+    def soft_flush(self, pod: str, workflow_id: str | None = None) -> None:
+        """Stop preserving on ``pod``: one workflow's entry, or (after a hard flush) every workflow's."""
+        for wf in self.workflows.values():
+            if workflow_id is None or wf.id == workflow_id:
+                entry = wf.entries.get(pod)
+                if entry is not None:
+                    entry.preserved = False
+
+
+def _dedupe(actions: list[CacheAction]) -> list[CacheAction]:
+    seen: set[str | None] = set()
+    out = []
+    for action in actions:
+        if action.pod not in seen:
+            seen.add(action.pod)
+            out.append(action)
+    return out

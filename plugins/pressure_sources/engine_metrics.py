@@ -1,0 +1,23 @@
+"""``engine_metrics`` (default): the KV usage each pod reports (``vllm:kv_cache_usage_perc``,
+``sglang:token_usage``), as last scraped; nothing while a pod's scrape is stale."""
+
+from __future__ import annotations
+
+from gateway.backends.registry import Pod
+from gateway.load.pending import PendingLoad
+from gateway.pressure import PressureContext
+
+
+class EngineMetricsSource:
+    name = "engine_metrics"
+
+    def __init__(self, load: PendingLoad) -> None:
+        self._load = load
+
+    def usage(self, pod: Pod) -> float | None:
+        stats = self._load.engine.get(pod.name)
+        return None if stats is None or stats.stale else stats.kv_usage
+
+
+def build(context: PressureContext) -> EngineMetricsSource:
+    return EngineMetricsSource(context.load)
