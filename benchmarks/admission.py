@@ -20,7 +20,7 @@ import time
 import aiohttp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from proxy_overhead import free_port, wait_ready  # noqa: E402
+from proxy_overhead import free_port, wait_ready
 
 
 async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, ttft_ms: float) -> tuple[int, float]:

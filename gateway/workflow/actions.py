@@ -61,9 +61,6 @@ class CacheActionExecutor:
         pod = self._pods.get(action.pod or "")
         if not self._hard_flush or pod is None or self._controller_for(pod) is None:
             return
-        if self._tracker.other_in_flight(pod.name, action.workflow_id):
-            self._metrics.cache_actions.labels("hard_flush_skipped", "other_in_flight", pod.name).inc()
-            return
         if pod.name not in self._pending or self._pending[pod.name].done():
             self._pending[pod.name] = asyncio.create_task(self._hard(pod, action), name=f"flush-{pod.name}")
 
@@ -73,7 +70,9 @@ class CacheActionExecutor:
         delay = self._retry_base_s
         for attempt in range(self._retries + 1):
             if self._tracker.other_in_flight(pod.name, action.workflow_id):
-                await asyncio.sleep(delay)  # wait for the pod to be quiet, as a refusal would
+                # Another workflow is running there: wait for the pod to be quiet, as after a refusal.
+                self._metrics.cache_actions.labels("hard_flush_deferred", "other_in_flight", pod.name).inc()
+                await asyncio.sleep(delay)
                 delay *= 2
                 continue
             outcome, detail = await controller.flush(self.session, pod)

@@ -27,7 +27,7 @@ async def synced(gw, pods) -> None:
     """Wait until the gateway has applied every event batch each pod has published."""
     index = gw.gateway.kv.index
     await eventually(lambda: all(
-        index.view(f"pod{i}", 0, MODEL).last_seq == p.publisher.seq - 1 for i, p in enumerate(pods)))
+        index.view(f"pod{i}", 0, MODEL).last_seq == p.publisher.seq - 1 for i, p in enumerate(pods)), within_s=15)
 
 
 def system_prompt(group: int) -> str:

@@ -1,0 +1,156 @@
+"""Every branch of the workflow cache policy chain, the pressure modes, sessions and header parsing."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.api.errors import ApiError
+from gateway.api.requests import InferenceRequest, Metadata
+from gateway.config import WorkflowConfig
+from gateway.pressure import PressureMode, next_mode
+from gateway.workflow.context import WorkflowContext, parse_workflow_context
+from gateway.workflow.sessions import SessionAffinity
+from gateway.workflow.tracker import ActionKind, WorkflowTracker
+
+
+def ctx(stage: str, **kw) -> WorkflowContext:
+    return WorkflowContext(workflow_id="wf", stage_id=stage, **kw)
+
+
+def run_stage(tracker, stage, tokens, pod="a", model="m", request_id=None, finish=True, **kw):
+    plan = tracker.begin(ctx(stage, **kw), model, tokens)
+    flushes = tracker.dispatched(plan, request_id or f"{stage}-r", pod, model)
+    done = tracker.finished(request_id or f"{stage}-r", pod, plan, tokens) if finish else []
+    return plan, flushes, done
+
+
+@pytest.fixture
+def tracker() -> WorkflowTracker:
+    return WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100))
+
+
+def test_first_stage_is_noop_then_small_increment_preserves(tracker):
+    plan, _, _ = run_stage(tracker, "s1", 1000)
+    assert plan.action.kind is ActionKind.NOOP
+    plan, _, _ = run_stage(tracker, "s2", 1080)
+    assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.PRESERVE, "small_increment", "a")
+    assert tracker.workflows["wf"].entries["a"].preserved
+
+
+def test_large_increment_is_noop_and_threshold_header_overrides(tracker):
+    run_stage(tracker, "s1", 1000)
+    plan, _, _ = run_stage(tracker, "s2", 1500)
+    assert plan.action.kind is ActionKind.NOOP
+    plan, _, _ = run_stage(tracker, "s3", 2000, preserve_threshold=600)
+    assert plan.action.kind is ActionKind.PRESERVE
+
+
+def test_model_change_flushes_the_pod_it_leaves(tracker):
+    run_stage(tracker, "s1", 1000, pod="a")
+    plan, flushes, _ = run_stage(tracker, "s2", 1010, pod="b", model="other")
+    assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.FLUSH, "model_changed", "a")
+    assert [(f.kind, f.pod) for f in flushes] == [(ActionKind.FLUSH, "a")]
+
+
+def test_overrides_win(tracker):
+    run_stage(tracker, "s1", 1000, pod="a")
+    plan, _, _ = run_stage(tracker, "s2", 5000, cache_policy="preserve")
+    assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.PRESERVE, "override", "a")
+    plan, _, _ = run_stage(tracker, "s3", 5010, cache_policy="flush")
+    assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.FLUSH, "override", "a")
+
+
+def test_leaving_a_preserved_pod_flushes_it(tracker):
+    run_stage(tracker, "s1", 1000, pod="a")
+    run_stage(tracker, "s2", 1010, pod="a")  # preserved on a
+    _, flushes, _ = run_stage(tracker, "s3", 1020, pod="b")  # routing fell back to b (a unavailable)
+    assert [(f.reason, f.pod) for f in flushes] == [("left_pod", "a")]
+    assert not tracker.workflows["wf"].entries["a"].preserved
+
+
+def test_same_stage_requests_stay_with_the_stage(tracker):
+    run_stage(tracker, "s1", 1000, pod="a")
+    run_stage(tracker, "s2", 1010, pod="a")
+    plan = tracker.begin(ctx("s2"), "m", 1010)
+    assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.PRESERVE, "same_stage", "a")
+
+
+def test_completion_waits_for_in_flight_then_flushes_every_pod(tracker):
+    run_stage(tracker, "s1", 1000, pod="a")
+    plan = tracker.begin(ctx("s2", complete=True), "m", 1010)
+    tracker.dispatched(plan, "last", "b", "m")
+    assert tracker.complete("wf") == []  # still in flight: completes when it finishes
+    done = tracker.finished("last", "b", plan, 1010)
+    assert sorted((a.reason, a.pod) for a in done) == [("workflow_complete", "a"), ("workflow_complete", "b")]
+    assert "wf" not in tracker.workflows
+
+
+def test_idle_workflows_expire(tracker):
+    tracker.config = WorkflowConfig(idle_ttl_s=10)
+    plan = tracker.begin(ctx("s1"), "m", 100, now=0.0)
+    tracker.dispatched(plan, "r", "a", "m", now=0.0)
+    tracker.finished("r", "a", plan, 100, now=1.0)
+    assert tracker.expire_idle(now=5.0) == []
+    assert [(a.reason, a.pod) for a in tracker.expire_idle(now=20.0)] == [("idle_expired", "a")]
+
+
+def test_in_flight_queries(tracker):
+    plan = tracker.begin(ctx("s1"), "m", 100)
+    tracker.dispatched(plan, "r1", "a", "m")
+    other = tracker.begin(WorkflowContext(workflow_id="other", stage_id="x"), "m", 100)
+    tracker.dispatched(other, "r2", "a", "m")
+    assert tracker.other_in_flight("a", "wf") and not tracker.other_in_flight("b", "wf")
+    tracker.finished("r2", "a", other, 100)
+    assert not tracker.other_in_flight("a", "wf")
+    run_stage(tracker, "s2", 110, pod="a", request_id="r3")
+    assert tracker.idle_preserved("a") == []  # wf still has r1 in flight
+    tracker.finished("r1", "a", plan, 100)
+    assert [w.id for w in tracker.idle_preserved("a")] == ["wf"]
+
+
+@pytest.mark.parametrize(("start", "usages", "modes"), [
+    (PressureMode.RELAXED, [0.5, 0.72, 0.86, 0.93, 0.97], ["RELAXED", "NORMAL", "PRESSURE", "CRITICAL", "EMERGENCY"]),
+    # Down only once usage is 0.03 below the threshold it crossed going up.
+    (PressureMode.PRESSURE, [0.84, 0.83, 0.81, 0.69, 0.66], ["PRESSURE", "PRESSURE", "NORMAL", "NORMAL", "RELAXED"]),
+    (PressureMode.EMERGENCY, [0.95, 0.92, 0.5], ["EMERGENCY", "CRITICAL", "RELAXED"]),
+])
+def test_pressure_modes_with_hysteresis(start, usages, modes):
+    thresholds, mode, seen = [0.70, 0.85, 0.92, 0.96], start, []
+    for usage in usages:
+        mode = next_mode(mode, usage, thresholds, 0.03)
+        seen.append(mode.name)
+    assert seen == modes
+
+
+def test_sessions_bounded_but_in_flight_never_evicted():
+    sessions = SessionAffinity(max_sessions=2)
+    sessions.started("busy", "a")  # stays in flight
+    sessions.started("s1", "b")
+    sessions.finished("s1")
+    sessions.started("s2", "c")
+    sessions.finished("s2")
+    assert sessions.pod_of("busy") == "a" and sessions.pod_of("s1") is None and sessions.pod_of("s2") == "c"
+    sessions.started("s3", "a")
+    assert sessions.pod_of("busy") == "a" and len(sessions) == 2
+
+
+def headers(**values: str) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict({k.replace("_", "-"): v for k, v in values.items()}))
+
+
+def test_context_from_headers_aliases_and_body():
+    parsed = parse_workflow_context(headers(x_orla_workflow_run="run-1", x_orla_stage="plan",
+                                            x_stage_cache_policy="Preserve", x_workflow_complete="true",
+                                            x_stage_preserve_threshold="50"), InferenceRequest(model="m"))
+    assert (parsed.workflow_id, parsed.stage_id, parsed.cache_policy, parsed.complete,
+            parsed.preserve_threshold) == ("run-1", "plan", "preserve", True, 50)
+    body = InferenceRequest(model="m", metadata=Metadata(workflow_id="w2", stage_id="s9"), prompt_cache_key="k")
+    parsed = parse_workflow_context(headers(), body)
+    assert (parsed.workflow_id, parsed.stage_id, parsed.session_id) == ("w2", "s9", "k")
+    assert parse_workflow_context(headers(x_session_id="sess"), InferenceRequest(model="m", user="u")).session_id \
+        == "sess"
+    for bad in ({"x_stage_cache_policy": "keep"}, {"x_stage_preserve_threshold": "lots"}):
+        with pytest.raises(ApiError) as info:
+            parse_workflow_context(headers(**bad), InferenceRequest(model="m"))
+        assert info.value.status == 400
