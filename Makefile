@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server wrk
 
-.PHONY: install system-packages run test lint clean
+.PHONY: install system-packages run test lint bench clean
 
 install: system-packages $(STAMP)
 
@@ -27,6 +27,11 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+# The side-by-side router benchmark (peers from the package index); results in bench-results/.
+bench: install
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(VENV)/bin/gateway bench --speed 1 --out bench-results
 
 lint: install
 	$(VENV)/bin/ruff check gateway plugins tests

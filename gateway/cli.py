@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.load.cli import add_profiles_parser
 
     add_profiles_parser(sub)
+    from gateway.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     k = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for auth.api_key_hashes")
     k.add_argument("key")
@@ -194,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_api_key(args.key))
         return 0
+    if args.command == "bench":
+        from gateway.bench.cli import run as run_bench
+
+        configure_logging_early()
+        return run_bench(args)
     if args.command == "profiles":
         from gateway.load.cli import run
 

@@ -31,9 +31,10 @@ class MockPodProcess:
 
 
 class MockPodFleet:
-    def __init__(self, config: MockPodsConfig, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: MockPodsConfig, host: str = "127.0.0.1", quiet: bool = False) -> None:
         self.config = config
         self.host = host
+        self.quiet = quiet
         self.members: list[MockPodProcess] = []
 
     def start(self, timeout_s: float = 60.0) -> list[PodConfig]:
@@ -54,7 +55,8 @@ class MockPodFleet:
             "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
             "--model", c.model,
         ]
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL if self.quiet else None)
         url = f"http://{self.host}:{port}"
         pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor, deployment="mock",
                         kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",

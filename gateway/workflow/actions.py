@@ -1,5 +1,6 @@
 """Carrying out cache actions: soft flush always, hard flush through the pod's cache controller when no
-other workflow has a request in flight there, refused flushes retried with backoff.
+other workflow has a request in flight there (nor a cache between its stages: engines flush the whole
+pod), refused flushes retried with backoff.
 
 Owner: the :class:`CacheActionExecutor` owns the pending hard flushes (one task per pod at most). The KV
 index learns a hard flush's result from the pod's ``AllBlocksCleared`` event, not from here.
@@ -69,9 +70,9 @@ class CacheActionExecutor:
         assert controller is not None and self.session is not None
         delay = self._retry_base_s
         for attempt in range(self._retries + 1):
-            if self._tracker.other_in_flight(pod.name, action.workflow_id):
-                # Another workflow is running there: wait for the pod to be quiet, as after a refusal.
-                self._metrics.cache_actions.labels("hard_flush_deferred", "other_in_flight", pod.name).inc()
+            if self._tracker.others_on(pod.name, action.workflow_id):
+                # The flush is global to the pod: wait until no other workflow runs or keeps a cache there.
+                self._metrics.cache_actions.labels("hard_flush_deferred", "others_on_pod", pod.name).inc()
                 await asyncio.sleep(delay)
                 delay *= 2
                 continue

@@ -200,6 +200,12 @@ class WorkflowTracker:
         """Whether any request of another workflow (or of none) is running on ``pod``."""
         return any(w != workflow_id or w is None for w in self.in_flight.get(pod, {}).values())
 
+    def others_on(self, pod: str, workflow_id: str | None) -> bool:
+        """Whether a hard flush of ``pod`` would hurt anyone else: a request of another workflow (or of
+        none) running there, or another live workflow whose cache is there (between its stages)."""
+        return self.other_in_flight(pod, workflow_id) or any(
+            wf.id != workflow_id and pod in wf.entries for wf in self.workflows.values())
+
     def idle_preserved(self, pod: str) -> list[Workflow]:
         """Workflows preserving a cache on ``pod`` with nothing in flight, least recently active first."""
         found = [wf for wf in self.workflows.values()

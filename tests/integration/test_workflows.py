@@ -78,7 +78,7 @@ async def test_flush_override_and_completion_reach_the_right_pod(start_mock_pod,
     assert other.engine.cache.stats.evictions == 0
 
 
-async def test_no_hard_flush_while_another_workflow_runs_there(start_mock_pod, start_gateway, http):
+async def test_no_hard_flush_while_another_workflow_uses_the_pod(start_mock_pod, start_gateway, http):
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1)
     history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "go"}]
     await stage(http, gw, "wf-a", "s1", history)
@@ -93,6 +93,10 @@ async def test_no_hard_flush_while_another_workflow_runs_there(start_mock_pod, s
     executor = gw.gateway.workflows.executor
     assert executor.hard_flushes.get("pod0") is None  # wf-b is running there: the flush waits
     await running.read()
+    await asyncio.sleep(0.3)
+    assert executor.hard_flushes.get("pod0") is None  # wf-b keeps its cache there between stages
+    async with http.post(f"{gw.url}/v1/workflows/wf-b/complete") as resp:
+        assert resp.status == 200
     await eventually(lambda: executor.hard_flushes.get("pod0") == 1)
 
 

@@ -1,0 +1,282 @@
+"""Replays one trace through each contender, each on fresh simulated pods (or on the user's own pods).
+
+Owner: a :class:`BenchRunner` owns the processes it starts (pods, routers) and stops them all, by pid,
+whatever happens. Cache hits are read from the pods' own prefix-cache counters, latency on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+import msgspec
+import orjson
+
+from gateway.backends.scraper import parse_engine_metrics
+from gateway.bench.workloads import Session, Trace
+from gateway.config import MockPodsConfig, PodConfig
+from gateway.mock.launcher import MockPodFleet
+from gateway.mock.pod import free_port
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+
+Kind = Literal["direct", "gateway", "vllm-router", "sglang-router"]
+
+
+class Contender(msgspec.Struct, frozen=True):
+    name: str
+    kind: Kind
+    policy: str = "round_robin"
+    env: dict[str, str] = {}
+
+
+CONTENDERS = {
+    c.name: c for c in [
+        Contender("direct", "direct", "round_robin"),
+        Contender("gateway-round_robin", "gateway", "round_robin"),
+        Contender("gateway-least_request", "gateway", "least_request"),
+        Contender("gateway-prefix_cache", "gateway", "prefix_cache"),
+        Contender("gateway-kv_aware", "gateway", "kv_aware"),
+        Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
+        Contender("gateway-slo", "gateway", "slo"),
+        Contender("vllm-router-round_robin", "vllm-router", "round_robin"),
+        Contender("vllm-router-cache_aware", "vllm-router", "cache_aware"),
+        Contender("vllm-router-kv_aware", "vllm-router", "kv_aware"),
+        Contender("sglang-router-cache_aware", "sglang-router", "cache_aware"),
+    ]
+}
+
+
+@dataclass
+class Outcome:
+    status: int
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass
+class Result:
+    name: str
+    policy: str
+    scenario: str
+    seed: int
+    requests: int = 0
+    errors: int = 0
+    hit_ratio: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p90_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    e2e_p50_ms: float = 0.0
+    e2e_p90_ms: float = 0.0
+    e2e_p99_ms: float = 0.0
+    req_per_s: float = 0.0
+    rejected: int = 0
+    skipped: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} answered")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+class BenchRunner:
+    def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
+                 model: str = "mock-llama", existing_pods: list[PodConfig] | None = None,
+                 progress: bool = True) -> None:
+        self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
+        self.model = model
+        self.existing_pods = existing_pods
+        self.progress = progress
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    # Pods
+
+    def _start_pods(self, speed: float) -> tuple[MockPodFleet | None, list[PodConfig]]:
+        if self.existing_pods:
+            self._reset_existing()
+            return None, self.existing_pods
+        fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
+                                            num_blocks=self.num_blocks, speed=speed), quiet=True)
+        return fleet, fleet.start()
+
+    def _reset_existing(self) -> None:
+        """Start each contender from cold caches where the engine allows it."""
+        for pod in self.existing_pods or []:
+            path = "/flush_cache" if pod.flavor == "sglang" else "/reset_prefix_cache"
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(urllib.request.Request(pod.url + path, method="POST"), timeout=10).close()
+
+    # Routers
+
+    def _start_router(self, contender: Contender, pods: list[PodConfig]) -> str | None:
+        if contender.kind == "direct":
+            return None
+        port = free_port()
+        env = {**os.environ, **contender.env}
+        if contender.kind == "gateway":
+            cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy]
+            for p in pods:
+                spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
+                    (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name}"
+                cmd += ["--pod", spec]
+            env.update({"GATEWAY_LOGGING__ACCESS_LOG": "false",
+                        "GATEWAY_TOKENIZATION__MODELS": f"{{{self.model}: {{path: {MOCK_TOKENIZER_DIR}}}}}"})
+        elif contender.kind == "vllm-router":
+            binary = shutil.which("vllm-router") or str(os.path.join(os.path.dirname(sys.executable), "vllm-router"))
+            cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
+                   "--worker-urls", *[p.url for p in pods], "--log-level", "warning"]
+            if contender.policy == "kv_aware":
+                for p in pods:
+                    if p.kv_events:
+                        cmd += ["--kv-event-source", f"{p.url}={p.kv_events}"]
+                    if p.kv_replay:
+                        cmd += ["--kv-event-replay-source", f"{p.url}={p.kv_replay}"]
+                cmd += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
+                env["VLLM_ROUTER_TOKENIZER"] = str(MOCK_TOKENIZER_DIR)
+        else:
+            binary = shutil.which("sglang-router") or str(os.path.join(os.path.dirname(sys.executable),
+                                                                       "sglang-router"))
+            cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
+                   "--worker-urls", *[p.url for p in pods]]
+        if not os.path.exists(cmd[0]) and contender.kind != "gateway":
+            raise FileNotFoundError(f"{contender.kind} is not installed (pip install '.[bench]')")
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        self._procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/v1/models", 90, proc)
+        return url
+
+    def _stop_procs(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+
+    # One contender
+
+    def run(self, contender: Contender, trace: Trace, speed: float | None = None) -> Result:
+        result = Result(contender.name, contender.policy, trace.scenario, trace.seed, requests=trace.requests)
+        fleet = None
+        try:
+            fleet, pods = self._start_pods(self.speed if speed is None else speed)
+            router = self._start_router(contender, pods)
+            before = [self._prefix_counters(p.url) for p in pods]
+            outcomes, seconds = asyncio.run(self._replay(trace, router, [p.url for p in pods], contender.name))
+            after = [self._prefix_counters(p.url) for p in pods]
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            result.skipped = str(exc)
+            return result
+        finally:
+            self._stop_procs()
+            if fleet:
+                fleet.stop()
+        queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+        hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+        ok = [o for o in outcomes if o.status == 200]
+        result.hit_ratio = hits / queries if queries else 0.0
+        result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
+        result.rejected = sum(1 for o in outcomes if o.status == 429)
+        ttft, e2e = [o.ttft_s * 1000 for o in ok], [o.e2e_s * 1000 for o in ok]
+        result.ttft_p50_ms, result.ttft_p90_ms, result.ttft_p99_ms = (pct(ttft, q) for q in (0.5, 0.9, 0.99))
+        result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
+        result.req_per_s = len(ok) / seconds if seconds else 0.0
+        return result
+
+    @staticmethod
+    def _prefix_counters(url: str) -> tuple[float, float]:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            values = parse_engine_metrics(resp.read().decode())
+        return values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0)
+
+    async def _replay(self, trace: Trace, router: str | None, pod_urls: list[str],
+                      label: str) -> tuple[list[Outcome], float]:
+        targets = itertools.cycle([router] if router else pod_urls)
+        outcomes: list[Outcome] = []
+        total = trace.requests
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+            t0 = time.monotonic()
+
+            async def run_session(session: Session) -> None:
+                await asyncio.sleep(max(0.0, t0 + session.start_s - time.monotonic()))
+                history: list[dict[str, object]] = []
+                for i, step in enumerate(session.steps):
+                    if i and session.think_s:
+                        await asyncio.sleep(session.think_s)
+                    history.extend(step.messages)
+                    outcome, answer = await self._send(http, next(targets), history, step.max_tokens, step.headers)
+                    outcomes.append(outcome)
+                    if self.progress:
+                        print(f"\r  {label:<32} {len(outcomes):>5}/{total}", end="", file=sys.stderr, flush=True)
+                    history.append({"role": "assistant", "content": answer})
+
+            await asyncio.gather(*(run_session(s) for s in trace.sessions))
+            seconds = time.monotonic() - t0
+        if self.progress:
+            print(file=sys.stderr)
+        return outcomes, seconds
+
+    async def _send(self, http: aiohttp.ClientSession, base: str, messages: list[dict[str, object]],
+                    max_tokens: int, headers: dict[str, str]) -> tuple[Outcome, str]:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        started = time.monotonic()
+        first: float | None = None
+        parts: list[str] = []
+        try:
+            async with http.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
+                                 headers={"content-type": "application/json", **headers}) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return Outcome(resp.status), ""
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    for choice in orjson.loads(line[6:]).get("choices") or []:
+                        content = (choice.get("delta") or {}).get("content")
+                        if content:
+                            first = first or time.monotonic()
+                            parts.append(content)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return Outcome(599), ""
+        end = time.monotonic()
+        return Outcome(200, (first or end) - started, end - started), "".join(parts)
+
+
+def summarize(results: list[Result]) -> dict[str, float]:
+    ok = [r for r in results if not r.skipped]
+    return {"contenders": len(ok), "mean_hit_ratio": statistics.fmean(r.hit_ratio for r in ok) if ok else 0.0}

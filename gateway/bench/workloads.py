@@ -1,0 +1,135 @@
+"""Seeded workload generators and their JSONL trace form.
+
+A trace is a list of sessions. A session is a chain of requests sent one after another (a conversation,
+an agentic workflow; a single request for independent prompts): it starts at ``start_s``, each step waits
+for the previous answer and ``think_s``, and the previous answer joins the history as an assistant
+message, as a real agent's would.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+WORDS = ("cache prefix router token block engine agent stage latency pod gpu memory request batch tool plan "
+         "result answer context system user model weight layer attention decode prefill schedule queue").split()
+
+
+class Step(msgspec.Struct):
+    # Messages appended to the session's history before this request (its user turn, tool output, ...).
+    messages: list[dict[str, Any]]
+    max_tokens: int = 16
+    headers: dict[str, str] = {}
+
+
+class Session(msgspec.Struct):
+    id: str
+    start_s: float
+    steps: list[Step]
+    think_s: float = 0.0
+
+
+class Trace(msgspec.Struct):
+    scenario: str
+    seed: int
+    sessions: list[Session]
+
+    @property
+    def requests(self) -> int:
+        return sum(len(s.steps) for s in self.sessions)
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def poisson_starts(rng: random.Random, n: int, rate: float) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(round(t, 4))
+    return out
+
+
+def shared_prefix(seed: int = 0, groups: int = 8, per_group: int = 12, shared_words: int = 1500,
+                  question_words: int = 300, rate: float = 8.0, max_tokens: int = 16) -> Trace:
+    """G groups of prompts sharing a long system prompt, each with its own question; Poisson arrivals."""
+    rng = random.Random(seed)
+    systems = [f"Team {g} handbook. " + text(rng, shared_words) for g in range(groups)]
+    order = [g for g in range(groups) for _ in range(per_group)]
+    rng.shuffle(order)
+    sessions = [
+        Session(f"q{i}", start, [Step([{"role": "system", "content": systems[g]},
+                                       {"role": "user", "content": f"Q{i}: " + text(rng, question_words)}],
+                                      max_tokens)])
+        for i, (g, start) in enumerate(zip(order, poisson_starts(rng, len(order), rate), strict=True))
+    ]
+    return Trace("shared-prefix", seed, sessions)
+
+
+def multi_turn(seed: int = 0, conversations: int = 16, turns: int = 6, first_words: int = 800,
+               turn_words: int = 60, rate: float = 2.0, think_s: float = 0.5, max_tokens: int = 32) -> Trace:
+    """Conversations whose context grows turn by turn, with think time between turns."""
+    rng = random.Random(seed)
+    sessions = []
+    for c, start in enumerate(poisson_starts(rng, conversations, rate)):
+        steps = [Step([{"role": "system", "content": f"Conversation {c}. " + text(rng, first_words)},
+                       {"role": "user", "content": text(rng, turn_words)}], max_tokens)]
+        steps += [Step([{"role": "user", "content": text(rng, turn_words)}], max_tokens) for _ in range(turns - 1)]
+        sessions.append(Session(f"c{c}", start, steps, think_s))
+    return Trace("multi-turn", seed, sessions)
+
+
+def agentic(seed: int = 0, workflows: int = 16, min_stages: int = 5, max_stages: int = 10, context_words: int = 1200,
+            increment_words: int = 40, rate: float = 2.0, think_s: float = 0.2, max_tokens: int = 24) -> Trace:
+    """Concurrent workflows of 5-10 stages with workflow/stage headers and small increments (tool output)."""
+    rng = random.Random(seed)
+    sessions = []
+    for w, start in enumerate(poisson_starts(rng, workflows, rate)):
+        n = rng.randint(min_stages, max_stages)
+        steps = []
+        for s in range(n):
+            headers = {"x-workflow-id": f"wf-{seed}-{w}", "x-stage-id": f"stage-{s}"}
+            if s == n - 1:
+                headers["x-workflow-complete"] = "true"
+            messages = [{"role": "user", "content": f"Tool output {s}: " + text(rng, increment_words)}]
+            if s == 0:
+                messages.insert(0, {"role": "system", "content": f"Agent {w} task. " + text(rng, context_words)})
+            steps.append(Step(messages, max_tokens, headers))
+        sessions.append(Session(f"w{w}", start, steps, think_s))
+    return Trace("agentic", seed, sessions)
+
+
+def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, seconds: float = 20.0,
+             prompt_words: int = 400, ttft_ms: int = 1000, max_tokens: int = 32) -> Trace:
+    """A rate ramp past capacity; every request carries a TTFT SLO."""
+    rng = random.Random(seed)
+    sessions, t, i = [], 0.0, 0
+    while t < seconds:
+        rate = start_rate + (end_rate - start_rate) * t / seconds
+        t += rng.expovariate(rate)
+        sessions.append(Session(f"o{i}", round(t, 4), [Step(
+            [{"role": "user", "content": f"{i}: " + text(rng, prompt_words)}], max_tokens,
+            {"x-slo-ttft-ms": str(ttft_ms)})]))
+        i += 1
+    return Trace("overload", seed, sessions)
+
+
+GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic, "overload": overload}
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    with open(path, "wb") as f:
+        f.write(msgspec.json.encode({"scenario": trace.scenario, "seed": trace.seed}) + b"\n")
+        for session in trace.sessions:
+            f.write(msgspec.json.encode(session) + b"\n")
+
+
+def read_trace(path: str | Path) -> Trace:
+    lines = Path(path).read_bytes().splitlines()
+    head = msgspec.json.decode(lines[0])
+    sessions = [msgspec.json.decode(line, type=Session) for line in lines[1:] if line.strip()]
+    return Trace(head["scenario"], head["seed"], sessions)
