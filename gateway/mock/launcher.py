@@ -24,6 +24,10 @@ from gateway.mock.pod import free_port
 log = logging.getLogger("gateway.mock")
 
 
+class PodExited(RuntimeError):
+    pass
+
+
 @dataclass
 class MockPodProcess:
     process: subprocess.Popen[bytes]
@@ -37,12 +41,21 @@ class MockPodFleet:
         self.quiet = quiet
         self.members: list[MockPodProcess] = []
 
-    def start(self, timeout_s: float = 60.0) -> list[PodConfig]:
+    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> list[PodConfig]:
         for i in range(self.config.count):
             self.members.append(self._spawn(i))
         deadline = time.monotonic() + timeout_s
-        for member in self.members:
-            self._wait_ready(member, deadline)
+        for i, member in enumerate(self.members):
+            for attempt in range(attempts):
+                try:
+                    self._wait_ready(member, deadline)
+                    break
+                except PodExited:
+                    # Most likely a port taken between choosing it and binding it: try other ports.
+                    if attempt == attempts - 1 or self.config.base_port:
+                        raise
+                    log.warning("mock pod %s exited at start; retrying on other ports", member.pod.name)
+                    member = self.members[i] = self._spawn(i)
         return [m.pod for m in self.members]
 
     def _spawn(self, index: int) -> MockPodProcess:
@@ -66,7 +79,7 @@ class MockPodFleet:
     def _wait_ready(self, member: MockPodProcess, deadline: float) -> None:
         while time.monotonic() < deadline:
             if member.process.poll() is not None:
-                raise RuntimeError(f"mock pod {member.pod.name} exited with {member.process.returncode}")
+                raise PodExited(f"mock pod {member.pod.name} exited with {member.process.returncode}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"{member.pod.url}/health", timeout=1) as resp:
                     if resp.status == 200:
