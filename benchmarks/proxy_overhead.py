@@ -73,6 +73,8 @@ def main() -> int:
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--policy", default="round_robin")
     parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
+    parser.add_argument("--peers", action="store_true",
+                        help="also measure vllm-router round_robin and cache_aware (pip install '.[bench]')")
     args = parser.parse_args()
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
@@ -83,10 +85,21 @@ def main() -> int:
     gateway = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port),
                "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
     procs.append(subprocess.Popen(gateway, stderr=subprocess.DEVNULL))
+    peers: dict[str, str] = {}
+    if args.peers:
+        router = str(Path(sys.executable).parent / "vllm-router")
+        for policy in ("round_robin", "cache_aware"):
+            port = free_port()
+            procs.append(subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                                           "--worker-urls", f"http://127.0.0.1:{backend_port}", "--log-level",
+                                           "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            peers[f"vllm-router-{policy}"] = f"http://127.0.0.1:{port}"
     try:
         direct, through = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
         wait_ready(f"{direct}/health")
         wait_ready(f"{through}/readyz")
+        for url in peers.values():
+            wait_ready(f"{url}/health")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "post.lua"
             wrk_script(script)
@@ -95,13 +108,15 @@ def main() -> int:
             for connections in (1, 16):
                 results[f"direct_c{connections}"] = run_wrk(direct, connections, args.duration, script)
                 results[f"gateway_c{connections}"] = run_wrk(through, connections, args.duration, script)
+                for name, url in peers.items():
+                    results[f"{name}_c{connections}"] = run_wrk(url, connections, args.duration, script)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
-    print(f"{'run':<14}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
+    print(f"{'run':<30}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
     for name, r in results.items():
-        print(f"{name:<14}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")
+        print(f"{name:<30}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")
     added = results["gateway_c1"]["p50_ms"] - results["direct_c1"]["p50_ms"]
     print(f"added p50 at 1 connection: {added:.3f} ms; gateway at 16 connections: "
           f"{results['gateway_c16']['req_per_s']:.0f} req/s")

@@ -42,7 +42,7 @@ def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None):
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
     counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows"}
-    defaults = {"per_group": 12, "conversations": 16, "workflows": 16}
+    defaults = {"per_group": 24, "conversations": 16, "workflows": 16}
     if scenario in counts:
         kwargs[counts[scenario]] = max(1, round(defaults[counts[scenario]] * scale))
     if rate is not None:

@@ -54,7 +54,7 @@ def poisson_starts(rng: random.Random, n: int, rate: float) -> list[float]:
     return out
 
 
-def shared_prefix(seed: int = 0, groups: int = 8, per_group: int = 12, shared_words: int = 1500,
+def shared_prefix(seed: int = 0, groups: int = 8, per_group: int = 24, shared_words: int = 1500,
                   question_words: int = 300, rate: float = 8.0, max_tokens: int = 16) -> Trace:
     """G groups of prompts sharing a long system prompt, each with its own question; Poisson arrivals."""
     rng = random.Random(seed)

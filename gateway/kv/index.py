@@ -318,5 +318,9 @@ class PrefixIndex:
         view = self._views.get((pod, rank))
         return set(view.refs) if view else set()
 
+    def blocks_on(self, pod: str) -> int:
+        """Blocks the index holds for ``pod`` (all ranks)."""
+        return sum(len(v.refs) for v in self._views.values() if v.pod == pod)
+
     def size(self) -> int:
         return sum(len(v.refs) for v in self._views.values())

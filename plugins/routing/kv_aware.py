@@ -1,7 +1,7 @@
 """``kv_aware``: precise prefix-cache routing from the pods' own KV events.
 
 Score = ``prefix_weight`` * share of the prompt cached on the pod (from the prefix index) +
-``load_weight`` * idleness; pods far busier than the least busy are filtered out first, so a hot prefix
+``load_weight`` * idleness + ``kv_usage_weight`` * free cache (fewest indexed blocks); pods far busier than the least busy are filtered out first, so a hot prefix
 spreads once its pod is overloaded. Requests that cannot be tokenized are scored on the approximate
 text history instead (the decision's reason says so).
 """
@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.prefix_scoring import CacheAwarePicker, LoadScorer, OverloadGuard, PrefixScorer, options_float
+from plugins.routing.prefix_scoring import (
+    CacheAwarePicker,
+    KvUsageScorer,
+    LoadScorer,
+    OverloadGuard,
+    PrefixScorer,
+    options_float,
+)
 
 
 def build(context: PolicyContext) -> Policy:
@@ -26,7 +33,8 @@ def build(context: PolicyContext) -> Policy:
         picker=CacheAwarePicker(),
         filters=[OverloadGuard(int(options_float(o, "overload_slack", 8)), options_float(o, "overload_ratio", 0.5))],
         scorers=[WeightedScorer(prefix, options_float(o, "prefix_weight", 1.0)),
-                 WeightedScorer(LoadScorer(), options_float(o, "load_weight", 0.3))],
+                 WeightedScorer(LoadScorer(), options_float(o, "load_weight", 0.3)),
+                 WeightedScorer(KvUsageScorer(context.index), options_float(o, "kv_usage_weight", 0.1))],
         needs_tokens=True,
         on_routed=[prefix.remember],
     )

@@ -95,6 +95,23 @@ class LoadScorer:
         return [1.0 - p.in_flight / busiest for p in pods]
 
 
+class KvUsageScorer:
+    """1 for the pod whose cache holds the fewest blocks (by the prefix index), towards 0 for the fullest:
+    a prefix no pod has yet goes where it evicts least, so hot prefixes spread over the fleet's memory."""
+
+    name = "kv_usage"
+
+    def __init__(self, index: PrefixIndex | None) -> None:
+        self._index = index
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+        if self._index is None:
+            return [0.0] * len(pods)
+        held = [self._index.blocks_on(p.name) for p in pods]
+        most = max(held)
+        return [1.0 - h / most if most else 1.0 for h in held]
+
+
 class OverloadGuard:
     """Drop pods far busier than the least busy one, so a hot prefix cannot pile onto one pod: past
     ``min + max(slack, ratio * min)`` in flight, the cache hit is traded for balance."""
