@@ -28,8 +28,8 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| scenario | contender | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p90 ms | req/s | errors |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| scenario | contender | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p90 ms | req/s "
+             "| errors |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.skipped:
             lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} | | | | | | |")

@@ -1,8 +1,8 @@
 """``kv_aware``: precise prefix-cache routing from the pods' own KV events.
 
 Score = ``prefix_weight`` * share of the prompt cached on the pod (from the prefix index) +
-``load_weight`` * idleness + ``kv_usage_weight`` * free cache (fewest indexed blocks); pods far busier than the least busy are filtered out first, so a hot prefix
-spreads once its pod is overloaded. Requests that cannot be tokenized are scored on the approximate
+``load_weight`` * idleness + ``kv_usage_weight`` * free cache (fewest indexed blocks). Pods far busier
+than the least busy are filtered out first, so a hot prefix spreads once its pod is overloaded. Requests that cannot be tokenized are scored on the approximate
 text history instead (the decision's reason says so).
 """
 
