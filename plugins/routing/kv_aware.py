@@ -2,8 +2,9 @@
 
 Score = ``prefix_weight`` * share of the prompt cached on the pod (from the prefix index) +
 ``load_weight`` * idleness + ``kv_usage_weight`` * free cache (fewest indexed blocks). Pods far busier
-than the least busy are filtered out first, so a hot prefix spreads once its pod is overloaded. Requests that cannot be tokenized are scored on the approximate
-text history instead (the decision's reason says so).
+than the least busy are filtered out first, so a hot prefix spreads once its pod is overloaded.
+Requests that cannot be tokenized are scored on the approximate text history instead (the decision's
+reason says so).
 """
 
 from __future__ import annotations
