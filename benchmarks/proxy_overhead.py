@@ -24,9 +24,19 @@ HERE = Path(__file__).resolve().parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held open together while chosen, so none is handed out twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def wait_ready(url: str, timeout_s: float = 60) -> None:
@@ -79,27 +89,29 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
         return 2
-    backend_port, gateway_port = free_port(), free_port()
+    backend_port, gateway_port, *peer_ports = free_ports(6)
     procs = [subprocess.Popen([sys.executable, str(HERE / "trivial_backend.py"), str(backend_port)])]
     env_log = [] if args.access_log else ["GATEWAY_LOGGING__ACCESS_LOG=false"]
     gateway = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port),
                "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
     procs.append(subprocess.Popen(gateway, stderr=subprocess.DEVNULL))
+    wait_ready(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
     peers: dict[str, str] = {}
     if args.peers:
         router = str(Path(sys.executable).parent / "vllm-router")
-        for policy in ("round_robin", "cache_aware"):
-            port = free_port()
+        for policy, port, metrics_port in zip(("round_robin", "cache_aware"), peer_ports[:2], peer_ports[2:],
+                                              strict=True):
             procs.append(subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                                            "--worker-urls", f"http://127.0.0.1:{backend_port}", "--log-level",
-                                           "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                           "warning", "--prometheus-port", str(metrics_port)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             peers[f"vllm-router-{policy}"] = f"http://127.0.0.1:{port}"
     try:
         direct, through = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
         wait_ready(f"{direct}/health")
         wait_ready(f"{through}/readyz")
         for url in peers.values():
-            wait_ready(f"{url}/health")
+            wait_ready(f"{url}/v1/models")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "post.lua"
             wrk_script(script)
