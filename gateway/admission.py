@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from gateway.api.errors import ApiError
 from gateway.backends.registry import Pod
+from gateway.background import cancel_and_wait
 from gateway.config import AdmissionConfig
 from gateway.load.pending import Estimate, PendingLoad
 from gateway.metrics import GatewayMetrics
@@ -74,10 +75,7 @@ class AdmissionController:
             self._ticker = asyncio.create_task(self._tick(), name="admission-ticker")
 
     async def stop(self) -> None:
-        if self._ticker:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+        await cancel_and_wait(self._ticker)
         for waiter in self._queue:
             if not waiter.future.done():
                 waiter.future.cancel()

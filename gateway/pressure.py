@@ -9,13 +9,13 @@ full (through :attr:`PendingLoad.blocked`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.background import cancel_and_wait
 from gateway.config import PressureConfig
 from gateway.load.pending import PendingLoad
 from gateway.metrics import GatewayMetrics
@@ -79,10 +79,7 @@ class PressureMonitor:
         self._task = asyncio.create_task(self._loop(), name="pressure-monitor")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

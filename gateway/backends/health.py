@@ -8,7 +8,6 @@ appear).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -17,6 +16,7 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.background import cancel_and_wait
 from gateway.config import HealthConfig
 
 log = logging.getLogger("gateway.health")
@@ -45,10 +45,7 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="health-checker")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

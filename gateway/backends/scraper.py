@@ -7,7 +7,6 @@ scrape keeps the last values and marks them stale, so routing falls back to the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -15,6 +14,7 @@ import time
 import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.background import cancel_and_wait
 from gateway.load.pending import EngineStats
 
 log = logging.getLogger("gateway.scraper")
@@ -70,10 +70,7 @@ class MetricsScraper:
         self._task = asyncio.create_task(self._loop(), name="metrics-scraper")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

@@ -16,7 +16,6 @@ down at start or restarts needs no code here beyond the restart rule.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from gateway.background import cancel_and_wait
 from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_batch, decode_seq, encode_seq
 from gateway.kv.index import EngineView, PrefixIndex
 
@@ -83,10 +83,7 @@ class KvEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.view.pod}-{self.view.rank}")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._sub is not None:
             self._sub.close(linger=0)
 

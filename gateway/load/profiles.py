@@ -8,12 +8,13 @@ request: the last profiles stay, and the failure is counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
 
 import msgspec
+
+from gateway.background import cancel_and_wait
 
 log = logging.getLogger("gateway.load.profiles")
 
@@ -136,10 +137,7 @@ class ProfileStore:
         self._task = asyncio.create_task(self._loop(), name="profile-refresh")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._client is not None:
             await self._client.aclose()
 

@@ -13,7 +13,6 @@ cache hits and rises with load, as on a real engine. The KV events of a step lea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gateway.background import cancel_and_wait
 from gateway.kv.events import KvEvent
 from gateway.mock.kvcache import PagedKvCache, SequenceBlocks
 
@@ -113,10 +113,7 @@ class MockEngine:
         self._task = asyncio.create_task(self._run(), name="mock-engine")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Sequence:
         if not prompt:

@@ -8,7 +8,6 @@ a real network loss), stop sending altogether, or restart (seq back to 0, buffer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -17,6 +16,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from gateway.background import cancel_and_wait
 from gateway.kv.events import (
     Encoding,
     EventBatch,
@@ -73,10 +73,7 @@ class KvEventPublisher:
             self._replay_task = asyncio.create_task(self._serve_replay(), name="mock-replay")
 
     async def stop(self) -> None:
-        if self._replay_task:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        await cancel_and_wait(self._replay_task)
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)

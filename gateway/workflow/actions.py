@@ -9,7 +9,6 @@ index learns a hard flush's result from the pod's ``AllBlocksCleared`` event, no
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Literal, Protocol
@@ -17,6 +16,7 @@ from typing import Literal, Protocol
 import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.background import cancel_and_wait
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
@@ -92,6 +92,4 @@ class CacheActionExecutor:
 
     async def stop(self) -> None:
         for task in self._pending.values():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)

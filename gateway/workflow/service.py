@@ -7,12 +7,12 @@ actions go to the executor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy
 
 from gateway.api.requests import InferenceRequest
+from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
 from gateway.load.pending import PendingLoad
 from gateway.routing.policy import Decision
@@ -49,10 +49,7 @@ class WorkflowService:
             self._task = asyncio.create_task(self._expire_loop(), name="workflow-expiry")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self.executor.stop()
 
     async def _expire_loop(self) -> None:
