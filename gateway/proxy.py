@@ -276,11 +276,11 @@ class Proxy:
     ) -> aiohttp.ClientResponse:
         assert self.session is not None
         try:
-            request = self.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
+            sending = self.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
             if not self._explicit_first_byte:
-                return await request
+                return await sending
             async with asyncio.timeout(self._first_byte_s):
-                return await request
+                return await sending
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._pods.report_connect_failure(pod, str(exc))
             self._metrics.upstream_errors.labels(pod.name, "connect").inc()

@@ -110,9 +110,9 @@ async def test_sglang_refusal_is_retried(start_mock_pod, start_gateway, http):
     direct = await http.post(f"{pod.url}/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "stream": True})
     await http.post(f"{gw.url}/v1/workflows/wf-s/complete")
-    metrics = gw.gateway.metrics
-    await eventually(lambda: metrics.cache_actions.labels("hard_flush_refused", "workflow_complete", "pod0")
-                     ._value.get() >= 1)
+    registry = gw.gateway.metrics.registry
+    labels = {"action": "hard_flush_refused", "reason": "workflow_complete", "pod": "pod0"}
+    await eventually(lambda: (registry.get_sample_value("gateway_cache_actions_total", labels) or 0) >= 1)
     await direct.read()
     await eventually(lambda: gw.gateway.workflows.executor.hard_flushes.get("pod0") == 1, within_s=10)
     assert not pod.engine.cache.cached_blocks()
@@ -131,7 +131,6 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     busy = await http.post(f"{gw.url}/v1/chat/completions", headers={"x-workflow-id": "busy", "x-stage-id": "s2"},
                            json={"model": MODEL, "messages": history, "max_tokens": 300, "stream": True})
-    tracker.workflows.get("busy")  # busy has a request in flight
     await eventually(lambda: "busy" in tracker.workflows and tracker.workflows["busy"].in_flight == 1)
     tracker.workflows["busy"].entries["pod0"].preserved = True
     gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.9, stale=False)
