@@ -335,6 +335,11 @@ class Proxy:
         ex.first_byte_at = time.monotonic()
         if upstream.status == 200:
             ex.usage = usage_of_body(data)
+        elif upstream.status >= 400 and not upstream.headers.get("content-type", "").startswith("application/json"):
+            # An engine's own errors are OpenAI JSON and pass as they are; anything else gets that shape.
+            text = data[:_UPSTREAM_ERROR_SNIPPET].decode(errors="replace").strip()
+            raise ApiError(upstream.status, f"Pod {pod.name} answered HTTP {upstream.status}: {text}",
+                           type="upstream_error", code=f"upstream_{upstream.status}")
         return web.Response(status=upstream.status, body=data,
                             headers=self._response_headers(ex, decision, upstream))
 

@@ -129,11 +129,11 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     try:
         batch = _typed_decoder.decode(payload)
         return DecodedBatch(batch.ts, batch.events, batch.data_parallel_rank)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, UnicodeDecodeError):  # msgspec reports bad UTF-8 as UnicodeDecodeError
         pass
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
         raise BadEventBatch(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise BadEventBatch("not a [ts, events, dp_rank] array")

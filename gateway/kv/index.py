@@ -30,6 +30,7 @@ _TIER_SHIFT = 24
 _GPU_ONE = 1
 _OFFLOAD_ONE = 1 << _TIER_SHIFT
 _GPU_MASK = _OFFLOAD_ONE - 1
+_TOKEN_LIMIT = 1 << 32  # token ids are hashed as uint32
 
 
 @dataclass(slots=True)
@@ -145,7 +146,8 @@ class PrefixIndex:
 
     def _store(self, view: EngineView, event: BlockStored) -> None:
         bs, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
-        if event.lookahead_token_ids or bs <= 0 or len(tokens) != len(hashes) * bs:
+        if (event.lookahead_token_ids or bs <= 0 or len(tokens) != len(hashes) * bs
+                or not all(0 <= t < _TOKEN_LIMIT for t in tokens)):
             self.stats.rejected += 1
             return
         if view.block_size != bs:

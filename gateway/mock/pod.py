@@ -224,6 +224,9 @@ class MockPod:
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = len(self.tokenizer)
+            if not all(0 <= t < vocab and not isinstance(t, bool) for t in prompt):
+                raise PromptRejected(f"Token ids must be integers in [0, {vocab}).")
             return [prompt]
         if isinstance(prompt, list) and prompt:
             return [p for item in prompt for p in self._prompt_ids(item, add_special_tokens)]

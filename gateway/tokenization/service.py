@@ -191,9 +191,14 @@ def first_prompt(prompt: Any) -> str | list[int] | None:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
+        if _token_ids(prompt):
             return prompt
         first = prompt[0]
-        if isinstance(first, str) or (isinstance(first, list) and all(isinstance(t, int) for t in first)):
+        if isinstance(first, str) or (isinstance(first, list) and _token_ids(first)):
             return first
     return None
+
+
+def _token_ids(values: list[Any]) -> bool:
+    """Token ids the engine could accept (anything else is the engine's to reject, not ours to hash)."""
+    return bool(values) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in values)

@@ -177,3 +177,25 @@ async def test_authorization_passthrough_by_default(start_backend, start_gateway
     await http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
                     headers={"authorization": "Bearer client-token"})
     assert seen_auth == ["Bearer client-token"]
+
+
+async def test_non_json_upstream_errors_get_the_openai_shape(start_backend, start_gateway, http):
+    async def plain(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="404: Not Found")
+
+    gw = await start_gateway([await start_backend(backend(plain))])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 404
+        error = assert_openai_error(await resp.json(), "upstream_404")
+        assert "404: Not Found" in error["message"]
+
+
+async def test_out_of_range_token_ids_are_a_clean_400(start_mock_pod, start_gateway, http):
+    pod = await start_mock_pod()
+    gw = await start_gateway([pod.url], routing={"policy": "kv_aware"})
+    for prompt in ([-1, 5], [2**40], [[3, -2]]):
+        async with http.post(f"{gw.url}/v1/completions", json={"model": "mock-llama", "prompt": prompt}) as resp:
+            assert resp.status == 400
+            assert "Token ids" in (await resp.json())["error"]["message"]
+    async with http.post(f"{gw.url}/v1/completions", json={"model": "mock-llama", "prompt": [1, 2, 3]}) as resp:
+        assert resp.status == 200  # the engine loop survived
