@@ -96,14 +96,15 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     executor = CacheActionExecutor(tracker, pods, metrics, cache_controllers(wc.controller), hard_flush=wc.hard_flush,
                                    retries=wc.flush_retries, retry_base_s=wc.flush_retry_base_s)
     workflows = WorkflowService(wc, tracker, SessionAffinity(wc.max_sessions), executor, load)
+    auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, workflows, config.routing,
-                  config.timeouts, config.auth)
+                  config.timeouts, config.auth, auth)
     pressure = None
     if config.pressure.enabled:
         pressure = PressureMonitor(config.pressure, pods, pressure_source(config, load), tracker, executor, load,
                                    metrics)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
-                   auth=ApiKeyAuth(config.auth.api_key_hashes), policies=policies, kv=kv, tokens=tokens,
+                   auth=auth, policies=policies, kv=kv, tokens=tokens,
                    profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure)
 
 

@@ -96,17 +96,44 @@ class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True):
     total_s: float = 900.0
 
 
+def _check_digest(digest: str, field: str) -> None:
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+        raise ValueError(f"{field} entries must be SHA-256 hex digests (gateway hash-key KEY)")
+
+
+class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """One gateway API key, with what it may do."""
+
+    hash: str
+    name: str = ""
+    # Models this key may use; empty: all.
+    models: list[str] = []
+    # Sustained request rate (bursts up to one minute's worth); none: unlimited.
+    requests_per_minute: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_digest(self.hash, "keys[].hash")
+        if self.requests_per_minute is not None and self.requests_per_minute <= 0:
+            raise ValueError("requests_per_minute must be positive")
+
+
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
-    # SHA-256 hex digests of accepted gateway API keys; empty disables gateway authentication.
+    # SHA-256 hex digests of accepted gateway API keys (no limits); with ``keys``, empty disables
+    # gateway authentication.
     api_key_hashes: list[str] = []
+    keys: list[ApiKeyConfig] = []
+    # /debug/* and /metrics: open, behind one of these admin keys, or (debug_endpoints false) absent.
+    admin_key_hashes: list[str] = []
+    debug_endpoints: bool = True
     # What the pod receives as ``Authorization``: the client's header, ``upstream_api_key``, or nothing.
     upstream: Literal["pass", "replace", "strip"] = "pass"
     upstream_api_key: str | None = None
 
     def __post_init__(self) -> None:
         for digest in self.api_key_hashes:
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
-                raise ValueError("api_key_hashes entries must be SHA-256 hex digests")
+            _check_digest(digest, "api_key_hashes")
+        for digest in self.admin_key_hashes:
+            _check_digest(digest, "admin_key_hashes")
         if self.upstream == "replace" and not self.upstream_api_key:
             raise ValueError("upstream 'replace' needs upstream_api_key")
 

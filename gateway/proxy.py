@@ -23,6 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from gateway.admission import AdmissionController, Slo
+from gateway.api.auth import ApiKeyAuth
 from gateway.api.errors import ApiError, unknown_model, upstream_failed, upstream_timeout
 from gateway.api.middleware import REQUEST_ID
 from gateway.api.requests import parse_inference_request
@@ -49,6 +50,10 @@ _SKIP_REQUEST_HEADERS = frozenset(
 )
 _RELAYED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 _UPSTREAM_ERROR_SNIPPET = 512
+
+
+def _no_check(request: web.Request, model: str | None = None) -> None:
+    return None
 
 
 class RetryableFailure(Exception):
@@ -123,6 +128,7 @@ class Proxy:
         routing: RoutingConfig,
         timeouts: TimeoutConfig,
         auth: AuthConfig,
+        key_auth: ApiKeyAuth | None = None,
     ) -> None:
         self._pods = pods
         self._router = router
@@ -134,6 +140,7 @@ class Proxy:
         self._workflows = workflows
         self._routing = routing
         self._auth = auth
+        self._auth_check = key_auth.check if key_auth and key_auth.enabled else _no_check
         self._first_byte_s = timeouts.first_byte_s
         self._idle_s = timeouts.idle_s
         # aiohttp's per-read timeout covers both the wait for headers and the gaps between chunks; an
@@ -173,6 +180,7 @@ class Proxy:
         body = await request.read()
         parsed = parse_inference_request(body)
         ex.model = model = parsed.model or ""
+        self._auth_check(request, model)
         if not self._pods.knows_model(model):
             raise unknown_model(model)
         override = request.headers.get("x-routing-strategy") if self._routing.allow_strategy_header else None

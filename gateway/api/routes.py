@@ -38,7 +38,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
-    gateway.auth.check(request)
+    gateway.auth.check(request)  # who; the model and rate checks run once the body is parsed
     return await gateway.proxy.handle(request, kind)
 
 
@@ -62,10 +62,12 @@ async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check_admin(request)
     return web.Response(body=gateway.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
 async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check_admin(request)
     now = time.monotonic()
     pods = [
         {
@@ -85,6 +87,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check_admin(request)
     return web.json_response(gateway.kv.debug())
 
 
@@ -127,6 +130,7 @@ async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Respons
 
 
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check_admin(request)
     tracker = gateway.workflows.tracker
     modes = gateway.pressure.modes if gateway.pressure else {}
     return web.json_response({
