@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -83,7 +84,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
         for p in gateway.pods.all()
     ]
     return web.json_response({"pods": pods, "default_policy": gateway.router.default_policy,
-                              "policies": gateway.policies.names()})
+                              "policies": gateway.policies.names(), "tasks": len(asyncio.all_tasks())})
 
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
