@@ -98,7 +98,7 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     workflows = WorkflowService(wc, tracker, SessionAffinity(wc.max_sessions), executor, load)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, workflows, config.routing,
-                  config.timeouts, config.auth, auth)
+                  config.timeouts, config.auth, auth, config.server)
     pressure = None
     if config.pressure.enabled:
         pressure = PressureMonitor(config.pressure, pods, pressure_source(config, load), tracker, executor, load,

@@ -55,6 +55,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    max_messages: int = 2048
+    # Longest prompt routed, in tokens; none: the model's max_model_len as its pods list it.
+    max_prompt_tokens: int | None = None
+    # A streaming client that reads nothing for this long (while its buffer is full) is cut off.
+    client_stall_s: float = 30.0
     # How long SIGTERM waits for in-flight requests before closing them.
     shutdown_grace_s: float = 30.0
     tls_cert: str | None = None

@@ -24,11 +24,11 @@ from multidict import CIMultiDictProxy
 
 from gateway.admission import AdmissionController, Slo
 from gateway.api.auth import ApiKeyAuth
-from gateway.api.errors import ApiError, unknown_model, upstream_failed, upstream_timeout
+from gateway.api.errors import ApiError, bad_request, unknown_model, upstream_failed, upstream_timeout
 from gateway.api.middleware import REQUEST_ID
 from gateway.api.requests import parse_inference_request
 from gateway.backends.registry import Pod, PodRegistry
-from gateway.config import AuthConfig, RoutingConfig, TimeoutConfig
+from gateway.config import AuthConfig, RoutingConfig, ServerConfig, TimeoutConfig
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
@@ -50,10 +50,15 @@ _SKIP_REQUEST_HEADERS = frozenset(
 )
 _RELAYED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 _UPSTREAM_ERROR_SNIPPET = 512
+_UNTIMED_CHUNK = 16 * 1024  # smaller writes cannot block on a client with an empty backlog
 
 
 def _no_check(request: web.Request, model: str | None = None) -> None:
     return None
+
+
+class ClientStalled(Exception):
+    """The client stopped reading a stream for longer than ``server.client_stall_s``."""
 
 
 class RetryableFailure(Exception):
@@ -129,6 +134,7 @@ class Proxy:
         timeouts: TimeoutConfig,
         auth: AuthConfig,
         key_auth: ApiKeyAuth | None = None,
+        server: ServerConfig | None = None,
     ) -> None:
         self._pods = pods
         self._router = router
@@ -140,6 +146,7 @@ class Proxy:
         self._workflows = workflows
         self._routing = routing
         self._auth = auth
+        self._server = server or ServerConfig()
         self._auth_check = key_auth.check if key_auth and key_auth.enabled else _no_check
         self._first_byte_s = timeouts.first_byte_s
         self._idle_s = timeouts.idle_s
@@ -179,6 +186,9 @@ class Proxy:
     async def _serve(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         body = await request.read()
         parsed = parse_inference_request(body)
+        if parsed.messages is not None and len(parsed.messages) > self._server.max_messages:
+            raise bad_request(f"Too many messages: {len(parsed.messages)} (at most {self._server.max_messages}).",
+                              param="messages", code="too_many_messages")
         ex.model = model = parsed.model or ""
         self._auth_check(request, model)
         if not self._pods.knows_model(model):
@@ -190,6 +200,7 @@ class Proxy:
                                          lora_name=model if base != model else None)
         if policy.needs_tokens:
             routing_request.token_ids = await self._tokens.tokenize(model, ex.kind, parsed)
+            self._check_prompt_length(model, routing_request.token_ids)
         if self._admission.config.enabled or policy.needs_load:
             await self._estimate_and_admit(request, ex, routing_request, body)
         prompt_tokens = len(routing_request.token_ids) if routing_request.token_ids else len(body) // 4
@@ -220,6 +231,13 @@ class Proxy:
                             ex.request_id, decision.pod.name, exc.cause, exc.error.message)
         assert failure is not None
         raise failure.error
+
+    def _check_prompt_length(self, model: str, token_ids: list[int] | None) -> None:
+        limit = self._server.max_prompt_tokens or self._pods.max_model_len(model)
+        if token_ids is not None and limit and len(token_ids) > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {len(token_ids)}.",
+                param="messages", code="context_length_exceeded")
 
     async def _estimate_and_admit(
         self, request: web.Request, ex: Exchange, rr: RoutingRequest, body: bytes
@@ -360,12 +378,26 @@ class Proxy:
         await response.prepare(request)
         last_chunks: deque[bytes] = deque(maxlen=4)
         try:
+            transport = request.transport
             async for chunk in self._chunks(upstream):
                 if ex.first_byte_at is None:
                     ex.first_byte_at = time.monotonic()
-                await response.write(chunk)
+                if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
+                    # A backlog (or a chunk that could fill the socket): the client may read slower than
+                    # the pod writes. Wait for it, but not forever.
+                    await self._write_or_stall(response, chunk)
+                else:
+                    await response.write(chunk)
                 last_chunks.append(chunk)
                 ex.streamed_events += chunk.count(b"data: ")
+        except ClientStalled:
+            self._metrics.stream_aborts.labels(pod.name, "client_stalled").inc()
+            log.warning("request %s: client stalled for %g s; stream cut", ex.request_id,
+                        self._server.client_stall_s)
+            if request.transport is not None:
+                request.transport.abort()
+            ex.status = 499
+            return response
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 TimeoutError) as exc:
             kind = "idle_timeout" if isinstance(exc, TimeoutError) else "mid_stream"
@@ -383,6 +415,13 @@ class Proxy:
         ex.usage = usage_of_stream_tail(last_chunks)
         await response.write_eof()
         return response
+
+    async def _write_or_stall(self, response: web.StreamResponse, chunk: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._server.client_stall_s):
+                await response.write(chunk)
+        except TimeoutError:
+            raise ClientStalled from None
 
     async def _chunks(self, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         if not self._explicit_idle:

@@ -81,6 +81,14 @@ class PodRegistry:
                     return str(parent) if parent else model
         return model
 
+    def max_model_len(self, model: str) -> int | None:
+        """The context length the pods list for ``model`` (vLLM's ``max_model_len``), if any."""
+        for pod in self._pods.values():
+            for card in pod.model_cards:
+                if card.get("id") == model and isinstance(card.get("max_model_len"), int):
+                    return card["max_model_len"]
+        return None
+
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Pod]:
         """Pods serving ``model`` that are healthy, not ejected and not excluded."""
         now = time.monotonic()

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import ssl
+import subprocess
+import sys
 
+import aiohttp
+import pytest
 from aiohttp import web
 
 from gateway.config import hash_api_key
+from gateway.mock.pod import free_port
 from tests.conftest import chat_body, models_of
 from tests.integration.test_errors import assert_openai_error, backend
 
@@ -80,3 +88,82 @@ async def test_stalled_stream_hits_the_idle_timeout(start_backend, start_gateway
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m", stream=True)) as resp:
         body = await asyncio.wait_for(resp.read(), timeout=10)
     assert body.startswith(b'data: {"n": 1}') and b"idle_timeout" in body
+
+
+async def test_limits_on_messages_and_prompt_length(start_mock_pod, start_gateway, http):
+    pod = await start_mock_pod(max_model_len=64)
+    gw = await start_gateway([pod.url], routing={"policy": "kv_aware"}, server={"max_messages": 3},
+                             tokenization={"default_mode": "remote"})
+    many = {"model": "mock-llama", "messages": [{"role": "user", "content": "hi"}] * 4}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=many) as resp:
+        assert resp.status == 400
+        assert_openai_error(await resp.json(), "too_many_messages")
+    long = {"model": "mock-llama", "messages": [{"role": "user", "content": "word " * 200}]}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=long) as resp:
+        assert resp.status == 400
+        error = assert_openai_error(await resp.json(), "context_length_exceeded")
+        assert "64 tokens" in error["message"]
+    assert pod.engine.prompt_tokens_total == 0  # refused before reaching the pod
+
+
+async def test_a_client_that_stops_reading_is_cut_off(start_backend, start_gateway, http):
+    upstream_gone = asyncio.Event()
+
+    async def firehose(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = b"data: " + b"x" * 65536 + b"\n\n"
+        try:
+            for _ in range(2000):  # 128 MB if nobody stopped it
+                await resp.write(chunk)
+        except (ConnectionResetError, asyncio.CancelledError):
+            upstream_gone.set()
+            raise
+        return resp
+
+    gw = await start_gateway([await start_backend(backend(firehose))], server={"client_stall_s": 0.5})
+    _reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}'
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()  # ... and never read the answer
+    await asyncio.wait_for(upstream_gone.wait(), timeout=20)
+    writer.close()
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert 'side="client_stalled"' in metrics
+
+
+@pytest.fixture
+def tls_cert(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+async def test_tls_listener(start_backend, http, tls_cert):
+    cert, key = tls_cert
+    port = free_port()
+    env = {**os.environ, "GATEWAY_SERVER__TLS_CERT": str(cert), "GATEWAY_SERVER__TLS_KEY": str(key)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--port", str(port), "--pod",
+        await start_backend(backend(echo_auth)), env=env, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        context = ssl.create_default_context(cafile=str(cert))
+        for _ in range(100):
+            try:
+                async with http.get(f"https://127.0.0.1:{port}/healthz", ssl=context) as resp:
+                    assert resp.status == 200
+                    break
+            except OSError:
+                await asyncio.sleep(0.1)
+        async with http.post(f"https://127.0.0.1:{port}/v1/chat/completions", json=chat_body(model="m"),
+                             ssl=context) as resp:
+            assert resp.status == 200
+        with pytest.raises(aiohttp.ClientError):  # plain HTTP is refused on a TLS port
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                await resp.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), timeout=30)
