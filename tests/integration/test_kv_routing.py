@@ -139,3 +139,17 @@ async def test_index_converges_after_lost_batches_and_a_restart(start_mock_pod, 
     stats = {v["pod"]: v["subscriber"] for v in debug["views"]}
     assert sum(s["gaps"] for s in stats.values()) > 0 and stats[f"pod{restarted}"]["restarts"] == 1
     assert not any(v["approximate"] for v in debug["views"])
+
+
+async def test_restarted_gateway_rebuilds_its_index_from_replay(start_mock_pod, start_gateway, http):
+    pods, first = await fleet(start_mock_pod, start_gateway, n=2, kv_index={"speculative_ttl_s": 0})
+    pod, _, _ = await ask(http, first, 4, "before the restart")
+    await synced(first, pods)
+    await first.runner.cleanup()  # the gateway goes away; the pods keep their caches
+    second = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"}
+                                  for i, p in enumerate(pods)],
+                                 tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                                 routing={"policy": "kv_aware"}, kv_index={"speculative_ttl_s": 0})
+    await synced(second, pods)  # from the pods' replay buffers, before any new event
+    routed, predicted, usage = await ask(http, second, 4, "after the restart")
+    assert routed == pod and predicted == usage["prompt_tokens_details"]["cached_tokens"] > 0

@@ -143,3 +143,19 @@ async def test_scraper_reads_engine_stats_and_marks_stale(start_mock_pod, start_
     await pod.stop()
     await eventually(lambda: stats["p"].stale)
     assert stats["p"].running == 1  # last values kept, marked stale
+
+
+async def test_redis_outage_never_blocks_requests(redis_server, start_mock_pod, start_gateway, http):
+    client = redis.from_url(redis_server.url)
+    await client.set(profile_key("mock-llama", "small"), json.dumps(PROFILE | {"gpu": "small"}))
+    await client.aclose()
+    pod = await start_mock_pod()
+    gw = await start_gateway([{"url": pod.url, "deployment": "small"}], routing={"policy": "pending_load"},
+                             load={"redis_url": redis_server.url, "profile_refresh_s": 0.1},
+                             admission={"enabled": True})
+    redis_server.stop()
+    store = gw.gateway.profiles
+    await eventually(lambda: store.errors >= 2)
+    body = {"model": "mock-llama", "messages": [{"role": "user", "content": "still here?"}], "max_tokens": 2}
+    statuses = [(await http.post(f"{gw.url}/v1/chat/completions", json=body)).status for _ in range(20)]
+    assert statuses == [200] * 20 and store.get("mock-llama", "small") is not None
