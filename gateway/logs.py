@@ -34,6 +34,21 @@ class TextFormatter(logging.Formatter):
         self.converter = time.gmtime
 
 
+class MalformedRequestFilter(logging.Filter):
+    """aiohttp logs a traceback for every request it cannot parse (bad header bytes, HTTP/2 prefaces):
+    a client's mistake, so one warning line without the traceback is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if record.exc_info and isinstance(record.exc_info[1], HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]!s}".replace("\n", " ")[:300]
+            record.args = ()
+            record.exc_info = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def configure_logging(config: LoggingConfig) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if config.json else TextFormatter())
@@ -42,3 +57,6 @@ def configure_logging(config: LoggingConfig) -> None:
     root.setLevel(config.level.upper())
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if config.access_log else logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestFilter())

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.api.openapi import openapi_document
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -29,6 +30,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
         app.router.add_post(path, partial(_proxied, gateway, kind))
     app.router.add_get("/v1/models", partial(_models, gateway))
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/readyz", partial(_readyz, gateway))
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
@@ -140,3 +142,7 @@ async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Respon
         "pressure": {pod: mode.name.lower() for pod, mode in modes.items()},
         "hard_flushes": gateway.workflows.executor.hard_flushes,
     })
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())

@@ -101,3 +101,15 @@ def test_structured_bodies_and_headers(gateway_url, path, body, hdrs):
 def test_raw_bytes(gateway_url, path, raw):
     url, _ = gateway_url
     check(*post(url, path, raw, {}))
+
+
+def test_schemathesis_against_the_gateways_own_openapi(gateway_url):
+    """Schemathesis generates requests from /openapi.json: no 5xx from the gateway, ever."""
+    url, proc = gateway_url
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "st"), "run", f"{url}/openapi.json", "--checks",
+         "not_a_server_error", "--max-examples", "40", "--seed", "1", "--workers", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert proc.poll() is None
