@@ -199,3 +199,18 @@ async def test_out_of_range_token_ids_are_a_clean_400(start_mock_pod, start_gate
             assert "Token ids" in (await resp.json())["error"]["message"]
     async with http.post(f"{gw.url}/v1/completions", json={"model": "mock-llama", "prompt": [1, 2, 3]}) as resp:
         assert resp.status == 200  # the engine loop survived
+
+
+async def test_request_content_never_reaches_the_logs(start_backend, start_gateway, http, caplog):
+    import logging
+
+    gw = await start_gateway([await start_backend(backend(ok))])
+    secret = "my-credit-card-4111-1111"
+    with caplog.at_level(logging.DEBUG):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(secret, model="m")) as resp:
+            assert resp.status == 200
+        async with http.post(f"{gw.url}/v1/chat/completions", data=b'{"model": "m", "messages": "' + secret.encode()
+                             + b'", broken') as resp:
+            assert resp.status == 400
+    assert any("gateway.access" in r.name for r in caplog.records)
+    assert secret not in caplog.text

@@ -164,3 +164,29 @@ async def test_garbage_is_counted_and_the_subscriber_keeps_going(rig_factory):
     rig.store_next()
     await eventually(lambda: rig.view.last_seq == 2)
     assert rig.held() == chain_hashes(1)
+
+
+async def test_replay_endpoint_that_never_answers(rig_factory):
+    import zmq
+    import zmq.asyncio
+
+    from gateway.mock.pod import free_port
+
+    silent = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    silent.bind(f"tcp://127.0.0.1:{free_port()}")
+    rig = rig_factory()
+    rig.sub.replay_endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    rig.sub.replay_timeout_s = 0.2
+    try:
+        await connected(rig)
+        rig.store_next()
+        rig.pub.drop_fraction = 1.0
+        rig.store_next()
+        rig.pub.drop_fraction = 0.0
+        rig.store_next()
+        await eventually(lambda: rig.view.last_seq == 2)
+        assert rig.view.approximate and rig.sub.stats.replay_failures >= 1
+        rig.store_next()  # and it keeps going
+        await eventually(lambda: rig.view.last_seq == 3)
+    finally:
+        silent.close(linger=0)
