@@ -82,6 +82,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
             "ejections": p.ejections,
             "in_flight": p.in_flight,
             "last_error": p.last_error,
+            "checked_s_ago": round(now - p.last_check, 3) if p.last_check else None,
         }
         for p in gateway.pods.all()
     ]

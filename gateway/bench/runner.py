@@ -12,7 +12,6 @@ import itertools
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -276,7 +275,3 @@ class BenchRunner:
         end = time.monotonic()
         return Outcome(200, (first or end) - started, end - started), "".join(parts)
 
-
-def summarize(results: list[Result]) -> dict[str, float]:
-    ok = [r for r in results if not r.skipped]
-    return {"contenders": len(ok), "mean_hit_ratio": statistics.fmean(r.hit_ratio for r in ok) if ok else 0.0}
