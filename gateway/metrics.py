@@ -71,6 +71,9 @@ class GatewayMetrics:
             "gateway_output_tokens", "Output tokens per request: predicted at admission and actual",
             ["kind"], buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r,
         )
+        # Children looked up once: labels() costs more than the observation on the request path.
+        self.output_predicted = self.output_tokens.labels("predicted")
+        self.output_actual = self.output_tokens.labels("actual")
         self.output_prediction_error = Histogram(
             "gateway_output_prediction_error_tokens", "Actual minus predicted output tokens, per request",
             buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096), registry=r,

@@ -246,7 +246,7 @@ class Proxy:
         rr.input_tokens = len(rr.token_ids) if rr.token_ids else max(1, len(body) // 4)
         rr.predicted_output_tokens = self._predictor.predict(
             rr.base_model, rr.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
-        self._metrics.output_tokens.labels("predicted").observe(rr.predicted_output_tokens)
+        self._metrics.output_predicted.observe(rr.predicted_output_tokens)
         ex.predicted_output_tokens = rr.predicted_output_tokens
         candidates = self._pods.candidates(rr.model)
         rr.estimates = {p.name: self._load.estimate(p.name, rr.base_model, rr.input_tokens,
@@ -460,7 +460,7 @@ class Proxy:
             return
         if prompt:
             self._predictor.observe(ex.base_model, prompt, output)
-        self._metrics.output_tokens.labels("actual").observe(output)
+        self._metrics.output_actual.observe(output)
         if ex.predicted_output_tokens:
             self._metrics.output_prediction_error.observe(output - ex.predicted_output_tokens)
         if ex.slo and ex.slo.ttft_s is not None and ex.first_byte_at is not None:
