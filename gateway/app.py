@@ -18,6 +18,7 @@ from gateway.admission import AdmissionController
 from gateway.api.auth import ApiKeyAuth
 from gateway.api.middleware import openai_errors
 from gateway.api.routes import add_routes
+from gateway.backends.discovery import DiscoveryContext, DiscoverySource, PodSetApplier
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
@@ -43,6 +44,7 @@ from gateway.workflow.tracker import WorkflowTracker
 POLICY_GROUP = "gateway.policies"
 CONTROLLER_GROUP = "gateway.cache_controllers"
 PRESSURE_GROUP = "gateway.pressure_sources"
+DISCOVERY_GROUP = "gateway.discovery_sources"
 
 log = logging.getLogger("gateway.app")
 
@@ -66,6 +68,7 @@ class Gateway:
     workflows: WorkflowService
     pressure: PressureMonitor | None = None
     scraper: MetricsScraper | None = None
+    discovery: PodSetApplier | None = None
     health: HealthChecker | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
@@ -124,6 +127,11 @@ def cache_controllers(choice: str) -> Callable[[Pod], CacheController | None]:
     return controller_for
 
 
+def discovery_source(config: GatewayConfig) -> DiscoverySource:
+    plugins = PluginRegistry(DISCOVERY_GROUP, "discovery source")
+    return plugins.load(config.discovery.source)(DiscoveryContext(list(config.pods), dict(config.discovery.options)))
+
+
 def pressure_source(config: GatewayConfig, load: PendingLoad) -> PressureSource:
     plugins = PluginRegistry(PRESSURE_GROUP, "pressure source")
     context = PressureContext(load=load, options=dict(config.pressure.options))
@@ -162,11 +170,26 @@ async def _start(app: web.Application) -> None:
 
     gw.health = HealthChecker(gw.pods, gw.session, gw.config.health, on_health_change)
     await gw.health.start()
-    for pod in gw.pods.all():
+
+    def attach(pod: Pod) -> None:
         on_health_change(pod)
         gw.metrics.watch_pod(pod, gw.load)
         gw.kv.add_pod(pod)
         gw.profiles.known_models |= pod.models
+
+    async def pod_added(pod: Pod) -> None:
+        await gw.health.check(pod, initial=True, refresh_models=True)  # type: ignore[union-attr]
+        attach(pod)
+
+    async def pod_removed(name: str) -> None:
+        await gw.kv.remove_pod(name)
+        gw.workflows.sessions.forget_pod(name)
+
+    for pod in gw.pods.all():
+        attach(pod)
+    if gw.config.discovery.source != "static":
+        gw.discovery = PodSetApplier(gw.pods, pod_added, pod_removed)
+        gw.discovery.start(discovery_source(gw.config))
     await gw.profiles.start()
     if gw.config.load.scrape_interval_s > 0:
         gw.scraper = MetricsScraper(gw.pods, gw.load.engine, gw.session, gw.config.load.scrape_interval_s)
@@ -180,6 +203,8 @@ async def _start(app: web.Application) -> None:
 
 async def _stop(app: web.Application) -> None:
     gw = app[GATEWAY_KEY]
+    if gw.discovery:
+        await gw.discovery.stop()
     if gw.health:
         await gw.health.stop()
     await gw.kv.stop()

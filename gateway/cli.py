@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.logging)
-    if not config.pods and not config.mock_pods.count:
+    if not config.pods and not config.mock_pods.count and config.discovery.source == "static":
         print("gateway: no pods configured (use --pod URL, a config file, or --mock-pods N)", file=sys.stderr)
         return 2
     try:

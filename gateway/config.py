@@ -241,6 +241,12 @@ class PressureConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("thresholds must rise: 0 < normal < pressure < critical < emergency <= 1")
 
 
+class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # static: the pods above; file: a watched YAML/JSON file (options.path).
+    source: str = "static"
+    options: dict[str, Any] = {}
+
+
 class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool = False
@@ -273,6 +279,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
 

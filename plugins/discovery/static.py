@@ -1,0 +1,24 @@
+"""``static`` (default): the pods of the config, once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from gateway.backends.discovery import DiscoveryContext
+from gateway.config import PodConfig
+
+
+class StaticSource:
+    name = "static"
+
+    def __init__(self, pods: list[PodConfig]) -> None:
+        self._pods = pods
+
+    async def watch(self) -> AsyncIterator[list[PodConfig]]:
+        yield list(self._pods)
+        await asyncio.Event().wait()  # never changes
+
+
+def build(context: DiscoveryContext) -> StaticSource:
+    return StaticSource(context.static_pods)
