@@ -38,6 +38,9 @@ class Contender(msgspec.Struct, frozen=True):
     kind: Kind
     policy: str = "round_robin"
     env: dict[str, str] = {}
+    # Gateway replicas, each with its own index; the client spreads requests over them round-robin,
+    # as a Kubernetes Service would.
+    replicas: int = 1
 
 
 CONTENDERS = {
@@ -48,6 +51,7 @@ CONTENDERS = {
         Contender("gateway-prefix_cache", "gateway", "prefix_cache"),
         Contender("gateway-kv_aware", "gateway", "kv_aware"),
         Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
+        Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
         Contender("gateway-slo", "gateway", "slo"),
         Contender("vllm-router-round_robin", "vllm-router", "round_robin"),
         Contender("vllm-router-cache_aware", "vllm-router", "cache_aware"),
@@ -134,9 +138,12 @@ class BenchRunner:
 
     # Routers
 
-    def _start_router(self, contender: Contender, pods: list[PodConfig]) -> str | None:
+    def _start_routers(self, contender: Contender, pods: list[PodConfig]) -> list[str] | None:
         if contender.kind == "direct":
             return None
+        return [self._start_router(contender, pods) for _ in range(contender.replicas)]
+
+    def _start_router(self, contender: Contender, pods: list[PodConfig]) -> str:
         port = free_port()
         env = {**os.environ, **contender.env}
         if contender.kind == "gateway":
@@ -192,9 +199,9 @@ class BenchRunner:
         fleet = None
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed)
-            router = self._start_router(contender, pods)
+            routers = self._start_routers(contender, pods)
             before = [self._prefix_counters(p.url) for p in pods]
-            outcomes, seconds = asyncio.run(self._replay(trace, router, [p.url for p in pods], contender.name))
+            outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods], contender.name))
             after = [self._prefix_counters(p.url) for p in pods]
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
@@ -221,9 +228,9 @@ class BenchRunner:
             values = parse_engine_metrics(resp.read().decode())
         return values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0)
 
-    async def _replay(self, trace: Trace, router: str | None, pod_urls: list[str],
+    async def _replay(self, trace: Trace, routers: list[str] | None, pod_urls: list[str],
                       label: str) -> tuple[list[Outcome], float]:
-        targets = itertools.cycle([router] if router else pod_urls)
+        targets = itertools.cycle(routers or pod_urls)
         outcomes: list[Outcome] = []
         total = trace.requests
         connector = aiohttp.TCPConnector(limit=0)

@@ -24,6 +24,7 @@ VALUE_SETS = {
     "static-pods-redis-hpa-monitoring": [
         "--set", "redis.enabled=true", "--set", "autoscaling.enabled=true", "--set", "serviceMonitor.enabled=true",
         "--set", "grafanaDashboard.enabled=true", "--set-json", f"pods.list={json.dumps([POD])}"],
+    "kubernetes-discovery": ["--set", "pods.discovery=kubernetes", "--set", "pods.labelSelector=app=vllm"],
     "file-discovery-external-redis": [
         "--set", "pods.discovery=file", "--set", "redis.externalUrl=redis://redis.shared:6379/0",
         "--set", "rbac.create=false", "--set-json", f"pods.list={json.dumps([POD])}"],
@@ -69,6 +70,11 @@ def test_render_and_validate(helm, name, tmp_path):
         assert config.pods[0].kv_events == POD["kv_events"] and config.load.redis_url == "redis://gw-gateway-redis:6379/0"
         assert {"HorizontalPodAutoscaler", "ServiceMonitor"} <= kinds and "replicas" not in deployment["spec"]
         assert any(d["metadata"]["name"] == "gw-gateway-dashboard" for d in docs)
+    if name == "kubernetes-discovery":
+        assert config.discovery.source == "kubernetes"
+        assert config.discovery.options == {"label_selector": "app=vllm", "namespace": "llm"}
+        role = next(d for d in docs if d["kind"] == "Role")
+        assert role["rules"][0]["verbs"] == ["get", "list", "watch"]
     if name == "file-discovery-external-redis":
         assert config.discovery.source == "file" and config.pods == []
         pods_file = tmp_path / "pods.yaml"
