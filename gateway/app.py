@@ -149,7 +149,8 @@ def deployment_of(pods: PodRegistry, name: str) -> str:
 
 def build_app(config: GatewayConfig) -> web.Application:
     gateway = build_gateway(config)
-    app = web.Application(middlewares=[openai_errors], client_max_size=config.server.max_body_bytes)
+    app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
+                          client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     add_routes(app, gateway)
     app.on_startup.append(_start)

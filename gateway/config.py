@@ -55,6 +55,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    # All request header names and values together; past it a 431 (OpenAI JSON). A single header line
+    # beyond 64 KiB never reaches the gateway: the HTTP parser refuses it with a plain 400.
+    max_header_bytes: int = 16 * 1024
     max_messages: int = 2048
     # Longest prompt routed, in tokens; none: the model's max_model_len as its pods list it.
     max_prompt_tokens: int | None = None

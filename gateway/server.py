@@ -19,6 +19,10 @@ from gateway.config import GatewayConfig, ServerConfig
 
 log = logging.getLogger("gateway.server")
 
+# The HTTP parser's own per-line limits, set well above server.max_header_bytes so that oversized
+# headers are answered by the gateway (431, OpenAI JSON) rather than by the parser (plain text).
+PARSER_LIMITS = {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024}
+
 
 def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
     if not server.tls_cert:
@@ -31,7 +35,8 @@ def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
 async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     app = build_app(config)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
+        **PARSER_LIMITS,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, ssl_context=tls_context(config.server),

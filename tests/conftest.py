@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway.app import GATEWAY_KEY, Gateway, build_app
 from gateway.config import GatewayConfig, load_config
 from gateway.mock.pod import MockPod, MockPodConfig
+from gateway.server import PARSER_LIMITS
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
 
@@ -36,7 +37,7 @@ class RunningGateway:
 
 
 async def serve_app(app: web.Application) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1, **PARSER_LIMITS)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -20,8 +21,20 @@ _HTTP_ERROR_TYPES = {
 }
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """The middleware, with the header-size limit it enforces first."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if sum(len(k) + len(v) for k, v in request.raw_headers) > max_header_bytes:
+            err = ApiError(431, f"Request headers exceed {max_header_bytes} bytes.", code="headers_too_large")
+            return _with_request_id(err.to_response(), request)
+        return await _answer(request, handler)
+
+    return middleware
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:

@@ -214,3 +214,13 @@ async def test_request_content_never_reaches_the_logs(start_backend, start_gatew
             assert resp.status == 400
     assert any("gateway.access" in r.name for r in caplog.records)
     assert secret not in caplog.text
+
+
+async def test_header_size_limit_is_an_openai_431(gw, http):
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                         headers={"x-note": "a" * 10_000}) as resp:
+        assert resp.status == 200  # under the default 16 KiB
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                         headers={"x-note": "a" * 20_000, "x-request-id": "big-1"}) as resp:
+        assert resp.status == 431 and resp.headers["x-request-id"] == "big-1"
+        assert_openai_error(await resp.json(), "headers_too_large")
