@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -19,8 +20,8 @@ import time
 
 import aiohttp
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from proxy_overhead import free_port, wait_ready
+from gateway.bench.runner import wait_http
+from gateway.mock.pod import free_port
 
 
 async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, ttft_ms: float) -> tuple[int, float]:
@@ -61,11 +62,9 @@ def run(admission: bool, args: argparse.Namespace) -> dict[str, float]:
            "--policy", "least_request"]
     env = {"GATEWAY_LOGGING__ACCESS_LOG": "false", "GATEWAY_LOAD__DEFAULT_CAPACITY": str(args.capacity),
            "GATEWAY_ADMISSION__ENABLED": str(admission).lower(), "GATEWAY_ADMISSION__MAX_QUEUE_WAIT_S": "0.3"}
-    import os
-
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/readyz")
+        wait_http(f"http://127.0.0.1:{port}/readyz")
         return asyncio.run(drive(f"http://127.0.0.1:{port}", args.rate, args.seconds, args.ttft_ms))
     finally:
         proc.terminate()

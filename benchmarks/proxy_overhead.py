@@ -12,43 +12,15 @@ import argparse
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+from gateway.bench.runner import wait_http
+from gateway.mock.pod import free_ports
+
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together while chosen, so none is handed out twice)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def wait_ready(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def wrk_script(path: Path) -> None:
@@ -95,7 +67,7 @@ def main() -> int:
     gateway = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port),
                "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
     procs.append(subprocess.Popen(gateway, stderr=subprocess.DEVNULL))
-    wait_ready(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
+    wait_http(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
     peers: dict[str, str] = {}
     if args.peers:
         router = str(Path(sys.executable).parent / "vllm-router")
@@ -108,10 +80,10 @@ def main() -> int:
             peers[f"vllm-router-{policy}"] = f"http://127.0.0.1:{port}"
     try:
         direct, through = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
-        wait_ready(f"{direct}/health")
-        wait_ready(f"{through}/readyz")
+        wait_http(f"{direct}/health")
+        wait_http(f"{through}/readyz")
         for url in peers.values():
-            wait_ready(f"{url}/v1/models")
+            wait_http(f"{url}/v1/models")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "post.lua"
             wrk_script(script)

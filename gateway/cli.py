@@ -207,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging_early()
         return run(args)
-    from gateway.logs import configure_logging
-
     if args.command == "mock":
-        configure_logging(LoggingConfig(access_log=False))
+        configure_logging_early()
         run_loop(mock(args))
         return 0
+    from gateway.logs import configure_logging
+
     try:
         config = load_config(args.config, serve_overrides(args))
     except (ConfigError, OSError) as exc:

@@ -53,10 +53,6 @@ _UPSTREAM_ERROR_SNIPPET = 512
 _UNTIMED_CHUNK = 16 * 1024  # smaller writes cannot block on a client with an empty backlog
 
 
-def _no_check(request: web.Request, model: str | None = None) -> None:
-    return None
-
-
 class ClientStalled(Exception):
     """The client stopped reading a stream for longer than ``server.client_stall_s``."""
 
@@ -147,7 +143,7 @@ class Proxy:
         self._routing = routing
         self._auth = auth
         self._server = server or ServerConfig()
-        self._auth_check = key_auth.check if key_auth and key_auth.enabled else _no_check
+        self._key_auth = key_auth
         self._first_byte_s = timeouts.first_byte_s
         self._idle_s = timeouts.idle_s
         # aiohttp's per-read timeout covers both the wait for headers and the gaps between chunks; an
@@ -190,7 +186,8 @@ class Proxy:
             raise bad_request(f"Too many messages: {len(parsed.messages)} (at most {self._server.max_messages}).",
                               param="messages", code="too_many_messages")
         ex.model = model = parsed.model or ""
-        self._auth_check(request, model)
+        if self._key_auth is not None:
+            self._key_auth.authorize(request, model)
         if not self._pods.knows_model(model):
             raise unknown_model(model)
         override = request.headers.get("x-routing-strategy") if self._routing.allow_strategy_header else None

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -13,8 +18,9 @@ import pytest
 from aiohttp import web
 
 from gateway.app import GATEWAY_KEY, Gateway, build_app
+from gateway.bench.runner import wait_http
 from gateway.config import GatewayConfig, load_config
-from gateway.mock.pod import MockPod, MockPodConfig
+from gateway.mock.pod import MockPod, MockPodConfig, free_port
 from gateway.server import PARSER_LIMITS
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
@@ -104,7 +110,7 @@ class RedisServer:
         if binary is None:
             pytest.fail("redis-server is not installed: run `make install` (it apt-installs redis-server)")
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -124,12 +130,6 @@ class RedisServer:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -161,3 +161,30 @@ def models_of(*models: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
 
     return handler
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    stderr: bytes = b""
+
+
+@contextlib.contextmanager
+def gateway_process(*args: str, env: dict[str, str] | None = None,
+                    capture_stderr: bool = False) -> Iterator[GatewayProcess]:
+    """``gateway serve ARGS`` as a real process on a free port, ready when yielded, SIGTERMed after;
+    its exit code and (if captured) stderr are on the yielded object afterwards."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), *args],
+        env={**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false", **(env or {})},
+        stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
+    )
+    run = GatewayProcess(f"http://127.0.0.1:{port}", proc)
+    try:
+        wait_http(f"{run.url}/readyz", 90, proc)
+        yield run
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        run.stderr = proc.communicate(timeout=60)[1] or b""

@@ -26,6 +26,9 @@ class _Key:
     refreshed: float = 0.0
 
 
+_KEY = web.RequestKey("api_key", _Key)
+
+
 def _bearer_digest(request: web.Request) -> bytes | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -57,14 +60,19 @@ class ApiKeyAuth:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def check(self, request: web.Request, model: str | None = None) -> None:
-        """Authenticate; then, when ``model`` is given, apply the key's model list and rate."""
+    def check(self, request: web.Request) -> None:
+        """Authenticate the request (before its body is read); remember which key it used."""
         if not self._keys:
             return
         key = _match(_bearer_digest(request), self._keys)
         if key is None:
             raise unauthorized()
-        if model is None:
+        request[_KEY] = key
+
+    def authorize(self, request: web.Request, model: str) -> None:
+        """Once the model is known: the key's model list and its rate (after :meth:`check`)."""
+        key = request.get(_KEY)
+        if key is None:
             return
         if key.config.models and model not in key.config.models:
             raise ApiError(403, f"This API key may not use model `{model}`.", type="permission_error",

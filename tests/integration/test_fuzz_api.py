@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -15,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.bench.runner import wait_http
-from gateway.mock.pod import free_port
+from tests.conftest import gateway_process
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False,
                          allow_infinity=False), st.text(max_size=20))
@@ -53,18 +51,10 @@ paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/respons
 
 @pytest.fixture(scope="module")
 def gateway_url():
-    port = free_port()
-    env = {**os.environ, "GATEWAY_ADMISSION__ENABLED": "true", "GATEWAY_LOGGING__ACCESS_LOG": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--mock-pods", "1", "--mock-speed", "0",
-                             "--port", str(port), "--policy", "kv_aware"], env=env, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/readyz", 90, proc)
-        yield url, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-        assert b"Traceback" not in stderr and b"internal error" not in stderr, stderr.decode()[-3000:]
+    with gateway_process("--mock-pods", "1", "--mock-speed", "0", "--policy", "kv_aware",
+                         env={"GATEWAY_ADMISSION__ENABLED": "true"}, capture_stderr=True) as run:
+        yield run.url, run.proc
+    assert b"Traceback" not in run.stderr and b"internal error" not in run.stderr, run.stderr.decode()[-3000:]
 
 
 def post(url: str, path: str, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes, str]:

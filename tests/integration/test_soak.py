@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 
 import aiohttp
 import pytest
 
-from gateway.bench.runner import wait_http
-from gateway.mock.pod import free_port
+from tests.conftest import gateway_process
 
 CONCURRENT = 2000
 
@@ -35,17 +31,9 @@ def open_fds(pid: int) -> int:
 
 @pytest.fixture
 def gateway():
-    port = free_port()
-    env = {**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--mock-pods", "2", "--mock-speed", "0",
-                             "--port", str(port), "--policy", "least_request"], env=env, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/readyz", 90, proc)
-        yield url, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+    with gateway_process("--mock-pods", "2", "--mock-speed", "0", "--policy", "least_request") as run:
+        yield run.url, run.proc
+    assert run.proc.returncode == 0
 
 
 async def wave(http: aiohttp.ClientSession, url: str, n: int) -> list[bool]:
