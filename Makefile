@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server wrk
 
-.PHONY: install system-packages run test lint bench clean
+.PHONY: install system-packages run test test-fast e2e lint bench clean
 
 install: system-packages $(STAMP) .tools/helm
 
@@ -29,8 +29,15 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/gateway serve --mock-pods 4 --policy kv_aware
 
-test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+# Everything CI runs: unit and integration tests (mock pods), then the end-to-end suite on real vLLM.
+test: test-fast e2e
+
+test-fast: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/integration
+
+# Two real vLLM pods on the CPU; the first run installs vLLM under ~/.cache/kv-gateway (about 2 min).
+e2e: install
+	tests/e2e/run.sh
 
 # The side-by-side router benchmark (peers from the package index); results in bench-results/.
 bench: install

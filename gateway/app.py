@@ -168,6 +168,7 @@ async def _start(app: web.Application) -> None:
 
     def on_health_change(pod: Pod) -> None:
         gw.metrics.pod_healthy.labels(pod.name).set(1 if pod.healthy else 0)
+        gw.kv.pod_health_changed(pod)
 
     gw.health = HealthChecker(gw.pods, gw.session, gw.config.health, on_health_change)
     await gw.health.start()

@@ -57,6 +57,12 @@ class KvEventService:
             await self._subscribers.pop(key).stop()
         self.index.drop_pod(name)
 
+    def pod_health_changed(self, pod: Pod) -> None:
+        if not pod.healthy:
+            for key, sub in self._subscribers.items():
+                if key[0] == pod.name:
+                    sub.pod_lost()
+
     async def stop(self) -> None:
         for sub in self._subscribers.values():
             await sub.stop()

@@ -8,6 +8,9 @@ view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules (spec: ``spec
   the start) before applying the live batch; if the replay starts later than asked, the missing
   batches are gone and the view is marked approximate until a clean base returns.
 - seq below what was applied (and not a replay duplicate): the engine restarted; drop the view.
+- the pod failed its health checks (:meth:`pod_lost`): its blocks are dropped at once, the seq kept, so a
+  restarted engine is still recognised by its seq going back; a pod that comes back without restarting
+  is re-read from its replay buffer like a new one.
 
 ZeroMQ reconnects a dropped connection by itself (with the backoff set below), so a publisher that is
 down at start or restarts needs no code here beyond the restart rule.
@@ -70,6 +73,8 @@ class KvEventSubscriber:
         self._task: asyncio.Task[None] | None = None
         # Seqs in [_replayed_from, view.last_seq] arrived by replay; their live copies are duplicates.
         self._replayed_from: int | None = None
+        # Set while the view's blocks were dropped for a pod that stopped answering.
+        self._forgotten = False
 
     def start(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -107,13 +112,16 @@ class KvEventSubscriber:
             return
         seq, payload = decode_seq(frames[1]), frames[2]
         last = self.view.last_seq
-        if seq > last:
+        if self._forgotten:
+            self._rebuild(seq)
+            last = -1
+        elif seq > last:
             self._replayed_from = None  # live progress: replay duplicates are behind us
         elif self._replayed_from is not None and seq >= self._replayed_from:
             self.stats.duplicates += 1
             return
         else:
-            self._restarted(seq)
+            self._rebuild(seq)
             last = -1
         if seq != last + 1:
             await self._fill_gap(last + 1, seq)
@@ -132,13 +140,27 @@ class KvEventSubscriber:
         if first is not None and first > 0:
             self._lost(0, first)
 
-    def _restarted(self, seq: int) -> None:
-        self.stats.restarts += 1
-        log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
-                    self.view.rank, seq, self.view.last_seq)
+    def pod_lost(self) -> None:
+        """The pod stopped answering: route as if its cache were gone (a dead engine's is)."""
+        if self.view.refs:
+            log.warning("pod %s rank %d is down: dropping its %d indexed blocks", self.view.pod, self.view.rank,
+                        len(self.view.refs))
+        self.index.reset_view(self.view)
+        self._forgotten = True
+
+    def _rebuild(self, seq: int) -> None:
+        """Start the view again from nothing; the caller replays from seq 0."""
+        if seq <= self.view.last_seq:
+            self.stats.restarts += 1
+            log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
+                        self.view.rank, seq, self.view.last_seq)
+        else:
+            log.info("pod %s rank %d is back without a restart: re-reading its replay buffer", self.view.pod,
+                     self.view.rank)
         self.index.reset_view(self.view)
         self.view.last_seq = -1
         self._replayed_from = None
+        self._forgotten = False
 
     async def _fill_gap(self, start: int, live_seq: int) -> None:
         if self.view.last_seq >= 0:

@@ -125,6 +125,33 @@ async def test_restart_drops_the_view_and_rebuilds(rig_factory):
     assert rig.held() == chain_hashes(1)
 
 
+
+async def test_lost_pod_is_forgotten_at_once_and_a_restart_is_still_recognised(rig_factory):
+    rig = rig_factory()
+    await connected(rig)
+    for _ in range(3):
+        rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    rig.sub.pod_lost()
+    assert rig.held() == set()  # before any event says so: the pod is gone
+    rig.pub.restart()
+    rig.pub.publish([block(0)])
+    await eventually(lambda: rig.view.last_seq == 0)
+    assert rig.sub.stats.restarts == 1 and rig.held() == chain_hashes(1) and not rig.view.approximate
+
+
+async def test_lost_pod_back_without_restart_is_reread_from_its_replay_buffer(rig_factory):
+    rig = rig_factory()
+    await connected(rig)
+    for _ in range(3):
+        rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    rig.sub.pod_lost()
+    rig.store_next()  # the same engine, seq 3: its earlier blocks are still cached
+    await eventually(lambda: rig.view.last_seq == 3)
+    assert rig.held() == chain_hashes(4)
+    assert rig.sub.stats.restarts == 0 and not rig.view.approximate
+
 async def test_subscriber_started_late_catches_up_by_replay(rig_factory):
     rig = rig_factory()
     rig.pub.start()
