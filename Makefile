@@ -45,7 +45,7 @@ bench: install
 	$(VENV)/bin/gateway bench --speed 1 --out bench-results
 
 lint: install
-	$(VENV)/bin/ruff check gateway plugins tests
+	$(VENV)/bin/ruff check gateway plugins tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

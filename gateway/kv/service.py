@@ -59,8 +59,8 @@ class KvEventService:
 
     def pod_health_changed(self, pod: Pod) -> None:
         if not pod.healthy:
-            for key, sub in self._subscribers.items():
-                if key[0] == pod.name:
+            for (name, _rank), sub in self._subscribers.items():
+                if name == pod.name:
                     sub.pod_lost()
 
     async def stop(self) -> None:

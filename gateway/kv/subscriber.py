@@ -8,12 +8,14 @@ view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules (spec: ``spec
   the start) before applying the live batch; if the replay starts later than asked, the missing
   batches are gone and the view is marked approximate until a clean base returns.
 - seq below what was applied (and not a replay duplicate): the engine restarted; drop the view.
-- the pod failed its health checks (:meth:`pod_lost`): its blocks are dropped at once, the seq kept, so a
-  restarted engine is still recognised by its seq going back; a pod that comes back without restarting
-  is re-read from its replay buffer like a new one.
+- the pod failed its health checks (:meth:`pod_lost`): its blocks are dropped at once. Its next batch,
+  by replay or live, rebuilds the view from seq 0; the engine restarted if that seq is not past the
+  one it had when lost.
 
-ZeroMQ reconnects a dropped connection by itself (with the backoff set below), so a publisher that is
-down at start or restarts needs no code here beyond the restart rule.
+ZeroMQ reconnects a dropped connection by itself (with the backoff set below). A PUB socket drops what
+it publishes while nobody is connected, so each time the connection opens (the first time included)
+the subscriber asks the replay endpoint for everything after its last seq: a gateway started beside
+long-running pods routes precisely at once, and a restarted engine's first batches are not missed.
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ class KvEventSubscriber:
         self._on_batch = on_batch
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         # Seqs in [_replayed_from, view.last_seq] arrived by replay; their live copies are duplicates.
         self._replayed_from: int | None = None
-        # Set while the view's blocks were dropped for a pod that stopped answering.
-        self._forgotten = False
+        # The last seq applied before the pod was lost; None while it is not.
+        self._lost_at: int | None = None
+        # Live batches and the replay on (re)connection both write the view: one at a time.
+        self._lock = asyncio.Lock()
 
     def start(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -83,26 +88,41 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)
         self._sub = sub
-        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.view.pod}-{self.view.rank}")
+        name = f"{self.view.pod}-{self.view.rank}"
+        self._tasks = [asyncio.create_task(self._receive(), name=f"kv-events-{name}"),
+                       asyncio.create_task(self._watch_connection(), name=f"kv-connection-{name}")]
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        for task in self._tasks:
+            await cancel_and_wait(task)
         if self._sub is not None:
+            self._sub.disable_monitor()
             self._sub.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
 
-    async def _run(self) -> None:
+    async def _receive(self) -> None:
         assert self._sub is not None
-        if self.replay_endpoint:
-            await self._catch_up()
         while True:
             frames = await self._sub.recv_multipart()
-            try:
-                await self.handle(frames)
-            except Exception:  # one bad batch must never stop the subscriber
-                self.stats.malformed += 1
-                log.exception("pod %s rank %d: failed to handle an event batch", self.view.pod, self.view.rank)
+            async with self._lock:
+                try:
+                    await self.handle(frames)
+                except Exception:  # one bad batch must never stop the subscriber
+                    self.stats.malformed += 1
+                    log.exception("pod %s rank %d: failed to handle an event batch", self.view.pod,
+                                  self.view.rank)
+
+    async def _watch_connection(self) -> None:
+        assert self._monitor is not None
+        while True:
+            await self._monitor.recv_multipart()  # a handshake succeeded: the only event asked for
+            if self.replay_endpoint:
+                async with self._lock:
+                    await self._catch_up()
 
     async def handle(self, frames: list[bytes]) -> None:
         """One live message ``[topic, seq, payload]``."""
@@ -112,16 +132,18 @@ class KvEventSubscriber:
             return
         seq, payload = decode_seq(frames[1]), frames[2]
         last = self.view.last_seq
-        if self._forgotten:
-            self._rebuild(seq)
-            last = -1
+        if self._lost_at is not None:
+            self._rejoin(seq)
         elif seq > last:
             self._replayed_from = None  # live progress: replay duplicates are behind us
         elif self._replayed_from is not None and seq >= self._replayed_from:
             self.stats.duplicates += 1
             return
         else:
-            self._rebuild(seq)
+            self.stats.restarts += 1
+            log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
+                        self.view.rank, seq, last)
+            self._forget()
             last = -1
         if seq != last + 1:
             await self._fill_gap(last + 1, seq)
@@ -129,38 +151,47 @@ class KvEventSubscriber:
             self._apply(seq, payload)
 
     async def _catch_up(self) -> None:
-        """Rebuild from the pod's replay buffer at start, without waiting for its next batch (a gateway
-        restarted beside long-running pods routes precisely at once)."""
+        """Replay what the pod published after the view's last seq (all of it for an empty view)."""
+        start = self.view.last_seq + 1
         self.stats.replays += 1
         try:
-            first = await self._replay(0)
+            first = await self._replay(start)
         except zmq.ZMQError as exc:
-            log.warning("pod %s rank %d: initial replay failed: %s", self.view.pod, self.view.rank, exc)
-            return
-        if first is not None and first > 0:
-            self._lost(0, first)
+            log.warning("pod %s rank %d: replay from %d failed: %s", self.view.pod, self.view.rank, start, exc)
+            first = None
+        if first is None:
+            self.stats.replay_failures += 1
+        elif first > start:
+            self._lost(start, first)
+        if self._lost_at is not None and self.view.last_seq >= 0:
+            self._rejoin(self.view.last_seq + 1)
 
     def pod_lost(self) -> None:
         """The pod stopped answering: route as if its cache were gone (a dead engine's is)."""
+        if self._lost_at is not None:
+            return
         if self.view.refs:
             log.warning("pod %s rank %d is down: dropping its %d indexed blocks", self.view.pod, self.view.rank,
                         len(self.view.refs))
-        self.index.reset_view(self.view)
-        self._forgotten = True
+        self._lost_at = self.view.last_seq
+        self._forget()
 
-    def _rebuild(self, seq: int) -> None:
-        """Start the view again from nothing; the caller replays from seq 0."""
-        if seq <= self.view.last_seq:
+    def _rejoin(self, next_seq: int) -> None:
+        """A lost pod publishes again, batch ``next_seq``: its view, emptied when lost, is rebuilt from seq 0."""
+        assert self._lost_at is not None
+        if next_seq <= self._lost_at:
             self.stats.restarts += 1
-            log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
-                        self.view.rank, seq, self.view.last_seq)
+            log.warning("pod %s rank %d restarted (seq %d after %d): rebuilding its index from its events",
+                        self.view.pod, self.view.rank, next_seq, self._lost_at)
         else:
-            log.info("pod %s rank %d is back without a restart: re-reading its replay buffer", self.view.pod,
+            log.info("pod %s rank %d is back without a restart: re-read from its replay buffer", self.view.pod,
                      self.view.rank)
+        self._lost_at = None
+
+    def _forget(self) -> None:
         self.index.reset_view(self.view)
         self.view.last_seq = -1
         self._replayed_from = None
-        self._forgotten = False
 
     async def _fill_gap(self, start: int, live_seq: int) -> None:
         if self.view.last_seq >= 0:

@@ -28,10 +28,16 @@ run_dir=$(mktemp -d "${TMPDIR:-/tmp}/kvgw-e2e.XXXXXX")
 pidfile=$run_dir/pgids
 touch "$pidfile"
 cleanup() {
+    local status=$?
     while read -r pgid; do
         kill -KILL -- "-$pgid" 2>/dev/null || true
     done <"$pidfile"
-    echo "e2e: finished after $(( $(date +%s) - started )) s; pod logs in $run_dir" >&2
+    if [ "$status" -eq 0 ]; then
+        rm -rf "$run_dir"
+        echo "e2e: passed in $(( $(date +%s) - started )) s" >&2
+    else
+        echo "e2e: failed (status $status) after $(( $(date +%s) - started )) s; pod logs in $run_dir" >&2
+    fi
 }
 trap cleanup EXIT
 

@@ -154,8 +154,8 @@ async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vll
     chats = [
         [{"role": "user", "content": "Hello there"}],
         conversation(doc, "  Summarise it, please.\n"),
-        conversation(doc, "First?") + [{"role": "assistant", "content": "It is about caches."},
-                                       {"role": "user", "content": "Zweite Frage: was ist mit Blöcken? 🚀"}],
+        [*conversation(doc, "First?"), {"role": "assistant", "content": "It is about caches."},
+         {"role": "user", "content": "Zweite Frage: was ist mit Blöcken? 🚀"}],
         [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}],
     ]
     for messages in chats:
@@ -225,7 +225,7 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
     gw = await start_kv_gateway()
     messages = conversation(document("flush"), "Stage one.")
     headers = {"x-workflow-id": "wf-flush", "x-stage-id": "one"}
-    reply, resp_headers = await chat(http, gw.url, messages, headers)
+    _, resp_headers = await chat(http, gw.url, messages, headers)
     pod = resp_headers["x-gateway-pod"]
     url = vllm[int(pod[-1])].url
     ids = gw.gateway.tokens.local(MODEL).tokenizer.encode_chat(messages)
@@ -254,11 +254,11 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
     victim, survivor = vllm[1], vllm[0]
     index = gw.gateway.kv.index
     subscriber = next(s for s in gw.gateway.kv.subscribers() if s.view.pod == victim.name)
-    doc = document("victim")
-    for i in range(4):  # several event batches: the restarted engine's seq must run backwards
-        await chat(http, victim.url, conversation(doc, f"Warm {i}."))
-    ids = tokens.encode_chat(conversation(doc, "Warm 3."))
-    await settled(gw, victim.name, ids, http, victim.url)
+    warm = [conversation(document(f"victim-{i}"), "Warm up.") for i in range(3)]
+    for messages in warm:  # one event batch each: the restarted engine's seq must run backwards
+        await chat(http, victim.url, messages)
+        await settled(gw, victim.name, tokens.encode_chat(messages), http, victim.url)
+    doc, ids = warm[-1][0]["content"], tokens.encode_chat(warm[-1])
     seq_before, restarts = subscriber.view.last_seq, subscriber.stats.restarts
     assert seq_before >= 3
 
@@ -279,7 +279,7 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
     await settled(gw, victim.name, fresh_ids, http, victim.url)
     assert subscriber.stats.restarts == restarts + 1 and subscriber.view.last_seq < seq_before
     assert confirmed_tokens(gw, victim.name, ids) == 0  # nothing of the old engine's cache survives
-    reply, headers = await chat(http, gw.url, fresh[:1] + [{"role": "user", "content": "And a question."}])
+    reply, headers = await chat(http, gw.url, [*fresh[:1], {"role": "user", "content": "And a question."}])
     assert headers["x-gateway-pod"] == victim.name
     cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and int(headers["x-gateway-prefix-tokens"]) == cached

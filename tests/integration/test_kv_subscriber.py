@@ -125,7 +125,6 @@ async def test_restart_drops_the_view_and_rebuilds(rig_factory):
     assert rig.held() == chain_hashes(1)
 
 
-
 async def test_lost_pod_is_forgotten_at_once_and_a_restart_is_still_recognised(rig_factory):
     rig = rig_factory()
     await connected(rig)
@@ -151,6 +150,25 @@ async def test_lost_pod_back_without_restart_is_reread_from_its_replay_buffer(ri
     await eventually(lambda: rig.view.last_seq == 3)
     assert rig.held() == chain_hashes(4)
     assert rig.sub.stats.restarts == 0 and not rig.view.approximate
+
+
+async def test_restarted_engine_is_read_back_when_the_connection_reopens(rig_factory):
+    rig = rig_factory()
+    await connected(rig)
+    for _ in range(3):
+        rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+    await rig.pub.stop()  # the engine dies
+    rig.sub.pod_lost()
+    rig.pub.restart()
+    rig.n = 0
+    rig.pub.start()
+    rig.pub.sending = False  # its first batches go out before the subscriber is back: only replay has them
+    rig.store_next()
+    rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 1)  # no live batch needed
+    assert rig.held() == chain_hashes(2) and rig.sub.stats.restarts == 1 and not rig.view.approximate
+
 
 async def test_subscriber_started_late_catches_up_by_replay(rig_factory):
     rig = rig_factory()
