@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -144,6 +145,20 @@ def redis_server() -> Iterator[RedisServer]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+async def eventually(condition: Callable[[], bool], within_s: float = 5.0,
+                     nudge: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Wait for ``condition``; ``nudge`` (if given) runs every 2 s to move things along."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    next_nudge = loop.time() + 2
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        if nudge is not None and loop.time() >= next_nudge:
+            await nudge()
+            next_nudge = loop.time() + 2
+        await asyncio.sleep(0.01)
 
 
 def chat_body(content: str = "Hello there", model: str = "mock-llama", **extra: Any) -> dict[str, Any]:

@@ -53,15 +53,17 @@ class KvEventService:
         log.info("subscribed to KV events of pod %s (%s, %d rank(s))", pod.name, cfg.kv_events, cfg.dp_size)
 
     async def remove_pod(self, name: str) -> None:
-        for key in [k for k in self._subscribers if k[0] == name]:
+        for key in self._keys_of(name):
             await self._subscribers.pop(key).stop()
         self.index.drop_pod(name)
 
     def pod_health_changed(self, pod: Pod) -> None:
         if not pod.healthy:
-            for (name, _rank), sub in self._subscribers.items():
-                if name == pod.name:
-                    sub.pod_lost()
+            for key in self._keys_of(pod.name):
+                self._subscribers[key].pod_lost()
+
+    def _keys_of(self, pod: str) -> list[tuple[str, int]]:
+        return [key for key in self._subscribers if key[0] == pod]
 
     async def stop(self) -> None:
         for sub in self._subscribers.values():

@@ -140,9 +140,7 @@ class KvEventSubscriber:
             self.stats.duplicates += 1
             return
         else:
-            self.stats.restarts += 1
-            log.warning("pod %s rank %d restarted (seq %d after %d): dropping its index", self.view.pod,
-                        self.view.rank, seq, last)
+            self._restarted(seq, last)
             self._forget()
             last = -1
         if seq != last + 1:
@@ -180,13 +178,16 @@ class KvEventSubscriber:
         """A lost pod publishes again, batch ``next_seq``: its view, emptied when lost, is rebuilt from seq 0."""
         assert self._lost_at is not None
         if next_seq <= self._lost_at:
-            self.stats.restarts += 1
-            log.warning("pod %s rank %d restarted (seq %d after %d): rebuilding its index from its events",
-                        self.view.pod, self.view.rank, next_seq, self._lost_at)
+            self._restarted(next_seq, self._lost_at)
         else:
             log.info("pod %s rank %d is back without a restart: re-read from its replay buffer", self.view.pod,
                      self.view.rank)
         self._lost_at = None
+
+    def _restarted(self, seq: int, before: int) -> None:
+        self.stats.restarts += 1
+        log.warning("pod %s rank %d restarted (seq %d after %d): rebuilding its index from its events",
+                    self.view.pod, self.view.rank, seq, before)
 
     def _forget(self) -> None:
         self.index.reset_view(self.view)

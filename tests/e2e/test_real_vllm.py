@@ -11,7 +11,6 @@ import asyncio
 import json
 import random
 import re
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -20,11 +19,12 @@ import pytest
 
 from gateway.api.requests import parse_inference_request
 from gateway.tokenization.hf import HfTokenizer
-from tests.conftest import gateway_process
+from tests.conftest import eventually, gateway_process
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet
 
 WORDS = ("cache prefix router token block engine agent stage latency pod gateway kernel tensor batch "
          "queue memory request stream replica shard").split()
+WAIT_S = 20.0  # for what a real engine does in the background: events, health, the cache controller
 
 
 def document(name: str, words: int = 400) -> str:
@@ -52,20 +52,6 @@ async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict[s
                headers: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
     return await post(http, f"{base_url}/v1/chat/completions",
                       {"model": MODEL, "messages": messages, "max_tokens": 4}, headers)
-
-
-async def eventually(condition: Callable[[], bool], within_s: float = 20.0,
-                     nudge: Callable[[], Awaitable[Any]] | None = None) -> None:
-    """Wait for ``condition``; ``nudge`` (if given) runs every 2 s to make the engine step again."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    next_nudge = loop.time() + 2
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        if nudge is not None and loop.time() >= next_nudge:
-            await nudge()
-            next_nudge = loop.time() + 2
-        await asyncio.sleep(0.05)
 
 
 async def pod_metric(http: aiohttp.ClientSession, pod_url: str, name: str) -> float:
@@ -106,7 +92,7 @@ def confirmed_tokens(gw, pod: str, ids: list[int]) -> int:
 
 async def settled(gw, pod: str, ids: list[int], http: aiohttp.ClientSession, pod_url: str) -> None:
     """Wait until the pod's events for this prompt are in the index."""
-    await eventually(lambda: confirmed_tokens(gw, pod, ids) == full_blocks(len(ids)),
+    await eventually(lambda: confirmed_tokens(gw, pod, ids) == full_blocks(len(ids)), WAIT_S,
                      nudge=lambda: step_engine(http, pod_url))
 
 
@@ -239,9 +225,9 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
         actions = (await resp.json())["actions"]
     assert any(a["pod"] == pod and a["action"] == "flush" for a in actions), actions
     executor = gw.gateway.workflows.executor
-    await eventually(lambda: executor.hard_flushes.get(pod, 0) == 1)
+    await eventually(lambda: executor.hard_flushes.get(pod, 0) == 1, WAIT_S)
     # The engine queues AllBlocksCleared and publishes it with its next step.
-    await eventually(lambda: index.blocks_on(pod) == 0 and index.stats.clears > clears,
+    await eventually(lambda: index.blocks_on(pod) == 0 and index.stats.clears > clears, WAIT_S,
                      nudge=lambda: step_engine(http, url))
     again, _ = await chat(http, url, messages)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the pod agrees: nothing cached
@@ -267,7 +253,7 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
         reply, headers = await chat(http, gw.url, conversation(doc, f"After the crash {i}?"))
         assert headers["x-gateway-pod"] == survivor.name
     pod = gw.gateway.pods.get(victim.name)
-    await eventually(lambda: not pod.healthy)
+    await eventually(lambda: not pod.healthy, WAIT_S)
     assert index.blocks_on(victim.name) == 0  # dropped with the pod, before any event could say so
 
     victim.start()

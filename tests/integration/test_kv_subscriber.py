@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -13,6 +12,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
 from gateway.mock.pod import free_port
 from gateway.mock.publisher import KvEventPublisher
+from tests.conftest import eventually
 
 BS = 4
 
@@ -24,14 +24,6 @@ def block(i: int, parent: int | None = None) -> BlockStored:
 
 def chain_hashes(n: int) -> set[int]:
     return set(prefix_hashes(namespace_root("m"), list(range(n * BS)), BS))
-
-
-async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    assert condition()
 
 
 class Rig:
@@ -77,6 +69,13 @@ async def connected(rig: Rig) -> None:
     await asyncio.sleep(0.3)  # the subscription reaches the publisher (ZMQ slow joiner)
 
 
+async def three_batches_applied(rig: Rig) -> None:
+    await connected(rig)
+    for _ in range(3):
+        rig.store_next()
+    await eventually(lambda: rig.view.last_seq == 2)
+
+
 @pytest.mark.parametrize("encoding", [Encoding.CURRENT, Encoding.V0_25, Encoding.V0_23, Encoding.SGLANG])
 async def test_gap_is_filled_by_replay(rig_factory, encoding):
     rig = rig_factory(encoding=encoding)
@@ -114,10 +113,7 @@ async def test_gap_without_replay_marks_approximate_until_clear(rig_factory):
 
 async def test_restart_drops_the_view_and_rebuilds(rig_factory):
     rig = rig_factory()
-    await connected(rig)
-    for _ in range(3):
-        rig.store_next()
-    await eventually(lambda: rig.view.last_seq == 2)
+    await three_batches_applied(rig)
     assert rig.held() == chain_hashes(3)
     rig.pub.restart()
     rig.pub.publish([block(0)])  # a new engine, a new cache: seq 0 again
@@ -127,10 +123,7 @@ async def test_restart_drops_the_view_and_rebuilds(rig_factory):
 
 async def test_lost_pod_is_forgotten_at_once_and_a_restart_is_still_recognised(rig_factory):
     rig = rig_factory()
-    await connected(rig)
-    for _ in range(3):
-        rig.store_next()
-    await eventually(lambda: rig.view.last_seq == 2)
+    await three_batches_applied(rig)
     rig.sub.pod_lost()
     assert rig.held() == set()  # before any event says so: the pod is gone
     rig.pub.restart()
@@ -141,10 +134,7 @@ async def test_lost_pod_is_forgotten_at_once_and_a_restart_is_still_recognised(r
 
 async def test_lost_pod_back_without_restart_is_reread_from_its_replay_buffer(rig_factory):
     rig = rig_factory()
-    await connected(rig)
-    for _ in range(3):
-        rig.store_next()
-    await eventually(lambda: rig.view.last_seq == 2)
+    await three_batches_applied(rig)
     rig.sub.pod_lost()
     rig.store_next()  # the same engine, seq 3: its earlier blocks are still cached
     await eventually(lambda: rig.view.last_seq == 3)
@@ -154,10 +144,7 @@ async def test_lost_pod_back_without_restart_is_reread_from_its_replay_buffer(ri
 
 async def test_restarted_engine_is_read_back_when_the_connection_reopens(rig_factory):
     rig = rig_factory()
-    await connected(rig)
-    for _ in range(3):
-        rig.store_next()
-    await eventually(lambda: rig.view.last_seq == 2)
+    await three_batches_applied(rig)
     await rig.pub.stop()  # the engine dies
     rig.sub.pod_lost()
     rig.pub.restart()
