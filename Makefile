@@ -43,6 +43,8 @@ e2e: install
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(VENV)/bin/gateway bench --speed 1 --out bench-results
+	$(VENV)/bin/gateway bench --scenario agentic-shared --pods 2 --working-set-ratio 2 --speed 1 \
+		--out bench-results/agentic-shared
 
 lint: install
 	$(VENV)/bin/ruff check gateway plugins tests benchmarks tools

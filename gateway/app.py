@@ -26,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.profiles import ProfileStore
@@ -66,6 +67,7 @@ class Gateway:
     load: PendingLoad
     admission: AdmissionController
     workflows: WorkflowService
+    working_set: ResumableWorkingSet
     pressure: PressureMonitor | None = None
     scraper: MetricsScraper | None = None
     discovery: PodSetApplier | None = None
@@ -91,24 +93,41 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
+    working_set = ResumableWorkingSet(config.placement)
     context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics,
-                            load=load)
+                            load=load, working_set=working_set, capacity_of=kv_capacity(pods, load))
     router = Router(pods, policies, config.routing.policy, config.routing.options, context)
     wc = config.workflow
     tracker = WorkflowTracker(wc)
-    executor = CacheActionExecutor(tracker, pods, metrics, cache_controllers(wc.controller), hard_flush=wc.hard_flush,
-                                   retries=wc.flush_retries, retry_base_s=wc.flush_retry_base_s)
+    executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller),
+                                   hard_flush=wc.hard_flush, retries=wc.flush_retries,
+                                   retry_base_s=wc.flush_retry_base_s)
     workflows = WorkflowService(wc, tracker, SessionAffinity(wc.max_sessions), executor, load)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, workflows, config.routing,
                   config.timeouts, config.auth, auth, config.server)
     pressure = None
     if config.pressure.enabled:
-        pressure = PressureMonitor(config.pressure, pods, pressure_source(config, load), tracker, executor, load,
-                                   metrics)
+        source = pressure_source(config, PressureContext(load, dict(config.pressure.options), working_set,
+                                                         kv_capacity(pods, load)))
+        pressure = PressureMonitor(config.pressure, pods, source, tracker, working_set, executor, load, metrics)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
                    auth=auth, policies=policies, kv=kv, tokens=tokens,
-                   profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure)
+                   profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure,
+                   working_set=working_set)
+
+
+def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float | None]:
+    """A pod's KV capacity in tokens: its config's, else what its engine's metrics said, else unknown."""
+
+    def capacity_of(name: str) -> float | None:
+        pod = pods.get(name)
+        if pod is not None and pod.config.kv_capacity_tokens:
+            return float(pod.config.kv_capacity_tokens)
+        stats = load.engine.get(name)
+        return stats.kv_capacity_tokens if stats is not None and stats.kv_capacity_tokens > 0 else None
+
+    return capacity_of
 
 
 def cache_controllers(choice: str) -> Callable[[Pod], CacheController | None]:
@@ -132,9 +151,8 @@ def discovery_source(config: GatewayConfig) -> DiscoverySource:
     return plugins.load(config.discovery.source)(DiscoveryContext(list(config.pods), dict(config.discovery.options)))
 
 
-def pressure_source(config: GatewayConfig, load: PendingLoad) -> PressureSource:
+def pressure_source(config: GatewayConfig, context: PressureContext) -> PressureSource:
     plugins = PluginRegistry(PRESSURE_GROUP, "pressure source")
-    context = PressureContext(load=load, options=dict(config.pressure.options))
     try:
         return plugins.load(config.pressure.source)(context)
     except PressureSourceUnavailable as exc:
@@ -186,6 +204,7 @@ async def _start(app: web.Application) -> None:
     async def pod_removed(name: str) -> None:
         await gw.kv.remove_pod(name)
         gw.workflows.sessions.forget_pod(name)
+        gw.working_set.forget_pod(name)
 
     for pod in gw.pods.all():
         attach(pod)

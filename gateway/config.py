@@ -38,6 +38,9 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_topic: str = ""
     dp_size: int = 1
     block_size: int | None = None
+    # KV-cache capacity in tokens, when the engine's metrics do not say it (vLLM's cache_config_info and
+    # SGLang's max_total_num_tokens do).
+    kv_capacity_tokens: int | None = None
     # The deployment whose GPU profile applies (Redis key aibrix:profile_<model>_<deployment>).
     deployment: str | None = None
 
@@ -227,6 +230,28 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_sessions: int = 100_000
 
 
+class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The resumable working set that placement weighs (``gateway/kv/working_set.py``)."""
+
+    # A context stays resumable for margin x its predicted think time, within these bounds.
+    protect_margin: float = 2.0
+    min_protect_s: float = 1.0
+    max_protect_s: float = 600.0
+    # Think time assumed before any context has shown one.
+    default_think_s: float = 3.0
+    # Stages a keyed context is assumed to have in all before any has completed.
+    default_stages: int = 4
+    # Weight of the last observation in the running averages of think time, growth and stage count.
+    smoothing: float = 0.3
+    max_contexts: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.protect_margin <= 0 or not 0 < self.min_protect_s <= self.max_protect_s:
+            raise ValueError("protect_margin must be > 0 and 0 < min_protect_s <= max_protect_s")
+        if not 0 < self.smoothing <= 1 or self.default_stages < 1:
+            raise ValueError("smoothing must be in (0, 1] and default_stages >= 1")
+
+
 class PressureConfig(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool = True
     source: str = "engine_metrics"
@@ -281,6 +306,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

@@ -1,9 +1,10 @@
 """KV-memory pressure per pod: five modes with hysteresis, and what each mode makes the gateway do.
 
-Owner: the :class:`PressureMonitor` owns each pod's mode. Above ``pressure`` it flushes the oldest idle
-workflow cache preserved on that pod (never one with a request in flight), one per tick, until the mode
-falls back; in ``emergency`` it stops new work from being pinned there and tells admission the pod is
-full (through :attr:`PendingLoad.blocked`).
+Owner: the :class:`PressureMonitor` owns each pod's mode. Above ``pressure`` it lets go of the context
+that has been idle longest on that pod (a workflow's through a soft flush; never one with a request in
+flight), one per tick, until the mode falls back: its blocks stop counting as resumable, so placement
+may let the pod's LRU evict them; in ``emergency`` it stops new work from being pinned there and tells
+admission the pod is full (through :attr:`PendingLoad.blocked`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import PressureConfig
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import PendingLoad
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.actions import CacheActionExecutor
+from gateway.workflow.context import workflow_id_of
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
 log = logging.getLogger("gateway.pressure")
@@ -49,6 +53,8 @@ class PressureContext:
 
     load: PendingLoad
     options: dict[str, Any]
+    working_set: ResumableWorkingSet | None = None
+    capacity_of: Callable[[str], float | None] | None = None
 
 
 def next_mode(current: PressureMode, usage: float, thresholds: list[float], hysteresis: float) -> PressureMode:
@@ -64,11 +70,13 @@ def next_mode(current: PressureMode, usage: float, thresholds: list[float], hyst
 
 class PressureMonitor:
     def __init__(self, config: PressureConfig, pods: PodRegistry, source: PressureSource, tracker: WorkflowTracker,
-                 executor: CacheActionExecutor, load: PendingLoad, metrics: GatewayMetrics) -> None:
+                 working_set: ResumableWorkingSet, executor: CacheActionExecutor, load: PendingLoad,
+                 metrics: GatewayMetrics) -> None:
         self.config = config
         self.source = source
         self._pods = pods
         self._tracker = tracker
+        self._working_set = working_set
         self._executor = executor
         self._load = load
         self._metrics = metrics
@@ -108,7 +116,16 @@ class PressureMonitor:
                 self._relieve(pod)
 
     def _relieve(self, pod: Pod) -> None:
-        idle = self._tracker.idle_preserved(pod.name)
-        if idle:
-            oldest = idle[0]
-            self._executor.carry_out([CacheAction(ActionKind.FLUSH, "pressure", oldest.id, pod.name)])
+        """Let go of the workflow preserved idle longest on the pod, else the context idle longest."""
+        preserved = self._tracker.idle_preserved(pod.name)
+        idle = self._working_set.idle_on(pod.name)
+        if preserved:
+            workflow: str | None = preserved[0].id
+        elif idle:
+            workflow = workflow_id_of(idle[0].key)
+        else:
+            return
+        if workflow is not None:
+            self._executor.carry_out([CacheAction(ActionKind.FLUSH, "pressure", workflow, pod.name)])
+        else:
+            self._working_set.release(idle[0].key)

@@ -33,9 +33,10 @@ from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
-from gateway.routing.policy import Decision, RoutingRequest
+from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
+from gateway.workflow.context import context_key_of
 from gateway.workflow.service import NO_PLAN, RequestPlan, WorkflowService
 
 log = logging.getLogger("gateway.proxy")
@@ -194,7 +195,8 @@ class Proxy:
         policy = self._router.resolve(override)
         ex.base_model = base = self._pods.base_model(model)
         routing_request = RoutingRequest(ex.request_id, model, ex.kind, parsed, base_model=base,
-                                         lora_name=model if base != model else None)
+                                         lora_name=model if base != model else None,
+                                         context_key=context_key_of(request.headers, parsed))
         if policy.needs_tokens:
             routing_request.token_ids = await self._tokens.tokenize(model, ex.kind, parsed)
             self._check_prompt_length(model, routing_request.token_ids)
@@ -219,7 +221,7 @@ class Proxy:
             if routing_request.token_ids is not None:
                 self._metrics.prefix_hit_tokens.labels(decision.policy).observe(decision.prefix_tokens)
             try:
-                return await self._attempt(request, ex, routing_request, decision, body, headers)
+                return await self._attempt(request, ex, routing_request, decision, body, headers, policy)
             except RetryableFailure as exc:
                 failure = exc
                 exclude.add(decision.pod.name)
@@ -267,7 +269,7 @@ class Proxy:
 
     async def _attempt(
         self, request: web.Request, ex: Exchange, rr: RoutingRequest, decision: Decision, body: bytes,
-        headers: dict[str, str],
+        headers: dict[str, str], policy: Policy,
     ) -> web.StreamResponse:
         pod = decision.pod
         pod.in_flight += 1
@@ -293,6 +295,8 @@ class Proxy:
             self._admission.release()
             self._workflows.finished(ex.workflow, ex.request_id, pod.name,
                                      ex.usage.prompt_tokens if ex.usage else None)
+            for hook in policy.on_finished:
+                hook(rr, decision)
 
     async def _send(
         self, pod: Pod, path: str, body: bytes, headers: dict[str, str]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 
 import aiohttp
@@ -28,12 +29,18 @@ METRIC_FIELDS = {
     "vllm:gpu_cache_usage_perc": "kv_usage",  # before vLLM 0.10
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:request_success_total": "requests_finished",
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
     "sglang:prompt_tokens_total": "prefix_queries",
     "sglang:cached_tokens_total": "prefix_hits",
+    "sglang:num_requests_total": "requests_finished",
+    "sglang:max_total_num_tokens": "kv_capacity_tokens",
 }
+# vLLM says its cache size in the labels of an info metric: num_gpu_blocks x block_size.
+_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
@@ -45,7 +52,11 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end < 0:
             continue
-        field = METRIC_FIELDS.get(line[:name_end])
+        name = line[:name_end]
+        if name == _CACHE_CONFIG_INFO:
+            values["kv_capacity_tokens"] = values.get("kv_capacity_tokens", 0.0) + _cache_config_tokens(line)
+            continue
+        field = METRIC_FIELDS.get(name)
         if field is None:
             continue
         try:
@@ -54,6 +65,14 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             continue
         values[field] = values.get(field, 0.0) + value
     return values
+
+
+def _cache_config_tokens(line: str) -> float:
+    labels = dict(_LABEL.findall(line))
+    try:
+        return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0.0
 
 
 class MetricsScraper:

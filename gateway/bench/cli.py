@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from gateway.bench.workloads import GENERATORS, read_trace, write_trace
+from gateway.bench.workloads import GENERATORS, Trace, read_trace, working_set_tokens, write_trace
 
 DEFAULT_CONTENDERS = {
     "shared-prefix": ["direct", "gateway-round_robin", "gateway-prefix_cache", "gateway-kv_aware", "gateway-slo",
@@ -16,6 +19,9 @@ DEFAULT_CONTENDERS = {
                       "sglang-router-cache_aware"],
     "multi-turn": ["direct", "gateway-kv_aware", "vllm-router-cache_aware", "sglang-router-cache_aware"],
     "agentic": ["direct", "gateway-kv_aware-no-workflow", "gateway-kv_aware", "vllm-router-cache_aware"],
+    "agentic-shared": ["direct", "gateway-round_robin", "gateway-kv_aware-no-workflow", "gateway-kv_aware",
+                       "vllm-router-cache_aware", "vllm-router-kv_aware", "sglang-router-cache_aware",
+                       "smg-cache_aware"],
     "overload": ["direct", "gateway-least_request", "gateway-slo"],
 }
 
@@ -28,6 +34,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--scale", type=float, default=1.0, help="multiplies the number of requests")
     b.add_argument("--rate", type=float, help="arrival rate for the scenario (req/s or sessions/s)")
+    b.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                   help="a knob of the scenario's generator, repeatable (agentic-shared: workflows, min_stages, "
+                        "max_stages, roles, role_words, task_words, tool_words, think_min_s, think_max_s, rate, "
+                        "max_tokens)")
+    b.add_argument("--working-set-ratio", type=float, metavar="R",
+                   help="size the simulated pods' caches so that the trace's peak working set is R times the "
+                        "fleet's KV capacity (overrides --num-blocks)")
     b.add_argument("--pods", type=int, default=4, help="simulated pods")
     b.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated pod")
     b.add_argument("--speed", type=float, default=0.2, help="time factor of the simulated pods")
@@ -36,48 +49,91 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default="bench-results")
     b.add_argument("--pod-url", action="append", help="benchmark these existing pods instead of simulated ones")
     b.add_argument("--events", action="append", help="URL=ENDPOINT: KV-event endpoint of an existing pod")
+    b.add_argument("--replay", action="append", help="URL=ENDPOINT: KV-event replay endpoint of an existing pod")
+    b.add_argument("--model", default="mock-llama", help="the model the requests name (existing pods: theirs)")
+    b.add_argument("--tokenizer", help="local tokenizer directory of --model, for the routers that tokenize "
+                                       "(default: the simulated pods' own; with --pod-url and none, the gateway "
+                                       "asks the pods' /tokenize)")
 
 
-def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None):
+def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, knobs: list[str] | None = None):
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
-    counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows"}
-    defaults = {"per_group": 24, "conversations": 16, "workflows": 16}
+    counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows",
+              "agentic-shared": "workflows"}
     if scenario in counts:
-        kwargs[counts[scenario]] = max(1, round(defaults[counts[scenario]] * scale))
+        default = inspect.signature(gen).parameters[counts[scenario]].default
+        kwargs[counts[scenario]] = max(1, round(default * scale))
     if rate is not None:
         kwargs["start_rate" if scenario == "overload" else "rate"] = rate
+    kwargs.update(parse_knobs(gen, knobs or []))
     return gen(seed=seed, **kwargs)
+
+
+def parse_knobs(gen: Callable[..., Trace], knobs: list[str]) -> dict[str, float]:
+    """``KNOB=VALUE`` strings checked against the generator's own parameters (typed by their defaults)."""
+    params = inspect.signature(gen).parameters
+    out: dict[str, float] = {}
+    for knob in knobs:
+        name, _, value = knob.partition("=")
+        if name not in params or name == "seed" or not value:
+            known = ", ".join(p for p in params if p != "seed")
+            raise ValueError(f"unknown knob {knob!r} for {gen.__name__}; its knobs: {known}")
+        out[name] = type(params[name].default)(float(value))
+    return out
+
+
+def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int) -> int:
+    """KV blocks per simulated pod such that the trace's peak working set is ``ratio`` times the fleet's."""
+    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+
+    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    peak = working_set_tokens(trace, lambda messages: len(tokenizer.encode_chat(messages)))
+    return max(16, math.ceil(peak / block_size / ratio / pods))
 
 
 def run(args: argparse.Namespace) -> int:
     from gateway.bench.report import write_results
     from gateway.bench.runner import CONTENDERS, BenchRunner
     from gateway.config import PodConfig
+    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 
     existing = None
+    tokenizer = args.tokenizer or (None if args.pod_url else str(MOCK_TOKENIZER_DIR))
     if args.pod_url:
         events = dict(e.split("=", 1) for e in (args.events or []))
-        existing = [PodConfig(url=u, name=f"pod{i}", kv_events=events.get(u)) for i, u in enumerate(args.pod_url)]
-    runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, existing_pods=existing)
+        replay = dict(e.split("=", 1) for e in (args.replay or []))
+        existing = [PodConfig(url=u, name=f"pod{i}", kv_events=events.get(u), kv_replay=replay.get(u))
+                    for i, u in enumerate(args.pod_url)]
+    runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
+                         tokenizer=tokenizer, existing_pods=existing)
     results = []
     started = time.time()
     for scenario in args.scenario or ["shared-prefix", "agentic"]:
-        trace = read_trace(args.trace) if args.trace else scaled_trace(scenario, args.seed, args.scale, args.rate)
+        try:
+            trace = read_trace(args.trace) if args.trace else scaled_trace(scenario, args.seed, args.scale, args.rate,
+                                                                           args.set)
+        except ValueError as exc:
+            print(f"gateway bench: {exc}", file=sys.stderr)
+            return 2
         if args.save_trace:
             write_trace(trace, args.save_trace)
+        if args.working_set_ratio and not existing:
+            runner.num_blocks = cache_blocks_for(trace, args.working_set_ratio, args.pods, runner.block_size)
         names = args.contender or DEFAULT_CONTENDERS[trace.scenario]
         unknown = [n for n in names if n not in CONTENDERS]
         if unknown:
             print(f"gateway bench: unknown contender(s) {unknown}; known: {sorted(CONTENDERS)}", file=sys.stderr)
             return 2
-        print(f"{trace.scenario}: {trace.requests} requests, seed {trace.seed}", file=sys.stderr)
+        print(f"{trace.scenario}: {trace.requests} requests, seed {trace.seed}, {runner.num_blocks} KV blocks per pod",
+              file=sys.stderr)
         for name in names:
             result = runner.run(CONTENDERS[name], trace)
             results.append(result)
             if result.skipped:
                 print(f"  {name}: skipped ({result.skipped})", file=sys.stderr)
-    meta = {"seed": args.seed, "pods": args.pods, "num_blocks": args.num_blocks, "speed": args.speed,
+    meta = {"seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks, "speed": args.speed,
+            "working_set_ratio": args.working_set_ratio, "knobs": args.set,
             "seconds": round(time.time() - started, 1)}
     paths = write_results(results, Path(args.out), meta)
     print(paths["md"].read_text())

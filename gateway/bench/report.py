@@ -10,7 +10,7 @@ from pathlib import Path
 from gateway.bench.runner import Result
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
-           "e2e_p90_ms", "e2e_p99_ms", "req_per_s", "errors", "rejected", "requests"]
+           "e2e_p90_ms", "e2e_p99_ms", "req_per_s", "errors", "rejected", "requests", "pod_requests", "largest_share"]
 
 
 def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> dict[str, Path]:
@@ -21,7 +21,7 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "skipped"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"]))} for row in rows)
     paths["md"].write_text(markdown_table(results))
     paths.update(plots(results, out))
     return paths
@@ -29,13 +29,14 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
 
 def markdown_table(results: list[Result]) -> str:
     lines = ["| scenario | contender | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p90 ms | req/s "
-             "| errors |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| errors | requests per pod | largest share |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} | | | | | | |")
+            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} | | | | | | | | |")
             continue
         lines.append(f"| {r.scenario} | {r.name} | {r.hit_ratio:.3f} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
-                     f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.req_per_s:.2f} | {r.errors} |")
+                     f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.req_per_s:.2f} | {r.errors} | "
+                     f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -50,7 +51,7 @@ def plots(results: list[Result], out: Path) -> dict[str, Path]:
         rs = [r for r in results if r.scenario == scenario and not r.skipped]
         if not rs:
             continue
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.8))
         names = [r.name for r in rs]
         colors = ["#d62728" if r.name.startswith("gateway") else "#7f7f7f" for r in rs]
         ax1.barh(names, [r.hit_ratio for r in rs], color=colors)
@@ -59,6 +60,7 @@ def plots(results: list[Result], out: Path) -> dict[str, Path]:
         ax2.barh(names, [r.ttft_p90_ms for r in rs], color=colors)
         ax2.set_xlabel("TTFT p90 (ms)")
         ax2.set_yticks([])
+        _pod_shares(ax3, rs)
         fig.suptitle(f"{scenario}: gateway (red) vs direct and peers (grey)")
         fig.tight_layout()
         path = out / f"{scenario}.png"
@@ -66,3 +68,17 @@ def plots(results: list[Result], out: Path) -> dict[str, Path]:
         plt.close(fig)
         paths[f"plot-{scenario}"] = path
     return paths
+
+
+def _pod_shares(ax, results: list[Result]) -> None:
+    """Each contender's requests split by pod (stacked), labelled with the busiest pod's share."""
+    for row, r in enumerate(results):
+        served = sum(r.pod_requests) or 1
+        left = 0.0
+        for pod, count in enumerate(r.pod_requests):
+            ax.barh(row, count / served, left=left, color=f"C{pod % 10}", edgecolor="white")
+            left += count / served
+        ax.text(1.01, row, f"{r.largest_share:.2f}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.12)
+    ax.set_yticks([])
+    ax.set_xlabel("share of requests per pod (largest share at right)")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +32,7 @@ from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 
-Kind = Literal["direct", "gateway", "vllm-router", "sglang-router"]
+Kind = Literal["direct", "gateway", "vllm-router", "sglang-router", "smg"]
 
 
 class Contender(msgspec.Struct, frozen=True):
@@ -57,6 +59,7 @@ CONTENDERS = {
         Contender("vllm-router-cache_aware", "vllm-router", "cache_aware"),
         Contender("vllm-router-kv_aware", "vllm-router", "kv_aware"),
         Contender("sglang-router-cache_aware", "sglang-router", "cache_aware"),
+        Contender("smg-cache_aware", "smg", "cache_aware"),
     ]
 }
 
@@ -85,6 +88,9 @@ class Result:
     e2e_p99_ms: float = 0.0
     req_per_s: float = 0.0
     rejected: int = 0
+    # Requests each pod finished (its own counter) and the busiest pod's share of them.
+    pod_requests: list[int] = field(default_factory=list)
+    largest_share: float = 0.0
     skipped: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -109,12 +115,21 @@ def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] |
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+def _binary(name: str) -> str:
+    return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+
+
+_BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.MULTILINE)
+
+
 class BenchRunner:
     def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
-                 model: str = "mock-llama", existing_pods: list[PodConfig] | None = None,
-                 progress: bool = True) -> None:
+                 model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
+                 existing_pods: list[PodConfig] | None = None, progress: bool = True) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
         self.model = model
+        # A local tokenizer directory for the routers that tokenize; none: the gateway asks the pods.
+        self.tokenizer = tokenizer
         self.existing_pods = existing_pods
         self.progress = progress
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -147,30 +162,12 @@ class BenchRunner:
         port = free_port()
         env = {**os.environ, **contender.env}
         if contender.kind == "gateway":
-            cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy]
-            for p in pods:
-                spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
-                    (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name}"
-                cmd += ["--pod", spec]
-            env.update({"GATEWAY_LOGGING__ACCESS_LOG": "false",
-                        "GATEWAY_TOKENIZATION__MODELS": f"{{{self.model}: {{path: {MOCK_TOKENIZER_DIR}}}}}"})
+            cmd = self._gateway_command(contender, pods, port, env)
         elif contender.kind == "vllm-router":
-            binary = shutil.which("vllm-router") or str(os.path.join(os.path.dirname(sys.executable), "vllm-router"))
-            cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
-                   "--worker-urls", *[p.url for p in pods], "--log-level", "warning"]
-            if contender.policy == "kv_aware":
-                for p in pods:
-                    if p.kv_events:
-                        cmd += ["--kv-event-source", f"{p.url}={p.kv_events}"]
-                    if p.kv_replay:
-                        cmd += ["--kv-event-replay-source", f"{p.url}={p.kv_replay}"]
-                cmd += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
-                env["VLLM_ROUTER_TOKENIZER"] = str(MOCK_TOKENIZER_DIR)
-        else:
-            binary = shutil.which("sglang-router") or str(os.path.join(os.path.dirname(sys.executable),
-                                                                       "sglang-router"))
-            cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
-                   "--worker-urls", *[p.url for p in pods]]
+            cmd = self._vllm_router_command(contender, pods, port, env)
+        else:  # sglang-router and smg share one command line
+            cmd = [_binary(contender.kind), "launch", "--host", "127.0.0.1", "--port", str(port),
+                   "--policy", contender.policy, "--worker-urls", *[p.url for p in pods]]
         if not os.path.exists(cmd[0]) and contender.kind != "gateway":
             raise FileNotFoundError(f"{contender.kind} is not installed (pip install '.[bench]')")
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -179,6 +176,43 @@ class BenchRunner:
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", 90, proc)
         return url
+
+    def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
+                         env: dict[str, str]) -> list[str]:
+        cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy]
+        for p in pods:
+            spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
+                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name}"
+            cmd += ["--pod", spec]
+        env["GATEWAY_LOGGING__ACCESS_LOG"] = "false"
+        if self.tokenizer:  # else the gateway asks the pods' /tokenize
+            env["GATEWAY_TOKENIZATION__MODELS"] = json.dumps({self.model: {"path": str(self.tokenizer)}})
+        return cmd
+
+    def _vllm_router_command(self, contender: Contender, pods: list[PodConfig], port: int,
+                             env: dict[str, str]) -> list[str]:
+        cmd = [_binary("vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
+               "--worker-urls", *[p.url for p in pods], "--log-level", "warning"]
+        if contender.policy == "kv_aware":
+            for p in pods:
+                if p.kv_events:
+                    cmd += ["--kv-event-source", f"{p.url}={p.kv_events}"]
+                if p.kv_replay:
+                    cmd += ["--kv-event-replay-source", f"{p.url}={p.kv_replay}"]
+            cmd += ["--kv-event-block-size", str(self._pods_block_size(pods)), "--kv-event-model", self.model]
+            if self.tokenizer:
+                env["VLLM_ROUTER_TOKENIZER"] = str(self.tokenizer)
+        return cmd
+
+    def _pods_block_size(self, pods: list[PodConfig]) -> int:
+        """The engines' block size, as their ``vllm:cache_config_info`` says (else the configured one)."""
+        for pod in pods:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"{pod.url}/metrics", timeout=5) as resp:
+                    found = _BLOCK_SIZE_LABEL.search(resp.read().decode())
+                if found:
+                    return int(found.group(1))
+        return pods[0].block_size or self.block_size
 
     def _stop_procs(self) -> None:
         for proc in self._procs:
@@ -212,6 +246,9 @@ class BenchRunner:
                 fleet.stop()
         queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
         hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+        result.pod_requests = [round(a[2] - b[2]) for a, b in zip(after, before, strict=True)]
+        served = sum(result.pod_requests)
+        result.largest_share = max(result.pod_requests) / served if served else 0.0
         ok = [o for o in outcomes if o.status == 200]
         result.hit_ratio = hits / queries if queries else 0.0
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
@@ -223,10 +260,11 @@ class BenchRunner:
         return result
 
     @staticmethod
-    def _prefix_counters(url: str) -> tuple[float, float]:
+    def _prefix_counters(url: str) -> tuple[float, float, float]:
+        """The pod's prompt tokens looked up, of those found cached, and requests finished."""
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             values = parse_engine_metrics(resp.read().decode())
-        return values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0)
+        return values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0), values.get("requests_finished", 0.0)
 
     async def _replay(self, trace: Trace, routers: list[str] | None, pod_urls: list[str],
                       label: str) -> tuple[list[Outcome], float]:
@@ -241,8 +279,9 @@ class BenchRunner:
                 await asyncio.sleep(max(0.0, t0 + session.start_s - time.monotonic()))
                 history: list[dict[str, object]] = []
                 for i, step in enumerate(session.steps):
-                    if i and session.think_s:
-                        await asyncio.sleep(session.think_s)
+                    think = step.think_s if step.think_s is not None else session.think_s
+                    if i and think:
+                        await asyncio.sleep(think)
                     history.extend(step.messages)
                     outcome, answer = await self._send(http, next(targets), history, step.max_tokens, step.headers)
                     outcomes.append(outcome)

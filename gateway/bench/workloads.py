@@ -23,6 +23,8 @@ class Step(msgspec.Struct):
     messages: list[dict[str, Any]]
     max_tokens: int = 16
     headers: dict[str, str] = {}
+    # Think time before this step (after the previous answer); none: the session's ``think_s``.
+    think_s: float | None = None
 
 
 class Session(msgspec.Struct):
@@ -103,6 +105,62 @@ def agentic(seed: int = 0, workflows: int = 16, min_stages: int = 5, max_stages:
     return Trace("agentic", seed, sessions)
 
 
+def agentic_shared(seed: int = 0, workflows: int = 32, min_stages: int = 4, max_stages: int = 8, roles: int = 3,
+                   common_words: int = 250, role_words: int = 150, task_words: int = 60, tool_words: int = 100,
+                   think_min_s: float = 0.3, think_max_s: float = 2.5, rate: float = 2.0,
+                   max_tokens: int = 32) -> Trace:
+    """Many concurrent agent workflows over a few shared role prompts: each system prompt is a preamble
+    common to every role (the tool definitions) then the role's own text; each stage re-sends the whole
+    context plus a tool result, after a think time drawn from ``[think_min_s, think_max_s]``. Whichever
+    pod serves the preamble first holds it; a router that follows the shared prefix piles every workflow
+    onto that pod, and its cache thrashes while the others idle."""
+    if not 1 <= min_stages <= max_stages or roles < 1 or not 0 <= think_min_s <= think_max_s:
+        raise ValueError("need 1 <= min_stages <= max_stages, roles >= 1, 0 <= think_min_s <= think_max_s")
+    rng = random.Random(seed)
+    preamble = "Tools available to every agent: " + text(rng, common_words)
+    role_prompts = [f"{preamble}\nYou are agent role {r}. " + text(rng, role_words) for r in range(roles)]
+    sessions = []
+    for w, start in enumerate(poisson_starts(rng, workflows, rate)):
+        n = rng.randint(min_stages, max_stages)
+        steps = []
+        for s in range(n):
+            headers = {"x-workflow-id": f"wfs-{seed}-{w}", "x-stage-id": f"stage-{s}"}
+            if s == n - 1:
+                headers["x-workflow-complete"] = "true"
+            if s == 0:
+                messages = [{"role": "system", "content": role_prompts[w % roles]},
+                            {"role": "user", "content": f"Task {w}: " + text(rng, task_words)}]
+                think = None
+            else:
+                messages = [{"role": "user", "content": f"Tool result {s}: " + text(rng, tool_words)}]
+                think = round(rng.uniform(think_min_s, think_max_s), 3)
+            steps.append(Step(messages, max_tokens, headers, think))
+        sessions.append(Session(f"ws{w}", start, steps))
+    return Trace("agentic-shared", seed, sessions)
+
+
+def working_set_tokens(trace: Trace, count_tokens: Any, answer_tokens: bool = True) -> int:
+    """The trace's peak working set: the most context tokens its live sessions hold at one moment, on a
+    timeline of start times and think times alone (service time left out). ``count_tokens`` maps a
+    message list to its token count."""
+    points: list[tuple[float, int]] = []  # (time, change in live tokens)
+    for session in trace.sessions:
+        t, history, held = session.start_s, [], 0
+        for i, step in enumerate(session.steps):
+            if i:
+                t += step.think_s if step.think_s is not None else session.think_s
+            history = history + step.messages
+            tokens = count_tokens(history) + (step.max_tokens if answer_tokens else 0)
+            points.append((t, tokens - held))
+            held = tokens
+        points.append((t + 1e-6, -held))
+    live = peak = 0
+    for _, change in sorted(points):
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
 def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, seconds: float = 20.0,
              prompt_words: int = 400, ttft_ms: int = 1000, max_tokens: int = 32) -> Trace:
     """A rate ramp past capacity; every request carries a TTFT SLO."""
@@ -118,7 +176,8 @@ def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, sec
     return Trace("overload", seed, sessions)
 
 
-GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic, "overload": overload}
+GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
+              "agentic-shared": agentic_shared, "overload": overload}
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:

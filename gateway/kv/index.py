@@ -320,6 +320,11 @@ class PrefixIndex:
         view = self._views.get((pod, rank))
         return set(view.refs) if view else set()
 
+    def block_size(self, pod: str) -> int | None:
+        """The block size of the pod's engine (rank 0), once its events have said it."""
+        view = self._views.get((pod, 0))
+        return view.block_size if view else None
+
     def blocks_on(self, pod: str) -> int:
         """Blocks the index holds for ``pod`` (all ranks)."""
         return sum(len(v.refs) for v in self._views.values() if v.pod == pod)

@@ -29,6 +29,8 @@ class EngineStats:
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    requests_finished: float = 0.0
+    kv_capacity_tokens: float = 0.0  # 0: the engine does not say
     scraped_at: float = 0.0
     stale: bool = True
     failures: int = 0

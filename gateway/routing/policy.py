@@ -7,6 +7,7 @@ the :class:`~gateway.routing.router.Router` only runs them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,6 +17,7 @@ from gateway.backends.registry import Pod, PodRegistry
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
     from gateway.kv.index import PrefixIndex
+    from gateway.kv.working_set import Context, ResumableWorkingSet
     from gateway.load.pending import Estimate, PendingLoad
     from gateway.metrics import GatewayMetrics
 
@@ -38,6 +40,10 @@ class RoutingRequest:
     # Filled by scorers: predicted cached prompt tokens per pod, and notes for the decision's reason.
     prefix_tokens: dict[str, int] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    # The workflow or session the request belongs to (None: anonymous), and its resumable context once
+    # a placement-aware policy has routed it.
+    context_key: str | None = None
+    context: Context | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +90,8 @@ class WeightedScorer:
 
 
 RoutedHook = Callable[[RoutingRequest, Decision], None]
+# Called when an attempt on the decided pod ends, however it ended.
+FinishedHook = Callable[[RoutingRequest, Decision], None]
 
 
 @dataclass(slots=True)
@@ -97,6 +105,7 @@ class Policy:
     needs_load: bool = False
     # Called with the decision once a pod is chosen (e.g. to record what that pod will now cache).
     on_routed: list[RoutedHook] = field(default_factory=list)
+    on_finished: list[FinishedHook] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -109,6 +118,10 @@ class PolicyContext:
     approximate: ApproximatePrefixIndex | None = None
     metrics: GatewayMetrics | None = None
     load: PendingLoad | None = None
+    working_set: ResumableWorkingSet | None = None
+    # A pod's KV capacity in tokens, when known.
+    capacity_of: Callable[[str], float | None] | None = None
+    clock: Callable[[], float] = time.monotonic
 
 
 class PolicyFactory(Protocol):

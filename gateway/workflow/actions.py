@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Literal, Protocol
 
@@ -17,7 +18,9 @@ import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
+from gateway.workflow.context import workflow_key
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
 log = logging.getLogger("gateway.workflow")
@@ -34,10 +37,12 @@ class CacheController(Protocol):
 
 
 class CacheActionExecutor:
-    def __init__(self, tracker: WorkflowTracker, pods: PodRegistry, metrics: GatewayMetrics,
+    def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
+                 metrics: GatewayMetrics,
                  controller_for: Callable[[Pod], CacheController | None], *, hard_flush: bool = True,
                  retries: int = 5, retry_base_s: float = 0.5) -> None:
         self._tracker = tracker
+        self._working_set = working_set
         self._pods = pods
         self._metrics = metrics
         self._controller_for = controller_for
@@ -56,7 +61,18 @@ class CacheActionExecutor:
             self.record(action)
             if action.kind is ActionKind.FLUSH and action.pod:
                 self._tracker.soft_flush(action.pod, action.workflow_id)
+                self._release(action)
                 self._maybe_hard_flush(action)
+
+    def _release(self, action: CacheAction) -> None:
+        """A soft flush: the workflow's blocks stop counting as resumable on that pod, so placement may
+        let the pod's LRU evict them."""
+        if action.workflow_id is None:
+            return
+        key = workflow_key(action.workflow_id)
+        context = self._working_set.context(key)
+        if context is not None and context.pod == action.pod:
+            self._working_set.release(key, completed=action.reason == "workflow_complete")
 
     def _maybe_hard_flush(self, action: CacheAction) -> None:
         pod = self._pods.get(action.pod or "")
@@ -70,7 +86,8 @@ class CacheActionExecutor:
         assert controller is not None and self.session is not None
         delay = self._retry_base_s
         for attempt in range(self._retries + 1):
-            if self._tracker.others_on(pod.name, action.workflow_id):
+            if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(
+                    pod.name, workflow_key(action.workflow_id or ""), time.monotonic()):
                 # The flush is global to the pod: wait until no other workflow runs or keeps a cache there.
                 self._metrics.cache_actions.labels("hard_flush_deferred", "others_on_pod", pod.name).inc()
                 await asyncio.sleep(delay)

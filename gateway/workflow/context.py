@@ -30,6 +30,28 @@ def _first(headers: CIMultiDictProxy[str], *names: str) -> str | None:
     return None
 
 
+def workflow_key(workflow_id: str) -> str:
+    """The key of a workflow's context in the resumable working set."""
+    return f"workflow:{workflow_id}"
+
+
+def workflow_id_of(key: str) -> str | None:
+    """The workflow id of a working-set key, if it names a workflow."""
+    prefix = workflow_key("")
+    return key[len(prefix):] if key.startswith(prefix) else None
+
+
+def context_key_of(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
+    """The workflow or session a request continues, for placement (read even with workflow actions off;
+    never an error: a bad cache-policy header is the workflow service's to refuse)."""
+    meta = body.metadata
+    workflow = _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)
+    if workflow:
+        return workflow_key(workflow)
+    session = _first(headers, "x-session-id") or body.prompt_cache_key or body.user
+    return f"session:{session}" if session else None
+
+
 def parse_workflow_context(headers: CIMultiDictProxy[str], body: InferenceRequest) -> WorkflowContext:
     meta = body.metadata
     workflow = _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)

@@ -147,11 +147,23 @@ class CacheAwarePicker:
             pick.reason = "rebalanced"
         elif precise is False:
             pick.reason = "approximate"
+        elif self._spread_for_capacity(request, pick.pod.name):
+            pick.reason = "capacity_spread"
         elif hit:
             pick.reason = "cache_hit"
         else:
             pick.reason = "no_hit_least_loaded"
         return pick
+
+    @staticmethod
+    def _spread_for_capacity(request: RoutingRequest, chosen: str) -> bool:
+        """Whether a pod with a longer cached prefix lost because placing there would evict more."""
+        costs = request.notes.get("placement")
+        if not costs or not request.prefix_tokens:
+            return False
+        best_hit = max(request.prefix_tokens, key=lambda p: request.prefix_tokens[p])
+        return (best_hit != chosen and request.prefix_tokens[best_hit] > request.prefix_tokens.get(chosen, 0)
+                and costs[best_hit].overflow > costs[chosen].overflow)
 
 
 def options_float(options: Mapping[str, Any], key: str, default: float) -> float:

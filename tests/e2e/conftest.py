@@ -37,8 +37,10 @@ def _required_env(name: str) -> str:
 class VllmPod:
     """One ``vllm.entrypoints.openai.api_server`` process with KV events, replay and dev mode on."""
 
-    def __init__(self, name: str, python: str, model_dir: str, run_dir: Path, pidfile: Path) -> None:
+    def __init__(self, name: str, python: str, model_dir: str, run_dir: Path, pidfile: Path,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.extra_args = extra_args
         self.python = python
         self.model_dir = model_dir
         self.log_path = run_dir / f"{name}.log"
@@ -60,7 +62,7 @@ class VllmPod:
         command = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                    "--served-model-name", MODEL, "--port", str(self.port), "--host", "127.0.0.1",
                    "--max-model-len", "2048", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                   "--kv-events-config", kv_events]
+                   "--kv-events-config", kv_events, *self.extra_args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(self.log_path, "ab") as log:
@@ -139,11 +141,16 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def vllm(model_dir: str) -> Iterator[VllmFleet]:
+    yield from running_fleet("vllm", model_dir)
+
+
+def running_fleet(prefix: str, model_dir: str, extra_args: tuple[str, ...] = ()) -> Iterator[VllmFleet]:
+    """Two pods started together, stopped at teardown (and on SIGTERM)."""
     python = _required_env("E2E_VLLM_PYTHON")
     run_dir = Path(_required_env("E2E_RUN_DIR"))
     pidfile = Path(_required_env("E2E_PIDFILE"))
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    fleet = VllmFleet([VllmPod(f"vllm{i}", python, model_dir, run_dir, pidfile) for i in range(2)])
+    fleet = VllmFleet([VllmPod(f"{prefix}{i}", python, model_dir, run_dir, pidfile, extra_args) for i in range(2)])
     try:
         for pod in fleet.pods:
             pod.start()

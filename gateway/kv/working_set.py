@@ -1,0 +1,277 @@
+"""The resumable working set: per pod, the KV blocks that live contexts will ask for again.
+
+Owner: the :class:`ResumableWorkingSet` owns every :class:`Context` and the per-pod block counts. The
+routing policy holds a context when it routes one of its requests and idles it when the request ends;
+the workflow executor releases a workflow's context when it completes, is flushed or pressure lets it
+go. Everyone else reads.
+
+A *context* is what one client keeps coming back with: a workflow (``x-workflow-id``), a session
+(``x-session-id``, ``prompt_cache_key``, ``user``) or, with neither, a conversation recognised by its
+prompt extending the last prompt of a live anonymous context. While one of its requests runs and, after
+that, for its predicted think time (``margin`` times its own average gap between stages, or the average
+of all contexts before it has one), its blocks count as *resumable* on its pod: evicting them means
+recomputing them when it comes back. Past that window it lapses, and its blocks are as cheap to evict
+as any other cached block.
+
+A pod's demand is the distinct blocks of its resumable contexts (a role prompt shared by ten workflows
+counts once) plus the growth they are still expected to add: each context's average increment per
+stage times the stages it is expected to have left (from the stage counts of completed contexts).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from gateway.config import PlacementConfig
+
+
+class RunningMean:
+    """An exponentially weighted mean that is ``None`` until it has seen a value."""
+
+    __slots__ = ("_alpha", "value")
+
+    def __init__(self, alpha: float) -> None:
+        self.value: float | None = None
+        self._alpha = alpha
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self._alpha * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass(eq=False, slots=True)
+class Context:
+    key: str
+    pod: str
+    block_size: int
+    hashes: list[int]  # the full blocks of its last prompt, as the prefix index hashes them on ``pod``
+    prompt_tokens: int
+    keyed: bool  # named by the client (workflow, session), not recognised by its prefix
+    think: RunningMean
+    growth: RunningMean  # prompt tokens added per stage
+    stages: int = 1
+    in_flight: int = 0
+    last_finish: float | None = None
+    protected_until: float = math.inf
+    expected_growth: float = 0.0  # tokens it is still expected to add (counted in its pod's demand)
+    version: int = 0  # bumped whenever ``protected_until`` changes, so stale heap entries are skipped
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self.hashes) * self.block_size
+
+
+@dataclass(slots=True)
+class PodDemand:
+    refs: dict[int, int] = field(default_factory=dict)  # block hash → resumable contexts holding it
+    block_size: int = 0
+    growth: float = 0.0
+    contexts: int = 0  # resumable contexts here, keyed or not
+    keyed: int = 0  # keyed contexts resumable here
+    idle_keyed: int = 0  # of those, between requests (thinking)
+
+    @property
+    def tokens(self) -> float:
+        return len(self.refs) * self.block_size + self.growth
+
+
+class ResumableWorkingSet:
+    def __init__(self, config: PlacementConfig | None = None) -> None:
+        self.config = config or PlacementConfig()
+        alpha = self.config.smoothing
+        self._contexts: dict[str, Context] = {}
+        self._pods: dict[str, PodDemand] = {}
+        # The last block hash of each anonymous context's prompt → its key (a continuation contains it).
+        self._tails: dict[int, str] = {}
+        self._expiry: list[tuple[float, int, str]] = []  # (protected_until, version, key)
+        self._anonymous = itertools.count()
+        self._alpha = alpha
+        self.think_all = RunningMean(alpha)
+        self.growth_all = RunningMean(alpha)
+        self.stages_all = RunningMean(alpha)
+        self.lapsed = 0
+        self.released = 0
+
+    # Reads
+
+    def context(self, key: str | None, hashes: list[int] | None = None) -> Context | None:
+        """The live context named ``key``, or (anonymous) the one whose last prompt ``hashes`` extends."""
+        if key is not None:
+            return self._contexts.get(key)
+        for h in reversed(hashes or ()):
+            tail = self._tails.get(h)
+            if tail is not None:
+                return self._contexts.get(tail)
+        return None
+
+    def demand_tokens(self, pod: str, now: float, exclude: Context | None = None) -> float:
+        """Tokens the resumable contexts on ``pod`` hold or are expected to grow to, ``exclude``'s own
+        share left out (it is the request being placed)."""
+        self.lapse(now)
+        demand = self._pods.get(pod)
+        if demand is None:
+            return 0.0
+        tokens = demand.tokens
+        if exclude is not None and exclude.pod == pod and exclude.key in self._contexts:
+            own = sum(1 for h in exclude.hashes if demand.refs.get(h) == 1) * exclude.block_size
+            tokens -= own + exclude.expected_growth
+        return max(0.0, tokens)
+
+    def others_on(self, pod: str, key: str, now: float) -> bool:
+        """Whether a context other than ``key`` is resumable on ``pod`` (a global flush would hurt it)."""
+        self.lapse(now)
+        demand = self._pods.get(pod)
+        if demand is None:
+            return False
+        own = self._contexts.get(key)
+        return demand.contexts > (1 if own is not None and own.pod == pod else 0)
+
+    def resumable(self, pod: str) -> tuple[int, int]:
+        """Keyed contexts resumable on ``pod``: (all, those between requests)."""
+        demand = self._pods.get(pod)
+        return (demand.keyed, demand.idle_keyed) if demand else (0, 0)
+
+    def expected_growth(self, context: Context | None, keyed: bool, stages_done: int) -> float:
+        """Tokens a keyed context (a new one when ``None``) is still expected to add once ``stages_done``
+        of its stages have run: its own growth per stage (or everyone's) times the stages left."""
+        if not keyed:
+            return 0.0
+        everyone = self.growth_all.get(0.0)
+        per_stage = context.growth.get(everyone) if context is not None else everyone
+        total = self.stages_all.get(float(self.config.default_stages))
+        return max(0.0, total - stages_done) * per_stage
+
+    def idle_on(self, pod: str) -> list[Context]:
+        """Keyed contexts between requests on ``pod``, the one idle longest first."""
+        found = [c for c in self._contexts.values() if c.pod == pod and c.keyed and not c.in_flight]
+        return sorted(found, key=lambda c: c.last_finish or 0.0)
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+    # Writes
+
+    def hold(self, key: str | None, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
+             now: float) -> Context:
+        """One of the context's requests was routed to ``pod`` with a prompt of these blocks."""
+        self.lapse(now)
+        ctx = self.context(key, hashes)
+        if ctx is None:
+            ctx = Context(key or f"anon-{next(self._anonymous)}", pod, block_size, [], prompt_tokens, key is not None,
+                          RunningMean(self._alpha), RunningMean(self._alpha), stages=0)
+            self._contexts[ctx.key] = ctx
+            self._evict_oldest()
+        else:
+            self._observe_return(ctx, prompt_tokens, now)
+            self._unplace(ctx)
+        ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
+        ctx.hashes = hashes
+        ctx.stages += 1
+        ctx.in_flight += 1
+        ctx.protected_until = math.inf
+        ctx.version += 1
+        ctx.expected_growth = self.expected_growth(ctx, ctx.keyed, ctx.stages)
+        self._place(ctx)
+        return ctx
+
+    def idle(self, context: Context, now: float) -> None:
+        """A request of ``context`` ended: it stays resumable for its predicted think time."""
+        if self._contexts.get(context.key) is not context or context.in_flight == 0:
+            return
+        context.in_flight -= 1
+        if context.in_flight:
+            return
+        context.last_finish = now
+        think = context.think.get(self.think_all.get(self.config.default_think_s))
+        c = self.config
+        context.protected_until = now + min(c.max_protect_s, max(c.min_protect_s, c.protect_margin * think))
+        context.version += 1
+        heapq.heappush(self._expiry, (context.protected_until, context.version, context.key))
+        if context.keyed:
+            self._pods[context.pod].idle_keyed += 1
+
+    def release(self, key: str, *, completed: bool = False) -> bool:
+        """Forget a context (its workflow completed or was flushed); a completed one teaches how many
+        stages contexts have."""
+        ctx = self._contexts.pop(key, None)
+        if ctx is None:
+            return False
+        if completed:
+            self.stages_all.add(ctx.stages)
+        self._unplace(ctx)
+        self.released += 1
+        return True
+
+    def forget_pod(self, pod: str) -> None:
+        for key in [k for k, c in self._contexts.items() if c.pod == pod]:
+            self._unplace(self._contexts.pop(key))
+        self._pods.pop(pod, None)
+
+    def lapse(self, now: float) -> None:
+        """Drop the contexts whose protection ran out."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, version, key = heapq.heappop(heap)
+            ctx = self._contexts.get(key)
+            if ctx is not None and ctx.version == version and not ctx.in_flight:
+                self.release(key)
+                self.released -= 1
+                self.lapsed += 1
+
+    # Bookkeeping
+
+    def _observe_return(self, ctx: Context, prompt_tokens: int, now: float) -> None:
+        if not ctx.in_flight and ctx.last_finish is not None:
+            gap = max(0.0, now - ctx.last_finish)
+            ctx.think.add(gap)
+            self.think_all.add(gap)
+        if prompt_tokens > ctx.prompt_tokens:
+            ctx.growth.add(prompt_tokens - ctx.prompt_tokens)
+            if ctx.keyed:
+                self.growth_all.add(prompt_tokens - ctx.prompt_tokens)
+
+    def _place(self, ctx: Context) -> None:
+        demand = self._pods.setdefault(ctx.pod, PodDemand())
+        demand.block_size = ctx.block_size
+        refs = demand.refs
+        for h in ctx.hashes:
+            refs[h] = refs.get(h, 0) + 1
+        demand.growth += ctx.expected_growth
+        demand.contexts += 1
+        if ctx.keyed:
+            demand.keyed += 1
+        elif ctx.hashes:
+            self._tails[ctx.hashes[-1]] = ctx.key
+
+    def _unplace(self, ctx: Context) -> None:
+        demand = self._pods.get(ctx.pod)
+        if demand is None:
+            return
+        refs = demand.refs
+        for h in ctx.hashes:
+            n = refs.get(h, 0) - 1
+            if n > 0:
+                refs[h] = n
+            else:
+                refs.pop(h, None)
+        demand.growth = max(0.0, demand.growth - ctx.expected_growth)
+        demand.contexts -= 1
+        if ctx.keyed:
+            demand.keyed -= 1
+            if not ctx.in_flight and ctx.last_finish is not None and ctx.protected_until != math.inf:
+                demand.idle_keyed -= 1
+        elif ctx.hashes and self._tails.get(ctx.hashes[-1]) == ctx.key:
+            del self._tails[ctx.hashes[-1]]
+
+    def _evict_oldest(self) -> None:
+        """Past ``max_contexts``, forget the idle context that finished longest ago."""
+        if len(self._contexts) <= self.config.max_contexts:
+            return
+        idle = [c for c in self._contexts.values() if not c.in_flight]
+        if idle:
+            self.release(min(idle, key=lambda c: c.last_finish or 0.0).key)

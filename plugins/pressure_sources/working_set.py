@@ -1,0 +1,33 @@
+"""``working_set``: how full each pod's cache is with blocks that live contexts will ask for again (the
+resumable working set's demand over the pod's KV capacity). Unlike the engines' own usage gauges, which
+count only blocks held by running requests, this rises while workflows think between stages; nothing
+for a pod whose capacity is unknown."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.backends.registry import Pod
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.pressure import PressureContext, PressureSourceUnavailable
+
+
+class WorkingSetSource:
+    name = "working_set"
+
+    def __init__(self, working_set: ResumableWorkingSet, capacity_of: Callable[[str], float | None]) -> None:
+        self._working_set = working_set
+        self._capacity_of = capacity_of
+
+    def usage(self, pod: Pod) -> float | None:
+        capacity = self._capacity_of(pod.name)
+        if not capacity:
+            return None
+        return self._working_set.demand_tokens(pod.name, time.monotonic()) / capacity
+
+
+def build(context: PressureContext) -> WorkingSetSource:
+    if context.working_set is None or context.capacity_of is None:
+        raise PressureSourceUnavailable("the gateway has no resumable working set to read")
+    return WorkingSetSource(context.working_set, context.capacity_of)

@@ -1,0 +1,145 @@
+"""Placement by cost in tokens: the prompt tokens a pod saves now against the resumable contexts its LRU
+would evict to make room. Not a policy itself: ``kv_aware`` composes it.
+
+The cost model, for a request of ``P`` prompt tokens placed on pod ``p``:
+
+- ``hit_p``: tokens of its prefix cached on ``p`` (the prefix index, from the pod's own events);
+- ``F``: the request's footprint: ``P`` plus the tokens its context is still expected to add (its
+  average increment per stage times the stages it is expected to have left; nothing for a one-off);
+- ``W_p``: the pod's resumable demand (:mod:`gateway.kv.working_set`): distinct blocks of the other
+  live or thinking contexts there plus their expected growth;
+- ``C_p``: the pod's KV capacity in tokens (``vllm:cache_config_info`` ``num_gpu_blocks`` x block size,
+  ``sglang:max_total_num_tokens``, or ``kv_capacity_tokens`` in the pod's config).
+
+``cost_p = (P - hit_p) + overflow_p`` with ``overflow_p = max(0, W_p + (F - hit_p) - C_p) - max(0, W_p - C_p)``:
+the tokens prefilled now, plus the tokens of resumable contexts (other workflows', or this one's own
+later stages) that the pod's LRU must drop to make room for what this context brings, each of which is
+recomputed when its owner comes back. Consequences:
+
+- while a pod has room, ``overflow`` is 0 and the cost is the uncached prompt: plain prefix affinity;
+- a new workflow whose role prompt is cached on a full pod goes to a pod with room when recomputing
+  the role prompt there (``hit``) costs less than what its growth would push out (``F - hit``): a hot
+  shared prefix is copied to a second pod instead of piling up;
+- a later stage stays with its cache: elsewhere it pays its whole context again;
+- a pod whose capacity is unknown never overflows (the model degrades to prefix affinity).
+
+Score = ``1 - cost_p / (P + max overflow)``, in ``[0, 1]``: with no overflow anywhere it is exactly the
+share of the prompt cached, so traffic that fits the fleet routes as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.backends.registry import Pod
+from gateway.kv.index import PrefixIndex
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.routing.policy import Decision, RoutingRequest
+from plugins.routing.prefix_scoring import PrefixScorer
+
+CapacityOf = Callable[[str], float | None]
+
+
+@dataclass(slots=True)
+class PlacementCost:
+    """One pod's cost for one request, in tokens (kept on the request for the decision's reason)."""
+
+    uncached: int
+    overflow: float
+
+    @property
+    def total(self) -> float:
+        return self.uncached + self.overflow
+
+
+class PlacementScorer:
+    name = "placement"
+
+    def __init__(self, prefix: PrefixScorer, index: PrefixIndex, working_set: ResumableWorkingSet,
+                 capacity_of: CapacityOf, *, output_tokens: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._prefix = prefix
+        self._clock = clock
+        self._index = index
+        self._working_set = working_set
+        self._capacity_of = capacity_of
+        self._output_tokens = output_tokens
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+        shares = self._prefix.score(request, pods)
+        if not request.notes.get("precise") or not request.token_ids:
+            return shares
+        now = self._clock()
+        prompt = len(request.token_ids)
+        context = request.context = self._context_of(request, pods)
+        keyed = request.context_key is not None
+        stages_done = context.stages + 1 if context is not None else 1
+        footprint = prompt + self._output_tokens + self._working_set.expected_growth(context, keyed, stages_done)
+        costs = []
+        for pod in pods:
+            hit = request.prefix_tokens.get(pod.name, 0)
+            capacity = self._capacity_of(pod.name)
+            overflow = 0.0
+            if capacity:
+                demand = self._working_set.demand_tokens(pod.name, now, exclude=context)
+                overflow = max(0.0, demand + footprint - hit - capacity) - max(0.0, demand - capacity)
+            costs.append(PlacementCost(prompt - hit, overflow))
+        request.notes["placement"] = {p.name: c for p, c in zip(pods, costs, strict=True)}
+        worst = prompt + max(c.overflow for c in costs)
+        return [max(0.0, 1.0 - c.total / worst) for c in costs]
+
+    def _context_of(self, request: RoutingRequest, pods: list[Pod]):
+        if request.context_key is not None:
+            return self._working_set.context(request.context_key)
+        bs = next((b for p in pods if (b := self._index.block_size(p.name))), None)
+        if bs is None:
+            return None
+        return self._working_set.context(None, self._prompt_blocks(request, bs))
+
+    @staticmethod
+    def _prompt_blocks(request: RoutingRequest, block_size: int) -> list[int]:
+        hashes = request.notes["hashes"]
+        return list(hashes.first(block_size, hashes.token_count // block_size))
+
+    def hold(self, request: RoutingRequest, decision: Decision) -> None:
+        """After routing: the request's context is resumable on the chosen pod from now on."""
+        if not request.notes.get("precise") or not request.token_ids:
+            return
+        bs = self._index.block_size(decision.pod.name)
+        if bs is None:
+            return
+        request.context = self._working_set.hold(request.context_key, decision.pod.name, bs,
+                                                 self._prompt_blocks(request, bs), len(request.token_ids),
+                                                 self._clock())
+
+    def idle(self, request: RoutingRequest, decision: Decision) -> None:
+        """The request ended: its context stays resumable for its predicted think time."""
+        if request.context is not None:
+            self._working_set.idle(request.context, self._clock())
+
+
+class ResumableLoadScorer:
+    """1 for the least busy pod, towards 0 for the busiest, where busy counts the requests in flight and
+    ``idle_weight`` for each keyed context thinking between its requests there: a pod holding ten
+    thinking workflows is not idle. Runs after :class:`PlacementScorer`, which finds the request's own
+    context."""
+
+    name = "resumable_load"
+
+    def __init__(self, working_set: ResumableWorkingSet, idle_weight: float = 0.5) -> None:
+        self._working_set = working_set
+        self._idle_weight = idle_weight
+
+    def busy(self, pod: Pod, request: RoutingRequest) -> float:
+        thinking = self._working_set.resumable(pod.name)[1]
+        own = request.context
+        if own is not None and own.pod == pod.name and not own.in_flight:
+            thinking -= 1  # the request's own context, about to resume: not someone else's load
+        return pod.in_flight + self._idle_weight * thinking
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+        busy = [self.busy(p, request) for p in pods]
+        busiest = max(busy)
+        return [1.0 - b / busiest if busiest > 0 else 1.0 for b in busy]

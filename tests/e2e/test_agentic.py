@@ -1,0 +1,50 @@
+"""Agentic traffic on two real vLLM pods with small caches: ``gateway bench --pod-url`` replays many
+concurrent workflows over shared role prompts, first straight to the pods in turn (round robin), then
+through the gateway with ``kv_aware``. The hit ratios are the pods' own prefix-cache counters.
+
+The pods here have 48 blocks of 128 tokens each (``--num-gpu-blocks-override``), so the workflows' working
+set is larger than the fleet's cache: where each workflow is placed decides how much of it survives
+between its stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.bench.runner import CONTENDERS, BenchRunner, Result
+from gateway.bench.workloads import agentic_shared
+from gateway.config import PodConfig
+from tests.e2e.conftest import MODEL, VllmFleet, running_fleet
+
+NUM_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def small_vllm(model_dir: str) -> Iterator[VllmFleet]:
+    yield from running_fleet("small", model_dir, ("--num-gpu-blocks-override", str(NUM_BLOCKS)))
+
+
+def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
+    pods = [PodConfig(url=p.url, name=p.name, kv_events=f"tcp://127.0.0.1:{p.events_port}",
+                      kv_replay=f"tcp://127.0.0.1:{p.replay_port}") for p in fleet.pods]
+    runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=pods, progress=False)
+    # Prompts stay under the pods' 2,048-token limit: ~600 shared + 80 task + up to 4 tool results of ~200.
+    trace = agentic_shared(seed=3, workflows=14, min_stages=3, max_stages=5, roles=2, common_words=220,
+                           role_words=80, task_words=40, tool_words=100, think_min_s=0.3, think_max_s=1.5,
+                           rate=1.5, max_tokens=8)
+    result = runner.run(CONTENDERS[contender], trace)
+    assert result.skipped is None, result.skipped
+    assert result.errors == 0 and result.rejected == 0
+    assert sum(result.pod_requests) == trace.requests
+    return result
+
+
+def test_kv_aware_spreads_workflows_and_beats_round_robin_on_real_pods(small_vllm: VllmFleet, model_dir: str):
+    round_robin = bench(small_vllm, model_dir, "direct")
+    kv_aware = bench(small_vllm, model_dir, "gateway-kv_aware")
+    print(f"round robin: hit {round_robin.hit_ratio:.3f} pods {round_robin.pod_requests}; "
+          f"kv_aware: hit {kv_aware.hit_ratio:.3f} pods {kv_aware.pod_requests}")
+    assert min(kv_aware.pod_requests) > 0 and kv_aware.largest_share <= 0.75
+    assert kv_aware.hit_ratio >= round_robin.hit_ratio + 0.05

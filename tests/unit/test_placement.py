@@ -1,0 +1,123 @@
+"""Placement by cost in tokens, through the ``kv_aware`` policy: which pod is chosen, and why."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.backends.registry import PodRegistry
+from gateway.backends.scraper import parse_engine_metrics
+from gateway.config import HealthConfig, PlacementConfig, PodConfig
+from gateway.kv.events import BlockStored
+from gateway.kv.index import PrefixIndex
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.plugin_registry import PluginRegistry
+from gateway.routing.policy import PolicyContext, RoutingRequest
+from gateway.routing.router import Router
+
+BS = 4
+ROLE = list(range(100, 132))  # 8 blocks every workflow starts with
+
+
+class Fleet:
+    def __init__(self, capacity_tokens: dict[str, float], growth_per_stage: float = 0.0) -> None:
+        self.pods = PodRegistry([PodConfig(url=f"http://{n}:1", name=n, models=["m"]) for n in capacity_tokens],
+                                HealthConfig())
+        for pod in self.pods.all():
+            pod.healthy = True
+        self.index = PrefixIndex(speculative_ttl_s=0)
+        self.views = {n: self.index.view(n, 0, "m", BS) for n in capacity_tokens}
+        self.ws = ResumableWorkingSet(PlacementConfig(default_stages=4))
+        if growth_per_stage:
+            self.ws.growth_all.add(growth_per_stage)
+        context = PolicyContext(pods=self.pods, index=self.index, working_set=self.ws,
+                                capacity_of=capacity_tokens.get)
+        self.router = Router(self.pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",
+                             {"kv_aware": {"kv_usage_weight": 0.0}}, context)
+        self.policy = self.router.resolve(None)
+        self._engine_hash = 0
+
+    def cache(self, pod: str, tokens: list[int]) -> None:
+        """The pod's engine says it cached these tokens (whole blocks)."""
+        hashes = []
+        for _ in range(len(tokens) // BS):
+            self._engine_hash += 1
+            hashes.append(self._engine_hash)
+        self.index.apply(self.views[pod], [BlockStored(hashes, None, tokens, BS)])
+
+    def route(self, tokens: list[int], key: str | None):
+        request = RoutingRequest("r", "m", "chat", token_ids=tokens, base_model="m", context_key=key)
+        decision = self.router.route(request, self.policy)
+        return request, decision
+
+
+def own(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_a_new_workflow_leaves_a_full_pod_holding_its_role_prompt():
+    fleet = Fleet({"p0": 200.0, "p1": 200.0}, growth_per_stage=40)
+    fleet.cache("p0", ROLE + own(1000, 48))
+    # A workflow thinking on p0 holds the role prompt and 48 tokens of its own there.
+    blocks = fleet.index.prompt_hashes("m", None, ROLE + own(1000, 48)).first(BS, 20)
+    fleet.ws.idle(fleet.ws.hold("workflow:old", "p0", BS, blocks, 80, now=time.monotonic()), now=time.monotonic())
+    request, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
+    costs = request.notes["placement"]
+    # On p0 the role prompt is a hit (32 tokens), but the new workflow's expected growth (3 more stages of
+    # 40 tokens) would push the thinking workflow's blocks out; p1 has room for all of it.
+    assert request.prefix_tokens == {"p0": 32, "p1": 0}
+    assert costs["p0"].overflow > 0 and costs["p1"].overflow == 0
+    assert costs["p0"].total > costs["p1"].total
+    assert decision.pod.name == "p1" and decision.reason == "capacity_spread"
+
+
+def test_with_room_everywhere_the_cached_prefix_wins():
+    fleet = Fleet({"p0": 10_000.0, "p1": 10_000.0}, growth_per_stage=40)
+    fleet.cache("p0", ROLE)
+    request, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
+    assert all(c.overflow == 0 for c in request.notes["placement"].values())
+    assert decision.pod.name == "p0" and decision.reason == "cache_hit"
+
+
+def test_unknown_capacity_degrades_to_prefix_affinity():
+    fleet = Fleet({"p0": None, "p1": None}, growth_per_stage=400)  # type: ignore[dict-item]
+    fleet.cache("p0", ROLE)
+    _, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
+    assert decision.pod.name == "p0" and decision.reason == "cache_hit"
+
+
+def test_a_later_stage_stays_with_its_cache_on_a_full_pod():
+    fleet = Fleet({"p0": 100.0, "p1": 10_000.0}, growth_per_stage=8)
+    context = ROLE + own(3000, 40)
+    fleet.cache("p0", context)
+    request, first = fleet.route(context, "workflow:w")
+    assert first.pod.name == "p0"
+    fleet.policy.on_finished[0](request, first)  # the stage ended; the workflow thinks on p0
+    # Another workflow fills p0 past its capacity while this one thinks.
+    crowd = fleet.index.prompt_hashes("m", None, own(6000, 120)).first(BS, 30)
+    fleet.ws.hold("workflow:crowd", "p0", BS, crowd, 120, now=time.monotonic())
+    request, decision = fleet.route(context + own(4000, 12), "workflow:w")
+    assert request.notes["placement"]["p0"].overflow > 0
+    # Elsewhere it would prefill its whole context again; here only the tool result.
+    assert decision.pod.name == "p0" and decision.reason == "cache_hit"
+    assert request.notes["placement"]["p1"].uncached > request.notes["placement"]["p0"].total
+
+
+def test_routing_holds_the_context_and_finishing_lets_it_think():
+    fleet = Fleet({"p0": 10_000.0, "p1": 10_000.0})
+    request, decision = fleet.route(ROLE + own(2000, 8), "session:s")
+    assert request.context is not None and request.context.pod == decision.pod.name
+    assert fleet.ws.resumable(decision.pod.name) == (1, 0)
+    fleet.policy.on_finished[0](request, decision)
+    assert fleet.ws.resumable(decision.pod.name) == (1, 1)
+    # A pod with a thinking session is busier than an empty one: the next new session goes elsewhere.
+    _, other = fleet.route(own(5000, 40), "session:t")
+    assert other.pod.name != decision.pod.name
+
+
+def test_vllm_and_sglang_metrics_say_the_capacity():
+    vllm = ('vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
+            'num_gpu_blocks="48",prefix_caching_hash_algo="sha256"} 1.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="length"} 7.0\n')
+    assert parse_engine_metrics(vllm) == {"kv_capacity_tokens": 48 * 128, "requests_finished": 7.0}
+    assert parse_engine_metrics('sglang:max_total_num_tokens{model_name="m"} 4096.0\n') == {
+        "kv_capacity_tokens": 4096.0}
