@@ -118,6 +118,7 @@ async def mock(args: argparse.Namespace) -> None:
         replay_port=None if args.no_replay else args.replay_port,
         block_size=args.block_size, num_blocks=args.num_blocks, speed=args.speed, flavor=args.flavor,
         model=args.model, tokenizer=args.tokenizer, encoding=Encoding(args.encoding) if args.encoding else None,
+        hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
     )
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default="mock-llama")
     m.add_argument("--tokenizer", help="HF tokenizer directory (default: the bundled one)")
     m.add_argument("--encoding", choices=[e.value for e in Encoding], help="KV-event wire format")
+    m.add_argument("--prefix-caching-hash-algo", choices=["sha256", "xxhash"], default="sha256",
+                   help="vLLM's block hash in the events (current encoding)")
+    m.add_argument("--int-block-hashes", action="store_true",
+                   help="64-bit int hashes in the events, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1")
     m.add_argument("--topic", default="")
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-batched-tokens", type=int, default=2048)

@@ -2,8 +2,8 @@
 
 Owner: one :class:`PagedKvCache` per simulated pod, driven only by that pod's engine.
 
-As in vLLM: blocks have a fixed size; a full block is cached under a chained hash of its tokens
-(``sha256(seed, parent hash, tokens)``, low 64 bits exported); blocks referenced by a running request
+As in vLLM: blocks have a fixed size; a full block is cached under a chained hash of its tokens (vLLM's
+own, or a per-process seeded one: :mod:`gateway.mock.block_hashes`); blocks referenced by a running request
 are never evicted; free blocks wait in an LRU queue and a cached one is evicted (``BlockRemoved``) only
 when its slot is reused; the same hash may be cached twice (vLLM does not deduplicate physical blocks),
 and each copy is stored and removed with its own event.
@@ -11,23 +11,19 @@ and each copy is stored and removed with its own event.
 
 from __future__ import annotations
 
-import hashlib
-import os
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import prefix_hashes
-
-_MASK64 = (1 << 64) - 1
+from gateway.mock.block_hashes import BlockHasher, SeededBlockHasher
 
 
 @dataclass(eq=False, slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: Hash | None = None
     token_ids: tuple[int, ...] = ()
     # The gateway's own chained hash of this block's tokens and all before it (for /debug/blocks).
     token_hash: int | None = None
@@ -45,49 +41,39 @@ class SequenceBlocks:
     """The blocks one request holds, and the hashes of its full blocks so far."""
 
     blocks: list[Block] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)
+    hashes: list[Hash] = field(default_factory=list)
     token_hashes: list[int] = field(default_factory=list)
     # How many of ``blocks`` are already cached (hashed and announced).
     num_cached: int = 0
 
 
 class PagedKvCache:
-    def __init__(self, num_blocks: int, block_size: int, *, signed_hashes: bool = False,
-                 hash_seed: bytes | None = None, medium: str | None = None, token_hash_root: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, hasher: BlockHasher | None = None,
+                 medium: str | None = None, token_hash_root: int = 0) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ValueError("need at least 2 blocks of at least 1 token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.signed_hashes = signed_hashes
+        self.hasher = hasher or SeededBlockHasher()
         self.medium = medium
         self.token_hash_root = token_hash_root
-        self.hash_seed = hash_seed if hash_seed is not None else os.urandom(16)
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently used first. Cached free blocks stay here until their slot is reused.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
-        self._cached: dict[int, dict[int, Block]] = {}
+        self._cached: dict[Hash, dict[int, Block]] = {}
         self.events: list[KvEvent] = []
         self.stats = CacheStats()
 
     # Hashing
 
-    def chain_hashes(self, token_ids: list[int], parent: int | None = None, start: int = 0) -> list[int]:
+    def chain_hashes(self, token_ids: list[int], parent: Hash | None = None, start: int = 0) -> list[Hash]:
         """Hashes of the full blocks of ``token_ids[start:]``, chained from ``parent``."""
         bs = self.block_size
-        out: list[int] = []
+        out: list[Hash] = []
         for i in range(start, len(token_ids) - bs + 1, bs):
-            parent = self._hash_block(parent, token_ids[i : i + bs])
+            parent = self.hasher(parent, token_ids[i : i + bs])
             out.append(parent)
         return out
-
-    def _hash_block(self, parent: int | None, tokens: list[int]) -> int:
-        h = hashlib.sha256(self.hash_seed)
-        h.update(b"\x00" * 8 if parent is None else (parent & _MASK64).to_bytes(8, "little"))
-        h.update(array("I", tokens).tobytes())
-        value = int.from_bytes(h.digest()[-8:], "little")
-        if self.signed_hashes and value >= 1 << 63:
-            value -= 1 << 64
-        return value
 
     # Queries
 
@@ -98,7 +84,7 @@ class PagedKvCache:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def cached_prefix(self, hashes: list[int]) -> list[Block]:
+    def cached_prefix(self, hashes: list[Hash]) -> list[Block]:
         """Blocks holding the longest cached run of ``hashes`` from the first."""
         found: list[Block] = []
         for h in hashes:

@@ -25,6 +25,7 @@ from aiohttp import web
 from gateway.config import PodConfig
 from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
+from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
 from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from gateway.mock.kvcache import PagedKvCache
 from gateway.mock.publisher import KvEventPublisher
@@ -51,6 +52,10 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = "mock-llama"
     tokenizer: str | None = None
     encoding: Encoding | None = None
+    # vLLM >= 0.26 (current encoding): its own block hashes, by this --prefix-caching-hash-algo, as bytes
+    # or (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) 64-bit ints. Older vLLM and SGLang: seeded per process.
+    hash_algo: HashAlgo = "sha256"
+    int_block_hashes: bool = False
     topic: str = ""
     default_max_tokens: int = 16
     max_num_seqs: int = 128
@@ -111,8 +116,9 @@ class MockPod:
 
     def _new_engine(self) -> MockEngine:
         c = self.config
-        cache = PagedKvCache(c.num_blocks, c.block_size, signed_hashes=c.flavor == "sglang",
-                             token_hash_root=namespace_root(c.model))
+        hasher = VllmBlockHasher(c.hash_algo, c.int_block_hashes) if self._encoding is Encoding.CURRENT \
+            else SeededBlockHasher(signed=c.flavor == "sglang")
+        cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model))
         timing = c.timing or TimingModel(speed=c.speed)
         limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
         return MockEngine(cache, self._output_tokens, self._publish, timing, limits)
@@ -164,12 +170,13 @@ class MockPod:
         )
 
     def restart(self) -> None:
-        """Simulate a crash and restart: requests fail, the cache is empty, hashes reseed, seq restarts."""
+        """Simulate a crash and restart: requests fail, the cache is empty, seq restarts, and the block
+        hashes reseed where the engine's would (not vLLM's sha256: those are the same in every process)."""
         old = self.engine
         for seq in [*old.waiting, *old.running]:
             old.abort(seq)
         old.cache.reset(announce=False)
-        old.cache.hash_seed = hashlib.sha256(uuid.uuid4().bytes).digest()[:16]
+        old.cache.hasher.reseed()
         if self.publisher:
             self.publisher.restart()
 
@@ -421,7 +428,7 @@ class MockPod:
             f"vllm:generation_tokens_total{{{labels}}} {float(e.generation_tokens_total)}\n",
             f"vllm:request_success_total{{{labels},finished_reason=\"length\"}} {float(e.finished_requests)}\n",
             f'vllm:cache_config_info{{block_size="{c.block_size}",enable_prefix_caching="True",'
-            f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n',
+            f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="{self.config.hash_algo}"}} 1.0\n',
         ])
 
     def _sglang_metrics(self) -> str:
@@ -463,7 +470,8 @@ class MockPod:
                                   "page_size": c.block_size, "dp_size": 1, "kv_events": kv_events})
 
     async def _debug_blocks(self, request: web.Request) -> web.Response:
-        blocks = [{"hash": b.block_hash, "token_hash": b.token_hash, "token_ids": list(b.token_ids),
+        blocks = [{"hash": b.block_hash.hex() if isinstance(b.block_hash, bytes) else b.block_hash,
+                   "token_hash": b.token_hash, "token_ids": list(b.token_ids),
                    "in_use": b.ref_count > 0}
                   for b in self.engine.cache.cached_blocks()]
         stats = self.engine.cache.stats

@@ -41,20 +41,28 @@ def workflow_id_of(key: str) -> str | None:
     return key[len(prefix):] if key.startswith(prefix) else None
 
 
+def _workflow_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
+    meta = body.metadata
+    return _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)
+
+
+def _session_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
+    return _first(headers, "x-session-id") or body.prompt_cache_key or body.user
+
+
 def context_key_of(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
     """The workflow or session a request continues, for placement (read even with workflow actions off;
     never an error: a bad cache-policy header is the workflow service's to refuse)."""
-    meta = body.metadata
-    workflow = _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)
+    workflow = _workflow_id(headers, body)
     if workflow:
         return workflow_key(workflow)
-    session = _first(headers, "x-session-id") or body.prompt_cache_key or body.user
+    session = _session_id(headers, body)
     return f"session:{session}" if session else None
 
 
 def parse_workflow_context(headers: CIMultiDictProxy[str], body: InferenceRequest) -> WorkflowContext:
     meta = body.metadata
-    workflow = _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)
+    workflow = _workflow_id(headers, body)
     stage = _first(headers, "x-stage-id", "x-orla-stage") or (meta.stage_id if meta else None)
     policy = (headers.get("x-stage-cache-policy") or "auto").strip().lower()
     if policy not in ("auto", "preserve", "flush"):
@@ -67,7 +75,7 @@ def parse_workflow_context(headers: CIMultiDictProxy[str], body: InferenceReques
                           param="x-stage-preserve-threshold") from None
     if preserve_threshold is not None and preserve_threshold < 0:
         raise bad_request("x-stage-preserve-threshold must not be negative.", param="x-stage-preserve-threshold")
-    session = _first(headers, "x-session-id") or body.prompt_cache_key or body.user
+    session = _session_id(headers, body)
     return WorkflowContext(
         workflow_id=workflow, stage_id=stage, cache_policy=policy,  # type: ignore[arg-type]
         preserve_threshold=preserve_threshold,

@@ -14,16 +14,21 @@ import zmq.asyncio
 from gateway.kv.events import END_OF_REPLAY_SEQ, Encoding, decode_seq, encode_seq
 
 
-# The subscriber's own view of the wire format, decoded by field name as a peer would.
+# The subscriber's own view of the wire format, decoded by field name as a peer would. vLLM's hashes
+# are digests (bytes; /debug/blocks shows them in hex), older engines' and SGLang's are ints.
 class Stored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
 
 
 class Removed(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int]
+    block_hashes: list[int | bytes]
+
+
+def shown(hashes: list[int | bytes]) -> list[int | str]:
+    return [h.hex() if isinstance(h, bytes) else h for h in hashes]
 
 
 class Cleared(msgspec.Struct, tag="AllBlocksCleared"):
@@ -56,9 +61,9 @@ class Subscriber:
             for event in decode_batch(payload).events:
                 if isinstance(event, Stored):
                     assert len(event.token_ids) == len(event.block_hashes) * event.block_size
-                    self.held.update(event.block_hashes)
+                    self.held.update(shown(event.block_hashes))
                 elif isinstance(event, Removed):
-                    self.held.subtract(event.block_hashes)
+                    self.held.subtract(shown(event.block_hashes))
                 else:
                     self.held.clear()
         self.held = +self.held

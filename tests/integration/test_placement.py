@@ -31,7 +31,7 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
         pod, _, payload = await stage(http, gw, f"wf-{w}", "s0", history)
         history.append(payload["choices"][0]["message"])
         history.append({"role": "user", "content": "Tool result: " + "row " * 120})
-        again, action, _ = await stage(http, gw, f"wf-{w}", "s1", history)
+        again, _, _ = await stage(http, gw, f"wf-{w}", "s1", history)
         assert again == pod  # a later stage stays with its cache
         chosen[f"wf-{w}"] = pod
     # The preamble makes the first pod a hit for everyone; the working set sends workflows elsewhere.

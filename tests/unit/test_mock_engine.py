@@ -160,3 +160,21 @@ def test_prompts_that_cannot_fit_are_rejected():
         h.engine.submit(list(range(60)), max_tokens=10)
     with pytest.raises(PromptRejected, match="KV-cache blocks"):
         h.engine.submit(list(range(20)), max_tokens=1)
+
+
+def test_vllm_block_hashes_are_vllms_own(monkeypatch):
+    """Reference digests printed by vLLM 0.32 itself (``hash_block_tokens`` with sha256)."""
+    from gateway.mock.block_hashes import VllmBlockHasher
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    hasher = VllmBlockHasher("sha256")
+    first = hasher(None, [1, 2, 3, 4])
+    second = hasher(first, [5, 6, 7, 300000])
+    assert first.hex() == "52a7f141c60918f65779927090482b5a24adbe68c8613a211a1eb4e3edd9361a"
+    assert second.hex() == "8a529cd3276a0f6699b855dac4799dbed1cddfeba811be6100bf6442eff6efcb"
+    ints = VllmBlockHasher("sha256", int_hashes=True)
+    assert ints(ints(None, [1, 2, 3, 4]), [5, 6, 7, 300000]) == 53871959208292299  # vLLM's int form
+    # sha256 hashes are the same in every process and after a restart; xxhash's are seeded per process.
+    hasher.reseed()
+    assert hasher(None, [1, 2, 3, 4]) == first
+    assert VllmBlockHasher("xxhash")(None, [1, 2]) != VllmBlockHasher("xxhash")(None, [1, 2])
