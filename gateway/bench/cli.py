@@ -109,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
                          tokenizer=tokenizer, existing_pods=existing)
     results = []
     started = time.time()
-    for scenario in args.scenario or ["shared-prefix", "agentic"]:
+    for scenario in [None] if args.trace else args.scenario or ["shared-prefix", "agentic"]:
         try:
-            trace = read_trace(args.trace) if args.trace else scaled_trace(scenario, args.seed, args.scale, args.rate,
-                                                                           args.set)
+            trace = read_trace(args.trace) if scenario is None else scaled_trace(scenario, args.seed, args.scale,
+                                                                                 args.rate, args.set)
         except ValueError as exc:
             print(f"gateway bench: {exc}", file=sys.stderr)
             return 2

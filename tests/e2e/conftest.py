@@ -38,9 +38,10 @@ class VllmPod:
     """One ``vllm.entrypoints.openai.api_server`` process with KV events, replay and dev mode on."""
 
     def __init__(self, name: str, python: str, model_dir: str, run_dir: Path, pidfile: Path,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), cores: str = "auto") -> None:
         self.name = name
         self.extra_args = extra_args
+        self.cores = cores
         self.python = python
         self.model_dir = model_dir
         self.log_path = run_dir / f"{name}.log"
@@ -64,7 +65,7 @@ class VllmPod:
                    "--max-model-len", "2048", "--enable-prefix-caching", "--enable-prompt-tokens-details",
                    "--kv-events-config", kv_events, *self.extra_args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cores}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -150,7 +151,11 @@ def running_fleet(prefix: str, model_dir: str, extra_args: tuple[str, ...] = ())
     run_dir = Path(_required_env("E2E_RUN_DIR"))
     pidfile = Path(_required_env("E2E_PIDFILE"))
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    fleet = VllmFleet([VllmPod(f"{prefix}{i}", python, model_dir, run_dir, pidfile, extra_args) for i in range(2)])
+    # Each pod's OpenMP threads on a core of its own: two engines spinning on the same cores slow each
+    # other down tenfold, which would make spreading work look slower than piling it onto one pod.
+    cpus = os.cpu_count() or 1
+    fleet = VllmFleet([VllmPod(f"{prefix}{i}", python, model_dir, run_dir, pidfile, extra_args, str(i % cpus))
+                       for i in range(2)])
     try:
         for pod in fleet.pods:
             pod.start()

@@ -30,10 +30,11 @@ def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
     pods = [PodConfig(url=p.url, name=p.name, kv_events=f"tcp://127.0.0.1:{p.events_port}",
                       kv_replay=f"tcp://127.0.0.1:{p.replay_port}") for p in fleet.pods]
     runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=pods, progress=False)
-    # Prompts stay under the pods' 2,048-token limit: ~600 shared + 80 task + up to 4 tool results of ~200.
-    trace = agentic_shared(seed=3, workflows=14, min_stages=3, max_stages=5, roles=2, common_words=220,
-                           role_words=80, task_words=40, tool_words=100, think_min_s=0.3, think_max_s=1.5,
-                           rate=1.5, max_tokens=8)
+    # Prompts stay under the pods' 2,048-token limit (~600 shared + 80 task + up to 4 tool results of
+    # ~200); 30 workflows 1-4 s apart hold ~24k tokens at their peak: twice the two pods' 2 x 48 x 128.
+    trace = agentic_shared(seed=3, workflows=30, min_stages=4, max_stages=5, roles=2, common_words=220,
+                           role_words=80, task_words=40, tool_words=100, think_min_s=1.0, think_max_s=4.0,
+                           rate=3.0, max_tokens=8)
     result = runner.run(CONTENDERS[contender], trace)
     assert result.skipped is None, result.skipped
     assert result.errors == 0 and result.rejected == 0
