@@ -68,6 +68,7 @@ class Gateway:
     admission: AdmissionController
     workflows: WorkflowService
     working_set: ResumableWorkingSet
+    capacity_of: Callable[[str], float | None]
     pressure: PressureMonitor | None = None
     scraper: MetricsScraper | None = None
     discovery: PodSetApplier | None = None
@@ -94,8 +95,9 @@ def build_gateway(config: GatewayConfig) -> Gateway:
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
     working_set = ResumableWorkingSet(config.placement)
+    capacity_of = kv_capacity(pods, load)
     context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics,
-                            load=load, working_set=working_set, capacity_of=kv_capacity(pods, load))
+                            load=load, working_set=working_set, capacity_of=capacity_of)
     router = Router(pods, policies, config.routing.policy, config.routing.options, context)
     wc = config.workflow
     tracker = WorkflowTracker(wc)
@@ -109,12 +111,12 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     pressure = None
     if config.pressure.enabled:
         source = pressure_source(config, PressureContext(load, dict(config.pressure.options), working_set,
-                                                         kv_capacity(pods, load)))
+                                                         capacity_of))
         pressure = PressureMonitor(config.pressure, pods, source, tracker, working_set, executor, load, metrics)
     return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
                    auth=auth, policies=policies, kv=kv, tokens=tokens,
                    profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure,
-                   working_set=working_set)
+                   working_set=working_set, capacity_of=capacity_of)
 
 
 def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float | None]:

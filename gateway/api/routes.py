@@ -35,6 +35,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
+    app.router.add_get("/debug/placement", partial(_debug_placement, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -93,6 +94,12 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check_admin(request)
     return web.json_response(gateway.kv.debug())
+
+
+async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:
+    gateway.auth.check_admin(request)
+    pods = [p.name for p in gateway.pods.all()]
+    return web.json_response(gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()))
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

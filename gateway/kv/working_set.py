@@ -23,7 +23,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.config import PlacementConfig
 
@@ -151,7 +153,22 @@ class ResumableWorkingSet:
         found = [c for c in self._contexts.values() if c.pod == pod and c.keyed and not c.in_flight]
         return sorted(found, key=lambda c: c.last_finish or 0.0)
 
-    def __len__(self) -> int:
+    def debug(self, pods: list[str], capacity_of: Callable[[str], float | None], now: float) -> dict[str, Any]:
+        """What placement weighs, per pod, and the forecasts it learnt (for ``/debug/placement``)."""
+        self.lapse(now)
+        per_pod = {}
+        for pod in pods:
+            demand = self._pods.get(pod, PodDemand())
+            per_pod[pod] = {"capacity_tokens": capacity_of(pod), "demand_tokens": round(demand.tokens),
+                            "distinct_blocks": len(demand.refs), "expected_growth_tokens": round(demand.growth),
+                            "contexts": demand.contexts, "keyed": demand.keyed, "thinking": demand.idle_keyed}
+        return {"pods": per_pod, "contexts": self.size, "lapsed": self.lapsed, "released": self.released,
+                "forecast": {"think_s": self.think_all.value, "growth_tokens_per_stage": self.growth_all.value,
+                             "stages": self.stages_all.value}}
+
+    @property
+    def size(self) -> int:
+        """Live contexts (not ``__len__``: an empty working set must not be falsy)."""
         return len(self._contexts)
 
     # Writes

@@ -33,7 +33,6 @@ def build(context: PolicyContext) -> Policy:
         approximate_weight=options_float(o, "approximate_weight", 0.7),
         metrics=context.metrics,
     )
-    # (``is None``, not ``or``: an empty working set is falsy.)
     working_set = context.working_set if context.working_set is not None else ResumableWorkingSet()
     placement = PlacementScorer(prefix, context.index, working_set, context.capacity_of or (lambda pod: None),
                                 clock=context.clock)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from gateway.backends.registry import Pod
 from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import ResumableWorkingSet
+from gateway.kv.working_set import Context, ResumableWorkingSet
 from gateway.routing.policy import Decision, RoutingRequest
 from plugins.routing.prefix_scoring import PrefixScorer
 
@@ -90,7 +90,7 @@ class PlacementScorer:
         worst = prompt + max(c.overflow for c in costs)
         return [max(0.0, 1.0 - c.total / worst) for c in costs]
 
-    def _context_of(self, request: RoutingRequest, pods: list[Pod]):
+    def _context_of(self, request: RoutingRequest, pods: list[Pod]) -> Context | None:
         if request.context_key is not None:
             return self._working_set.context(request.context_key)
         bs = next((b for p in pods if (b := self._index.block_size(p.name))), None)
@@ -105,10 +105,9 @@ class PlacementScorer:
 
     def hold(self, request: RoutingRequest, decision: Decision) -> None:
         """After routing: the request's context is resumable on the chosen pod from now on."""
-        if not request.notes.get("precise") or not request.token_ids:
-            return
         bs = self._index.block_size(decision.pod.name)
-        if bs is None:
+        if not request.notes.get("precise") or not request.token_ids or bs is None:
+            request.context = None  # nothing held: nothing to idle when the request ends
             return
         request.context = self._working_set.hold(request.context_key, decision.pod.name, bs,
                                                  self._prompt_blocks(request, bs), len(request.token_ids),

@@ -159,10 +159,12 @@ class CacheAwarePicker:
     def _spread_for_capacity(request: RoutingRequest, chosen: str) -> bool:
         """Whether a pod with a longer cached prefix lost because placing there would evict more."""
         costs = request.notes.get("placement")
-        if not costs or not request.prefix_tokens:
+        if not costs or chosen not in costs:
             return False
-        best_hit = max(request.prefix_tokens, key=lambda p: request.prefix_tokens[p])
-        return (best_hit != chosen and request.prefix_tokens[best_hit] > request.prefix_tokens.get(chosen, 0)
+        # Among this attempt's candidates only: a retry's prefix_tokens still name the pod that failed.
+        hits = {pod: request.prefix_tokens.get(pod, 0) for pod in costs}
+        best_hit = max(hits, key=hits.__getitem__)
+        return (best_hit != chosen and hits[best_hit] > hits[chosen]
                 and costs[best_hit].overflow > costs[chosen].overflow)
 
 

@@ -43,6 +43,11 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
     assert spread and spread >= 1
     ws = gw.gateway.working_set
     assert ws.context("workflow:wf-0").pod == chosen["wf-0"] and ws.growth_all.value > 0
+    async with http.get(f"{gw.url}/debug/placement") as resp:
+        view = await resp.json()
+    assert {p: v["keyed"] for p, v in view["pods"].items()} == counts
+    assert all(v["capacity_tokens"] == 96 * 16 and v["thinking"] == v["keyed"] for v in view["pods"].values())
+    assert view["forecast"]["growth_tokens_per_stage"] > 0
 
 
 async def test_completion_releases_and_pressure_lets_go_of_the_idlest(start_mock_pod, start_gateway, http):

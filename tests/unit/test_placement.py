@@ -121,3 +121,15 @@ def test_vllm_and_sglang_metrics_say_the_capacity():
     assert parse_engine_metrics(vllm) == {"kv_capacity_tokens": 48 * 128, "requests_finished": 7.0}
     assert parse_engine_metrics('sglang:max_total_num_tokens{model_name="m"} 4096.0\n') == {
         "kv_capacity_tokens": 4096.0}
+
+
+def test_a_retry_without_the_failed_pod_keeps_its_reason():
+    fleet = Fleet({"p0": 200.0, "p1": 200.0, "p2": 200.0}, growth_per_stage=40)
+    fleet.cache("p0", ROLE)
+    request = RoutingRequest("r", "m", "chat", token_ids=ROLE + own(2000, 8), base_model="m", context_key="workflow:x")
+    first = fleet.router.route(request, fleet.policy)
+    assert first.pod.name == "p0"
+    fleet.policy.on_finished[0](request, first)  # the attempt failed before the first byte
+    retry = fleet.router.route(request, fleet.policy, exclude=frozenset({"p0"}))
+    assert retry.pod.name in {"p1", "p2"} and retry.reason == "no_hit_least_loaded"
+    assert set(request.notes["placement"]) == {"p1", "p2"}

@@ -95,7 +95,7 @@ def test_idle_contexts_oldest_first_and_the_bound():
         s.idle(s.hold(key, "p0", BS, [i], 16, now=float(i)), now=float(i) + 0.1)
     busy = s.hold("workflow:busy", "p0", BS, [7], 16, now=3.0)
     assert [c.key for c in s.idle_on("p0")] == ["workflow:new"]  # "old" went over the bound
-    assert len(s) == 2 and busy.in_flight == 1
+    assert s.size == 2 and busy.in_flight == 1
 
 
 def test_bad_config_is_refused():
