@@ -243,7 +243,9 @@ class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True):
     default_stages: int = 4
     # Weight of the last observation in the running averages of think time, growth and stage count.
     smoothing: float = 0.3
-    max_contexts: int = 100_000
+    # Memory bound (each context keeps its last prompt's block hashes): past it, the idle context that
+    # finished longest ago is forgotten.
+    max_contexts: int = 50_000
 
     def __post_init__(self) -> None:
         if self.protect_margin <= 0 or not 0 < self.min_protect_s <= self.max_protect_s:

@@ -85,6 +85,14 @@ def multi_turn(seed: int = 0, conversations: int = 16, turns: int = 6, first_wor
     return Trace("multi-turn", seed, sessions)
 
 
+def stage_headers(workflow_id: str, stage: int, stages: int) -> dict[str, str]:
+    """The workflow headers of stage ``stage`` of ``stages`` (the last one completes the workflow)."""
+    headers = {"x-workflow-id": workflow_id, "x-stage-id": f"stage-{stage}"}
+    if stage == stages - 1:
+        headers["x-workflow-complete"] = "true"
+    return headers
+
+
 def agentic(seed: int = 0, workflows: int = 16, min_stages: int = 5, max_stages: int = 10, context_words: int = 1200,
             increment_words: int = 40, rate: float = 2.0, think_s: float = 0.2, max_tokens: int = 24) -> Trace:
     """Concurrent workflows of 5-10 stages with workflow/stage headers and small increments (tool output)."""
@@ -94,9 +102,7 @@ def agentic(seed: int = 0, workflows: int = 16, min_stages: int = 5, max_stages:
         n = rng.randint(min_stages, max_stages)
         steps = []
         for s in range(n):
-            headers = {"x-workflow-id": f"wf-{seed}-{w}", "x-stage-id": f"stage-{s}"}
-            if s == n - 1:
-                headers["x-workflow-complete"] = "true"
+            headers = stage_headers(f"wf-{seed}-{w}", s, n)
             messages = [{"role": "user", "content": f"Tool output {s}: " + text(rng, increment_words)}]
             if s == 0:
                 messages.insert(0, {"role": "system", "content": f"Agent {w} task. " + text(rng, context_words)})
@@ -124,9 +130,7 @@ def agentic_shared(seed: int = 0, workflows: int = 32, min_stages: int = 4, max_
         n = rng.randint(min_stages, max_stages)
         steps = []
         for s in range(n):
-            headers = {"x-workflow-id": f"wfs-{seed}-{w}", "x-stage-id": f"stage-{s}"}
-            if s == n - 1:
-                headers["x-workflow-complete"] = "true"
+            headers = stage_headers(f"wfs-{seed}-{w}", s, n)
             if s == 0:
                 messages = [{"role": "system", "content": role_prompts[w % roles]},
                             {"role": "user", "content": f"Task {w}: " + text(rng, task_words)}]

@@ -8,6 +8,7 @@ a real network loss), stop sending altogether, or restart (seq back to 0, buffer
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import random
 import time
@@ -29,6 +30,19 @@ from gateway.kv.events import (
 )
 
 log = logging.getLogger("gateway.mock.events")
+
+
+def _bind(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
+    """Bind, waiting briefly for a port that a restart's just-closed socket still holds (ZeroMQ closes
+    sockets in its I/O thread, after ``close`` has returned)."""
+    for attempt in range(attempts):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == attempts - 1:
+                raise
+            time.sleep(0.02)
 
 
 class KvEventPublisher:
@@ -65,11 +79,11 @@ class KvEventPublisher:
         self._pub = zmq.Socket(self._ctx, zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.endpoint)
+        _bind(self._pub, self.endpoint)
         if self.replay_endpoint:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(self.replay_endpoint)
+            _bind(self._router, self.replay_endpoint)
             self._replay_task = asyncio.create_task(self._serve_replay(), name="mock-replay")
 
     async def stop(self) -> None:
