@@ -68,6 +68,50 @@ class Context:
         return len(self.hashes) * self.block_size
 
 
+class ContextForecast:
+    """What contexts have shown so far, per context and over all: the think time between their requests,
+    the prompt tokens each stage adds, how many stages a completed workflow had. Owned by the working set."""
+
+    def __init__(self, config: PlacementConfig) -> None:
+        self.config = config
+        self.think = RunningMean(config.smoothing)
+        self.growth = RunningMean(config.smoothing)  # keyed contexts only
+        self.stages = RunningMean(config.smoothing)
+
+    def new_means(self) -> tuple[RunningMean, RunningMean]:
+        return RunningMean(self.config.smoothing), RunningMean(self.config.smoothing)
+
+    def returned(self, ctx: Context, prompt_tokens: int, now: float) -> None:
+        """``ctx`` sends its next request: learn its think time and its growth."""
+        if not ctx.in_flight and ctx.last_finish is not None:
+            gap = max(0.0, now - ctx.last_finish)
+            ctx.think.add(gap)
+            self.think.add(gap)
+        if prompt_tokens > ctx.prompt_tokens:
+            ctx.growth.add(prompt_tokens - ctx.prompt_tokens)
+            if ctx.keyed:
+                self.growth.add(prompt_tokens - ctx.prompt_tokens)
+
+    def completed(self, ctx: Context) -> None:
+        self.stages.add(ctx.stages)
+
+    def protection_s(self, ctx: Context) -> float:
+        """How long an idle context stays resumable: margin x its predicted think time, within bounds."""
+        c = self.config
+        think = ctx.think.get(self.think.get(c.default_think_s))
+        return min(c.max_protect_s, max(c.min_protect_s, c.protect_margin * think))
+
+    def expected_growth(self, context: Context | None, keyed: bool, stages_done: int) -> float:
+        """Tokens a keyed context (a new one when ``None``) is still expected to add once ``stages_done``
+        of its stages have run: its own growth per stage (or everyone's) times the stages left."""
+        if not keyed:
+            return 0.0
+        everyone = self.growth.get(0.0)
+        per_stage = context.growth.get(everyone) if context is not None else everyone
+        total = self.stages.get(float(self.config.default_stages))
+        return max(0.0, total - stages_done) * per_stage
+
+
 @dataclass(slots=True)
 class PodDemand:
     refs: dict[int, int] = field(default_factory=dict)  # block hash → resumable contexts holding it
@@ -85,17 +129,13 @@ class PodDemand:
 class ResumableWorkingSet:
     def __init__(self, config: PlacementConfig | None = None) -> None:
         self.config = config or PlacementConfig()
-        alpha = self.config.smoothing
         self._contexts: dict[str, Context] = {}
         self._pods: dict[str, PodDemand] = {}
         # The last block hash of each anonymous context's prompt → its key (a continuation contains it).
         self._tails: dict[int, str] = {}
         self._expiry: list[tuple[float, int, str]] = []  # (protected_until, version, key)
         self._anonymous = itertools.count()
-        self._alpha = alpha
-        self.think_all = RunningMean(alpha)
-        self.growth_all = RunningMean(alpha)
-        self.stages_all = RunningMean(alpha)
+        self.forecast = ContextForecast(self.config)
         self.lapsed = 0
         self.released = 0
 
@@ -138,16 +178,6 @@ class ResumableWorkingSet:
         demand = self._pods.get(pod)
         return (demand.keyed, demand.idle_keyed) if demand else (0, 0)
 
-    def expected_growth(self, context: Context | None, keyed: bool, stages_done: int) -> float:
-        """Tokens a keyed context (a new one when ``None``) is still expected to add once ``stages_done``
-        of its stages have run: its own growth per stage (or everyone's) times the stages left."""
-        if not keyed:
-            return 0.0
-        everyone = self.growth_all.get(0.0)
-        per_stage = context.growth.get(everyone) if context is not None else everyone
-        total = self.stages_all.get(float(self.config.default_stages))
-        return max(0.0, total - stages_done) * per_stage
-
     def idle_on(self, pod: str) -> list[Context]:
         """Keyed contexts between requests on ``pod``, the one idle longest first."""
         found = [c for c in self._contexts.values() if c.pod == pod and c.keyed and not c.in_flight]
@@ -163,8 +193,9 @@ class ResumableWorkingSet:
                             "distinct_blocks": len(demand.refs), "expected_growth_tokens": round(demand.growth),
                             "contexts": demand.contexts, "keyed": demand.keyed, "thinking": demand.idle_keyed}
         return {"pods": per_pod, "contexts": self.size, "lapsed": self.lapsed, "released": self.released,
-                "forecast": {"think_s": self.think_all.value, "growth_tokens_per_stage": self.growth_all.value,
-                             "stages": self.stages_all.value}}
+                "forecast": {"think_s": self.forecast.think.value,
+                             "growth_tokens_per_stage": self.forecast.growth.value,
+                             "stages": self.forecast.stages.value}}
 
     @property
     def size(self) -> int:
@@ -180,11 +211,11 @@ class ResumableWorkingSet:
         ctx = self.context(key, hashes)
         if ctx is None:
             ctx = Context(key or f"anon-{next(self._anonymous)}", pod, block_size, [], prompt_tokens, key is not None,
-                          RunningMean(self._alpha), RunningMean(self._alpha), stages=0)
+                          *self.forecast.new_means(), stages=0)
             self._contexts[ctx.key] = ctx
             self._evict_oldest()
         else:
-            self._observe_return(ctx, prompt_tokens, now)
+            self.forecast.returned(ctx, prompt_tokens, now)
             self._unplace(ctx)
         ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
         ctx.hashes = hashes
@@ -192,7 +223,7 @@ class ResumableWorkingSet:
         ctx.in_flight += 1
         ctx.protected_until = math.inf
         ctx.version += 1
-        ctx.expected_growth = self.expected_growth(ctx, ctx.keyed, ctx.stages)
+        ctx.expected_growth = self.forecast.expected_growth(ctx, ctx.keyed, ctx.stages)
         self._place(ctx)
         return ctx
 
@@ -204,9 +235,7 @@ class ResumableWorkingSet:
         if context.in_flight:
             return
         context.last_finish = now
-        think = context.think.get(self.think_all.get(self.config.default_think_s))
-        c = self.config
-        context.protected_until = now + min(c.max_protect_s, max(c.min_protect_s, c.protect_margin * think))
+        context.protected_until = now + self.forecast.protection_s(context)
         context.version += 1
         heapq.heappush(self._expiry, (context.protected_until, context.version, context.key))
         if context.keyed:
@@ -219,7 +248,7 @@ class ResumableWorkingSet:
         if ctx is None:
             return False
         if completed:
-            self.stages_all.add(ctx.stages)
+            self.forecast.completed(ctx)
         self._unplace(ctx)
         self.released += 1
         return True
@@ -241,16 +270,6 @@ class ResumableWorkingSet:
                 self.lapsed += 1
 
     # Bookkeeping
-
-    def _observe_return(self, ctx: Context, prompt_tokens: int, now: float) -> None:
-        if not ctx.in_flight and ctx.last_finish is not None:
-            gap = max(0.0, now - ctx.last_finish)
-            ctx.think.add(gap)
-            self.think_all.add(gap)
-        if prompt_tokens > ctx.prompt_tokens:
-            ctx.growth.add(prompt_tokens - ctx.prompt_tokens)
-            if ctx.keyed:
-                self.growth_all.add(prompt_tokens - ctx.prompt_tokens)
 
     def _place(self, ctx: Context) -> None:
         demand = self._pods.setdefault(ctx.pod, PodDemand())

@@ -74,9 +74,9 @@ class PlacementScorer:
         now = self._clock()
         prompt = len(request.token_ids)
         context = request.context = self._context_of(request, pods)
-        keyed = request.context_key is not None
         stages_done = context.stages + 1 if context is not None else 1
-        footprint = prompt + self._output_tokens + self._working_set.expected_growth(context, keyed, stages_done)
+        growth = self._working_set.forecast.expected_growth(context, request.context_key is not None, stages_done)
+        footprint = prompt + self._output_tokens + growth
         costs = []
         for pod in pods:
             hit = request.prefix_tokens.get(pod.name, 0)

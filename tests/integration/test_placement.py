@@ -42,7 +42,7 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
                                        {"policy": "kv_aware", "reason": "capacity_spread"})
     assert spread and spread >= 1
     ws = gw.gateway.working_set
-    assert ws.context("workflow:wf-0").pod == chosen["wf-0"] and ws.growth_all.value > 0
+    assert ws.context("workflow:wf-0").pod == chosen["wf-0"] and ws.forecast.growth.value > 0
     async with http.get(f"{gw.url}/debug/placement") as resp:
         view = await resp.json()
     assert {p: v["keyed"] for p, v in view["pods"].items()} == counts
@@ -59,7 +59,7 @@ async def test_completion_releases_and_pressure_lets_go_of_the_idlest(start_mock
         await stage(http, gw, wf, "s1", history)
     assert {c.key for c in ws.idle_on("pod0")} == {"workflow:old", "workflow:newer", "workflow:done"}
     await stage(http, gw, "done", "s2", history, **{"x-workflow-complete": "true"})
-    assert ws.context("workflow:done") is None and ws.stages_all.value == 2
+    assert ws.context("workflow:done") is None and ws.forecast.stages.value == 2
     # The pressure source reads the working set against the scraped capacity: make the pod look full.
     gw.gateway.load.engine["pod0"].kv_capacity_tokens = 1.0
     monitor = gw.gateway.pressure

@@ -28,7 +28,7 @@ class Fleet:
         self.views = {n: self.index.view(n, 0, "m", BS) for n in capacity_tokens}
         self.ws = ResumableWorkingSet(PlacementConfig(default_stages=4))
         if growth_per_stage:
-            self.ws.growth_all.add(growth_per_stage)
+            self.ws.forecast.growth.add(growth_per_stage)
         context = PolicyContext(pods=self.pods, index=self.index, working_set=self.ws,
                                 capacity_of=capacity_tokens.get)
         self.router = Router(self.pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",

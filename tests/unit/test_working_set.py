@@ -63,19 +63,19 @@ def test_a_stage_on_another_pod_moves_the_context():
 
 def test_growth_is_forecast_from_increments_and_completed_stage_counts():
     s = ws(default_stages=4)
-    assert s.expected_growth(None, keyed=True, stages_done=1) == 0  # nothing seen yet
+    assert s.forecast.expected_growth(None, keyed=True, stages_done=1) == 0  # nothing seen yet
     ctx = s.hold("workflow:a", "p0", BS, [1] * 0, 100, now=0.0)
     s.idle(ctx, now=0.1)
     ctx = s.hold("workflow:a", "p0", BS, [], 300, now=0.2)  # +200 tokens per stage
     assert ctx.growth.value == 200
     # 4 stages expected, 2 done: 2 more of 200 each, counted in the pod's demand.
     assert ctx.expected_growth == 400 and s.demand_tokens("p0", now=0.2) == 400
-    assert s.expected_growth(None, keyed=True, stages_done=1) == 600  # a new workflow: 3 more stages
-    assert s.expected_growth(None, keyed=False, stages_done=1) == 0  # a one-off request grows nothing
+    assert s.forecast.expected_growth(None, keyed=True, stages_done=1) == 600  # a new workflow: 3 more stages
+    assert s.forecast.expected_growth(None, keyed=False, stages_done=1) == 0  # a one-off request grows nothing
     s.idle(ctx, now=0.3)
     s.release("workflow:a", completed=True)  # it had 2 stages in all: the forecast learns it
-    assert s.stages_all.value == 2
-    assert s.expected_growth(None, keyed=True, stages_done=1) == 200
+    assert s.forecast.stages.value == 2
+    assert s.forecast.expected_growth(None, keyed=True, stages_done=1) == 200
 
 
 def test_an_anonymous_conversation_is_recognised_by_its_prefix():
