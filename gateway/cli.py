@@ -1,4 +1,7 @@
-"""``gateway``: the command line (serve, mock, hash-key)."""
+"""``gateway``: an OpenAI-compatible gateway that routes LLM requests by KV-cache prefix, load and SLO.
+
+Commands: serve, mock, bench, profiles, config, hash-key.
+"""
 
 from __future__ import annotations
 
@@ -138,15 +141,24 @@ async def mock(args: argparse.Namespace) -> None:
         await pod.stop()
 
 
+def policy_names() -> list[str]:
+    from gateway.app import POLICY_GROUP
+    from gateway.plugin_registry import PluginRegistry
+
+    return sorted(PluginRegistry(POLICY_GROUP, "routing policy").names())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the gateway")
     s.add_argument("--config", help="YAML or JSON config file")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
-    s.add_argument("--policy", help="default routing policy")
+    s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    s.add_argument("--policy", help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
     s.add_argument("--pod", action="append",
                    help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b] (repeatable)")
     s.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
@@ -186,9 +198,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    c = sub.add_parser("config", help="check a config file")
+    c_sub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = c_sub.add_parser("check", help="validate FILE (with GATEWAY_* variables) and print the effective "
+                                           "config, defaults filled in")
+    check.add_argument("file")
+    check.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
     k = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for auth.api_key_hashes")
     k.add_argument("key")
     return parser
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kv-gateway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def check_config(path: str, as_json: bool) -> int:
+    """Exit 0 and print the effective config, or exit 2 naming what is wrong."""
+    try:
+        config = load_config(path)
+    except (ConfigError, OSError) as exc:
+        print(f"gateway: {path}: {exc}", file=sys.stderr)
+        return 2
+    effective = msgspec.to_builtins(config)
+    if as_json:
+        print(msgspec.json.encode(effective).decode())
+    else:
+        import yaml
+
+        print(yaml.safe_dump(effective, sort_keys=False), end="")
+    return 0
 
 
 def configure_logging_early() -> None:
@@ -202,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_api_key(args.key))
         return 0
+    if args.command == "config":
+        return check_config(args.file, args.json)
     if args.command == "bench":
         from gateway.bench.cli import run as run_bench
 

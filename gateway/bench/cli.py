@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
             results.append(result)
             if result.skipped:
                 print(f"  {name}: skipped ({result.skipped})", file=sys.stderr)
+            else:
+                print(f"  {name}: hit ratio {result.hit_ratio:.3f}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
+                      f"per pod {'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
     meta = {"seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks, "speed": args.speed,
             "working_set_ratio": args.working_set_ratio, "knobs": args.set,
             "seconds": round(time.time() - started, 1)}

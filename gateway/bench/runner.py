@@ -24,6 +24,7 @@ from typing import Literal
 import aiohttp
 import msgspec
 import orjson
+from tqdm import tqdm
 
 from gateway.backends.scraper import parse_engine_metrics
 from gateway.bench.workloads import Session, Trace
@@ -270,7 +271,9 @@ class BenchRunner:
                       label: str) -> tuple[list[Outcome], float]:
         targets = itertools.cycle(routers or pod_urls)
         outcomes: list[Outcome] = []
-        total = trace.requests
+        # A real progress bar on a terminal; nothing on a pipe (CI logs) or when asked for none.
+        bar = tqdm(total=trace.requests, desc=f"  {label}", unit="req", file=sys.stderr, leave=True,
+                   disable=not self.progress or not sys.stderr.isatty())
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
             t0 = time.monotonic()
@@ -285,14 +288,12 @@ class BenchRunner:
                     history.extend(step.messages)
                     outcome, answer = await self._send(http, next(targets), history, step.max_tokens, step.headers)
                     outcomes.append(outcome)
-                    if self.progress:
-                        print(f"\r  {label:<32} {len(outcomes):>5}/{total}", end="", file=sys.stderr, flush=True)
+                    bar.update(1)
                     history.append({"role": "assistant", "content": answer})
 
             await asyncio.gather(*(run_session(s) for s in trace.sessions))
             seconds = time.monotonic() - t0
-        if self.progress:
-            print(file=sys.stderr)
+        bar.close()
         return outcomes, seconds
 
     async def _send(self, http: aiohttp.ClientSession, base: str, messages: list[dict[str, object]],

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import yaml
 
 from gateway.cli import build_parser, parse_pod, serve_overrides
 from gateway.config import ConfigError, load_config
@@ -72,3 +75,31 @@ def test_serve_flags_become_overrides():
     config = load_config(overrides=serve_overrides(args), environ={})
     assert config.server.port == 9999 and config.routing.policy == "random"
     assert [p.url for p in config.pods] == ["http://a:1"] and config.mock_pods.count == 2
+
+
+def test_cli_help_version_and_config_check(tmp_path, capsys, monkeypatch):
+    from gateway.cli import main
+
+    for name in [k for k in os.environ if k.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    help_text = build_parser().format_help()
+    for command in ("serve", "mock", "bench", "profiles", "config", "hash-key"):
+        assert command in help_text
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    serve_help = capsys.readouterr().out
+    assert "kv_aware" in serve_help and "round_robin" in serve_help and "port to listen on" in serve_help
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("gateway ")
+
+    good = tmp_path / "good.yaml"
+    good.write_text("routing: {policy: kv_aware}\nplacement: {protect_margin: 3}\n")
+    assert main(["config", "check", str(good)]) == 0
+    effective = yaml.safe_load(capsys.readouterr().out)
+    assert effective["routing"]["policy"] == "kv_aware" and effective["placement"]["protect_margin"] == 3
+    assert effective["server"]["port"] == 8080  # defaults filled in
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("placement: {protect_marjin: 3}\n")
+    assert main(["config", "check", str(bad)]) == 2
+    assert "protect_marjin" in capsys.readouterr().err
