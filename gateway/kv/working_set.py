@@ -63,10 +63,6 @@ class Context:
     expected_growth: float = 0.0  # tokens it is still expected to add (counted in its pod's demand)
     version: int = 0  # bumped whenever ``protected_until`` changes, so stale heap entries are skipped
 
-    @property
-    def held_tokens(self) -> int:
-        return len(self.hashes) * self.block_size
-
 
 class ContextForecast:
     """What contexts have shown so far, per context and over all: the think time between their requests,
@@ -138,6 +134,7 @@ class ResumableWorkingSet:
         self.forecast = ContextForecast(self.config)
         self.lapsed = 0
         self.released = 0
+        self.evicted = 0  # forgotten to stay within max_contexts
 
     # Reads
 
@@ -193,6 +190,7 @@ class ResumableWorkingSet:
                             "distinct_blocks": len(demand.refs), "expected_growth_tokens": round(demand.growth),
                             "contexts": demand.contexts, "keyed": demand.keyed, "thinking": demand.idle_keyed}
         return {"pods": per_pod, "contexts": self.size, "lapsed": self.lapsed, "released": self.released,
+                "evicted": self.evicted,
                 "forecast": {"think_s": self.forecast.think.value,
                              "growth_tokens_per_stage": self.forecast.growth.value,
                              "stages": self.forecast.stages.value}}
@@ -210,10 +208,10 @@ class ResumableWorkingSet:
         self.lapse(now)
         ctx = self.context(key, hashes)
         if ctx is None:
+            self._make_room()
             ctx = Context(key or f"anon-{next(self._anonymous)}", pod, block_size, [], prompt_tokens, key is not None,
                           *self.forecast.new_means(), stages=0)
             self._contexts[ctx.key] = ctx
-            self._evict_oldest()
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
             self._unplace(ctx)
@@ -244,18 +242,17 @@ class ResumableWorkingSet:
     def release(self, key: str, *, completed: bool = False) -> bool:
         """Forget a context (its workflow completed or was flushed); a completed one teaches how many
         stages contexts have."""
-        ctx = self._contexts.pop(key, None)
+        ctx = self._forget(key)
         if ctx is None:
             return False
         if completed:
             self.forecast.completed(ctx)
-        self._unplace(ctx)
         self.released += 1
         return True
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k, c in self._contexts.items() if c.pod == pod]:
-            self._unplace(self._contexts.pop(key))
+            self._forget(key)
         self._pods.pop(pod, None)
 
     def lapse(self, now: float) -> None:
@@ -265,11 +262,16 @@ class ResumableWorkingSet:
             _, version, key = heapq.heappop(heap)
             ctx = self._contexts.get(key)
             if ctx is not None and ctx.version == version and not ctx.in_flight:
-                self.release(key)
-                self.released -= 1
+                self._forget(key)
                 self.lapsed += 1
 
     # Bookkeeping
+
+    def _forget(self, key: str) -> Context | None:
+        ctx = self._contexts.pop(key, None)
+        if ctx is not None:
+            self._unplace(ctx)
+        return ctx
 
     def _place(self, ctx: Context) -> None:
         demand = self._pods.setdefault(ctx.pod, PodDemand())
@@ -299,15 +301,17 @@ class ResumableWorkingSet:
         demand.contexts -= 1
         if ctx.keyed:
             demand.keyed -= 1
-            if not ctx.in_flight and ctx.last_finish is not None and ctx.protected_until != math.inf:
+            if not ctx.in_flight:  # a placed context with nothing in flight was counted idle by idle()
                 demand.idle_keyed -= 1
         elif ctx.hashes and self._tails.get(ctx.hashes[-1]) == ctx.key:
             del self._tails[ctx.hashes[-1]]
 
-    def _evict_oldest(self) -> None:
-        """Past ``max_contexts``, forget the idle context that finished longest ago."""
-        if len(self._contexts) <= self.config.max_contexts:
+    def _make_room(self) -> None:
+        """Before a new context joins a full set, forget the idle one that finished longest ago (every
+        idle context has finished a request; one in flight is never forgotten)."""
+        if len(self._contexts) < self.config.max_contexts:
             return
         idle = [c for c in self._contexts.values() if not c.in_flight]
         if idle:
-            self.release(min(idle, key=lambda c: c.last_finish or 0.0).key)
+            self._forget(min(idle, key=lambda c: c.last_finish or 0.0).key)
+            self.evicted += 1

@@ -43,16 +43,23 @@ class VllmBlockHasher:
         if seed is None:
             seed = _DEFAULT_NONE_HASH_SEED if algo == "sha256" else os.urandom(32).hex()
         self._none_hash = self._digest(seed)
-        self._digests: dict[Hash, bytes] = {}  # published hash → digest, to chain from an int parent
+        # Int hashes only: published hash → digest, to chain from an int parent. It grows with every distinct
+        # block hashed (opt-in flag, simulated pods); bytes hashes chain from the parent itself.
+        self._digests: dict[Hash, bytes] = {}
 
     def _digest(self, value: object) -> bytes:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         return hashlib.sha256(data).digest() if self.algo == "sha256" else xxhash.xxh3_128_digest(data)
 
     def __call__(self, parent: Hash | None, tokens: list[int]) -> Hash:
-        parent_digest = self._none_hash if parent is None else self._digests[parent]
+        if parent is None:
+            parent_digest = self._none_hash
+        else:
+            parent_digest = self._digests[parent] if self.int_hashes else parent
         digest = self._digest((parent_digest, tuple(tokens), None))
-        published: Hash = int.from_bytes(digest, "big") & _MASK64 if self.int_hashes else digest
+        if not self.int_hashes:
+            return digest
+        published = int.from_bytes(digest, "big") & _MASK64
         self._digests[published] = digest
         return published
 

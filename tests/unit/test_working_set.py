@@ -90,12 +90,15 @@ def test_an_anonymous_conversation_is_recognised_by_its_prefix():
 
 
 def test_idle_contexts_oldest_first_and_the_bound():
-    s = ws(max_contexts=2)
+    s = ws(max_contexts=2, default_think_s=100.0)  # nothing lapses here: only the bound forgets
     for i, key in enumerate(("workflow:old", "workflow:new")):
         s.idle(s.hold(key, "p0", BS, [i], 16, now=float(i)), now=float(i) + 0.1)
     busy = s.hold("workflow:busy", "p0", BS, [7], 16, now=3.0)
     assert [c.key for c in s.idle_on("p0")] == ["workflow:new"]  # "old" went over the bound
     assert s.size == 2 and busy.in_flight == 1
+    # The newcomer is never the one forgotten, and the pod's counts follow what is live.
+    assert s.context("workflow:busy") is busy and s.lapsed == 0 and s.evicted == 1
+    assert s.resumable("p0") == (2, 1) and s.demand_tokens("p0", now=3.0) == 2 * BS
 
 
 def test_bad_config_is_refused():
