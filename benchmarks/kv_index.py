@@ -19,8 +19,10 @@ import tracemalloc
 from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, PodConfig, TokenizationConfig
+from gateway.http_client import HttpClient
 from gateway.kv.events import BlockStored, Encoding, EventBatch, decode_batch, encode_batch
 from gateway.kv.index import PrefixIndex
+from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
@@ -100,13 +102,13 @@ async def decisions() -> tuple[float, float]:
     metrics = GatewayMetrics()
     tokens = TokenizationService(
         TokenizationConfig(models={"m": ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}, offload_chars=10**9),
-        pods, metrics)
+        pods, metrics, HttpClient(), InFlightLedger())
     tokens.load()
     index = PrefixIndex(speculative_ttl_s=0)
     for i in range(16):
         index.view(f"pod{i}", 0, "m", BS)
-    router = Router(pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",
-                    context=PolicyContext(pods=pods, index=index, metrics=metrics))
+    router = Router(pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware", {},
+                    PolicyContext.standalone(pods, index=index, metrics=metrics))
     policy = router.resolve(None)
 
     engine_hash = iter(range(1, 10**9))

@@ -1,39 +1,49 @@
 """Builds the gateway's aiohttp ``Application`` from a config: creates every component and wires them.
 
 Nothing else in the package holds global state; tests build as many independent apps as they like.
-Background tasks (health checks) start in ``on_startup`` and stop in ``on_cleanup``.
+Components with a lifetime (the HTTP client, health checks, KV subscribers, background loops) start in
+order through aiohttp's ``cleanup_ctx`` and stop in reverse order, each one stopped even if another
+fails to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-import aiohttp
+import msgspec
 from aiohttp import web
 
 from gateway.admission import AdmissionController
 from gateway.api.auth import ApiKeyAuth
 from gateway.api.middleware import openai_errors
 from gateway.api.routes import add_routes
-from gateway.backends.discovery import DiscoveryContext, DiscoverySource, PodSetApplier
+from gateway.backends.discovery import DiscoveryContext, PodSetApplier
 from gateway.backends.health import HealthChecker
+from gateway.backends.membership import PodMembership, health_changed
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
+from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import GatewayConfig
+from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
+from gateway.pressure import PressureContext, PressureModes, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy import Proxy
+from gateway.request.director import RequestDirector
+from gateway.request.observers import AccessLog, OutputLearning, PolicyFinishHooks, RequestMetrics, RoutingMetrics
+from gateway.request.pipeline import RequestPipeline
+from gateway.request.steps import LoadEstimation, PolicyResolution, PromptTokenization, RequestValidation, SloAdmission
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -50,73 +60,69 @@ DISCOVERY_GROUP = "gateway.discovery_sources"
 log = logging.getLogger("gateway.app")
 
 
-@dataclass(eq=False)
-class Gateway:
-    """Every component of one gateway instance."""
-
-    config: GatewayConfig
-    pods: PodRegistry
-    metrics: GatewayMetrics
-    router: Router
-    proxy: Proxy
-    auth: ApiKeyAuth
-    policies: PluginRegistry
-    kv: KvEventService
-    tokens: TokenizationService
-    profiles: ProfileStore
-    load: PendingLoad
-    admission: AdmissionController
-    workflows: WorkflowService
-    working_set: ResumableWorkingSet
-    capacity_of: Callable[[str], float | None]
-    pressure: PressureMonitor | None = None
-    scraper: MetricsScraper | None = None
-    discovery: PodSetApplier | None = None
-    health: HealthChecker | None = None
-    session: aiohttp.ClientSession | None = None
-    draining: bool = False
-
-
-GATEWAY_KEY = web.AppKey("gateway", Gateway)
-
-
 def build_gateway(config: GatewayConfig) -> Gateway:
+    http = HttpClient()
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
-    policies = PluginRegistry(POLICY_GROUP, "routing policy")
+    ledger = InFlightLedger()
+    modes = PressureModes()
     index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s)
+    approximate = ApproximatePrefixIndex()
     kv = KvEventService(index)
     metrics.registry.register(KvMetricsCollector(kv))
-    tokens = TokenizationService(config.tokenization, pods, metrics)
+    tokens = TokenizationService(config.tokenization, pods, metrics, http, ledger)
     lc = config.load
     profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
-    load = PendingLoad(profiles, lc.default_capacity, lambda name: deployment_of(pods, name), lc.embedding_share)
+    load = PendingLoad(profiles, ledger, lc.default_capacity, lambda name: deployment_of(pods, name),
+                       lc.embedding_share, blocked=modes.in_emergency)
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
     working_set = ResumableWorkingSet(config.placement)
     capacity_of = kv_capacity(pods, load)
-    context = PolicyContext(pods=pods, index=index, approximate=ApproximatePrefixIndex(), metrics=metrics,
-                            load=load, working_set=working_set, capacity_of=capacity_of)
-    router = Router(pods, policies, config.routing.policy, config.routing.options, context)
+    policies = PluginRegistry(POLICY_GROUP, "routing policy")
+    router = Router(pods, policies, config.routing.policy, config.routing.options,
+                    PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
+                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of))
     wc = config.workflow
-    tracker = WorkflowTracker(wc)
-    executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller),
+    tracker = WorkflowTracker(wc, ledger)
+    executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
-    workflows = WorkflowService(wc, tracker, SessionAffinity(wc.max_sessions), executor, load)
+    sessions = SessionAffinity(ledger, wc.max_sessions)
+    workflows = WorkflowService(wc, tracker, sessions, executor, modes)
     auth = ApiKeyAuth(config.auth)
-    proxy = Proxy(pods, router, metrics, tokens, load, predictor, admission, workflows, config.routing,
-                  config.timeouts, config.auth, auth, config.server)
+    proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
+    admit = SloAdmission(pods, admission, metrics)
+    pipeline = RequestPipeline(
+        prepare=[RequestValidation(pods, auth, config.server), PolicyResolution(pods, router, config.routing),
+                 PromptTokenization(pods, tokens, config.server),
+                 LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
+        admit=[admit],
+        route=[workflows],
+        dispatch=[RoutingMetrics(metrics), workflows],
+        finish=[admit, workflows, PolicyFinishHooks()],
+        complete=[OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
+    )
+    director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries,
+                               1.0 / lc.default_capacity)
     pressure = None
     if config.pressure.enabled:
-        source = pressure_source(config, PressureContext(load, dict(config.pressure.options), working_set,
-                                                         capacity_of))
-        pressure = PressureMonitor(config.pressure, pods, source, tracker, working_set, executor, load, metrics)
-    return Gateway(config=config, pods=pods, metrics=metrics, router=router, proxy=proxy,
-                   auth=auth, policies=policies, kv=kv, tokens=tokens,
-                   profiles=profiles, load=load, admission=admission, workflows=workflows, pressure=pressure,
-                   working_set=working_set, capacity_of=capacity_of)
+        source = pressure_source(config, PressureContext(load, working_set, capacity_of))
+        pressure = PressureMonitor(config.pressure, pods, source, tracker, working_set, executor, modes, metrics)
+    health = HealthChecker(pods, http, config.health, lambda pod: health_changed(metrics, kv, pod))
+    membership = PodMembership(health, metrics, kv, load, profiles, approximate, sessions, working_set, modes,
+                               ledger)
+    discovery = None
+    if config.discovery.source != "static":
+        discovery = PodSetApplier(pods, discovery_source(config), membership.added, membership.removed)
+    scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
+    return Gateway(
+        config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, director=director,
+        auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
+        workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health,
+        membership=membership, modes=modes, pressure=pressure, scraper=scraper, discovery=discovery,
+    )
 
 
 def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float | None]:
@@ -142,24 +148,42 @@ def cache_controllers(choice: str) -> Callable[[Pod], CacheController | None]:
     def controller_for(pod: Pod) -> CacheController | None:
         name = pod.config.flavor if choice == "auto" else choice
         if name not in built:
-            built[name] = plugins.load(name)()
+            built[name] = plugins.build(name, None)
         return built[name]
 
     return controller_for
 
 
-def discovery_source(config: GatewayConfig) -> DiscoverySource:
+def discovery_source(config: GatewayConfig) -> Any:
     plugins = PluginRegistry(DISCOVERY_GROUP, "discovery source")
-    return plugins.load(config.discovery.source)(DiscoveryContext(list(config.pods), dict(config.discovery.options)))
+    return plugins.build(config.discovery.source, DiscoveryContext(list(config.pods)), config.discovery.options)
 
 
 def pressure_source(config: GatewayConfig, context: PressureContext) -> PressureSource:
     plugins = PluginRegistry(PRESSURE_GROUP, "pressure source")
     try:
-        return plugins.load(config.pressure.source)(context)
+        return plugins.build(config.pressure.source, context, config.pressure.options)
     except PressureSourceUnavailable as exc:
         log.warning("pressure source %s is unavailable here (%s); using engine metrics", config.pressure.source, exc)
-        return plugins.load("engine_metrics")(context)
+        return plugins.build("engine_metrics", context)
+
+
+def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]:
+    """The options of every plugin the config names, decoded with their defaults (raises
+    :class:`~gateway.plugin_registry.UnknownPlugin` or :class:`~gateway.plugin_registry.PluginOptionsError`
+    naming the first bad one). Nothing is built: no device or cluster is touched."""
+    policies = PluginRegistry(POLICY_GROUP, "routing policy")
+    out: dict[str, dict[str, Any]] = {"routing": {
+        name: msgspec.to_builtins(policies.options(name, config.routing.options.get(name)))
+        for name in sorted({config.routing.policy, *config.routing.options})}}
+    if config.pressure.enabled:
+        source = config.pressure.source
+        out["pressure"] = {source: msgspec.to_builtins(
+            PluginRegistry(PRESSURE_GROUP, "pressure source").options(source, config.pressure.options))}
+    source = config.discovery.source
+    out["discovery"] = {source: msgspec.to_builtins(
+        PluginRegistry(DISCOVERY_GROUP, "discovery source").options(source, config.discovery.options))}
+    return out
 
 
 def deployment_of(pods: PodRegistry, name: str) -> str:
@@ -167,76 +191,48 @@ def deployment_of(pods: PodRegistry, name: str) -> str:
     return (pod.config.deployment or pod.name) if pod else name
 
 
+Lifecycle = Callable[[web.Application], AsyncIterator[None]]
+
+
+def lifecycle(start: Callable[[], Awaitable[None] | None], stop: Callable[[], Awaitable[None]] | None = None
+              ) -> Lifecycle:
+    """A ``cleanup_ctx`` entry: ``start`` when the app starts, ``stop`` when it stops."""
+
+    async def run(app: web.Application) -> AsyncIterator[None]:
+        started = start()
+        if started is not None:
+            await started
+        yield
+        if stop is not None:
+            await stop()
+
+    return run
+
+
+def lifecycles(gw: Gateway) -> list[Lifecycle]:
+    """The components with a lifetime, in start order (they stop in reverse)."""
+    out = [
+        lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
+        lifecycle(lambda: asyncio.to_thread(gw.tokens.load)),
+        lifecycle(gw.health.start, gw.health.stop),
+        lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
+    ]
+    if gw.discovery is not None:
+        out.append(lifecycle(gw.discovery.start, gw.discovery.stop))
+    out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
+    if gw.scraper is not None:
+        out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
+    out += [lifecycle(gw.admission.start, gw.admission.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
+    if gw.pressure is not None:
+        out.append(lifecycle(gw.pressure.start, gw.pressure.stop))
+    return out
+
+
 def build_app(config: GatewayConfig) -> web.Application:
     gateway = build_gateway(config)
     app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
                           client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway
-    add_routes(app, gateway)
-    app.on_startup.append(_start)
-    app.on_cleanup.append(_stop)
+    add_routes(app)
+    app.cleanup_ctx.extend(lifecycles(gateway))
     return app
-
-
-async def _start(app: web.Application) -> None:
-    gw = app[GATEWAY_KEY]
-    # One pooled session for all upstream traffic; no per-host cap, since pods are few and hot.
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-    gw.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    gw.proxy.session = gw.tokens.session = gw.session
-    await asyncio.to_thread(gw.tokens.load)
-
-    def on_health_change(pod: Pod) -> None:
-        gw.metrics.pod_healthy.labels(pod.name).set(1 if pod.healthy else 0)
-        gw.kv.pod_health_changed(pod)
-
-    gw.health = HealthChecker(gw.pods, gw.session, gw.config.health, on_health_change)
-    await gw.health.start()
-
-    def attach(pod: Pod) -> None:
-        on_health_change(pod)
-        gw.metrics.watch_pod(pod, gw.load)
-        gw.kv.add_pod(pod)
-        gw.profiles.known_models |= pod.models
-
-    async def pod_added(pod: Pod) -> None:
-        await gw.health.check(pod, initial=True, refresh_models=True)  # type: ignore[union-attr]
-        attach(pod)
-
-    async def pod_removed(name: str) -> None:
-        await gw.kv.remove_pod(name)
-        gw.workflows.sessions.forget_pod(name)
-        gw.working_set.forget_pod(name)
-
-    for pod in gw.pods.all():
-        attach(pod)
-    if gw.config.discovery.source != "static":
-        gw.discovery = PodSetApplier(gw.pods, pod_added, pod_removed)
-        gw.discovery.start(discovery_source(gw.config))
-    await gw.profiles.start()
-    if gw.config.load.scrape_interval_s > 0:
-        gw.scraper = MetricsScraper(gw.pods, gw.load.engine, gw.session, gw.config.load.scrape_interval_s)
-        gw.scraper.start()
-    gw.admission.start()
-    gw.workflows.executor.session = gw.session
-    gw.workflows.start()
-    if gw.pressure:
-        gw.pressure.start()
-
-
-async def _stop(app: web.Application) -> None:
-    gw = app[GATEWAY_KEY]
-    if gw.discovery:
-        await gw.discovery.stop()
-    if gw.health:
-        await gw.health.stop()
-    await gw.kv.stop()
-    await gw.admission.stop()
-    await gw.workflows.stop()
-    if gw.pressure:
-        await gw.pressure.stop()
-    if gw.scraper:
-        await gw.scraper.stop()
-    await gw.profiles.stop()
-    if gw.session:
-        await gw.session.close()

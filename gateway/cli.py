@@ -221,12 +221,20 @@ def package_version() -> str:
 
 def check_config(path: str, as_json: bool) -> int:
     """Exit 0 and print the effective config, or exit 2 naming what is wrong."""
+    from gateway.app import effective_plugin_options
+    from gateway.plugin_registry import PluginOptionsError, UnknownPlugin
+
     try:
         config = load_config(path)
-    except (ConfigError, OSError) as exc:
+        plugins = effective_plugin_options(config)
+    except (ConfigError, OSError, PluginOptionsError, UnknownPlugin) as exc:
         print(f"gateway: {path}: {exc}", file=sys.stderr)
         return 2
     effective = msgspec.to_builtins(config)
+    effective["routing"]["options"] = plugins["routing"]
+    if "pressure" in plugins:
+        effective["pressure"]["options"] = plugins["pressure"][config.pressure.source]
+    effective["discovery"]["options"] = plugins["discovery"][config.discovery.source]
     if as_json:
         print(msgspec.json.encode(effective).decode())
     else:

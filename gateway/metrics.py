@@ -99,7 +99,7 @@ class GatewayMetrics:
 
     def watch_pod(self, pod: Pod, load: PendingLoad) -> None:
         """Export the pod's live numbers, read at scrape time (nothing to update per request)."""
-        self.in_flight.labels(pod.name).set_function(lambda: pod.in_flight)
+        self.in_flight.labels(pod.name).set_function(lambda: load.ledger.on_pod(pod.name))
         self.pending_load.labels(pod.name).set_function(lambda: load.load(pod.name))
         self.kv_usage.labels(pod.name).set_function(
             lambda: stats.kv_usage if (stats := load.engine.get(pod.name)) else 0.0)

@@ -1,10 +1,11 @@
 """KV-memory pressure per pod: five modes with hysteresis, and what each mode makes the gateway do.
 
-Owner: the :class:`PressureMonitor` owns each pod's mode. Above ``pressure`` it lets go of the context
+Owner: the :class:`PressureMonitor` alone writes each pod's mode, in its :class:`PressureModes`, which
+pending load, workflow planning and ``/debug/workflows`` read. Above ``pressure`` it lets go of the context
 that has been idle longest on that pod (a workflow's through a soft flush; never one with a request in
 flight), one per tick, until the mode falls back: its blocks stop counting as resumable, so placement
 may let the pod's LRU evict them; in ``emergency`` it stops new work from being pinned there and tells
-admission the pod is full (through :attr:`PendingLoad.blocked`).
+admission the pod is full (:meth:`PressureModes.in_emergency`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
+
+import msgspec
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
@@ -37,6 +40,29 @@ class PressureMode(enum.IntEnum):
     EMERGENCY = 4
 
 
+class PressureModes:
+    """Each pod's pressure mode (relaxed until the monitor says otherwise, and always when it is off)."""
+
+    def __init__(self) -> None:
+        self._modes: dict[str, PressureMode] = {}
+
+    def mode(self, pod: str) -> PressureMode:
+        return self._modes.get(pod, PressureMode.RELAXED)
+
+    def in_emergency(self, pod: str) -> bool:
+        return self._modes.get(pod, PressureMode.RELAXED) >= PressureMode.EMERGENCY
+
+    def items(self) -> list[tuple[str, PressureMode]]:
+        return list(self._modes.items())
+
+    def set(self, pod: str, mode: PressureMode) -> None:
+        """The monitor's alone."""
+        self._modes[pod] = mode
+
+    def forget_pod(self, pod: str) -> None:
+        self._modes.pop(pod, None)
+
+
 class PressureSourceUnavailable(RuntimeError):
     """The source cannot run here (library or device missing); the monitor falls back to engine metrics."""
 
@@ -52,9 +78,14 @@ class PressureContext:
     """What a pressure-source plugin may use when it is built."""
 
     load: PendingLoad
-    options: dict[str, Any]
-    working_set: ResumableWorkingSet | None = None
-    capacity_of: Callable[[str], float | None] | None = None
+    working_set: ResumableWorkingSet
+    capacity_of: Callable[[str], float | None]
+
+
+class DeviceOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options of the sources that read a GPU per pod (``nvml``, ``rocm_smi``)."""
+
+    devices: dict[str, int] = {}  # pod name → GPU index
 
 
 def next_mode(current: PressureMode, usage: float, thresholds: list[float], hysteresis: float) -> PressureMode:
@@ -70,7 +101,7 @@ def next_mode(current: PressureMode, usage: float, thresholds: list[float], hyst
 
 class PressureMonitor:
     def __init__(self, config: PressureConfig, pods: PodRegistry, source: PressureSource, tracker: WorkflowTracker,
-                 working_set: ResumableWorkingSet, executor: CacheActionExecutor, load: PendingLoad,
+                 working_set: ResumableWorkingSet, executor: CacheActionExecutor, modes: PressureModes,
                  metrics: GatewayMetrics) -> None:
         self.config = config
         self.source = source
@@ -78,9 +109,8 @@ class PressureMonitor:
         self._tracker = tracker
         self._working_set = working_set
         self._executor = executor
-        self._load = load
         self._metrics = metrics
-        self.modes: dict[str, PressureMode] = {}
+        self.modes = modes
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -103,15 +133,12 @@ class PressureMonitor:
             usage = self.source.usage(pod)
             if usage is None:
                 continue
-            before = self.modes.get(pod.name, PressureMode.RELAXED)
-            mode = self.modes[pod.name] = next_mode(before, usage, thresholds, self.config.hysteresis)
+            before = self.modes.mode(pod.name)
+            mode = next_mode(before, usage, thresholds, self.config.hysteresis)
+            self.modes.set(pod.name, mode)
             self._metrics.pressure_mode.labels(pod.name).set(int(mode))
             if mode != before:
                 log.info("pod %s: KV pressure %s -> %s (usage %.2f)", pod.name, before.name, mode.name, usage)
-            if mode >= PressureMode.EMERGENCY:
-                self._load.blocked.add(pod.name)
-            else:
-                self._load.blocked.discard(pod.name)
             if mode >= PressureMode.PRESSURE:
                 self._relieve(pod)
 

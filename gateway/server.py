@@ -14,7 +14,8 @@ import ssl
 
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, build_app
+from gateway.app import build_app
+from gateway.components import GATEWAY_KEY
 from gateway.config import GatewayConfig, ServerConfig
 
 log = logging.getLogger("gateway.server")
@@ -32,13 +33,22 @@ def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
+async def start_runner(runner: web.AppRunner) -> None:
+    """Start the app's components; if one fails, stop (in reverse) those that had started, then raise."""
+    try:
+        await runner.setup()
+    except BaseException:
+        await runner.cleanup()
+        raise
+
+
 async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     app = build_app(config)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
         **PARSER_LIMITS,
     )
-    await runner.setup()
+    await start_runner(runner)
     site = web.TCPSite(runner, config.server.host, config.server.port, ssl_context=tls_context(config.server),
                        backlog=2048, shutdown_timeout=config.server.shutdown_grace_s)
     await site.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from itertools import chain
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -26,29 +27,28 @@ def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awa
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if sum(len(k) + len(v) for k, v in request.raw_headers) > max_header_bytes:
+        if sum(map(len, chain.from_iterable(request.raw_headers))) > max_header_bytes:
             err = ApiError(431, f"Request headers exceed {max_header_bytes} bytes.", code="headers_too_large")
             return _with_request_id(err.to_response(), request)
-        return await _answer(request, handler)
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return _with_request_id(err.to_response(), request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _with_request_id(_http_error(request, exc).to_response(), request)
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return _with_request_id(internal_error().to_response(), request)
 
     return middleware
 
 
-async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as err:
-        return _with_request_id(err.to_response(), request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind, code = _HTTP_ERROR_TYPES.get(exc.status, ("invalid_request_error", "http_error"))
-        message = exc.text if exc.status != 404 else f"No route for {request.method} {request.path}."
-        err = ApiError(exc.status, message or exc.reason, type=kind, code=code)
-        return _with_request_id(err.to_response(), request)
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _with_request_id(internal_error().to_response(), request)
+def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+    kind, code = _HTTP_ERROR_TYPES.get(exc.status, ("invalid_request_error", "http_error"))
+    message = exc.text if exc.status != 404 else f"No route for {request.method} {request.path}."
+    return ApiError(exc.status, message or exc.reason, type=kind, code=code)
 
 
 def _with_request_id(response: web.Response, request: web.Request) -> web.Response:

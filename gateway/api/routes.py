@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.openapi import openapi_document
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.workflow.tracker import Workflow
+from gateway.components import GATEWAY_KEY, Gateway
+from gateway.workflow.tracker import Workflow, WorkflowTracker
 
 # Path → request kind; responses are routed like chat.
 PROXIED_ROUTES = {
@@ -25,7 +23,9 @@ PROXIED_ROUTES = {
 }
 
 
-def add_routes(app: web.Application, gateway: Gateway) -> None:
+def add_routes(app: web.Application) -> None:
+    """The routes of the gateway stored on ``app`` (under ``GATEWAY_KEY``), each handler bound to it."""
+    gateway = app[GATEWAY_KEY]
     for path, kind in PROXIED_ROUTES.items():
         app.router.add_post(path, partial(_proxied, gateway, kind))
     app.router.add_get("/v1/models", partial(_models, gateway))
@@ -43,7 +43,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
     gateway.auth.check(request)  # who; the model and rate checks run once the body is parsed
-    return await gateway.proxy.handle(request, kind)
+    return await gateway.director.handle(request, kind)
 
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
@@ -81,7 +81,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
             "healthy": p.healthy,
             "ejected_for_s": round(max(0.0, p.ejected_until - now), 3),
             "ejections": p.ejections,
-            "in_flight": p.in_flight,
+            "in_flight": gateway.ledger.on_pod(p.name),
             "last_error": p.last_error,
             "checked_s_ago": round(now - p.last_check, 3) if p.last_check else None,
         }
@@ -117,10 +117,11 @@ async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Resp
                               "actions": [{"action": a.kind.value, "reason": a.reason, "pod": a.pod} for a in actions]})
 
 
-def _workflow_json(workflow: Workflow) -> dict[str, Any]:
+def _workflow_json(tracker: WorkflowTracker, workflow: Workflow) -> dict[str, Any]:
     now = time.monotonic()
     return {
-        "workflow_id": workflow.id, "in_flight": workflow.in_flight, "idle_s": round(now - workflow.last_activity, 3),
+        "workflow_id": workflow.id, "in_flight": tracker.in_flight(workflow),
+        "idle_s": round(now - workflow.last_activity, 3),
         "complete_requested": workflow.complete_requested,
         "stages": [{"stage_id": s.id, "model": s.model, "pod": s.pod, "prompt_tokens": s.prompt_tokens,
                     "status": "completed" if s.completed else "active"}
@@ -137,17 +138,16 @@ async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Respons
     if workflow is None:
         raise ApiError(404, f"No workflow `{workflow_id}` is being tracked.", type="not_found_error",
                        code="workflow_not_found")
-    return web.json_response(_workflow_json(workflow))
+    return web.json_response(_workflow_json(gateway.workflows.tracker, workflow))
 
 
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check_admin(request)
     tracker = gateway.workflows.tracker
-    modes = gateway.pressure.modes if gateway.pressure else {}
     return web.json_response({
-        "workflows": [_workflow_json(w) for w in tracker.workflows.values()],
+        "workflows": [_workflow_json(tracker, w) for w in tracker.workflows.values()],
         "sessions": len(gateway.workflows.sessions),
-        "pressure": {pod: mode.name.lower() for pod, mode in modes.items()},
+        "pressure": {pod: mode.name.lower() for pod, mode in gateway.modes.items()},
         "hard_flushes": gateway.workflows.executor.hard_flushes,
     })
 

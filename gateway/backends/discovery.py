@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
@@ -32,20 +32,20 @@ class DiscoveryContext:
     """What a discovery plugin may use when it is built."""
 
     static_pods: list[PodConfig]
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 class PodSetApplier:
-    def __init__(self, registry: PodRegistry, on_added: Callable[[Pod], Awaitable[None]],
+    def __init__(self, registry: PodRegistry, source: DiscoverySource, on_added: Callable[[Pod], Awaitable[None]],
                  on_removed: Callable[[str], Awaitable[None]]) -> None:
+        self._source = source
         self._registry = registry
         self._on_added = on_added
         self._on_removed = on_removed
         self._task: asyncio.Task[None] | None = None
         self.applied = 0
 
-    def start(self, source: DiscoverySource) -> None:
-        self._task = asyncio.create_task(self._follow(source), name=f"discovery-{source.name}")
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow(self._source), name=f"discovery-{self._source.name}")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

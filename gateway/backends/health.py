@@ -18,6 +18,7 @@ import aiohttp
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import HealthConfig
+from gateway.http_client import HttpClient
 
 log = logging.getLogger("gateway.health")
 
@@ -28,12 +29,12 @@ class HealthChecker:
     def __init__(
         self,
         registry: PodRegistry,
-        session: aiohttp.ClientSession,
+        http: HttpClient,
         config: HealthConfig,
         on_change: Callable[[Pod], None] | None = None,
     ) -> None:
         self._registry = registry
-        self._session = session
+        self._http = http
         self._config = config
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
@@ -92,7 +93,7 @@ class HealthChecker:
 
     async def _probe(self, pod: Pod) -> tuple[bool, str | None]:
         try:
-            async with self._session.get(
+            async with self._http.session.get(
                 f"{pod.url}/health", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
             ) as resp:
                 await resp.read()
@@ -104,7 +105,7 @@ class HealthChecker:
 
     async def _fetch_models(self, pod: Pod) -> tuple[bool, str | None]:
         try:
-            async with self._session.get(
+            async with self._http.session.get(
                 f"{pod.url}/v1/models", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
             ) as resp:
                 if resp.status != 200:

@@ -1,8 +1,8 @@
-"""The pod registry: every pod the gateway knows, its models, health and in-flight count.
+"""The pod registry: every pod the gateway knows, its models and health.
 
 Owner: :class:`PodRegistry` owns the set of pods; :class:`HealthChecker` alone writes a pod's health
-and model list; the proxy alone writes ``in_flight`` and reports connection failures (passive ejection).
-Everything else reads.
+and model list; the proxy reports upstream outcomes through the registry (passive ejection). Everything
+else reads. What is in flight on a pod is the in-flight ledger's (:mod:`gateway.load.ledger`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class Pod:
     ejected_until: float = 0.0
     ejections: int = 0
     consecutive_5xx: int = 0
-    in_flight: int = 0
     last_error: str | None = None
     last_check: float = 0.0
 

@@ -16,6 +16,7 @@ import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
+from gateway.http_client import HttpClient
 from gateway.load.pending import EngineStats
 
 log = logging.getLogger("gateway.scraper")
@@ -76,11 +77,11 @@ def _cache_config_tokens(line: str) -> float:
 
 
 class MetricsScraper:
-    def __init__(self, pods: PodRegistry, stats: dict[str, EngineStats], session: aiohttp.ClientSession,
+    def __init__(self, pods: PodRegistry, stats: dict[str, EngineStats], http: HttpClient,
                  interval_s: float = 0.5, timeout_s: float = 1.0) -> None:
         self._pods = pods
         self.stats = stats
-        self._session = session
+        self._http = http
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
@@ -102,7 +103,7 @@ class MetricsScraper:
     async def scrape(self, pod: Pod) -> None:
         stats = self.stats.setdefault(pod.name, EngineStats())
         try:
-            async with self._session.get(f"{pod.url}/metrics", timeout=self._timeout) as resp:
+            async with self._http.session.get(f"{pod.url}/metrics", timeout=self._timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 values = parse_engine_metrics(await resp.text())

@@ -2,33 +2,18 @@
 requests that could not be tokenized.
 
 It remembers which pod received which text, in chained blocks of characters, and assumes a pod still
-holds what it was sent recently. Owner: routing alone (records after each decision, reads in scoring).
+holds what it was sent recently. Owner: routing alone (the prefix matcher records after each decision and
+reads before scoring); the pod-removal path forgets a pod.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import xxhash
 
-
-def request_text(messages: list[dict[str, Any]] | None, prompt: Any) -> str:
-    """A canonical text of the prompt: roles and contents in order (what a chat template would see)."""
-    if messages:
-        parts = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            parts.append(f"\x1e{m.get('role', '')}\x1f{content or ''}")
-        return "".join(parts)
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return prompt[0]
-    return ""
+from gateway.lru import LruCache
 
 
 class ApproximatePrefixIndex:
@@ -36,8 +21,8 @@ class ApproximatePrefixIndex:
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
-        # block hash → {pod: last time that pod was sent this block}; insertion order is the LRU.
-        self._blocks: dict[int, dict[str, float]] = {}
+        # block hash → {pod: last time that pod was sent this block}.
+        self._blocks: LruCache[int, dict[str, float]] = LruCache(max_blocks)
 
     def _hashes(self, text: str) -> list[int]:
         out, parent, step = [], 0, self.block_chars
@@ -66,11 +51,10 @@ class ApproximatePrefixIndex:
         now = time.monotonic()
         blocks = self._blocks
         for h in self._hashes(text):
-            holders = blocks.pop(h, None) or {}
+            holders = blocks.pop(h, None) or {}  # re-inserted last: the most recently used
             holders[pod] = now
             blocks[h] = holders
-        while len(blocks) > self.max_blocks:
-            del blocks[next(iter(blocks))]
+        blocks.trim()
 
     def forget_pod(self, pod: str) -> None:
         for holders in self._blocks.values():

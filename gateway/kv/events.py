@@ -1,4 +1,4 @@
-"""The KV-cache event wire format of vLLM and SGLang, in one place (spec: ``specs/kv-events.md``).
+"""The KV-cache event wire format of vLLM and SGLang, in one place.
 
 Live messages, PUB → SUB, three frames::
 

@@ -1,5 +1,4 @@
-"""The gateway's own chained hash of token blocks (spec: ``specs/kv-events.md``, "Why the gateway
-hashes tokens itself").
+"""The gateway's own chained hash of token blocks.
 
 ``h_i = xxh3_64(tokens_i as uint32 bytes [+ extra keys], seed=h_{i-1})``, starting from a root per
 namespace (model, LoRA adapter) so blocks of different adapters never collide. Engine hashes differ per

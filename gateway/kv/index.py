@@ -113,6 +113,15 @@ class PrefixIndex:
         view.engine_to_own.clear()
         view.approximate = False
 
+    def mark_approximate(self, view: EngineView) -> None:
+        """Events of the view were lost for good: trust it less until :meth:`reset_view`."""
+        view.approximate = True
+
+    @staticmethod
+    def record_sequence(view: EngineView, seq: int) -> None:
+        """The view's subscriber applied (or, with -1, restarted before) event batch ``seq``."""
+        view.last_seq = seq
+
     def drop_pod(self, pod: str) -> None:
         for key in [k for k in self._views if k[0] == pod]:
             view = self._views.pop(key)

@@ -1,7 +1,7 @@
 """One :class:`KvEventSubscriber` per pod and DP rank: live events over SUB, gaps filled over DEALER.
 
 Owner: the subscriber owns its sockets and its view's sequence state, and is the only writer of its
-view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules (spec: ``specs/kv-events.md``):
+view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules:
 
 - ``seq == last + 1``: apply. A seq already applied through replay: drop as a duplicate.
 - first message, or a gap: replay from ``last + 1`` (from 0 after connecting: the slow joiner misses
@@ -191,7 +191,7 @@ class KvEventSubscriber:
 
     def _forget(self) -> None:
         self.index.reset_view(self.view)
-        self.view.last_seq = -1
+        self.index.record_sequence(self.view, -1)
         self._replayed_from = None
 
     async def _fill_gap(self, start: int, live_seq: int) -> None:
@@ -213,7 +213,7 @@ class KvEventSubscriber:
         if not self.view.approximate:
             log.warning("pod %s rank %d: event batches %d..%d are lost; index marked approximate",
                         self.view.pod, self.view.rank, start, until - 1)
-        self.view.approximate = True
+        self.index.mark_approximate(self.view)
 
     async def _replay(self, start: int) -> int | None:
         """Ask for every buffered batch from ``start``; apply them; the first seq received, if any."""
@@ -256,6 +256,6 @@ class KvEventSubscriber:
             self.stats.skipped_events += batch.skipped
             self.index.apply(self.view, batch.events)
             self.stats.applied += 1
-        self.view.last_seq = seq
+        self.index.record_sequence(self.view, seq)
         if self._on_batch:
             self._on_batch(self.stats)

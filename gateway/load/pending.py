@@ -1,7 +1,9 @@
 """Pending load per pod by Little's law, and the engines' own view of their queues.
 
-Owner: the proxy alone dispatches and finishes :class:`LoadTicket`s; the metrics scraper alone writes
-:class:`EngineStats`. Routing and admission read :meth:`PendingLoad.load`.
+Owner: :class:`PendingLoad` owns no counts of its own: it reads what is in flight from the
+:class:`~gateway.load.ledger.InFlightLedger`, the engines' numbers from the :class:`EngineStats` that the
+metrics scraper alone writes, and which pods are in a KV-memory emergency from the pressure monitor's
+:class:`~gateway.pressure.PressureModes`. Routing and admission read :meth:`PendingLoad.load`.
 
 A request of signature ``s`` on a pod whose profile says it sustains ``tputs[s]`` req/s at latency
 ``e2e[s]`` consumes ``1 / (tputs[s] * e2e[s])`` of that pod; a pod's load is the sum over its in-flight
@@ -13,10 +15,10 @@ own queue is full whatever this gateway thinks.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from gateway.load.ledger import InFlightLedger
 from gateway.load.profiles import ProfileStore
 
 
@@ -46,27 +48,18 @@ class Estimate:
     e2e_s: float | None = None
 
 
-@dataclass(eq=False, slots=True)
-class LoadTicket:
-    pod: str
-    consumption: float
-    kind: str
-    dispatched_at: float = field(default_factory=time.monotonic)
-
-
 class PendingLoad:
-    def __init__(self, profiles: ProfileStore, default_capacity: int, deployment_of: Callable[[str], str],
-                 embedding_share: float = 0.2) -> None:
+    def __init__(self, profiles: ProfileStore, ledger: InFlightLedger, default_capacity: int,
+                 deployment_of: Callable[[str], str], embedding_share: float = 0.2,
+                 blocked: Callable[[str], bool] = lambda pod: False) -> None:
         self.profiles = profiles
+        self.ledger = ledger
         self.default_capacity = default_capacity
         self.embedding_share = embedding_share
         self._deployment_of = deployment_of
-        self._load: dict[str, float] = {}
-        self._embedding_load: dict[str, float] = {}
-        self._in_flight: dict[str, int] = {}
+        # Pods in a KV-memory emergency: full for admission and routing.
+        self._blocked = blocked
         self.engine: dict[str, EngineStats] = {}
-        # Pods in KV-memory emergency (written by the pressure monitor): full for admission and routing.
-        self.blocked: set[str] = set()
 
     @property
     def default_consumption(self) -> float:
@@ -82,46 +75,28 @@ class PendingLoad:
 
     def load(self, pod: str) -> float:
         """The pod's pending load, corrected by its engine's own counts when they are fresh."""
-        own = self._load.get(pod, 0.0)
+        own = self.ledger.consumption(pod)
         stats = self.engine.get(pod)
         if stats is None or stats.stale:
             return own
         if stats.waiting > 0:
             return max(own, 1.0)
-        in_flight = self._in_flight.get(pod, 0)
+        in_flight = self.ledger.on_pod(pod)
         per_request = own / in_flight if in_flight else 1.0 / self.default_capacity
         return max(own, stats.running * per_request)
 
-    def embedding_load(self, pod: str) -> float:
-        return self._embedding_load.get(pod, 0.0)
-
     def fits(self, pod: str, estimate: Estimate, kind: str) -> bool:
-        if pod in self.blocked:
+        if self._blocked(pod):
             return False
-        if kind == "embeddings" and self.embedding_load(pod) + estimate.consumption > self.embedding_share:
+        if kind == "embeddings" and (self.ledger.embedding_consumption(pod) + estimate.consumption
+                                     > self.embedding_share):
             return False
         return self.load(pod) + estimate.consumption <= 1.0
-
-    def dispatch(self, pod: str, consumption: float, kind: str) -> LoadTicket:
-        consumption = consumption if math.isfinite(consumption) else 1.0
-        self._load[pod] = self._load.get(pod, 0.0) + consumption
-        self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
-        if kind == "embeddings":
-            self._embedding_load[pod] = self._embedding_load.get(pod, 0.0) + consumption
-        return LoadTicket(pod, consumption, kind)
-
-    def finish(self, ticket: LoadTicket) -> None:
-        pod = ticket.pod
-        self._in_flight[pod] = max(0, self._in_flight.get(pod, 0) - 1)
-        # Clamp: float sums drift, and a pod with nothing in flight has no pending load.
-        self._load[pod] = max(0.0, self._load.get(pod, 0.0) - ticket.consumption) if self._in_flight[pod] else 0.0
-        if ticket.kind == "embeddings":
-            self._embedding_load[pod] = max(0.0, self._embedding_load.get(pod, 0.0) - ticket.consumption)
 
     def drain_seconds(self, pod: str, excess: float, typical_e2e_s: float) -> float:
         """Roughly when ``excess`` of the pod's load will have finished: in-flight requests end, on
         average, half a request's latency from now, releasing load in proportion."""
-        load = self._load.get(pod, 0.0)
+        load = self.ledger.consumption(pod)
         if load <= 0:
             return typical_e2e_s
         return max(0.0, min(excess / load, 1.0)) * typical_e2e_s + typical_e2e_s / 2

@@ -1,4 +1,4 @@
-"""Output-length prediction from recent history (spec: ``specs/profiles.md``).
+"""Output-length prediction from recent history.
 
 Per model and input bucket ``round(log2(input_tokens))``, a histogram of output lengths (log2 buckets)
 over a sliding window of time slots. Owner: the proxy feeds it finished requests' usage; admission and

@@ -1,6 +1,6 @@
 """GPU SLO profiles in AIBrix's format, their signature lookup, and the Redis-backed store.
 
-Spec: ``specs/profiles.md``. Owner: the :class:`ProfileStore` owns the profiles; it alone writes them
+Owner: the :class:`ProfileStore` owns the profiles; it alone writes them
 (from Redis, every ``refresh_s``), and routing and admission read them. Redis being down never blocks a
 request: the last profiles stay, and the failure is counted.
 """
@@ -111,7 +111,11 @@ class ProfileStore:
         self.refreshes = 0
         self.errors = 0
         self.invalid = 0
-        self.known_models: set[str] = set()
+        # Model names that may contain dashes, so that a key's model and deployment split right.
+        self._known_models: set[str] = set()
+
+    def learn_models(self, models: frozenset[str]) -> None:
+        self._known_models |= models
 
     def get(self, model: str, deployment: str) -> GpuProfile | None:
         return self._profiles.get((model, deployment))
@@ -160,7 +164,7 @@ class ProfileStore:
             return False
         for key, value in zip(keys, values, strict=True):
             name = key.decode() if isinstance(key, bytes) else key
-            parsed = parse_key(name, self.known_models)
+            parsed = parse_key(name, self._known_models)
             if parsed is None or value is None:
                 continue
             try:

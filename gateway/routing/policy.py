@@ -1,14 +1,15 @@
 """The plugin interfaces of routing and the :class:`Policy` that composes them.
 
-A policy narrows the candidates with filters, scores the survivors with weighted scorers (each score
-in ``[0, 1]``, higher is better) and lets a picker choose one. Plugins build policies from these parts;
+A policy narrows the candidates with filters, lets its preparers compute what its scorers share (the
+prefix match, the placement costs), scores the survivors with weighted scorers (each score in ``[0, 1]``,
+higher is better; a scorer only scores) and lets a picker choose one. Plugins build policies from these parts;
 the :class:`~gateway.routing.router.Router` only runs them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,14 +17,44 @@ from gateway.backends.registry import Pod, PodRegistry
 
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
-    from gateway.kv.index import PrefixIndex
+    from gateway.kv.hashing import PromptHashes
+    from gateway.kv.index import PodMatch, PrefixIndex
     from gateway.kv.working_set import Context, ResumableWorkingSet
+    from gateway.load.ledger import InFlightLedger
     from gateway.load.pending import Estimate, PendingLoad
     from gateway.metrics import GatewayMetrics
 
 
 @dataclass(slots=True)
+class PrefixMatch:
+    """How much of the prompt each candidate pod holds: the policy's prefix matcher writes it, scorers
+    and pickers read it."""
+
+    # True: from the pods' own KV events (token ids); False: from the approximate text history.
+    precise: bool
+    hashes: PromptHashes | None = None  # precise only: the prompt's block hashes, computed once
+    text: str = ""  # approximate only: the prompt's canonical text
+    pods: dict[str, PodMatch] = field(default_factory=dict)  # precise: per candidate
+    chars: dict[str, int] = field(default_factory=dict)  # approximate: leading characters matched
+
+
+@dataclass(slots=True)
+class PlacementCost:
+    """One pod's cost for one request, in tokens (:mod:`plugins.routing.placement`)."""
+
+    uncached: int
+    overflow: float
+
+    @property
+    def total(self) -> float:
+        return self.uncached + self.overflow
+
+
+@dataclass(slots=True)
 class RoutingRequest:
+    """One request as routing sees it. The proxy pipeline fills the request's own facts; the fields
+    after them are routing state, each written by the one part named beside it and read by the rest."""
+
     request_id: str
     model: str
     # The API path family: "chat", "completions", "responses", "embeddings".
@@ -37,13 +68,22 @@ class RoutingRequest:
     predicted_output_tokens: int = 0
     # Per pod, the request's predicted cost there (filled when admission or the policy needs load).
     estimates: dict[str, Estimate] = field(default_factory=dict)
-    # Filled by scorers: predicted cached prompt tokens per pod, and notes for the decision's reason.
-    prefix_tokens: dict[str, int] = field(default_factory=dict)
-    notes: dict[str, Any] = field(default_factory=dict)
-    # The workflow or session the request belongs to (None: anonymous), and its resumable context once
-    # a placement-aware policy has routed it.
+    # The workflow planner: the workflow or session the request belongs to (None: anonymous).
     context_key: str | None = None
+    # The router, per attempt: filter name → the pods it removed.
+    filtered_out: dict[str, list[str]] = field(default_factory=dict)
+    # The prefix matcher: what each pod holds, and the predicted cached prompt tokens per pod.
+    prefix: PrefixMatch | None = None
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
+    # The placement planner: each pod's cost, and the request's resumable context (found before routing,
+    # held once routed).
+    placement: dict[str, PlacementCost] = field(default_factory=dict)
     context: Context | None = None
+
+    @property
+    def precise(self) -> bool | None:
+        """Whether the prefix match came from KV events (None: no prefix matcher ran)."""
+        return None if self.prefix is None else self.prefix.precise
 
 
 @dataclass(slots=True)
@@ -56,12 +96,22 @@ class Decision:
     scores: dict[str, float] = field(default_factory=dict)
     prefix_tokens: int = 0
     attempt: int = 0
+    # The pod the request was pinned to (its workflow's or session's) when the pin could not be kept.
+    unpinned: str | None = None
 
 
 class Filter(Protocol):
     name: str
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]: ...
+
+
+class Preparer(Protocol):
+    """Computes, once per attempt, the data the policy's scorers and picker share (after the filters)."""
+
+    name: str
+
+    def prepare(self, request: RoutingRequest, pods: list[Pod]) -> None: ...
 
 
 class Scorer(Protocol):
@@ -99,6 +149,7 @@ class Policy:
     name: str
     picker: Picker
     filters: list[Filter] = field(default_factory=list)
+    preparers: list[Preparer] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
     # Whether the proxy must tokenize the prompt, or estimate its load per pod, before routing.
     needs_tokens: bool = False
@@ -110,19 +161,38 @@ class Policy:
 
 @dataclass(slots=True)
 class PolicyContext:
-    """What a policy plugin may use when it is built."""
+    """What a policy plugin may use when it is built: the gateway's shared components (never private
+    copies, so that every policy sees the same index, load and working set)."""
 
     pods: PodRegistry
-    options: Mapping[str, Any] = field(default_factory=dict)
-    index: PrefixIndex | None = None
-    approximate: ApproximatePrefixIndex | None = None
-    metrics: GatewayMetrics | None = None
-    load: PendingLoad | None = None
-    working_set: ResumableWorkingSet | None = None
+    index: PrefixIndex
+    approximate: ApproximatePrefixIndex
+    metrics: GatewayMetrics
+    load: PendingLoad
+    ledger: InFlightLedger
+    working_set: ResumableWorkingSet
     # A pod's KV capacity in tokens, when known.
-    capacity_of: Callable[[str], float | None] | None = None
+    capacity_of: Callable[[str], float | None]
     clock: Callable[[], float] = time.monotonic
 
+    @classmethod
+    def standalone(cls, pods: PodRegistry, **parts: Any) -> PolicyContext:
+        """A context of fresh components (any of them given in ``parts`` instead), for a router used on
+        its own: tests, benchmarks, embedding the routing in another program."""
+        from gateway.config import PlacementConfig
+        from gateway.kv.approx import ApproximatePrefixIndex
+        from gateway.kv.index import PrefixIndex
+        from gateway.kv.working_set import ResumableWorkingSet
+        from gateway.load.ledger import InFlightLedger
+        from gateway.load.pending import PendingLoad
+        from gateway.load.profiles import ProfileStore
+        from gateway.metrics import GatewayMetrics
 
-class PolicyFactory(Protocol):
-    def __call__(self, context: PolicyContext) -> Policy: ...
+        ledger = parts.pop("ledger", None) or InFlightLedger()
+        defaults: dict[str, Any] = {
+            "index": PrefixIndex(), "approximate": ApproximatePrefixIndex(), "metrics": GatewayMetrics(),
+            "load": PendingLoad(ProfileStore(None), ledger, default_capacity=64, deployment_of=str),
+            "working_set": ResumableWorkingSet(PlacementConfig()), "capacity_of": lambda pod: None,
+        }
+        return cls(pods=pods, ledger=ledger, **{**defaults, **parts})
+

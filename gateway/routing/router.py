@@ -1,12 +1,11 @@
 """The :class:`Router`: runs the chosen policy over the healthy pods of the requested model.
 
-Owner: the router owns the built policies (and their internal state, such as a round-robin cursor).
-It reads pods from the registry and never changes them.
+Owner: the router owns the built policies (and their internal state, such as a round-robin cursor) and
+the request's ``filtered_out``. It reads pods from the registry and never changes them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -25,23 +24,24 @@ class Router:
         pods: PodRegistry,
         plugins: PluginRegistry,
         default_policy: str,
-        options: Mapping[str, Mapping[str, Any]] | None = None,
-        context: PolicyContext | None = None,
+        options: Mapping[str, Mapping[str, Any]],
+        context: PolicyContext,
     ) -> None:
         self._pods = pods
         self._plugins = plugins
-        self._options = options or {}
-        self._context = context or PolicyContext(pods=pods)
+        self._options = options
+        self._context = context
         self._policies: dict[str, Policy] = {}
         self.default_policy = default_policy
-        self.policy(default_policy)  # fail at start on an unknown default
+        # Fail at start on an unknown default, and on any policy's bad options (not at its first use).
+        for name in {default_policy, *options}:
+            self.policy(name)
 
     def policy(self, name: str) -> Policy:
         """The policy named ``name``, built on first use and kept (its state persists)."""
         policy = self._policies.get(name)
         if policy is None:
-            factory = self._plugins.load(name)
-            policy = factory(dataclasses.replace(self._context, options=self._options.get(name, {})))
+            policy = self._plugins.build(name, self._context, self._options.get(name))
             self._policies[name] = policy
         return policy
 
@@ -59,19 +59,16 @@ class Router:
         pin: str | None = None, pin_reason: str = "pinned",
     ) -> Decision:
         """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
-        (healthy, not excluded, not saturated), else the policy decides and ``request.notes`` says so."""
-        pods = self._pods.candidates(request.model, exclude)
-        for f in policy.filters:
-            if not pods:
-                break
-            pods = f.filter(request, pods)
-        if not pods:
-            raise no_pod_available(request.model)
+        (healthy, not excluded, not saturated), else the policy decides and the decision says so."""
+        pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude))
+        for preparer in policy.preparers:
+            preparer.prepare(request, pods)
         scores = [0.0] * len(pods)
         for ws in policy.scorers:
             for i, s in enumerate(ws.scorer.score(request, pods)):
                 scores[i] += ws.weight * s
-        pick = self._pinned(request, pods, pin, pin_reason) or policy.picker.pick(request, pods, scores)
+        pinned = self._pinned(pods, pin, pin_reason)
+        pick = pinned or policy.picker.pick(request, pods, scores)
         decision = Decision(
             pod=pick.pod,
             policy=policy.name,
@@ -79,17 +76,31 @@ class Router:
             detail=pick.detail,
             scores={p.name: s for p, s in zip(pods, scores, strict=True)} if policy.scorers else {},
             prefix_tokens=request.prefix_tokens.get(pick.pod.name, 0),
+            unpinned=pin if pin is not None and pinned is None else None,
         )
         for hook in policy.on_routed:
             hook(request, decision)
         return decision
 
     @staticmethod
-    def _pinned(request: RoutingRequest, pods: list[Pod], pin: str | None, reason: str) -> Pick | None:
+    def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
+        request.filtered_out = {}
+        for f in policy.filters:
+            if not pods:
+                break
+            kept = f.filter(request, pods)
+            if len(kept) < len(pods):
+                request.filtered_out[f.name] = [p.name for p in pods if p not in kept]
+            pods = kept
+        if not pods:
+            raise no_pod_available(request.model)
+        return pods
+
+    @staticmethod
+    def _pinned(pods: list[Pod], pin: str | None, reason: str) -> Pick | None:
         if pin is None:
             return None
         for pod in pods:
             if pod.name == pin:
                 return Pick(pod, reason, "pinned")
-        request.notes["pin_fallback"] = pin
         return None

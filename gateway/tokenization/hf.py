@@ -11,18 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gateway.api.messages import normalize_messages
+
 MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to a string-content chat template: text parts joined by newlines."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
-        out.append(message)
-    return out
 
 
 class HfTokenizer:

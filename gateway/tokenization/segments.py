@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from gateway.lru import LruCache
 from gateway.tokenization.hf import HfTokenizer
 
 # Conversations that exercise what segmenting could get wrong: leading spaces, newlines, unicode,
@@ -32,8 +33,7 @@ class SegmentEncoder:
         # Longest first, so a token that is a prefix of another never wins the match.
         names = sorted(self._added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
-        self._cache: dict[str, list[int]] = {}
-        self._max_segments = max_segments
+        self._cache: LruCache[str, list[int]] = LruCache(max_segments)
         self.hits = 0
         self.misses = 0
         self.exact = tokenizer.added_tokens_split_cleanly() and self._split is not None
@@ -62,19 +62,17 @@ class SegmentEncoder:
         return [p for i, p in enumerate(pieces) if not i % 2 and p and p not in self._cache]
 
     def segment(self, piece: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
-        ids = self._cache.pop(piece, None)
+        ids = self._cache.touch(piece)
         if ids is None:
             self.misses += 1
             ids = (encode_segment or self._encode_plain)(piece)
-            if len(self._cache) >= self._max_segments:
-                del self._cache[next(iter(self._cache))]
+            self._cache.put(piece, ids)
         else:
             self.hits += 1
-        self._cache[piece] = ids  # (re)inserted last: most recently used
         return ids
 
     def remember(self, piece: str, ids: list[int]) -> None:
-        self._cache[piece] = ids
+        self._cache.put(piece, ids)
 
     def _encode_plain(self, piece: str) -> list[int]:
         return self._tok.encode(piece, add_special_tokens=False)

@@ -15,16 +15,18 @@ from typing import Any
 
 import aiohttp
 
+from gateway.api.messages import CHAT_KINDS, chat_messages
 from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
+from gateway.http_client import HttpClient
+from gateway.load.ledger import InFlightLedger
+from gateway.lru import LruCache
 from gateway.metrics import GatewayMetrics
-from gateway.tokenization.hf import HfTokenizer, normalize_messages
+from gateway.tokenization.hf import HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder
 
 log = logging.getLogger("gateway.tokenization")
-
-CHAT_KINDS = frozenset({"chat", "responses"})
 
 
 class LocalTokenizer:
@@ -34,8 +36,7 @@ class LocalTokenizer:
         if not self.segments.self_check():
             log.warning("tokenizer %s: segments do not tokenize independently; encoding prompts whole",
                         tokenizer.path)
-        self._prompts: dict[str, list[int]] = {}
-        self._max_prompts = config.prompt_cache_size
+        self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
         self._offload_chars = config.offload_chars
 
     async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest) -> list[int]:
@@ -61,27 +62,27 @@ class LocalTokenizer:
         return self.segments.encode(pieces)
 
     async def prompt(self, prompt: str) -> list[int]:
-        ids = self._prompts.pop(prompt, None)
+        ids = self._prompts.touch(prompt)
         if ids is None:
             if len(prompt) > self._offload_chars:
                 ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
             else:
                 ids = self.tokenizer.encode(prompt)
-            if len(self._prompts) >= self._max_prompts:
-                del self._prompts[next(iter(self._prompts))]
-        self._prompts[prompt] = ids
+            self._prompts.put(prompt, ids)
         return ids
 
 
 class TokenizationService:
-    def __init__(self, config: TokenizationConfig, pods: PodRegistry, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: TokenizationConfig, pods: PodRegistry, metrics: GatewayMetrics,
+                 http: HttpClient, ledger: InFlightLedger) -> None:
         self._config = config
         self._pods = pods
         self._metrics = metrics
         self._local: dict[str, LocalTokenizer] = {}
         self._warned: set[str] = set()
         self._remote_timeout = aiohttp.ClientTimeout(total=config.remote_timeout_s)
-        self.session: aiohttp.ClientSession | None = None
+        self._http = http
+        self._ledger = ledger
 
     def load(self) -> None:
         """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
@@ -146,11 +147,11 @@ class TokenizationService:
                 return prompt
             body = {"model": model, "prompt": prompt}
         pods = self._pods.candidates(model)
-        if not pods or self.session is None:
+        if not pods or not self._http.started:
             raise _NotTokenizable("remote_unavailable")
-        pod = min(pods, key=lambda p: p.in_flight)
+        pod = min(pods, key=lambda p: self._ledger.on_pod(p.name))
         try:
-            async with self.session.post(f"{pod.url}/tokenize", json=body, timeout=self._remote_timeout) as resp:
+            async with self._http.session.post(f"{pod.url}/tokenize", json=body, timeout=self._remote_timeout) as resp:
                 if resp.status != 200:
                     raise _NotTokenizable(f"remote_http_{resp.status}")
                 tokens = (await resp.json(content_type=None)).get("tokens")
@@ -170,20 +171,6 @@ class _NotTokenizable(Exception):
     def __init__(self, outcome: str) -> None:
         super().__init__(outcome)
         self.outcome = outcome
-
-
-def chat_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
-    if kind == "chat":
-        return req.messages
-    # Responses API: instructions become the system message; input is a string or a list of messages.
-    messages: list[dict[str, Any]] = []
-    if isinstance(req.instructions, str):
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    elif isinstance(req.input, list):
-        messages.extend(m for m in req.input if isinstance(m, dict) and "role" in m)
-    return normalize_messages(messages) or None
 
 
 def first_prompt(prompt: Any) -> str | list[int] | None:

@@ -1,1 +1,1 @@
-"""Workflow-aware KV-cache actions (spec: ``specs/workflow-cache.md``)."""
+"""Workflow-aware KV-cache actions (``docs/architecture.md``, "Workflow cache actions")."""

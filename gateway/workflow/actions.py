@@ -18,6 +18,7 @@ import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
+from gateway.http_client import HttpClient
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.context import workflow_key
@@ -39,7 +40,8 @@ class CacheController(Protocol):
 class CacheActionExecutor:
     def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
                  metrics: GatewayMetrics,
-                 controller_for: Callable[[Pod], CacheController | None], *, hard_flush: bool = True,
+                 controller_for: Callable[[Pod], CacheController | None], http: HttpClient, *,
+                 hard_flush: bool = True,
                  retries: int = 5, retry_base_s: float = 0.5) -> None:
         self._tracker = tracker
         self._working_set = working_set
@@ -50,7 +52,7 @@ class CacheActionExecutor:
         self._retries = retries
         self._retry_base_s = retry_base_s
         self._pending: dict[str, asyncio.Task[None]] = {}
-        self.session: aiohttp.ClientSession | None = None
+        self._http = http
         self.hard_flushes: dict[str, int] = {}
 
     def record(self, action: CacheAction) -> None:
@@ -83,7 +85,7 @@ class CacheActionExecutor:
 
     async def _hard(self, pod: Pod, action: CacheAction) -> None:
         controller = self._controller_for(pod)
-        assert controller is not None and self.session is not None
+        assert controller is not None
         delay = self._retry_base_s
         for attempt in range(self._retries + 1):
             if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(
@@ -93,7 +95,7 @@ class CacheActionExecutor:
                 await asyncio.sleep(delay)
                 delay *= 2
                 continue
-            outcome, detail = await controller.flush(self.session, pod)
+            outcome, detail = await controller.flush(self._http.session, pod)
             self._metrics.cache_actions.labels(f"hard_flush_{outcome}", action.reason, pod.name).inc()
             if outcome == "done":
                 self.hard_flushes[pod.name] = self.hard_flushes.get(pod.name, 0) + 1

@@ -53,11 +53,13 @@ def _session_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str |
 def context_key_of(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
     """The workflow or session a request continues, for placement (read even with workflow actions off;
     never an error: a bad cache-policy header is the workflow service's to refuse)."""
-    workflow = _workflow_id(headers, body)
-    if workflow:
-        return workflow_key(workflow)
-    session = _session_id(headers, body)
-    return f"session:{session}" if session else None
+    return context_key(_workflow_id(headers, body), _session_id(headers, body))
+
+
+def context_key(workflow_id: str | None, session_id: str | None) -> str | None:
+    if workflow_id:
+        return workflow_key(workflow_id)
+    return f"session:{session_id}" if session_id else None
 
 
 def parse_workflow_context(headers: CIMultiDictProxy[str], body: InferenceRequest) -> WorkflowContext:

@@ -1,8 +1,9 @@
 """The workflow tracker: workflows, their stages, per-pod cache entries and in-flight requests.
 
-Owner: the :class:`WorkflowTracker` is the only writer of workflow state; the proxy calls it as requests
-start, are dispatched and finish, and the API and the pressure monitor read it. It decides cache actions
-(spec: ``specs/workflow-cache.md``) but carries none out: that is the executor's job.
+Owner: the :class:`WorkflowTracker` is the only writer of workflow state; the workflow service calls it
+as requests start, are dispatched and finish, and the API and the pressure monitor read it. Which of a
+workflow's requests are in flight it reads from the in-flight ledger. It decides cache actions
+(``docs/architecture.md``, "Workflow cache actions") but carries none out: that is the executor's job.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.config import WorkflowConfig
+from gateway.load.ledger import InFlightLedger
 from gateway.workflow.context import WorkflowContext
 
 
@@ -52,7 +54,6 @@ class Stage:
     prompt_tokens: int
     started: float
     pod: str | None = None
-    in_flight: int = 0
     completed: bool = False
 
 
@@ -64,7 +65,6 @@ class Workflow:
     stages: dict[str, Stage] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     entries: dict[str, CacheEntry] = field(default_factory=dict)
-    in_flight: int = 0
     complete_requested: bool = False
 
     def previous_stage(self, stage_id: str) -> Stage | None:
@@ -86,11 +86,13 @@ class Plan:
 
 
 class WorkflowTracker:
-    def __init__(self, config: WorkflowConfig) -> None:
+    def __init__(self, config: WorkflowConfig, ledger: InFlightLedger) -> None:
         self.config = config
         self.workflows: dict[str, Workflow] = {}
-        # pod → request id → workflow id (None: a request outside any workflow).
-        self.in_flight: dict[str, dict[str, str | None]] = {}
+        self._ledger = ledger
+
+    def in_flight(self, workflow: Workflow) -> int:
+        return self._ledger.of_workflow(workflow.id)
 
     # Request lifecycle
 
@@ -136,16 +138,13 @@ class WorkflowTracker:
             return CacheAction(ActionKind.PRESERVE, "small_increment", wf.id, previous.pod)
         return NOOP
 
-    def dispatched(self, plan: Plan, request_id: str, pod: str, model: str, now: float | None = None
+    def dispatched(self, plan: Plan, pod: str, model: str, now: float | None = None
                    ) -> list[CacheAction]:
         """The request went to ``pod``: record it; a workflow leaving a preserved pod flushes it there."""
         wf, stage = plan.workflow, plan.stage
-        self.in_flight.setdefault(pod, {})[request_id] = wf.id if wf else None
         if wf is None or stage is None:
             return []
         now = time.monotonic() if now is None else now
-        wf.in_flight += 1
-        stage.in_flight += 1
         stage.pod = pod
         flushes = [CacheAction(ActionKind.FLUSH, "left_pod", wf.id, other)
                    for other, e in wf.entries.items() if e.preserved and other != pod]
@@ -158,23 +157,20 @@ class WorkflowTracker:
         wf.entries[pod] = CacheEntry(pod, model, max(stage.prompt_tokens, entry.tokens if entry else 0), keep, now)
         return _dedupe(flushes)
 
-    def finished(self, request_id: str, pod: str, plan: Plan, prompt_tokens: int | None = None,
+    def finished(self, plan: Plan, pod: str, prompt_tokens: int | None = None,
                  now: float | None = None) -> list[CacheAction]:
-        self.in_flight.get(pod, {}).pop(request_id, None)
         wf, stage = plan.workflow, plan.stage
         if wf is None or stage is None:
             return []
         now = time.monotonic() if now is None else now
-        wf.in_flight = max(0, wf.in_flight - 1)
-        stage.in_flight = max(0, stage.in_flight - 1)
         wf.last_activity = now
         if prompt_tokens:  # the engine's own count is exact: the next stage's increment is measured from it
             stage.prompt_tokens = prompt_tokens
             if pod in wf.entries:
                 wf.entries[pod].tokens = prompt_tokens
-        if stage.in_flight == 0:
+        if not self._ledger.of_stage(wf.id, stage.id):
             stage.completed = True
-        if wf.complete_requested and wf.in_flight == 0:
+        if wf.complete_requested and not self.in_flight(wf):
             return self.complete(wf.id, "workflow_complete")
         return []
 
@@ -182,7 +178,7 @@ class WorkflowTracker:
         wf = self.workflows.get(workflow_id)
         if wf is None:
             return []
-        if wf.in_flight:
+        if self.in_flight(wf):
             wf.complete_requested = True  # finishes when its last request does
             return []
         del self.workflows[workflow_id]
@@ -191,25 +187,21 @@ class WorkflowTracker:
     def expire_idle(self, now: float | None = None) -> list[CacheAction]:
         now = time.monotonic() if now is None else now
         idle = [wf.id for wf in self.workflows.values()
-                if not wf.in_flight and now - wf.last_activity > self.config.idle_ttl_s]
+                if not self.in_flight(wf) and now - wf.last_activity > self.config.idle_ttl_s]
         return [a for wid in idle for a in self.complete(wid, "idle_expired")]
 
     # Queries
 
-    def other_in_flight(self, pod: str, workflow_id: str | None) -> bool:
-        """Whether any request of another workflow (or of none) is running on ``pod``."""
-        return any(w != workflow_id or w is None for w in self.in_flight.get(pod, {}).values())
-
     def others_on(self, pod: str, workflow_id: str | None) -> bool:
         """Whether a hard flush of ``pod`` would hurt anyone else: a request of another workflow (or of
         none) running there, or another live workflow whose cache is there (between its stages)."""
-        return self.other_in_flight(pod, workflow_id) or any(
+        return self._ledger.others_on(pod, workflow_id) or any(
             wf.id != workflow_id and pod in wf.entries for wf in self.workflows.values())
 
     def idle_preserved(self, pod: str) -> list[Workflow]:
         """Workflows preserving a cache on ``pod`` with nothing in flight, least recently active first."""
         found = [wf for wf in self.workflows.values()
-                 if not wf.in_flight and (e := wf.entries.get(pod)) is not None and e.preserved]
+                 if not self.in_flight(wf) and (e := wf.entries.get(pod)) is not None and e.preserved]
         return sorted(found, key=lambda wf: wf.last_activity)
 
     def soft_flush(self, pod: str, workflow_id: str | None = None) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from gateway.plugin_registry import NoOptions, PluginSpec
 
-def build() -> None:
+
+def build(context: None, options: NoOptions) -> None:
     return None
+
+
+PLUGIN = PluginSpec(NoOptions, build)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import aiohttp
 
 from gateway.backends.registry import Pod
+from gateway.plugin_registry import NoOptions, PluginSpec
 from gateway.workflow.actions import FlushOutcome
 
 TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -27,5 +28,8 @@ class SglangCacheController:
         return "done", text[:200]
 
 
-def build() -> SglangCacheController:
+def build(context: None, options: NoOptions) -> SglangCacheController:
     return SglangCacheController()
+
+
+PLUGIN = PluginSpec(NoOptions, build)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import aiohttp
 
 from gateway.backends.registry import Pod
+from gateway.plugin_registry import NoOptions, PluginSpec
 from gateway.workflow.actions import FlushOutcome
 
 TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -29,5 +30,8 @@ class VllmCacheController:
             return "refused", str(exc)
 
 
-def build() -> VllmCacheController:
+def build(context: None, options: NoOptions) -> VllmCacheController:
     return VllmCacheController()
+
+
+PLUGIN = PluginSpec(NoOptions, build)

@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.backends.discovery import DiscoveryContext
 from gateway.config import ConfigError, PodConfig, read_config_file
+from gateway.plugin_registry import PluginSpec
 
 log = logging.getLogger("gateway.discovery.file")
 
@@ -43,8 +44,13 @@ class FileSource:
             await asyncio.sleep(self.interval_s)
 
 
-def build(context: DiscoveryContext) -> FileSource:
-    path = context.options.get("path")
-    if not path:
-        raise ValueError("discovery source 'file' needs options.path")
-    return FileSource(str(path), float(context.options.get("interval_s", 1.0)))
+class FileOptions(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+    interval_s: float = 1.0
+
+
+def build(context: DiscoveryContext, options: FileOptions) -> FileSource:
+    return FileSource(options.path, options.interval_s)
+
+
+PLUGIN = PluginSpec(FileOptions, build)

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 
 from gateway.backends.discovery import DiscoveryContext
 from gateway.config import PodConfig
+from gateway.plugin_registry import PluginSpec
 
 log = logging.getLogger("gateway.discovery.kubernetes")
 
@@ -118,16 +120,21 @@ class KubernetesSource:
                 yield before != cfg
 
 
-def build(context: DiscoveryContext) -> KubernetesSource:
-    o = context.options
-    selector = o.get("label_selector")
-    if not selector:
-        raise ValueError("discovery source 'kubernetes' needs options.label_selector")
-    token_path = Path(o.get("token_path", SA_DIR / "token"))
-    ca_path = Path(o.get("ca_path", SA_DIR / "ca.crt"))
-    namespace = o.get("namespace") or (SA_DIR / "namespace").read_text().strip()
-    api = o.get("api_server", "https://kubernetes.default.svc")
+class KubernetesOptions(msgspec.Struct, forbid_unknown_fields=True):
+    label_selector: str
+    namespace: str | None = None  # default: the gateway's own (from its service account)
+    api_server: str = "https://kubernetes.default.svc"
+    token_path: str = str(SA_DIR / "token")
+    ca_path: str = str(SA_DIR / "ca.crt")
+
+
+def build(context: DiscoveryContext, options: KubernetesOptions) -> KubernetesSource:
+    token_path, ca_path, api = Path(options.token_path), Path(options.ca_path), options.api_server
+    namespace = options.namespace or (SA_DIR / "namespace").read_text().strip()
     context_ssl = ssl.create_default_context(cafile=str(ca_path)) if api.startswith("https") and ca_path.exists() \
         else None
     token = token_path.read_text().strip() if token_path.exists() else None
-    return KubernetesSource(api, namespace, selector, token, context_ssl)
+    return KubernetesSource(api, namespace, options.label_selector, token, context_ssl)
+
+
+PLUGIN = PluginSpec(KubernetesOptions, build)

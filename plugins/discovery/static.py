@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from gateway.backends.discovery import DiscoveryContext
 from gateway.config import PodConfig
+from gateway.plugin_registry import NoOptions, PluginSpec
 
 
 class StaticSource:
@@ -20,5 +21,8 @@ class StaticSource:
         await asyncio.Event().wait()  # never changes
 
 
-def build(context: DiscoveryContext) -> StaticSource:
+def build(context: DiscoveryContext, options: NoOptions) -> StaticSource:
     return StaticSource(context.static_pods)
+
+
+PLUGIN = PluginSpec(NoOptions, build)

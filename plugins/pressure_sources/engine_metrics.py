@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gateway.backends.registry import Pod
 from gateway.load.pending import PendingLoad
+from gateway.plugin_registry import NoOptions, PluginSpec
 from gateway.pressure import PressureContext
 
 
@@ -19,5 +20,8 @@ class EngineMetricsSource:
         return None if stats is None or stats.stale else stats.kv_usage
 
 
-def build(context: PressureContext) -> EngineMetricsSource:
+def build(context: PressureContext, options: NoOptions) -> EngineMetricsSource:
     return EngineMetricsSource(context.load)
+
+
+PLUGIN = PluginSpec(NoOptions, build)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.backends.registry import Pod
-from gateway.pressure import PressureContext, PressureSourceUnavailable
+from gateway.plugin_registry import PluginSpec
+from gateway.pressure import DeviceOptions, PressureContext, PressureSourceUnavailable
 
 
 class NvmlSource:
@@ -25,13 +26,16 @@ class NvmlSource:
         return info.used / info.total if info.total else None
 
 
-def build(context: PressureContext) -> NvmlSource:
+def build(context: PressureContext, options: DeviceOptions) -> NvmlSource:
     try:
         import pynvml
     except ImportError as exc:
         raise PressureSourceUnavailable("nvidia-ml-py is not installed") from exc
     try:
         pynvml.nvmlInit()
-        return NvmlSource(pynvml, dict(context.options.get("devices", {})))
+        return NvmlSource(pynvml, options.devices)
     except pynvml.NVMLError as exc:
         raise PressureSourceUnavailable(f"NVML: {exc}") from exc
+
+
+PLUGIN = PluginSpec(DeviceOptions, build)

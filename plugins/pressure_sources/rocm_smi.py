@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.backends.registry import Pod
-from gateway.pressure import PressureContext, PressureSourceUnavailable
+from gateway.plugin_registry import PluginSpec
+from gateway.pressure import DeviceOptions, PressureContext, PressureSourceUnavailable
 
 
 class RocmSmiSource:
@@ -25,7 +26,7 @@ class RocmSmiSource:
         return self._rocml.smi_get_device_memory_used(index) / total if total else None
 
 
-def build(context: PressureContext) -> RocmSmiSource:
+def build(context: PressureContext, options: DeviceOptions) -> RocmSmiSource:
     try:
         from pyrsmi import rocml
     except ImportError as exc:
@@ -34,4 +35,7 @@ def build(context: PressureContext) -> RocmSmiSource:
         rocml.smi_initialize()
     except Exception as exc:  # the library raises its own types when no ROCm device or driver is present
         raise PressureSourceUnavailable(f"ROCm SMI: {exc}") from exc
-    return RocmSmiSource(rocml, dict(context.options.get("devices", {})))
+    return RocmSmiSource(rocml, options.devices)
+
+
+PLUGIN = PluginSpec(DeviceOptions, build)

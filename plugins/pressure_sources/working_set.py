@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from gateway.backends.registry import Pod
 from gateway.kv.working_set import ResumableWorkingSet
-from gateway.pressure import PressureContext, PressureSourceUnavailable
+from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.pressure import PressureContext
 
 
 class WorkingSetSource:
@@ -27,7 +28,8 @@ class WorkingSetSource:
         return self._working_set.demand_tokens(pod.name, time.monotonic()) / capacity
 
 
-def build(context: PressureContext) -> WorkingSetSource:
-    if context.working_set is None or context.capacity_of is None:
-        raise PressureSourceUnavailable("the gateway has no resumable working set to read")
+def build(context: PressureContext, options: NoOptions) -> WorkingSetSource:
     return WorkingSetSource(context.working_set, context.capacity_of)
+
+
+PLUGIN = PluginSpec(NoOptions, build)

@@ -10,41 +10,45 @@ are scored on the approximate text history instead (the decision's reason says s
 
 from __future__ import annotations
 
-from gateway.kv.approx import ApproximatePrefixIndex
-from gateway.kv.working_set import ResumableWorkingSet
+from gateway.plugin_registry import PluginSpec
 from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.placement import PlacementScorer, ResumableLoadScorer
+from plugins.routing.placement import PlacementPlanner, PlacementScorer, ResumableLoadScorer
 from plugins.routing.prefix_scoring import (
+    CacheAwareOptions,
     CacheAwarePicker,
     KvUsageScorer,
     OverloadGuard,
-    PrefixScorer,
-    options_float,
+    prefix_parts,
 )
 
 
-def build(context: PolicyContext) -> Policy:
-    o = context.options
-    if context.index is None:
-        raise ValueError("kv_aware needs the gateway's prefix index")
-    prefix = PrefixScorer(
-        context.index, context.approximate or ApproximatePrefixIndex(),
-        offload_weight=options_float(o, "offload_weight", 0.5),
-        approximate_weight=options_float(o, "approximate_weight", 0.7),
-        metrics=context.metrics,
-    )
-    working_set = context.working_set if context.working_set is not None else ResumableWorkingSet()
-    placement = PlacementScorer(prefix, context.index, working_set, context.capacity_of or (lambda pod: None),
-                                clock=context.clock)
+class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
+    # An offloaded block (CPU tier) counts this much of a GPU one.
+    offload_weight: float = 0.5
+    # Approximate matches (untokenizable requests, a pod whose event stream broke) count this much.
+    approximate_weight: float = 0.7
+    # A workflow or session thinking on a pod counts this much of a request in flight there.
+    idle_weight: float = 0.5
+    kv_usage_weight: float = 0.1
+
+
+def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
+    matcher, prefix = prefix_parts(context, offload_weight=options.offload_weight,
+                                   approximate_weight=options.approximate_weight)
+    planner = PlacementPlanner(context.index, context.working_set, context.capacity_of, clock=context.clock)
     return Policy(
         name="kv_aware",
         picker=CacheAwarePicker(),
-        filters=[OverloadGuard(int(options_float(o, "overload_slack", 8)), options_float(o, "overload_ratio", 0.5))],
-        scorers=[WeightedScorer(placement, options_float(o, "prefix_weight", 1.0)),
-                 WeightedScorer(ResumableLoadScorer(working_set, options_float(o, "idle_weight", 0.5)),
-                                options_float(o, "load_weight", 0.3)),
-                 WeightedScorer(KvUsageScorer(context.index), options_float(o, "kv_usage_weight", 0.1))],
+        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio)],
+        preparers=[matcher, planner],
+        scorers=[WeightedScorer(PlacementScorer(prefix), options.prefix_weight),
+                 WeightedScorer(ResumableLoadScorer(context.ledger, context.working_set, options.idle_weight),
+                                options.load_weight),
+                 WeightedScorer(KvUsageScorer(context.index), options.kv_usage_weight)],
         needs_tokens=True,
-        on_routed=[prefix.remember, placement.hold],
-        on_finished=[placement.idle],
+        on_routed=[matcher.remember, planner.hold],
+        on_finished=[planner.idle],
     )
+
+
+PLUGIN = PluginSpec(KvAwareOptions, build)

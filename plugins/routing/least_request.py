@@ -1,12 +1,14 @@
 """``least_request``: the candidate with the fewest requests in flight through this gateway.
 
-The proxy counts a request in flight before it is sent, so a burst spreads out at once instead of
-piling onto whichever pod looked idle when the burst began.
+The request pipeline counts a request in flight (in the ledger) before it is sent, so a burst spreads
+out at once instead of piling onto whichever pod looked idle when the burst began.
 """
 
 from __future__ import annotations
 
 from gateway.backends.registry import Pod
+from gateway.load.ledger import InFlightLedger
+from gateway.plugin_registry import NoOptions, PluginSpec
 from gateway.routing.pickers import MaxScorePicker
 from gateway.routing.policy import Policy, PolicyContext, RoutingRequest, WeightedScorer
 
@@ -16,14 +18,21 @@ class InFlightScorer:
 
     name = "in_flight"
 
+    def __init__(self, ledger: InFlightLedger) -> None:
+        self._ledger = ledger
+
     def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        least = min(p.in_flight for p in pods)
-        return [1.0 / (1 + p.in_flight - least) for p in pods]
+        busy = [self._ledger.on_pod(p.name) for p in pods]
+        least = min(busy)
+        return [1.0 / (1 + b - least) for b in busy]
 
 
-def build(context: PolicyContext) -> Policy:
+def build(context: PolicyContext, options: NoOptions) -> Policy:
     return Policy(
         name="least_request",
         picker=MaxScorePicker("least_in_flight"),
-        scorers=[WeightedScorer(InFlightScorer())],
+        scorers=[WeightedScorer(InFlightScorer(context.ledger))],
     )
+
+
+PLUGIN = PluginSpec(NoOptions, build)

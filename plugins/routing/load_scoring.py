@@ -1,7 +1,8 @@
 """Parts of the load-aware policies: a capacity filter and Little's-law scorers.
 
 Not a policy itself (no entry point): ``pending_load``, ``throughput`` and ``slo`` compose these.
-Each reads the request's per-pod estimates (filled by the proxy, as the policies set ``needs_load``).
+Each reads the request's per-pod estimates (filled by the request pipeline, as the policies set
+``needs_load``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from gateway.routing.policy import RoutingRequest
 
 
 def estimate_of(load: PendingLoad, request: RoutingRequest, pod: Pod) -> Estimate:
+    """The pipeline's estimate for ``pod`` (it fills them for every candidate, as these policies set
+    ``needs_load``), else one made now."""
     estimate = request.estimates.get(pod.name)
     if estimate is None:
-        estimate = request.estimates[pod.name] = load.estimate(
-            pod.name, request.base_model or request.model, request.input_tokens, request.predicted_output_tokens)
+        estimate = load.estimate(pod.name, request.base_model or request.model, request.input_tokens,
+                                 request.predicted_output_tokens)
     return estimate
 
 
@@ -32,8 +35,6 @@ class CapacityFilter:
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
         fit = [p for p in pods if self._load.fits(p.name, estimate_of(self._load, request, p), request.kind)]
-        if len(fit) < len(pods):
-            request.notes["over_capacity"] = [p.name for p in pods if p not in fit]
         return fit or pods
 
 

@@ -23,6 +23,9 @@ recomputed when its owner comes back. Consequences:
 - a later stage stays with its cache: elsewhere it pays its whole context again;
 - a pod whose capacity is unknown never overflows (the model degrades to prefix affinity).
 
+The :class:`PlacementPlanner` computes these costs once per attempt (it owns the request's ``placement``
+and ``context``); the :class:`PlacementScorer` turns them into scores.
+
 Score = ``1 - cost_p / (P + max overflow)``, in ``[0, 1]``: with no overflow anywhere it is exactly the
 share of the prompt cached, so traffic that fits the fleet routes as before.
 """
@@ -31,53 +34,43 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from gateway.backends.registry import Pod
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import Context, ResumableWorkingSet
-from gateway.routing.policy import Decision, RoutingRequest
+from gateway.load.ledger import InFlightLedger
+from gateway.routing.policy import Decision, PlacementCost, RoutingRequest
 from plugins.routing.prefix_scoring import PrefixScorer
 
 CapacityOf = Callable[[str], float | None]
 
 
-@dataclass(slots=True)
-class PlacementCost:
-    """One pod's cost for one request, in tokens (kept on the request for the decision's reason)."""
+class PlacementPlanner:
+    """Finds the request's resumable context and each candidate's cost; after routing it holds the
+    context on the chosen pod, and when the attempt ends lets it think there. Runs after the prefix
+    matcher, whose cached-token counts are its ``hit``."""
 
-    uncached: int
-    overflow: float
-
-    @property
-    def total(self) -> float:
-        return self.uncached + self.overflow
-
-
-class PlacementScorer:
     name = "placement"
 
-    def __init__(self, prefix: PrefixScorer, index: PrefixIndex, working_set: ResumableWorkingSet,
-                 capacity_of: CapacityOf, *, output_tokens: int = 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._prefix = prefix
+    def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet, capacity_of: CapacityOf, *,
+                 output_tokens: int = 16, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._index = index
         self._working_set = working_set
         self._capacity_of = capacity_of
         self._output_tokens = output_tokens
 
-    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        shares = self._prefix.score(request, pods)
-        if not request.notes.get("precise") or not request.token_ids:
-            return shares
+    def prepare(self, request: RoutingRequest, pods: list[Pod]) -> None:
+        request.placement = {}
+        match = request.prefix
+        if match is None or not match.precise or not request.token_ids:
+            return
         now = self._clock()
         prompt = len(request.token_ids)
         context = request.context = self._context_of(request, pods)
         stages_done = context.stages + 1 if context is not None else 1
         growth = self._working_set.forecast.expected_growth(context, request.context_key is not None, stages_done)
         footprint = prompt + self._output_tokens + growth
-        costs = []
         for pod in pods:
             hit = request.prefix_tokens.get(pod.name, 0)
             capacity = self._capacity_of(pod.name)
@@ -85,10 +78,7 @@ class PlacementScorer:
             if capacity:
                 demand = self._working_set.demand_tokens(pod.name, now, exclude=context)
                 overflow = max(0.0, demand + footprint - hit - capacity) - max(0.0, demand - capacity)
-            costs.append(PlacementCost(prompt - hit, overflow))
-        request.notes["placement"] = {p.name: c for p, c in zip(pods, costs, strict=True)}
-        worst = prompt + max(c.overflow for c in costs)
-        return [max(0.0, 1.0 - c.total / worst) for c in costs]
+            request.placement[pod.name] = PlacementCost(prompt - hit, overflow)
 
     def _context_of(self, request: RoutingRequest, pods: list[Pod]) -> Context | None:
         if request.context_key is not None:
@@ -100,13 +90,14 @@ class PlacementScorer:
 
     @staticmethod
     def _prompt_blocks(request: RoutingRequest, block_size: int) -> list[int]:
-        hashes = request.notes["hashes"]
+        assert request.prefix is not None and request.prefix.hashes is not None  # checked by the callers
+        hashes = request.prefix.hashes
         return list(hashes.first(block_size, hashes.token_count // block_size))
 
     def hold(self, request: RoutingRequest, decision: Decision) -> None:
         """After routing: the request's context is resumable on the chosen pod from now on."""
         bs = self._index.block_size(decision.pod.name)
-        if not request.notes.get("precise") or not request.token_ids or bs is None:
+        if not request.precise or not request.token_ids or bs is None:
             request.context = None  # nothing held: nothing to idle when the request ends
             return
         request.context = self._working_set.hold(request.context_key, decision.pod.name, bs,
@@ -119,15 +110,32 @@ class PlacementScorer:
             self._working_set.idle(request.context, self._clock())
 
 
+class PlacementScorer:
+    """``1 - cost / (P + max overflow)`` over the candidates; the plain prefix share when the planner had
+    nothing to cost (no precise match)."""
+
+    name = "placement"
+
+    def __init__(self, prefix: PrefixScorer) -> None:
+        self._prefix = prefix
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+        costs = request.placement
+        if not costs or request.token_ids is None:
+            return self._prefix.score(request, pods)
+        worst = len(request.token_ids) + max(costs[p.name].overflow for p in pods)
+        return [max(0.0, 1.0 - costs[p.name].total / worst) for p in pods]
+
+
 class ResumableLoadScorer:
     """1 for the least busy pod, towards 0 for the busiest, where busy counts the requests in flight and
     ``idle_weight`` for each keyed context thinking between its requests there: a pod holding ten
-    thinking workflows is not idle. Runs after :class:`PlacementScorer`, which finds the request's own
-    context."""
+    thinking workflows is not idle. Reads the request's own context from the placement planner."""
 
     name = "resumable_load"
 
-    def __init__(self, working_set: ResumableWorkingSet, idle_weight: float = 0.5) -> None:
+    def __init__(self, ledger: InFlightLedger, working_set: ResumableWorkingSet, idle_weight: float = 0.5) -> None:
+        self._ledger = ledger
         self._working_set = working_set
         self._idle_weight = idle_weight
 
@@ -136,7 +144,7 @@ class ResumableLoadScorer:
         own = request.context
         if own is not None and own.pod == pod.name and not own.in_flight:
             thinking -= 1  # the request's own context, about to resume: not someone else's load
-        return pod.in_flight + self._idle_weight * thinking
+        return self._ledger.on_pod(pod.name) + self._idle_weight * thinking
 
     def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
         busy = [self.busy(p, request) for p in pods]

@@ -6,19 +6,22 @@ there, with the same load scoring and overload guard as ``kv_aware``. No tokeniz
 
 from __future__ import annotations
 
-from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.plugin_registry import PluginSpec
 from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.prefix_scoring import CacheAwarePicker, LoadScorer, OverloadGuard, PrefixScorer, options_float
+from plugins.routing.prefix_scoring import CacheAwareOptions, CacheAwarePicker, LoadScorer, OverloadGuard, prefix_parts
 
 
-def build(context: PolicyContext) -> Policy:
-    o = context.options
-    prefix = PrefixScorer(None, context.approximate or ApproximatePrefixIndex(), approximate_weight=1.0)
+def build(context: PolicyContext, options: CacheAwareOptions) -> Policy:
+    matcher, prefix = prefix_parts(context, precise=False, approximate_weight=1.0)
     return Policy(
         name="prefix_cache",
         picker=CacheAwarePicker(),
-        filters=[OverloadGuard(int(options_float(o, "overload_slack", 8)), options_float(o, "overload_ratio", 0.5))],
-        scorers=[WeightedScorer(prefix, options_float(o, "prefix_weight", 1.0)),
-                 WeightedScorer(LoadScorer(), options_float(o, "load_weight", 0.3))],
-        on_routed=[prefix.remember],
+        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio)],
+        preparers=[matcher],
+        scorers=[WeightedScorer(prefix, options.prefix_weight),
+                 WeightedScorer(LoadScorer(context.ledger), options.load_weight)],
+        on_routed=[matcher.remember],
     )
+
+
+PLUGIN = PluginSpec(CacheAwareOptions, build)

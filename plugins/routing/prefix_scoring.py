@@ -1,86 +1,122 @@
-"""Parts shared by the cache-aware policies: prefix and load scorers, the overload guard, the picker.
+"""Parts shared by the cache-aware policies: the prefix matcher, the prefix and load scorers, the
+overload guard and the picker.
 
-Not a policy itself (no entry point): ``kv_aware`` and ``prefix_cache`` compose these.
+Not a policy itself (no entry point): ``kv_aware``, ``prefix_cache`` and ``slo`` compose these.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
 
+import msgspec
+
+from gateway.api.messages import request_text
 from gateway.backends.registry import Pod
-from gateway.kv.approx import ApproximatePrefixIndex, request_text
+from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
+from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Decision, Pick, RoutingRequest
+from gateway.routing.policy import Decision, Pick, PolicyContext, PrefixMatch, RoutingRequest
 
 
-class PrefixScorer:
-    """Share of the prompt cached on each pod: precise (KV events) when the prompt has token ids and the
-    index knows the pod, else approximate (the gateway's own routing history of the text)."""
+class CacheAwareOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The options of ``prefix_cache``, and the base of ``kv_aware``'s."""
 
-    name = "prefix"
+    prefix_weight: float = 1.0
+    load_weight: float = 0.3
+    # The overload guard: past ``least + max(slack, ratio * least)`` requests in flight, a pod is skipped.
+    overload_slack: int = 8
+    overload_ratio: float = 0.5
 
-    def __init__(self, index: PrefixIndex | None, approximate: ApproximatePrefixIndex, *,
-                 offload_weight: float = 0.5, approximate_weight: float = 0.7,
+
+class PrefixMatcher:
+    """Finds how much of the prompt each candidate holds: precise (KV events) when the prompt has token
+    ids and the policy has the index, else approximate (the gateway's own routing history of the text).
+    Owner of the request's ``prefix`` and ``prefix_tokens``; after routing it records what the chosen pod
+    will now hold."""
+
+    name = "prefix_match"
+
+    def __init__(self, index: PrefixIndex | None, approximate: ApproximatePrefixIndex,
                  metrics: GatewayMetrics | None = None) -> None:
         self._index = index
         self._approximate = approximate
-        self._offload_weight = offload_weight
-        self._approximate_weight = approximate_weight
         self._metrics = metrics
 
-    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+    def prepare(self, request: RoutingRequest, pods: list[Pod]) -> None:
         if request.token_ids and self._index is not None:
-            return self._precise(request, pods)
-        return self._by_text(request, pods)
+            self._precise(request, self._index, pods)
+        else:
+            self._by_text(request, pods)
 
-    def _precise(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        assert self._index is not None and request.token_ids is not None
+    def _precise(self, request: RoutingRequest, index: PrefixIndex, pods: list[Pod]) -> None:
         started = time.perf_counter()
-        hashes = request.notes.get("hashes")
-        if hashes is None:
-            hashes = request.notes["hashes"] = self._index.prompt_hashes(
-                request.base_model or request.model, request.lora_name, request.token_ids)
-        matches = self._index.lookup(request.base_model or request.model, request.lora_name, hashes,
-                                     [p.name for p in pods])
+        model = request.base_model or request.model
+        previous = request.prefix
+        hashes = previous.hashes if previous is not None and previous.hashes is not None else \
+            index.prompt_hashes(model, request.lora_name, request.token_ids or [])
+        matches = index.lookup(model, request.lora_name, hashes, [p.name for p in pods])
         if self._metrics:
             self._metrics.lookup_seconds.observe(time.perf_counter() - started)
-        n = len(request.token_ids)
-        scores = []
+        request.prefix = PrefixMatch(precise=True, hashes=hashes, pods=matches)
         for pod in pods:
-            m = matches[pod.name]
-            request.prefix_tokens[pod.name] = m.gpu_tokens
-            tokens = m.gpu_tokens + self._offload_weight * m.offload_tokens
-            scores.append(tokens / n * (self._approximate_weight if m.approximate else 1.0))
-        request.notes["precise"] = True
-        return scores
+            request.prefix_tokens[pod.name] = matches[pod.name].gpu_tokens
 
-    def _by_text(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        text = request.notes.setdefault("text", _text_of(request))
-        if not text:
-            return [0.0] * len(pods)
-        matched = self._approximate.lookup(text, [p.name for p in pods])
-        request.notes["precise"] = False
-        return [matched[p.name] / len(text) * self._approximate_weight for p in pods]
+    def _by_text(self, request: RoutingRequest, pods: list[Pod]) -> None:
+        text = request.prefix.text if request.prefix is not None else _text_of(request)
+        if not text:  # nothing to match on: no prefix match at all (not an approximate one)
+            request.prefix = None
+            return
+        request.prefix = PrefixMatch(precise=False, text=text,
+                                     chars=self._approximate.lookup(text, [p.name for p in pods]))
 
     def remember(self, request: RoutingRequest, decision: Decision) -> None:
         """After routing: the chosen pod will hold this prompt's blocks (speculative for the precise
         index until its events confirm them)."""
-        if request.notes.get("precise") and self._index is not None and request.token_ids:
+        match = request.prefix
+        if match is not None and match.precise and self._index is not None and request.token_ids:
             self._index.expect(decision.pod.name, request.base_model or request.model, request.lora_name,
-                               request.notes.get("hashes") or request.token_ids)
+                               match.hashes or request.token_ids)
         else:
-            text = request.notes.get("text") or _text_of(request)
+            text = match.text if match is not None else _text_of(request)
             if text:
                 self._approximate.record(text, decision.pod.name)
 
 
 def _text_of(request: RoutingRequest) -> str:
-    body = request.body
-    return request_text(getattr(body, "messages", None), getattr(body, "prompt", None))
+    return request_text(request.kind, request.body) if request.body is not None else ""
+
+
+class PrefixScorer:
+    """Share of the prompt cached on each pod, from the request's prefix match."""
+
+    name = "prefix"
+
+    def __init__(self, *, offload_weight: float = 0.5, approximate_weight: float = 0.7) -> None:
+        self._offload_weight = offload_weight
+        self._approximate_weight = approximate_weight
+
+    def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
+        match = request.prefix
+        if match is None:
+            return [0.0] * len(pods)
+        if match.precise:
+            n = len(request.token_ids or ())
+            out = []
+            for pod in pods:
+                m = match.pods[pod.name]
+                tokens = m.gpu_tokens + self._offload_weight * m.offload_tokens
+                out.append(tokens / n * (self._approximate_weight if m.approximate else 1.0))
+            return out
+        return [match.chars[p.name] / len(match.text) * self._approximate_weight for p in pods]
+
+
+def prefix_parts(context: PolicyContext, *, precise: bool = True, offload_weight: float = 0.5,
+                 approximate_weight: float = 0.7) -> tuple[PrefixMatcher, PrefixScorer]:
+    """The matcher and scorer every cache-aware policy builds the same way, on the gateway's indexes."""
+    matcher = PrefixMatcher(context.index if precise else None, context.approximate, context.metrics)
+    return matcher, PrefixScorer(offload_weight=offload_weight, approximate_weight=approximate_weight)
 
 
 class LoadScorer:
@@ -88,11 +124,15 @@ class LoadScorer:
 
     name = "load"
 
+    def __init__(self, ledger: InFlightLedger) -> None:
+        self._ledger = ledger
+
     def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        busiest = max(p.in_flight for p in pods)
+        busy = [self._ledger.on_pod(p.name) for p in pods]
+        busiest = max(busy)
         if busiest == 0:
             return [1.0] * len(pods)
-        return [1.0 - p.in_flight / busiest for p in pods]
+        return [1.0 - b / busiest for b in busy]
 
 
 class KvUsageScorer:
@@ -101,12 +141,10 @@ class KvUsageScorer:
 
     name = "kv_usage"
 
-    def __init__(self, index: PrefixIndex | None) -> None:
+    def __init__(self, index: PrefixIndex) -> None:
         self._index = index
 
     def score(self, request: RoutingRequest, pods: list[Pod]) -> list[float]:
-        if self._index is None:
-            return [0.0] * len(pods)
         held = [self._index.blocks_on(p.name) for p in pods]
         most = max(held)
         return [1.0 - h / most if most else 1.0 for h in held]
@@ -118,17 +156,16 @@ class OverloadGuard:
 
     name = "overload_guard"
 
-    def __init__(self, slack: int = 8, ratio: float = 0.5) -> None:
+    def __init__(self, ledger: InFlightLedger, slack: int = 8, ratio: float = 0.5) -> None:
+        self._ledger = ledger
         self._slack = slack
         self._ratio = ratio
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
-        least = min(p.in_flight for p in pods)
+        busy = {p.name: self._ledger.on_pod(p.name) for p in pods}
+        least = min(busy.values())
         limit = least + max(self._slack, self._ratio * least)
-        kept = [p for p in pods if p.in_flight <= limit]
-        if len(kept) < len(pods):
-            request.notes["overloaded"] = [p.name for p in pods if p.in_flight > limit]
-        return kept
+        return [p for p in pods if busy[p.name] <= limit]
 
 
 class CacheAwarePicker:
@@ -141,35 +178,28 @@ class CacheAwarePicker:
 
     def pick(self, request: RoutingRequest, pods: list[Pod], scores: list[float]) -> Pick:
         pick = self._best.pick(request, pods, scores)
-        precise = request.notes.get("precise")
-        hit = request.prefix_tokens.get(pick.pod.name, 0) if precise else None
-        if request.notes.get("overloaded") or request.notes.get("over_capacity"):
+        precise = request.precise
+        if request.filtered_out:
             pick.reason = "rebalanced"
         elif precise is False:
             pick.reason = "approximate"
-        elif self._spread_for_capacity(request, pick.pod.name):
+        elif self._spread_for_capacity(request, pods, pick.pod.name):
             pick.reason = "capacity_spread"
-        elif hit:
+        elif precise and request.prefix_tokens.get(pick.pod.name, 0):
             pick.reason = "cache_hit"
         else:
             pick.reason = "no_hit_least_loaded"
         return pick
 
     @staticmethod
-    def _spread_for_capacity(request: RoutingRequest, chosen: str) -> bool:
+    def _spread_for_capacity(request: RoutingRequest, pods: list[Pod], chosen: str) -> bool:
         """Whether a pod with a longer cached prefix lost because placing there would evict more."""
-        costs = request.notes.get("placement")
-        if not costs or chosen not in costs:
-            return False
+        costs = request.placement
         # Among this attempt's candidates only: a retry's prefix_tokens still name the pod that failed.
-        hits = {pod: request.prefix_tokens.get(pod, 0) for pod in costs}
+        candidates = [p.name for p in pods if p.name in costs]
+        if chosen not in candidates:
+            return False
+        hits = {pod: request.prefix_tokens.get(pod, 0) for pod in candidates}
         best_hit = max(hits, key=hits.__getitem__)
         return (best_hit != chosen and hits[best_hit] > hits[chosen]
                 and costs[best_hit].overflow > costs[chosen].overflow)
-
-
-def options_float(options: Mapping[str, Any], key: str, default: float) -> float:
-    value = options.get(key, default)
-    if not isinstance(value, int | float):
-        raise ValueError(f"routing option {key!r} must be a number, got {value!r}")
-    return float(value)

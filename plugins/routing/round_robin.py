@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from gateway.backends.registry import Pod
+from gateway.plugin_registry import NoOptions, PluginSpec
 from gateway.routing.policy import Pick, Policy, PolicyContext, RoutingRequest
 
 
@@ -19,5 +20,8 @@ class RoundRobinPicker:
         return Pick(pods[turn % len(pods)], "rotation", f"turn {turn} over {len(pods)}")
 
 
-def build(context: PolicyContext) -> Policy:
+def build(context: PolicyContext, options: NoOptions) -> Policy:
     return Policy(name="round_robin", picker=RoundRobinPicker())
+
+
+PLUGIN = PluginSpec(NoOptions, build)

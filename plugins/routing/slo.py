@@ -6,25 +6,35 @@ taking it). With admission on, requests reach routing only when some pod can mee
 
 from __future__ import annotations
 
-from gateway.kv.approx import ApproximatePrefixIndex
+import msgspec
+
+from gateway.plugin_registry import PluginSpec
 from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
 from plugins.routing.load_scoring import CapacityFilter, PendingLoadScorer
-from plugins.routing.prefix_scoring import CacheAwarePicker, PrefixScorer, options_float
+from plugins.routing.prefix_scoring import CacheAwarePicker, prefix_parts
 
 
-def build(context: PolicyContext) -> Policy:
-    assert context.load is not None, "slo needs the gateway's PendingLoad"
-    o = context.options
-    prefix = PrefixScorer(context.index, context.approximate or ApproximatePrefixIndex(),
-                          offload_weight=options_float(o, "offload_weight", 0.5),
-                          approximate_weight=options_float(o, "approximate_weight", 0.7), metrics=context.metrics)
+class SloOptions(msgspec.Struct, forbid_unknown_fields=True):
+    prefix_weight: float = 1.0
+    load_weight: float = 0.5
+    offload_weight: float = 0.5
+    approximate_weight: float = 0.7
+
+
+def build(context: PolicyContext, options: SloOptions) -> Policy:
+    matcher, prefix = prefix_parts(context, offload_weight=options.offload_weight,
+                                   approximate_weight=options.approximate_weight)
     return Policy(
         name="slo",
         picker=CacheAwarePicker(),
         filters=[CapacityFilter(context.load)],
-        scorers=[WeightedScorer(prefix, options_float(o, "prefix_weight", 1.0)),
-                 WeightedScorer(PendingLoadScorer(context.load), options_float(o, "load_weight", 0.5))],
+        preparers=[matcher],
+        scorers=[WeightedScorer(prefix, options.prefix_weight),
+                 WeightedScorer(PendingLoadScorer(context.load), options.load_weight)],
         needs_tokens=True,
         needs_load=True,
-        on_routed=[prefix.remember],
+        on_routed=[matcher.remember],
     )
+
+
+PLUGIN = PluginSpec(SloOptions, build)

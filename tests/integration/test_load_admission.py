@@ -20,7 +20,7 @@ async def test_profiles_refresh_newer_wins_and_redis_outage_is_survived(redis_se
     client = redis.from_url(redis_server.url)
     await client.set(profile_key("m", "a100"), json.dumps(PROFILE))
     store = ProfileStore(redis_server.url, refresh_s=3600)
-    store.known_models = {"m"}
+    store.learn_models(frozenset({"m"}))
     await store.start()
     try:
         assert store.get("m", "a100").created == 100.0
@@ -78,7 +78,7 @@ async def test_gateway_uses_redis_profiles_for_pending_load(redis_server, start_
     assert gw.gateway.profiles.get("mock-llama", "small") is not None
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "x " * 100}], "max_tokens": 200}
     tasks = [asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body)) for _ in range(4)]
-    await eventually(lambda: sum(p.in_flight for p in gw.gateway.pods.all()) == 4)
+    await eventually(lambda: gw.gateway.ledger.total() == 4)
     loads = sorted(gw.gateway.load.load(f"pod{i}") for i in range(2))
     assert loads[0] == loads[1] > 0  # spread by Little's-law load: 2 and 2
     for t in tasks:

@@ -64,7 +64,7 @@ async def test_completion_releases_and_pressure_lets_go_of_the_idlest(start_mock
     gw.gateway.load.engine["pod0"].kv_capacity_tokens = 1.0
     monitor = gw.gateway.pressure
     monitor.tick()
-    assert monitor.modes["pod0"].name == "EMERGENCY"
+    assert monitor.modes.mode("pod0").name == "EMERGENCY"
     assert ws.context("workflow:old") is None and ws.context("workflow:newer") is not None
     monitor.tick()
     assert ws.context("workflow:newer") is None

@@ -90,7 +90,7 @@ async def test_least_request_splits_a_burst_evenly(start_backend, start_gateway,
         await asyncio.sleep(0.01)
     # In-flight counts rise before the request is sent, so a burst splits evenly.
     assert hits == Counter({"p0": 5, "p1": 5})
-    assert sorted(p.in_flight for p in gw.gateway.pods.all()) == [5, 5]
+    assert sorted(gw.gateway.ledger.on_pod(p.name) for p in gw.gateway.pods.all()) == [5, 5]
     hold.set()
     assert [r.status for r in await asyncio.gather(*tasks)] == [200] * 10
 

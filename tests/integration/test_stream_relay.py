@@ -82,10 +82,10 @@ async def test_client_disconnect_mid_stream_cancels_upstream(start_backend, star
     await asyncio.wait_for(upstream_gone.wait(), timeout=10)
     pod = gw.gateway.pods.all()[0]
     for _ in range(100):
-        if pod.in_flight == 0:
+        if gw.gateway.ledger.on_pod(pod.name) == 0:
             break
         await asyncio.sleep(0.02)
-    assert pod.in_flight == 0
+    assert gw.gateway.ledger.on_pod(pod.name) == 0
 
 
 async def test_client_disconnect_aborts_the_request_on_a_mock_pod(start_mock_pod, start_gateway, http):

@@ -86,7 +86,7 @@ async def test_no_hard_flush_while_another_workflow_uses_the_pod(start_mock_pod,
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     running = await http.post(f"{gw.url}/v1/chat/completions", json=slow,
                               headers={"x-workflow-id": "wf-b", "x-stage-id": "s1"})
-    await eventually(lambda: gw.gateway.workflows.tracker.other_in_flight("pod0", "wf-a"))
+    await eventually(lambda: gw.gateway.ledger.others_on("pod0", "wf-a"))
     async with http.post(f"{gw.url}/v1/workflows/wf-a/complete") as resp:
         assert resp.status == 200
     await asyncio.sleep(0.3)
@@ -131,7 +131,7 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     busy = await http.post(f"{gw.url}/v1/chat/completions", headers={"x-workflow-id": "busy", "x-stage-id": "s2"},
                            json={"model": MODEL, "messages": history, "max_tokens": 300, "stream": True})
-    await eventually(lambda: "busy" in tracker.workflows and tracker.workflows["busy"].in_flight == 1)
+    await eventually(lambda: "busy" in tracker.workflows and tracker.in_flight(tracker.workflows["busy"]) == 1)
     tracker.workflows["busy"].entries["pod0"].preserved = True
     gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.9, stale=False)
     monitor = gw.gateway.pressure
@@ -144,10 +144,10 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     assert tracker.workflows["busy"].entries["pod0"].preserved  # in flight: never flushed
     gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.97, stale=False)
     monitor.tick()
-    assert "pod0" in gw.gateway.load.blocked and monitor.modes["pod0"].name == "EMERGENCY"
+    assert gw.gateway.modes.in_emergency("pod0") and monitor.modes.mode("pod0").name == "EMERGENCY"
     gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.5, stale=False)
     monitor.tick()
-    assert "pod0" not in gw.gateway.load.blocked
+    assert not gw.gateway.modes.in_emergency("pod0")
     await busy.read()
 
 

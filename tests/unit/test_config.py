@@ -103,3 +103,34 @@ def test_cli_help_version_and_config_check(tmp_path, capsys, monkeypatch):
     bad.write_text("placement: {protect_marjin: 3}\n")
     assert main(["config", "check", str(bad)]) == 2
     assert "protect_marjin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("section", "fragment"), [
+    ({"routing": {"policy": "kv_aware", "options": {"kv_aware": {"prefx_weight": 2}}}}, "prefx_weight"),
+    ({"routing": {"options": {"slo": {"load_weight": "high"}}}}, "load_weight"),  # any configured policy
+    ({"routing": {"options": {"round_robin": {"seed": 1}}}}, "seed"),  # a policy that takes no options
+    ({"discovery": {"source": "file"}}, "path"),  # a required option missing
+    ({"pressure": {"source": "nvml", "options": {"device": {"pod0": 0}}}}, "device"),
+])
+def test_bad_plugin_options_stop_the_start_naming_the_option(tmp_path, capsys, section, fragment):
+    from gateway.app import build_app
+    from gateway.cli import main
+    from gateway.plugin_registry import PluginOptionsError
+
+    config = load_config(None, {"pods": [{"url": "http://127.0.0.1:1", "models": ["m"]}], **section})
+    with pytest.raises(PluginOptionsError, match=fragment):
+        build_app(config)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(section))
+    assert main(["config", "check", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_config_check_prints_each_plugins_effective_options(tmp_path, capsys):
+    from gateway.cli import main
+
+    path = tmp_path / "good.yaml"
+    path.write_text(yaml.safe_dump({"routing": {"policy": "kv_aware", "options": {"kv_aware": {"load_weight": 0.5}}}}))
+    assert main(["config", "check", str(path)]) == 0
+    options = yaml.safe_load(capsys.readouterr().out)["routing"]["options"]["kv_aware"]
+    assert options["load_weight"] == 0.5 and options["idle_weight"] == 0.5 and options["overload_slack"] == 8

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from gateway.backends.scraper import parse_engine_metrics
+from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.profiles import GpuProfile, ProfileStore, grid_index, parse_key
@@ -43,22 +44,24 @@ def test_signature_capacity_and_consumption():
     assert p.capacity((1, 2)) == 0  # tput 0: the SLO cannot be met there
     store = ProfileStore(None)
     store.put("m", "a100", p)
-    load = PendingLoad(store, default_capacity=4, deployment_of=lambda pod: "a100")
+    ledger = InFlightLedger()
+    load = PendingLoad(store, ledger, default_capacity=4, deployment_of=lambda pod: "a100")
     estimate = load.estimate("pod-a", "m", input_tokens=300, output_tokens=9)
     assert estimate.consumption == pytest.approx(1 / 6) and estimate.ttft_s == 0.1 and estimate.e2e_s == 1.2
     assert math.isinf(load.estimate("pod-a", "m", 600, 9).consumption)
     assert load.estimate("pod-a", "other-model", 300, 9).consumption == 0.25  # no profile: 1/default capacity
-    tickets = [load.dispatch("pod-a", estimate.consumption, "chat") for _ in range(5)]
+    tickets = [ledger.dispatch(f"r{i}", "pod-a", estimate.consumption, "chat") for i in range(5)]
     assert load.load("pod-a") == pytest.approx(5 / 6)
     assert load.fits("pod-a", estimate, "chat") and not load.fits("pod-a", load.estimate("pod-a", "m", 128, 4), "chat")
     for t in tickets:
-        load.finish(t)
+        ledger.finish(t)
     assert load.load("pod-a") == 0
 
 
 def test_engine_counts_correct_the_gateways():
-    load = PendingLoad(ProfileStore(None), default_capacity=10, deployment_of=str)
-    load.dispatch("p", 0.1, "chat")
+    ledger = InFlightLedger()
+    load = PendingLoad(ProfileStore(None), ledger, default_capacity=10, deployment_of=str)
+    ledger.dispatch("r", "p", 0.1, "chat")
     assert load.load("p") == pytest.approx(0.1)
     load.engine["p"] = EngineStats(running=6, waiting=0, stale=False)  # other replicas sent work too
     assert load.load("p") == pytest.approx(0.6)
@@ -69,10 +72,11 @@ def test_engine_counts_correct_the_gateways():
 
 
 def test_embedding_share_caps_embeddings_only():
-    load = PendingLoad(ProfileStore(None), default_capacity=10, deployment_of=str, embedding_share=0.2)
+    ledger = InFlightLedger()
+    load = PendingLoad(ProfileStore(None), ledger, default_capacity=10, deployment_of=str, embedding_share=0.2)
     e = load.estimate("p", "m", 10, 1)
-    load.dispatch("p", e.consumption, "embeddings")
-    load.dispatch("p", e.consumption, "embeddings")
+    ledger.dispatch("r1", "p", e.consumption, "embeddings")
+    ledger.dispatch("r2", "p", e.consumption, "embeddings")
     assert not load.fits("p", e, "embeddings") and load.fits("p", e, "chat")
 
 

@@ -29,8 +29,8 @@ class Fleet:
         self.ws = ResumableWorkingSet(PlacementConfig(default_stages=4))
         if growth_per_stage:
             self.ws.forecast.growth.add(growth_per_stage)
-        context = PolicyContext(pods=self.pods, index=self.index, working_set=self.ws,
-                                capacity_of=capacity_tokens.get)
+        context = PolicyContext.standalone(self.pods, index=self.index, working_set=self.ws,
+                                           capacity_of=capacity_tokens.get)
         self.router = Router(self.pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",
                              {"kv_aware": {"kv_usage_weight": 0.0}}, context)
         self.policy = self.router.resolve(None)
@@ -61,7 +61,7 @@ def test_a_new_workflow_leaves_a_full_pod_holding_its_role_prompt():
     blocks = fleet.index.prompt_hashes("m", None, ROLE + own(1000, 48)).first(BS, 20)
     fleet.ws.idle(fleet.ws.hold("workflow:old", "p0", BS, blocks, 80, now=time.monotonic()), now=time.monotonic())
     request, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
-    costs = request.notes["placement"]
+    costs = request.placement
     # On p0 the role prompt is a hit (32 tokens), but the new workflow's expected growth (3 more stages of
     # 40 tokens) would push the thinking workflow's blocks out; p1 has room for all of it.
     assert request.prefix_tokens == {"p0": 32, "p1": 0}
@@ -74,7 +74,7 @@ def test_with_room_everywhere_the_cached_prefix_wins():
     fleet = Fleet({"p0": 10_000.0, "p1": 10_000.0}, growth_per_stage=40)
     fleet.cache("p0", ROLE)
     request, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
-    assert all(c.overflow == 0 for c in request.notes["placement"].values())
+    assert all(c.overflow == 0 for c in request.placement.values())
     assert decision.pod.name == "p0" and decision.reason == "cache_hit"
 
 
@@ -96,10 +96,10 @@ def test_a_later_stage_stays_with_its_cache_on_a_full_pod():
     crowd = fleet.index.prompt_hashes("m", None, own(6000, 120)).first(BS, 30)
     fleet.ws.hold("workflow:crowd", "p0", BS, crowd, 120, now=time.monotonic())
     request, decision = fleet.route(context + own(4000, 12), "workflow:w")
-    assert request.notes["placement"]["p0"].overflow > 0
+    assert request.placement["p0"].overflow > 0
     # Elsewhere it would prefill its whole context again; here only the tool result.
     assert decision.pod.name == "p0" and decision.reason == "cache_hit"
-    assert request.notes["placement"]["p1"].uncached > request.notes["placement"]["p0"].total
+    assert request.placement["p1"].uncached > request.placement["p0"].total
 
 
 def test_routing_holds_the_context_and_finishing_lets_it_think():
@@ -132,4 +132,4 @@ def test_a_retry_without_the_failed_pod_keeps_its_reason():
     fleet.policy.on_finished[0](request, first)  # the attempt failed before the first byte
     retry = fleet.router.route(request, fleet.policy, exclude=frozenset({"p0"}))
     assert retry.pod.name in {"p1", "p2"} and retry.reason == "no_hit_least_loaded"
-    assert set(request.notes["placement"]) == {"p1", "p2"}
+    assert set(request.placement) == {"p1", "p2"}

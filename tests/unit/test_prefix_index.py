@@ -1,4 +1,9 @@
-"""The prefix index against hand-built event sequences, in every encoding the engines use."""
+"""The prefix index against hand-built event sequences, in every encoding the engines use.
+
+The tests taking the ``index`` fixture are the contract every prefix index implementation passes:
+a new one (say, an index shared by many gateway processes) adds its factory to ``IMPLEMENTATIONS``.
+The tests taking ``in_memory`` check the in-memory layout's own bounds and bookkeeping.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +35,16 @@ def through_wire(events, encoding: Encoding):
     return decode_batch(encode_batch(EventBatch(1.0, events, 0), encoding)).events
 
 
+IMPLEMENTATIONS = {"in_memory": PrefixIndex}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def index(request: pytest.FixtureRequest) -> PrefixIndex:
+    return IMPLEMENTATIONS[request.param]()
+
+
 @pytest.fixture
-def index() -> PrefixIndex:
+def in_memory() -> PrefixIndex:
     return PrefixIndex()
 
 
@@ -132,8 +145,12 @@ def test_best_rank_wins_and_approximate_is_reported(index):
     assert m.gpu_tokens == 12 and m.approximate
 
 
-def test_speculative_insertion_expires(index):
-    index.speculative_ttl_s = 0.05
+def test_speculative_insertion_expires():
+    for factory in IMPLEMENTATIONS.values():
+        check_speculative_insertion_expires(factory(speculative_ttl_s=0.05))
+
+
+def check_speculative_insertion_expires(index: PrefixIndex) -> None:
     view = index.view("a", 0, "m", BS)
     index.expect("a", "m", None, PROMPT)
     m = index.lookup("m", None, PROMPT, ["a", "b"])
@@ -142,10 +159,22 @@ def test_speculative_insertion_expires(index):
     assert index.lookup("m", None, PROMPT, ["a"])["a"].speculative_tokens == 12
     time.sleep(0.06)
     index.expect("b", "m", None, [1, 2, 3, 4, 5])  # any later insertion sweeps expired entries
-    assert match(index) == {"a": 4, "b": 0} and len(index._speculative) == 0
+    assert match(index) == {"a": 4, "b": 0}
 
 
-def test_memory_bound_forgets_least_recent(index):
+def test_expired_speculative_entries_are_swept(in_memory):
+    index = in_memory
+    index.speculative_ttl_s = 0.05
+    index.view("a", 0, "m", BS)
+    index.expect("a", "m", None, PROMPT)
+    assert len(index._speculative) == 4
+    time.sleep(0.06)
+    index.expect("b", "m", None, [1, 2, 3, 4, 5])  # any later insertion sweeps expired entries
+    assert len(index._speculative) == 0
+
+
+def test_memory_bound_forgets_least_recent(in_memory):
+    index = in_memory
     index.max_blocks_per_view = 100
     view = index.view("a", 0, "m", BS)
     parent = None
@@ -158,7 +187,8 @@ def test_memory_bound_forgets_least_recent(index):
     assert index.lookup("m", None, list(range(0, 9)), ["a"])["a"].gpu_tokens == 0  # oldest forgotten
 
 
-def test_drop_pod_frees_its_bit(index):
+def test_drop_pod_frees_its_bit(in_memory):
+    index = in_memory
     a = index.view("a", 0, "m", BS)
     index.apply(a, [stored([1, 2], None, PROMPT[:8])])
     index.drop_pod("a")

@@ -9,8 +9,10 @@ from gateway.api.errors import ApiError
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
+from gateway.http_client import HttpClient
+from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
-from gateway.routing.policy import RoutingRequest
+from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 
 
@@ -26,6 +28,11 @@ def policies() -> PluginRegistry:
     return PluginRegistry("gateway.policies", "routing policy")
 
 
+def make_router(pods: PodRegistry, policy: str, options: dict | None = None,
+                ledger: InFlightLedger | None = None) -> Router:
+    return Router(pods, policies(), policy, options or {}, PolicyContext.standalone(pods, ledger=ledger))
+
+
 def request(model: str = "m") -> RoutingRequest:
     return RoutingRequest("r", model, "chat")
 
@@ -39,12 +46,12 @@ def test_policies_are_found_through_entry_points():
 
 def test_unknown_default_policy_fails_at_start():
     with pytest.raises(UnknownPlugin):
-        Router(registry(), policies(), "nope")
+        make_router(registry(), "nope")
 
 
 def test_round_robin_skips_excluded_and_unhealthy():
     pods = registry(3)
-    router = Router(pods, policies(), "round_robin")
+    router = make_router(pods, "round_robin")
     policy = router.resolve(None)
     pods.get("p1").healthy = False
     chosen = [router.route(request(), policy).pod.name for _ in range(4)]
@@ -55,10 +62,11 @@ def test_round_robin_skips_excluded_and_unhealthy():
 
 def test_least_request_scores_and_reason():
     pods = registry(3)
-    pods.get("p0").in_flight = 4
-    pods.get("p1").in_flight = 1
-    pods.get("p2").in_flight = 2
-    router = Router(pods, policies(), "least_request")
+    ledger = InFlightLedger()
+    for pod, running in (("p0", 4), ("p1", 1), ("p2", 2)):
+        for i in range(running):
+            ledger.dispatch(f"{pod}-{i}", pod, 0.0, "chat")
+    router = make_router(pods, "least_request", ledger=ledger)
     decision = router.route(request(), router.resolve(None))
     assert decision.pod.name == "p1" and decision.reason == "least_in_flight"
     assert decision.scores == {"p0": 0.25, "p1": 1.0, "p2": 0.5}
@@ -66,14 +74,14 @@ def test_least_request_scores_and_reason():
 
 def test_random_policy_uses_every_pod():
     pods = registry(3)
-    router = Router(pods, policies(), "random", options={"random": {"seed": 7}})
+    router = make_router(pods, "random", options={"random": {"seed": 7}})
     counts = Counter(router.route(request(), router.resolve(None)).pod.name for _ in range(300))
     assert set(counts) == {"p0", "p1", "p2"} and min(counts.values()) > 60
 
 
 def test_no_candidates_is_503_and_unknown_override_is_400():
     pods = registry(2)
-    router = Router(pods, policies(), "round_robin")
+    router = make_router(pods, "round_robin")
     with pytest.raises(ApiError) as info:
         router.route(request("other-model"), router.resolve(None))
     assert info.value.status == 503
@@ -99,7 +107,7 @@ def test_health_thresholds():
     pods = registry(1)
     pod = pods.get("p0")
     changes = []
-    checker = HealthChecker(pods, session=None, config=HealthConfig(failure_threshold=3, success_threshold=2),
+    checker = HealthChecker(pods, http=HttpClient(), config=HealthConfig(failure_threshold=3, success_threshold=2),
                             on_change=changes.append)
     for _ in range(2):
         checker._record(pod, False, "down", initial=False)

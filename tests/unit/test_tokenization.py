@@ -11,6 +11,8 @@ import pytest
 from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, TokenizationConfig
+from gateway.http_client import HttpClient
+from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 from gateway.tokenization.segments import SegmentEncoder
@@ -52,7 +54,8 @@ def test_growing_conversation_reuses_cached_segments(tokenizer):
 
 def make_service(models=None, default_mode="none", **kw) -> TokenizationService:
     config = TokenizationConfig(models=models or {}, default_mode=default_mode, **kw)
-    service = TokenizationService(config, PodRegistry([], HealthConfig()), GatewayMetrics())
+    service = TokenizationService(config, PodRegistry([], HealthConfig()), GatewayMetrics(), HttpClient(),
+                                  InFlightLedger())
     service.load()
     return service
 
@@ -106,24 +109,25 @@ async def test_template_errors_fall_back_visibly():
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 async def test_remote_mode_matches_local(start_mock_pod, tokenizer, kind):
-    import aiohttp
 
     from gateway.config import PodConfig
 
     pod = await start_mock_pod()
     registry = PodRegistry([PodConfig(url=pod.url, models=["mock-llama"])], HealthConfig())
     registry.all()[0].healthy = True
-    service = TokenizationService(TokenizationConfig(default_mode="remote"), registry, GatewayMetrics())
-    async with aiohttp.ClientSession() as session:
-        service.session = session
+    http = HttpClient()
+    service = TokenizationService(TokenizationConfig(default_mode="remote"), registry, GatewayMetrics(), http,
+                                  InFlightLedger())
+    await http.start()
+    try:
         messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "remote please"}]
         req = InferenceRequest(model="mock-llama", messages=messages, prompt="remote please")
         ids = await service.tokenize("mock-llama", kind, req)
-    expected = tokenizer.encode_chat(messages) if kind == "chat" else tokenizer.encode("remote please")
-    assert ids == expected
-    await pod.stop()
-    registry.all()[0].healthy = True
-    async with aiohttp.ClientSession() as session:
-        service.session = session
+        expected = tokenizer.encode_chat(messages) if kind == "chat" else tokenizer.encode("remote please")
+        assert ids == expected
+        await pod.stop()
+        registry.all()[0].healthy = True
         assert await service.tokenize("mock-llama", kind, req) is None
+    finally:
+        await http.stop()
     assert 'outcome="remote_error"' in service._metrics.render().decode()

@@ -8,6 +8,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.api.errors import ApiError
 from gateway.api.requests import InferenceRequest, Metadata
 from gateway.config import WorkflowConfig
+from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.pressure import PressureMode, next_mode
 from gateway.workflow.context import WorkflowContext, parse_workflow_context
 from gateway.workflow.sessions import SessionAffinity
@@ -18,16 +19,36 @@ def ctx(stage: str, **kw) -> WorkflowContext:
     return WorkflowContext(workflow_id="wf", stage_id=stage, **kw)
 
 
+class LedgerTracker(WorkflowTracker):
+    """The tracker as the request pipeline drives it: the ledger records each request before the tracker
+    hears of it, and forgets it before the tracker hears it finished."""
+
+    def __init__(self, config: WorkflowConfig) -> None:
+        self.ledger = InFlightLedger()
+        super().__init__(config, self.ledger)
+        self._running: dict[str, Dispatch] = {}
+
+    def dispatch(self, plan, request_id, pod, model, now=None):
+        wf, stage = plan.workflow, plan.stage
+        self._running[request_id] = self.ledger.dispatch(request_id, pod, 0.0, "chat", workflow=wf.id if wf else None,
+                                                         stage=stage.id if wf and stage else None)
+        return self.dispatched(plan, pod, model, now)
+
+    def finish(self, request_id, pod, plan, tokens=None, now=None):
+        self.ledger.finish(self._running.pop(request_id))
+        return self.finished(plan, pod, tokens, now)
+
+
 def run_stage(tracker, stage, tokens, pod="a", model="m", request_id=None, finish=True, **kw):
     plan = tracker.begin(ctx(stage, **kw), model, tokens)
-    flushes = tracker.dispatched(plan, request_id or f"{stage}-r", pod, model)
-    done = tracker.finished(request_id or f"{stage}-r", pod, plan, tokens) if finish else []
+    flushes = tracker.dispatch(plan, request_id or f"{stage}-r", pod, model)
+    done = tracker.finish(request_id or f"{stage}-r", pod, plan, tokens) if finish else []
     return plan, flushes, done
 
 
 @pytest.fixture
-def tracker() -> WorkflowTracker:
-    return WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100))
+def tracker() -> LedgerTracker:
+    return LedgerTracker(WorkflowConfig(preserve_threshold_tokens=100))
 
 
 def test_first_stage_is_noop_then_small_increment_preserves(tracker):
@@ -79,9 +100,9 @@ def test_same_stage_requests_stay_with_the_stage(tracker):
 def test_completion_waits_for_in_flight_then_flushes_every_pod(tracker):
     run_stage(tracker, "s1", 1000, pod="a")
     plan = tracker.begin(ctx("s2", complete=True), "m", 1010)
-    tracker.dispatched(plan, "last", "b", "m")
+    tracker.dispatch(plan, "last", "b", "m")
     assert tracker.complete("wf") == []  # still in flight: completes when it finishes
-    done = tracker.finished("last", "b", plan, 1010)
+    done = tracker.finish("last", "b", plan, 1010)
     assert sorted((a.reason, a.pod) for a in done) == [("workflow_complete", "a"), ("workflow_complete", "b")]
     assert "wf" not in tracker.workflows
 
@@ -89,23 +110,23 @@ def test_completion_waits_for_in_flight_then_flushes_every_pod(tracker):
 def test_idle_workflows_expire(tracker):
     tracker.config = WorkflowConfig(idle_ttl_s=10)
     plan = tracker.begin(ctx("s1"), "m", 100, now=0.0)
-    tracker.dispatched(plan, "r", "a", "m", now=0.0)
-    tracker.finished("r", "a", plan, 100, now=1.0)
+    tracker.dispatch(plan, "r", "a", "m", now=0.0)
+    tracker.finish("r", "a", plan, 100, now=1.0)
     assert tracker.expire_idle(now=5.0) == []
     assert [(a.reason, a.pod) for a in tracker.expire_idle(now=20.0)] == [("idle_expired", "a")]
 
 
 def test_in_flight_queries(tracker):
     plan = tracker.begin(ctx("s1"), "m", 100)
-    tracker.dispatched(plan, "r1", "a", "m")
+    tracker.dispatch(plan, "r1", "a", "m")
     other = tracker.begin(WorkflowContext(workflow_id="other", stage_id="x"), "m", 100)
-    tracker.dispatched(other, "r2", "a", "m")
-    assert tracker.other_in_flight("a", "wf") and not tracker.other_in_flight("b", "wf")
-    tracker.finished("r2", "a", other, 100)
-    assert not tracker.other_in_flight("a", "wf")
+    tracker.dispatch(other, "r2", "a", "m")
+    assert tracker.ledger.others_on("a", "wf") and not tracker.ledger.others_on("b", "wf")
+    tracker.finish("r2", "a", other, 100)
+    assert not tracker.ledger.others_on("a", "wf")
     run_stage(tracker, "s2", 110, pod="a", request_id="r3")
     assert tracker.idle_preserved("a") == []  # wf still has r1 in flight
-    tracker.finished("r1", "a", plan, 100)
+    tracker.finish("r1", "a", plan, 100)
     assert [w.id for w in tracker.idle_preserved("a")] == ["wf"]
 
 
@@ -124,14 +145,19 @@ def test_pressure_modes_with_hysteresis(start, usages, modes):
 
 
 def test_sessions_bounded_but_in_flight_never_evicted():
-    sessions = SessionAffinity(max_sessions=2)
-    sessions.started("busy", "a")  # stays in flight
-    sessions.started("s1", "b")
-    sessions.finished("s1")
-    sessions.started("s2", "c")
-    sessions.finished("s2")
+    ledger = InFlightLedger()
+    sessions = SessionAffinity(ledger, max_sessions=2)
+
+    def started(key: str, pod: str) -> Dispatch:
+        running = ledger.dispatch(f"{key}-r", pod, 0.0, "chat", session=key)
+        sessions.started(key, pod)
+        return running
+
+    started("busy", "a")  # stays in flight
+    ledger.finish(started("s1", "b"))
+    ledger.finish(started("s2", "c"))
     assert sessions.pod_of("busy") == "a" and sessions.pod_of("s1") is None and sessions.pod_of("s2") == "c"
-    sessions.started("s3", "a")
+    started("s3", "a")
     assert sessions.pod_of("busy") == "a" and len(sessions) == 2
 
 

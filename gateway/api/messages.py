@@ -1,0 +1,66 @@
+"""A request's conversation in one shape, for every part that reads it: the tokenizers (the chat
+template sees what vLLM's would) and the approximate prefix index (a canonical text of the prompt).
+
+Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` (a string or a
+list of messages); content is a string or a list of parts, of which only text parts are flattened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.api.requests import InferenceRequest
+
+CHAT_KINDS = frozenset({"chat", "responses"})
+
+
+def text_of_content(content: Any) -> str | None:
+    """A message's content as one string: text parts joined by newlines, as vLLM hands them to a
+    string-content chat template (None when some part is not text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "\n".join(str(p.get("text", "")) for p in content)
+    return None
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with all-text content lists flattened to strings (others left as they are)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and (text := text_of_content(content)) is not None:
+            message = {**message, "content": text}
+        out.append(message)
+    return out
+
+
+def chat_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+    """The conversation of a chat or Responses request (None for other kinds, or when empty)."""
+    if kind == "chat":
+        return req.messages
+    if kind != "responses":
+        return None
+    # Responses API: instructions become the system message; input is a string or a list of messages.
+    messages: list[dict[str, Any]] = []
+    if isinstance(req.instructions, str):
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    elif isinstance(req.input, list):
+        messages.extend(m for m in req.input if isinstance(m, dict) and "role" in m)
+    return normalize_messages(messages) or None
+
+
+def request_text(kind: str, req: InferenceRequest) -> str:
+    """A canonical text of the prompt: roles and contents in order (what a chat template would see), or
+    a completion's first prompt."""
+    messages = chat_messages(kind, req)
+    if messages:
+        return "".join(f"\x1e{m.get('role', '')}\x1f{text_of_content(m.get('content')) or ''}" for m in messages)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return ""

@@ -1,0 +1,65 @@
+"""Pods joining and leaving the fleet: what that means for every component that keeps state per pod.
+
+Owner: nothing of its own; it calls each owner's own method (the KV service subscribes and unsubscribes,
+the ledger, working set, session map, pressure modes and approximate index forget the pod).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.backends.health import HealthChecker
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.service import KvEventService
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import PendingLoad
+from gateway.load.profiles import ProfileStore
+from gateway.metrics import GatewayMetrics
+from gateway.pressure import PressureModes
+from gateway.workflow.sessions import SessionAffinity
+
+
+@dataclass(eq=False, slots=True)
+class PodMembership:
+    """What joining or leaving the fleet means for every component that keeps state per pod."""
+
+    health: HealthChecker
+    metrics: GatewayMetrics
+    kv: KvEventService
+    load: PendingLoad
+    profiles: ProfileStore
+    approximate: ApproximatePrefixIndex
+    sessions: SessionAffinity
+    working_set: ResumableWorkingSet
+    modes: PressureModes
+    ledger: InFlightLedger
+
+    def attach(self, pod: Pod) -> None:
+        health_changed(self.metrics, self.kv, pod)
+        self.metrics.watch_pod(pod, self.load)
+        self.kv.add_pod(pod)
+        self.profiles.learn_models(pod.models)
+
+    def attach_all(self, pods: PodRegistry) -> None:
+        for pod in pods.all():
+            self.attach(pod)
+
+    async def added(self, pod: Pod) -> None:
+        await self.health.check(pod, initial=True, refresh_models=True)
+        self.attach(pod)
+
+    async def removed(self, name: str) -> None:
+        await self.kv.remove_pod(name)
+        self.approximate.forget_pod(name)
+        self.sessions.forget_pod(name)
+        self.working_set.forget_pod(name)
+        self.modes.forget_pod(name)
+        self.ledger.forget_pod(name)
+
+
+def health_changed(metrics: GatewayMetrics, kv: KvEventService, pod: Pod) -> None:
+    """A pod turned healthy or unhealthy: export it, and let its KV subscribers know."""
+    metrics.pod_healthy.labels(pod.name).set(1 if pod.healthy else 0)
+    kv.pod_health_changed(pod)

@@ -1,0 +1,67 @@
+"""Every component of one gateway instance, as :func:`gateway.app.build_gateway` wires them.
+
+Routes and the server find them on the aiohttp application under :data:`GATEWAY_KEY`; nothing else in
+the package holds global state, so tests build as many independent gateways as they like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.admission import AdmissionController
+from gateway.api.auth import ApiKeyAuth
+from gateway.backends.discovery import PodSetApplier
+from gateway.backends.health import HealthChecker
+from gateway.backends.membership import PodMembership
+from gateway.backends.registry import PodRegistry
+from gateway.backends.scraper import MetricsScraper
+from gateway.config import GatewayConfig
+from gateway.http_client import HttpClient
+from gateway.kv.service import KvEventService
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import PendingLoad
+from gateway.load.profiles import ProfileStore
+from gateway.metrics import GatewayMetrics
+from gateway.plugin_registry import PluginRegistry
+from gateway.pressure import PressureModes, PressureMonitor
+from gateway.request.director import RequestDirector
+from gateway.routing.router import Router
+from gateway.tokenization.service import TokenizationService
+from gateway.workflow.service import WorkflowService
+
+
+@dataclass(eq=False)
+class Gateway:
+    config: GatewayConfig
+    http: HttpClient
+    pods: PodRegistry
+    metrics: GatewayMetrics
+    ledger: InFlightLedger
+    router: Router
+    director: RequestDirector
+    auth: ApiKeyAuth
+    policies: PluginRegistry
+    kv: KvEventService
+    tokens: TokenizationService
+    profiles: ProfileStore
+    load: PendingLoad
+    admission: AdmissionController
+    workflows: WorkflowService
+    working_set: ResumableWorkingSet
+    capacity_of: Callable[[str], float | None]
+    health: HealthChecker
+    membership: PodMembership
+    modes: PressureModes
+    # Present only when their config turns them on.
+    pressure: PressureMonitor | None
+    scraper: MetricsScraper | None
+    discovery: PodSetApplier | None
+    # The one field that changes after start: set when shutdown begins (``/readyz`` answers 503).
+    draining: bool = False
+
+
+GATEWAY_KEY = web.AppKey("gateway", Gateway)

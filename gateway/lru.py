@@ -1,0 +1,55 @@
+"""A bounded mapping that forgets its least recently used entries: the one LRU the gateway's caches share.
+
+A ``dict`` keeps insertion order, so an LRU is a dict whose used entries move to the end and whose first
+entries go when it is full. :class:`LruCache` is such a dict: its own methods (``get``, ``in``,
+iteration) read without refreshing, at C speed, for hot loops; :meth:`LruCache.touch` and
+:meth:`LruCache.put` refresh; :meth:`LruCache.trim` applies the bound (``put`` does it itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LruCache(dict[K, V]):
+    """At most ``capacity`` entries. ``keep`` (optional) marks entries that must not be evicted (e.g. a
+    session with a request in flight): they are skipped, so the cache may then hold more than
+    ``capacity`` until they become evictable."""
+
+    def __init__(self, capacity: int, keep: Callable[[K, V], bool] | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"an LRU cache needs a capacity of at least 1, got {capacity}")
+        super().__init__()
+        self.capacity = capacity
+        self._keep = keep
+
+    def touch(self, key: K) -> V | None:
+        """The entry, made the most recently used (None if absent)."""
+        value = self.pop(key, None)
+        if value is not None:
+            self[key] = value
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self.pop(key, None)
+        self[key] = value
+        if len(self) > self.capacity:
+            self.trim()
+
+    def trim(self) -> None:
+        """Forget the least recently used entries (those ``keep`` allows) until within ``capacity``."""
+        excess = len(self) - self.capacity
+        if excess <= 0:
+            return
+        victims: list[K] = []
+        for key, value in self.items():
+            if len(victims) == excess:
+                break
+            if self._keep is None or not self._keep(key, value):
+                victims.append(key)
+        for key in victims:
+            del self[key]
