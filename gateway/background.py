@@ -1,9 +1,11 @@
-"""Stopping the gateway's long-lived asyncio tasks the one way every component needs."""
+"""Background work on the gateway's event loop: stopping long-lived tasks, and sharing the loop fairly."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Iterator
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -13,3 +15,39 @@ async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class LoopShare:
+    """Shares the event loop between requests and long runs of work that never wait (a replay of
+    thousands of buffered event batches, or a burst of queued live ones: ZeroMQ hands them over without
+    suspending). Each such run holds a :meth:`turn`; together the runs take about ``budget_s`` of each
+    pass of the loop, so a request is never held up by much more than that, however many pods catch up
+    at once."""
+
+    def __init__(self, budget_s: float = 0.002) -> None:
+        self.budget_s = budget_s
+        self.runs = 0
+        self.yields = 0
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[Turn]:
+        self.runs += 1
+        try:
+            yield Turn(self)
+        finally:
+            self.runs -= 1
+
+
+class Turn:
+    """One run's share of the loop: call :meth:`pause` between units of work."""
+
+    def __init__(self, share: LoopShare) -> None:
+        self._share = share
+        self._since = time.perf_counter()
+
+    async def pause(self) -> None:
+        share = self._share
+        if time.perf_counter() - self._since >= share.budget_s / max(1, share.runs):
+            await asyncio.sleep(0)
+            share.yields += 1
+            self._since = time.perf_counter()

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.backends.registry import Pod
+from gateway.background import LoopShare
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber, SubscriberStats
 
@@ -32,6 +33,7 @@ class KvEventService:
         self.index = index
         self._subscribers: dict[tuple[str, int], KvEventSubscriber] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        self.loop_share = LoopShare()
 
     def add_pod(self, pod: Pod) -> None:
         cfg = pod.config
@@ -46,7 +48,7 @@ class KvEventService:
             sub = KvEventSubscriber(
                 self.index, view, rank_endpoint(cfg.kv_events, rank),
                 rank_endpoint(cfg.kv_replay, rank) if cfg.kv_replay else None,
-                topic=cfg.kv_topic, context=self._ctx,
+                topic=cfg.kv_topic, context=self._ctx, loop_share=self.loop_share,
             )
             sub.start()
             self._subscribers[(pod.name, rank)] = sub

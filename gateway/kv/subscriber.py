@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from gateway.background import cancel_and_wait
+from gateway.background import LoopShare, Turn, cancel_and_wait
 from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_batch, decode_seq, encode_seq
 from gateway.kv.index import EngineView, PrefixIndex
 
@@ -61,6 +61,7 @@ class KvEventSubscriber:
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
         on_batch: Callable[[SubscriberStats], None] | None = None,
+        loop_share: LoopShare | None = None,
     ) -> None:
         self.index = index
         self.view = view
@@ -70,6 +71,8 @@ class KvEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.stats = SubscriberStats()
         self._on_batch = on_batch
+        # Shared by every subscriber of a gateway: catching up on many pods never holds requests up.
+        self._loop_share = loop_share or LoopShare()
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -106,7 +109,9 @@ class KvEventSubscriber:
 
     async def _receive(self) -> None:
         assert self._sub is not None
+        turn = Turn(self._loop_share)  # mostly waiting: not one of the share's runs
         while True:
+            await turn.pause()  # a burst of queued live batches is received without suspending too
             frames = await self._sub.recv_multipart()
             async with self._lock:
                 try:
@@ -221,10 +226,18 @@ class KvEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
-        first: int | None = None
         try:
             await dealer.send_multipart([b"", encode_seq(start)])
+            with self._loop_share.turn() as turn:
+                return await self._apply_replayed(dealer, start, turn)
+        finally:
+            dealer.close(linger=0)
+
+    async def _apply_replayed(self, dealer: zmq.asyncio.Socket, start: int, turn: Turn) -> int | None:
+        first: int | None = None
+        try:
             while True:
+                await turn.pause()  # a warm pod replays thousands of batches that arrive without waiting
                 async with asyncio.timeout(self.replay_timeout_s):
                     frames = await dealer.recv_multipart()
                 # [b"", topic, seq, payload] (vLLM >= 0.26, SGLang) or [b"", seq, payload] (older).
@@ -243,8 +256,6 @@ class KvEventSubscriber:
         except TimeoutError:
             log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
             return first
-        finally:
-            dealer.close(linger=0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:

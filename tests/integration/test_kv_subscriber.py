@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 
+from gateway.background import LoopShare
 from gateway.kv.events import BlockStored, Encoding, encode_seq
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
@@ -222,3 +224,34 @@ async def test_replay_endpoint_that_never_answers(rig_factory):
         await eventually(lambda: rig.view.last_seq == 3)
     finally:
         silent.close(linger=0)
+
+
+async def test_catching_up_on_a_warm_pod_gives_the_loop_back(rig_factory):
+    """A warm pod's replay arrives without the subscriber ever waiting: it must still let other work
+    (requests) run between batches, not apply thousands of them in one go."""
+    rig = rig_factory()
+    rig.pub.buffer = deque(maxlen=5_000)
+    rig.pub.start()
+    rig.pub.sending = False  # the engine ran before the gateway came: everything is in its replay buffer
+    for _ in range(3_000):
+        rig.store_next()
+    share = LoopShare(budget_s=0.001)
+    sub = KvEventSubscriber(rig.index, rig.view, rig.pub.endpoint, rig.pub.replay_endpoint, topic="kv",
+                            replay_timeout_s=5.0, loop_share=share)
+    seen: list[int] = []
+
+    async def other_work() -> None:
+        while rig.view.last_seq < 2_999:
+            seen.append(rig.view.last_seq)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(other_work())
+    sub.start()
+    try:
+        await eventually(lambda: rig.view.last_seq == 2_999, within_s=30)
+        await watcher
+    finally:
+        await sub.stop()
+    assert share.yields > 0
+    assert any(0 < seq < 2_999 for seq in seen)  # other work ran in the middle of the catch-up
+    assert rig.held() == chain_hashes(3_000)
