@@ -31,6 +31,7 @@ from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
+from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
@@ -41,7 +42,14 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureModes, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy import Proxy
 from gateway.request.director import RequestDirector
-from gateway.request.observers import AccessLog, OutputLearning, PolicyFinishHooks, RequestMetrics, RoutingMetrics
+from gateway.request.observers import (
+    AccessLog,
+    OutputLearning,
+    PolicyFinishHooks,
+    PredictionCheck,
+    RequestMetrics,
+    RoutingMetrics,
+)
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.steps import LoadEstimation, PolicyResolution, PromptTokenization, RequestValidation, SloAdmission
 from gateway.routing.policy import PolicyContext
@@ -94,15 +102,17 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     admit = SloAdmission(pods, admission, metrics)
+    verifier = PredictionVerifier(config.verification, metrics)
     pipeline = RequestPipeline(
         prepare=[RequestValidation(pods, auth, config.server), PolicyResolution(pods, router, config.routing),
-                 PromptTokenization(pods, tokens, config.server),
+                 PromptTokenization(pods, tokens, verifier, config.server),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit],
         route=[workflows],
         dispatch=[RoutingMetrics(metrics), workflows],
         finish=[admit, workflows, PolicyFinishHooks()],
-        complete=[OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
+        complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
+                  OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
     )
     director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries,
                                1.0 / lc.default_capacity)
@@ -120,7 +130,7 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, director=director,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
-        workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health,
+        workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, pressure=pressure, scraper=scraper, discovery=discovery,
     )
 

@@ -21,6 +21,7 @@ from gateway.backends.scraper import MetricsScraper
 from gateway.config import GatewayConfig
 from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
+from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
@@ -54,6 +55,7 @@ class Gateway:
     working_set: ResumableWorkingSet
     capacity_of: Callable[[str], float | None]
     health: HealthChecker
+    verifier: PredictionVerifier
     membership: PodMembership
     modes: PressureModes
     # Present only when their config turns them on.

@@ -230,6 +230,29 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_sessions: int = 100_000
 
 
+class VerificationConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Routing that checks itself: the prefix the gateway predicted against the engines' reports."""
+
+    enabled: bool = True
+    # A model drifts when, among its last ``window`` answers that could be checked (at least
+    # ``min_samples``), at least ``max_miss_share`` missed: the engine counted other prompt tokens than
+    # the gateway, or cached more than ``tolerance_tokens`` fewer or more than predicted.
+    window: int = 50
+    min_samples: int = 20
+    max_miss_share: float = 0.5
+    tolerance_tokens: int = 256
+    # While drifting, one request in ``probe_every`` is also tokenized locally and compared with the
+    # engine's count; ``recover_after`` agreeing probes in a row end the drift.
+    probe_every: int = 10
+    recover_after: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.min_samples <= self.window or not 0 < self.max_miss_share <= 1:
+            raise ValueError("verification needs window >= min_samples >= 1 and max_miss_share in (0, 1]")
+        if self.probe_every < 1 or self.recover_after < 1 or self.tolerance_tokens < 0:
+            raise ValueError("verification needs probe_every >= 1, recover_after >= 1, tolerance_tokens >= 0")
+
+
 class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True):
     """The resumable working set that placement weighs (``gateway/kv/working_set.py``)."""
 
@@ -309,6 +332,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    verification: VerificationConfig = msgspec.field(default_factory=VerificationConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from gateway.backends.registry import Pod
     from gateway.load.pending import PendingLoad
 
+PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -94,6 +95,19 @@ class GatewayMetrics:
         )
         self._per_request: dict[tuple[str, str, int], tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
+        self.kv_prediction_error = Histogram(
+            "gateway_kv_prediction_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens, per answered request",
+            ["model", "pod"], buckets=PREDICTION_ERROR_BUCKETS, registry=r,
+        )
+        self.kv_prediction = Counter(
+            "gateway_kv_prediction_exact",
+            "Cached-prefix predictions checked against the engine: exact, near (within tolerance), over, "
+            "under, or prompt_tokens_mismatch (the engine counted another prompt length)",
+            ["model", "pod", "outcome"], registry=r,
+        )
+        self.kv_drift = Gauge("gateway_kv_drift", "1 while a model's predictions keep missing", ["model"],
+                              registry=r)
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
 

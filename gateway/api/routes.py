@@ -93,7 +93,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check_admin(request)
-    return web.json_response(gateway.kv.debug())
+    return web.json_response({**gateway.kv.debug(), "predictions": gateway.verifier.debug()})
 
 
 async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:

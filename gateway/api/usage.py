@@ -7,9 +7,20 @@ from collections import deque
 import msgspec
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # vLLM with --enable-prompt-tokens-details, SGLang: how many prompt tokens the engine found cached.
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = self.prompt_tokens_details
+        return details.cached_tokens if details is not None else None
 
 
 class _UsageCarrier(msgspec.Struct):

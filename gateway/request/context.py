@@ -35,6 +35,8 @@ class RequestContext:
     # Admission: the request's SLO, and how long it queued for capacity.
     slo: Slo | None = None
     queued_s: float = 0.0
+    # Tokenization, for a model whose predictions drift: the prompt's length by the local tokenizer.
+    probe_tokens: int | None = None
     # The workflow planner: cache action and pin.
     workflow: RequestPlan = field(default_factory=lambda: NO_PLAN)
     # The director, per attempt: the decision and the ledger's record of the attempt.

@@ -1,11 +1,13 @@
 """The built-in steps that watch requests rather than change them: routing metrics, the policy's own
-finish hooks, output-length learning, request metrics and the access log."""
+finish hooks, the check of predictions against the engines, output-length learning, request metrics and
+the access log."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
@@ -36,6 +38,35 @@ class PolicyFinishHooks:
             return
         for hook in ctx.policy.on_finished:
             hook(ctx.routing, ctx.decision)
+
+
+class PredictionCheck:
+    """complete: compare the cached prefix predicted for the chosen pod, and the gateway's token count,
+    with what the engine's usage reports (:mod:`gateway.kv.verification`)."""
+
+    def __init__(self, verifier: PredictionVerifier) -> None:
+        self._verifier = verifier
+
+    def completed(self, ctx: RequestContext) -> None:
+        usage, decision, rr = ctx.usage, ctx.decision, ctx.routing
+        if usage is None or decision is None or rr is None or ctx.status != 200:
+            return
+        if ctx.probe_tokens is not None:
+            self._verifier.probe(rr.base_model, ctx.probe_tokens, usage.prompt_tokens)
+        reported = usage.cached_tokens
+        match = rr.prefix
+        if reported is None or rr.token_ids is None or match is None or not match.precise or not _one_prompt(ctx):
+            return
+        pod = decision.pod.name
+        confirmed = match.pods[pod].gpu_tokens - match.pods[pod].speculative_tokens if pod in match.pods else 0
+        self._verifier.observe(rr.base_model, pod, confirmed, reported, len(rr.token_ids), usage.prompt_tokens)
+
+
+def _one_prompt(ctx: RequestContext) -> bool:
+    """Whether the usage counts one prompt (a batch of completion prompts is routed by its first)."""
+    prompt = ctx.parsed.prompt if ctx.parsed is not None else None
+    return prompt is None or isinstance(prompt, str) or (isinstance(prompt, list) and not any(
+        isinstance(p, str | list) for p in prompt))
 
 
 class OutputLearning:

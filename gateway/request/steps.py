@@ -10,6 +10,7 @@ from gateway.api.auth import ApiKeyAuth
 from gateway.api.errors import bad_request, unknown_model
 from gateway.backends.registry import PodRegistry
 from gateway.config import RoutingConfig, ServerConfig
+from gateway.kv.verification import PredictionVerifier
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
@@ -63,19 +64,36 @@ def _routed(ctx: RequestContext) -> tuple[Policy, RoutingRequest]:
 
 class PromptTokenization:
     """prepare: the prompt's token ids, when the policy needs them; a prompt longer than the model's
-    context is refused here, before any pod is bothered."""
+    context is refused here, before any pod is bothered. For a model whose predictions drift from the
+    engines' (:mod:`gateway.kv.verification`), the ids come from a pod's ``/tokenize`` instead of the local
+    tokenizer (or, without one, there are none: routing is approximate), and now and then the configured
+    tokenizer is asked too, as a probe of whether it agrees again."""
 
-    def __init__(self, pods: PodRegistry, tokens: TokenizationService, server: ServerConfig) -> None:
+    def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
+                 server: ServerConfig) -> None:
         self._pods = pods
         self._tokens = tokens
+        self._verifier = verifier
         self._max_prompt_tokens = server.max_prompt_tokens
 
     def prepare(self, ctx: RequestContext) -> Awaitable[None] | None:
         policy, rr = _routed(ctx)
-        return self._tokenize(ctx, rr) if policy.needs_tokens else None
+        if not policy.needs_tokens:
+            return None
+        if self._verifier.drifting(rr.base_model):
+            return self._tokenize_drifting(ctx, rr)
+        return self._tokenize(ctx, rr)
 
-    async def _tokenize(self, ctx: RequestContext, rr: RoutingRequest) -> None:
-        rr.token_ids = ids = await self._tokens.tokenize(ctx.model, ctx.kind, rr.body)
+    async def _tokenize_drifting(self, ctx: RequestContext, rr: RoutingRequest) -> None:
+        local = self._tokens.has_local(ctx.model)
+        if self._verifier.probe_due(rr.base_model):
+            probe = await self._tokens.tokenize(ctx.model, ctx.kind, rr.body)
+            ctx.probe_tokens = len(probe) if probe is not None else None
+        if local:
+            await self._tokenize(ctx, rr, avoid_local=True)
+
+    async def _tokenize(self, ctx: RequestContext, rr: RoutingRequest, avoid_local: bool = False) -> None:
+        rr.token_ids = ids = await self._tokens.tokenize(ctx.model, ctx.kind, rr.body, avoid_local=avoid_local)
         limit = self._max_prompt_tokens or self._pods.max_model_len(ctx.model)
         if ids is not None and limit and len(ids) > limit:
             raise bad_request(

@@ -98,12 +98,18 @@ class TokenizationService:
         cfg = self._config.models.get(model)
         return cfg.mode if cfg else self._config.default_mode
 
-    async def tokenize(self, model: str, kind: str, req: InferenceRequest) -> list[int] | None:
+    def has_local(self, model: str) -> bool:
+        return self._pods.base_model(model) in self._local and self.mode_of(self._pods.base_model(model)) == "local"
+
+    async def tokenize(self, model: str, kind: str, req: InferenceRequest, *, avoid_local: bool = False
+                       ) -> list[int] | None:
+        """The prompt's token ids, or None. ``avoid_local``: ask a pod even if a local tokenizer is
+        configured (its predictions drift from the engines')."""
         base = self._pods.base_model(model)
         mode = self.mode_of(base)
         started = time.perf_counter()
         try:
-            if mode == "local" and base in self._local:
+            if mode == "local" and base in self._local and not avoid_local:
                 ids = await self._local_tokens(self._local[base], kind, req)
             elif mode in ("local", "remote"):
                 mode = "remote"

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -182,6 +183,15 @@ async def test_index_predicts_each_pods_cached_tokens_request_by_request(start_k
         history[name] = messages
         await settled(gw, pod, tokens.encode_chat(messages), http, urls[pod])
     assert hits >= 8
+    # The gateway checked each answer itself: every one agreed with the engine, and nothing drifted.
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    outcomes: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("gateway_kv_prediction_exact_total{"):
+            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    assert outcomes["exact"] == 14 and set(outcomes) == {"exact"}, outcomes
+    assert f'gateway_kv_drift{{model="{MODEL}"}} 1.0' not in text
 
 
 async def test_kv_aware_sends_a_shared_prefix_to_the_pod_holding_it(start_kv_gateway, vllm: VllmFleet,
