@@ -220,7 +220,10 @@ class Proxy:
             self._metrics.upstream_errors.labels(pod.name, kind).inc()
             log.warning("request %s: pod %s broke the stream (%s)", ctx.request_id, pod.name, kind)
             error = upstream_failed(f"Pod {pod.name} stopped the stream early ({kind}).")
-            await response.write(b"data: " + error.body() + b"\n\n")
+            if ctx.kind == "messages":  # Anthropic's streams name each event
+                await response.write(b"event: error\ndata: " + error.body(anthropic=True) + b"\n\n")
+            else:
+                await response.write(b"data: " + error.body() + b"\n\n")
             ctx.status = 502
             return response
         except ConnectionResetError:

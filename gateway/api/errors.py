@@ -1,7 +1,8 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "code", "param"}}`` with the right status.
 
 Every failure the gateway reports goes through :class:`ApiError`, so clients built for the OpenAI API
-parse our errors the same way they parse OpenAI's.
+parse our errors the same way they parse OpenAI's. On the Anthropic route (``/v1/messages``) the same
+error is written in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorEnvelope(msgspec.Struct):
     error: ErrorBody
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorEnvelope(msgspec.Struct):
+    error: AnthropicErrorBody
+    type: str = "error"
+
+
+# Anthropic's error types by status (its docs); 503 (no pod can take it) reads as overloaded.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
 
 
 _encoder = msgspec.json.Encoder()
@@ -45,12 +62,15 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def body(self) -> bytes:
+    def body(self, anthropic: bool = False) -> bytes:
+        if anthropic:
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            return _encoder.encode(AnthropicErrorEnvelope(AnthropicErrorBody(kind, self.message)))
         return _encoder.encode(ErrorEnvelope(ErrorBody(self.message, self.type, self.code, self.param)))
 
-    def to_response(self) -> web.Response:
+    def to_response(self, anthropic: bool = False) -> web.Response:
         return web.Response(
-            status=self.status, body=self.body(), content_type="application/json", headers=self.headers
+            status=self.status, body=self.body(anthropic), content_type="application/json", headers=self.headers
         )
 
 

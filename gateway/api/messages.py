@@ -2,16 +2,19 @@
 template sees what vLLM's would) and the approximate prefix index (a canonical text of the prompt).
 
 Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` (a string or a
-list of messages); content is a string or a list of parts, of which only text parts are flattened.
+list of messages); Anthropic Messages requests carry ``system`` and content blocks
+(:mod:`gateway.api.anthropic`); content is a string or a list of parts, of which only text parts are
+flattened.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.api import anthropic
 from gateway.api.requests import InferenceRequest
 
-CHAT_KINDS = frozenset({"chat", "responses"})
+CHAT_KINDS = frozenset({"chat", "responses", "messages"})
 
 
 def text_of_content(content: Any) -> str | None:
@@ -35,10 +38,15 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
-    """The conversation of a chat or Responses request (None for other kinds, or when empty)."""
+def chat_messages(kind: str, req: InferenceRequest, merge_inline_system: bool = False
+                  ) -> list[dict[str, Any]] | None:
+    """The conversation of a chat, Responses or Messages request (None for other kinds, or when empty).
+    ``merge_inline_system``: the chat template takes a system message only first (Messages requests);
+    raises :class:`~gateway.api.anthropic.NotRenderable` for what cannot be rendered exactly."""
     if kind == "chat":
         return req.messages
+    if kind == "messages":
+        return anthropic.chat_messages(req, merge_inline_system) or None
     if kind != "responses":
         return None
     # Responses API: instructions become the system message; input is a string or a list of messages.
@@ -52,10 +60,18 @@ def chat_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | No
     return normalize_messages(messages) or None
 
 
+def chat_tools(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders (Messages requests' converted to OpenAI's form)."""
+    return anthropic.chat_tools(req) if kind == "messages" else req.tools
+
+
 def request_text(kind: str, req: InferenceRequest) -> str:
     """A canonical text of the prompt: roles and contents in order (what a chat template would see), or
     a completion's first prompt."""
-    messages = chat_messages(kind, req)
+    try:
+        messages = chat_messages(kind, req)
+    except anthropic.NotRenderable:
+        messages = [m for m in req.messages or () if isinstance(m, dict)]
     if messages:
         return "".join(f"\x1e{m.get('role', '')}\x1f{text_of_content(m.get('content')) or ''}" for m in messages)
     prompt = req.prompt

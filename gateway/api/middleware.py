@@ -1,4 +1,5 @@
-"""The one middleware: every failure leaves as OpenAI error JSON, never as a traceback."""
+"""The one middleware: every failure leaves as the API's own error JSON (OpenAI's, or Anthropic's on its
+route), never as a traceback."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from gateway.api.errors import ApiError, internal_error
 log = logging.getLogger("gateway.api")
 
 REQUEST_ID = web.RequestKey("request_id", str)
+# Routes whose errors are written in Anthropic's shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),
@@ -33,14 +36,15 @@ def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awa
         try:
             return await handler(request)
         except ApiError as err:
-            return _with_request_id(err.to_response(), request)
+            return _with_request_id(err.to_response(request.path in ANTHROPIC_PATHS), request)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _with_request_id(_http_error(request, exc).to_response(), request)
+            error = _http_error(request, exc)
+            return _with_request_id(error.to_response(request.path in ANTHROPIC_PATHS), request)
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return _with_request_id(internal_error().to_response(), request)
+            return _with_request_id(internal_error().to_response(request.path in ANTHROPIC_PATHS), request)
 
     return middleware
 

@@ -1,4 +1,4 @@
-"""The parts of OpenAI request bodies the gateway reads.
+"""The parts of OpenAI (and Anthropic Messages) request bodies the gateway reads.
 
 Bodies are decoded once into these structs to route; the bytes sent upstream are the client's own,
 never re-encoded. Unknown fields are ignored (engines accept many extensions), while the fields we read
@@ -21,6 +21,7 @@ class StreamOptions(msgspec.Struct):
 class Metadata(msgspec.Struct):
     workflow_id: str | None = None
     stage_id: str | None = None
+    user_id: str | None = None  # Anthropic's: the end user (agent tools put their session here)
 
 
 class InferenceRequest(msgspec.Struct):
@@ -43,6 +44,11 @@ class InferenceRequest(msgspec.Struct):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     instructions: Any = None
+    # Anthropic Messages: the system prompt, and what changes how the engine renders the conversation.
+    system: Any = None
+    thinking: Any = None
+    output_config: Any = None
+    tool_choice: Any = None
 
 
 _decoder = msgspec.json.Decoder(InferenceRequest)

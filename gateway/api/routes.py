@@ -20,6 +20,7 @@ PROXIED_ROUTES = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
     "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",  # Anthropic's Messages API
 }
 
 

@@ -1,4 +1,9 @@
-"""The ``usage`` object of an OpenAI answer, read from a whole body or from the tail of an SSE stream."""
+"""The ``usage`` object of an answer, read from a whole body or from the tail of an SSE stream.
+
+OpenAI's names (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``) are
+the gateway's; Anthropic's (``input_tokens`` not cached, ``cache_read_input_tokens``, ``output_tokens``)
+are read into them.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,19 @@ class Usage(msgspec.Struct):
     completion_tokens: int = 0
     # vLLM with --enable-prompt-tokens-details, SGLang: how many prompt tokens the engine found cached.
     prompt_tokens_details: PromptTokensDetails | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_tokens is None:
+            return
+        cached = self.cache_read_input_tokens
+        self.prompt_tokens = self.input_tokens + (cached or 0) + (self.cache_creation_input_tokens or 0)
+        self.completion_tokens = self.output_tokens or 0
+        if cached is not None:
+            self.prompt_tokens_details = PromptTokensDetails(cached)
 
     @property
     def cached_tokens(self) -> int | None:
@@ -38,10 +56,11 @@ def usage_of_body(body: bytes) -> Usage | None:
 
 
 def usage_of_stream_tail(chunks: deque[bytes]) -> Usage | None:
-    """The usage of a finished SSE stream: it rides in the last ``data:`` event that has one."""
+    """The usage of a finished SSE stream: it rides in the last ``data:`` event that has one (after an
+    ``event:`` line in Anthropic's streams)."""
     tail = b"".join(chunks)
     for event in reversed(tail.split(b"\n\n")):
-        event = event.strip()
-        if event.startswith(b"data: {") and b'"usage"' in event:
-            return usage_of_body(event[6:])
+        data = event.strip().rpartition(b"\n")[2]
+        if data.startswith(b"data: {") and b'"usage"' in data:
+            return usage_of_body(data[6:])
     return None

@@ -25,6 +25,7 @@ from aiohttp import web
 from gateway.config import PodConfig
 from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
+from gateway.mock import anthropic as anthropic_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
 from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from gateway.mock.kvcache import PagedKvCache
@@ -186,6 +187,7 @@ class MockPod:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/chat/completions/render", self._render_chat)
@@ -258,6 +260,28 @@ class MockPod:
         except (PromptRejected, ValueError, TypeError) as exc:
             return self._error(400, str(exc))
         return await self._generate(request, body, ids, chat=True)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API, as vLLM 0.32 serves it (:mod:`gateway.mock.anthropic`)."""
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            ids = anthropic_api.prompt_ids(self.tokenizer, body)
+            seq = self.engine.submit(ids, int(body.get("max_tokens") or self.config.default_max_tokens),
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex)
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return anthropic_api.error(400, str(exc))
+        try:
+            if body.get("stream"):
+                return await anthropic_api.stream(request, seq, self.config.model, self._token_text.__getitem__,
+                                                  self.config.block_size)
+            text = "".join([self._token_text[t] async for t in seq.tokens()])
+            return web.json_response(anthropic_api.message(seq, self.config.model, text, self.config.block_size))
+        finally:
+            if not seq.finished:
+                self.aborted_requests += 1
+                self.engine.abort(seq)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if failure := await self._inference_faults():

@@ -8,6 +8,7 @@ completion prompts are tokenized *with* special tokens. Getting either wrong shi
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,17 @@ class HfTokenizer:
             chat_template=chat_template,
             **(chat_template_kwargs or {}),
         )
+
+    @cached_property
+    def system_first(self) -> bool:
+        """Whether the chat template refuses a system message after the first, as vLLM probes it (then a
+        Messages request's inline system messages join the leading one)."""
+        probe = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+        try:
+            self.render_chat(probe, add_generation_prompt=False)
+        except Exception:  # the template's own guard (e.g. ``raise_exception`` unless loop.first)
+            return True
+        return False
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)

@@ -15,7 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from gateway.api.messages import CHAT_KINDS, chat_messages
+from gateway.api.anthropic import NotRenderable
+from gateway.api.messages import CHAT_KINDS, chat_messages, chat_tools
 from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
@@ -39,12 +40,13 @@ class LocalTokenizer:
         self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
         self._offload_chars = config.offload_chars
 
-    async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest) -> list[int]:
+    async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest,
+                   tools: list[dict[str, Any]] | None) -> list[int]:
         text = self.tokenizer.render_chat(
             messages,
             add_generation_prompt=req.add_generation_prompt if req.add_generation_prompt is not None else True,
             continue_final_message=bool(req.continue_final_message),
-            tools=req.tools,
+            tools=tools,
             chat_template_kwargs=req.chat_template_kwargs,
         )
         if not self.segments.exact:
@@ -127,24 +129,32 @@ class TokenizationService:
     async def _local_tokens(self, local: LocalTokenizer, kind: str, req: InferenceRequest) -> list[int] | None:
         try:
             if kind in CHAT_KINDS:
-                messages = chat_messages(kind, req)
-                return await local.chat(messages, req) if messages else None
+                messages = chat_messages(kind, req, merge_inline_system=local.tokenizer.system_first)
+                return await local.chat(messages, req, chat_tools(kind, req)) if messages else None
             prompt = first_prompt(req.prompt)
             if isinstance(prompt, str):
                 return await local.prompt(prompt)
             return prompt
+        except NotRenderable as exc:
+            log.debug("not tokenized exactly: %s", exc)
+            raise _NotTokenizable("not_renderable") from None
         except Exception as exc:  # a template that rejects the conversation: the pod will say why
             log.debug("local tokenization failed: %s", exc)
             raise _NotTokenizable("render_error") from None
 
     async def _remote_tokens(self, model: str, kind: str, req: InferenceRequest) -> list[int] | None:
         if kind in CHAT_KINDS:
-            messages = chat_messages(kind, req)
+            try:
+                messages = self._remote_messages(kind, req)
+            except NotRenderable:
+                raise _NotTokenizable("not_renderable") from None
             if not messages:
                 return None
             body: dict[str, Any] = {"model": model, "messages": messages,
                                     "add_generation_prompt": req.add_generation_prompt is not False}
-            for key in ("tools", "chat_template_kwargs", "continue_final_message"):
+            if (tools := chat_tools(kind, req)) is not None:
+                body["tools"] = tools
+            for key in ("chat_template_kwargs", "continue_final_message"):
                 if getattr(req, key) is not None:
                     body[key] = getattr(req, key)
         else:
@@ -166,6 +176,14 @@ class TokenizationService:
         if not isinstance(tokens, list):
             raise _NotTokenizable("remote_error")
         return tokens
+
+    @staticmethod
+    def _remote_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+        """The conversation for a pod's ``/tokenize``. Whether the pod's template merges a Messages
+        request's inline system messages is not known here: such a request is not tokenized remotely."""
+        if kind == "messages" and any(m.get("role") == "system" for m in req.messages or ()):
+            raise NotRenderable("inline system messages, with the pod's template unknown")
+        return chat_messages(kind, req)
 
     def _warn_once(self, model: str, why: str) -> None:
         if model not in self._warned:

@@ -47,7 +47,9 @@ def _workflow_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str 
 
 
 def _session_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
-    return _first(headers, "x-session-id") or body.prompt_cache_key or body.user
+    meta = body.metadata
+    return (_first(headers, "x-session-id") or body.prompt_cache_key or body.user
+            or (meta.user_id if meta else None))
 
 
 def context_key_of(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:

@@ -279,3 +279,44 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
     assert headers["x-gateway-pod"] == victim.name
     cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and int(headers["x-gateway-prefix-tokens"]) == cached
+
+
+async def test_anthropic_messages_are_tokenized_like_vllm_renders_them(start_kv_gateway, vllm: VllmFleet,
+                                                                      http) -> None:
+    """vLLM's own /v1/messages, through the gateway with the official SDK: the gateway's token count of
+    each request is the engine's, the shared system prompt is found where it is cached, and every
+    prediction checks out."""
+    import anthropic
+
+    gw = await start_kv_gateway()
+    sdk = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
+    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    urls = {p.name: p.url for p in vllm.pods}
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},  # vLLM drops it, so must we
+              {"type": "text", "text": document("anthropic")}]
+    hits = 0
+    for i in range(4):
+        messages = [{"role": "user", "content": f"Question {i}?"},
+                    {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}]},
+                    {"role": "user", "content": [{"type": "text", "text": f"Go on, {i}."}]}]
+        raw = await sdk.messages.with_raw_response.create(model=MODEL, max_tokens=4, system=system,
+                                                         messages=messages)
+        message = await raw.parse()
+        usage, pod = message.usage, raw.headers["x-gateway-pod"]
+        cached = usage.cache_read_input_tokens or 0
+        ids = tokens.encode_chat([{"role": "system", "content": document("anthropic")}, messages[0],
+                                  {"role": "assistant", "content": "Let me look."},
+                                  {"role": "user", "content": f"Go on, {i}."}])
+        # The engine rendered exactly what the gateway did (Anthropic splits the prompt three ways).
+        assert usage.input_tokens + cached + (usage.cache_creation_input_tokens or 0) == len(ids)
+        assert int(raw.headers["x-gateway-prefix-tokens"]) == cached
+        hits += cached > 0
+        await settled(gw, pod, ids, http, urls[pod])
+    assert hits >= 3
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    outcomes: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("gateway_kv_prediction_exact_total{"):
+            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    assert outcomes == {"exact": 4}, outcomes
