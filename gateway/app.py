@@ -68,7 +68,9 @@ DISCOVERY_GROUP = "gateway.discovery_sources"
 log = logging.getLogger("gateway.app")
 
 
-def build_gateway(config: GatewayConfig) -> Gateway:
+def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway:
+    """Every component, wired. ``tracer_provider``: an OpenTelemetry provider to trace with (tracing
+    on), instead of the OTLP exporter the ``OTEL_*`` variables configure."""
     http = HttpClient()
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
@@ -114,6 +116,11 @@ def build_gateway(config: GatewayConfig) -> Gateway:
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
     )
+    if config.tracing.enabled:
+        from gateway import tracing  # the otel extra: imported only when tracing is on
+
+        tracer_provider = tracer_provider or tracing.tracer_provider()
+        pipeline = tracing.traced(pipeline, tracer_provider.get_tracer(tracing.INSTRUMENTATION))
     director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries,
                                1.0 / lc.default_capacity)
     pressure = None
@@ -132,6 +139,7 @@ def build_gateway(config: GatewayConfig) -> Gateway:
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, pressure=pressure, scraper=scraper, discovery=discovery,
+        tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
 
@@ -235,11 +243,13 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out += [lifecycle(gw.admission.start, gw.admission.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
     if gw.pressure is not None:
         out.append(lifecycle(gw.pressure.start, gw.pressure.stop))
+    if gw.tracer_provider is not None:  # flush the spans still batched
+        out.append(lifecycle(lambda: None, lambda: asyncio.to_thread(gw.tracer_provider.shutdown)))
     return out
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    gateway = build_gateway(config)
+def build_app(config: GatewayConfig, tracer_provider: Any = None) -> web.Application:
+    gateway = build_gateway(config, tracer_provider)
     app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
                           client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway

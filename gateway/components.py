@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -62,6 +63,8 @@ class Gateway:
     pressure: PressureMonitor | None
     scraper: MetricsScraper | None
     discovery: PodSetApplier | None
+    # The OpenTelemetry tracer provider, with tracing on.
+    tracer_provider: Any = None
     # The one field that changes after start: set when shutdown begins (``/readyz`` answers 503).
     draining: bool = False
 

@@ -230,6 +230,13 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_sessions: int = 100_000
 
 
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenTelemetry spans per request (the ``otel`` extra). The exporter is OTLP over HTTP, configured by
+    the standard ``OTEL_EXPORTER_OTLP_*`` and ``OTEL_SERVICE_NAME`` variables. Off: nothing is done."""
+
+    enabled: bool = False
+
+
 class VerificationConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Routing that checks itself: the prefix the gateway predicted against the engines' reports."""
 
@@ -333,6 +340,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     verification: VerificationConfig = msgspec.field(default_factory=VerificationConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

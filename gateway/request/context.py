@@ -6,6 +6,7 @@ Each field is written by the one stage named beside it; the others read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -15,6 +16,9 @@ from gateway.api.usage import Usage
 from gateway.load.ledger import Dispatch
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.workflow.service import NO_PLAN, RequestPlan
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestSpans
 
 
 @dataclass(slots=True)
@@ -43,6 +47,8 @@ class RequestContext:
     decision: Decision | None = None
     dispatch: Dispatch | None = None
     attempts: int = 0
+    # The tracing steps (only with tracing on): the request's open spans.
+    trace: RequestSpans | None = None
     # The proxy, as it relays the answer.
     status: int = 0
     first_byte_at: float | None = None
