@@ -66,6 +66,17 @@ async def step_engine(http: aiohttp.ClientSession, pod_url: str) -> None:
     await post(http, f"{pod_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
 
 
+async def prediction_outcomes(http: aiohttp.ClientSession, gateway_url: str) -> tuple[Counter[str], str]:
+    """How the gateway's checks of its predictions against the engines came out, and its metrics text."""
+    async with http.get(f"{gateway_url}/metrics") as resp:
+        text = await resp.text()
+    outcomes: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("gateway_kv_prediction_exact_total{"):
+            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    return outcomes, text
+
+
 @pytest.fixture
 async def empty_caches(vllm: VllmFleet, http: aiohttp.ClientSession) -> VllmFleet:
     for pod in vllm.pods:
@@ -184,12 +195,7 @@ async def test_index_predicts_each_pods_cached_tokens_request_by_request(start_k
         await settled(gw, pod, tokens.encode_chat(messages), http, urls[pod])
     assert hits >= 8
     # The gateway checked each answer itself: every one agreed with the engine, and nothing drifted.
-    async with http.get(f"{gw.url}/metrics") as resp:
-        text = await resp.text()
-    outcomes: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith("gateway_kv_prediction_exact_total{"):
-            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    outcomes, text = await prediction_outcomes(http, gw.url)
     assert outcomes["exact"] == 14 and set(outcomes) == {"exact"}, outcomes
     assert f'gateway_kv_drift{{model="{MODEL}"}} 1.0' not in text
 
@@ -313,10 +319,5 @@ async def test_anthropic_messages_are_tokenized_like_vllm_renders_them(start_kv_
         hits += cached > 0
         await settled(gw, pod, ids, http, urls[pod])
     assert hits >= 3
-    async with http.get(f"{gw.url}/metrics") as resp:
-        text = await resp.text()
-    outcomes: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith("gateway_kv_prediction_exact_total{"):
-            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    outcomes, _ = await prediction_outcomes(http, gw.url)
     assert outcomes == {"exact": 4}, outcomes
