@@ -238,6 +238,8 @@ class BenchRunner:
             before = [self._prefix_counters(p.url) for p in pods]
             outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods], contender.name))
             after = [self._prefix_counters(p.url) for p in pods]
+            if contender.kind == "gateway" and routers:
+                result.extra.update(self._prediction_checks(routers))
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
             return result
@@ -259,6 +261,21 @@ class BenchRunner:
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
         return result
+
+    @staticmethod
+    def _prediction_checks(routers: list[str]) -> dict[str, float]:
+        """How the gateway's own checks of its predictions came out (``prediction_<outcome>``), and
+        whether any model drifted: a benchmark must not pass while routing silently degrades."""
+        checks: dict[str, float] = {}
+        for url in routers:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+                for line in resp.read().decode().splitlines():
+                    if line.startswith("gateway_kv_prediction_exact_total{"):
+                        key = "prediction_" + line.split('outcome="')[1].split('"')[0]
+                        checks[key] = checks.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("gateway_kv_drift{"):
+                        checks["drift"] = max(checks.get("drift", 0.0), float(line.rsplit(" ", 1)[1]))
+        return checks
 
     @staticmethod
     def _prefix_counters(url: str) -> tuple[float, float, float]:

@@ -49,6 +49,9 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     # Same requests, same pods: sending each group where its prefix is cached must win on hits.
     assert gateway.hit_ratio > direct.hit_ratio and gateway.hit_ratio > 0.5
     assert gateway.ttft_p50_ms > 0 and gateway.req_per_s > 0
+    # The gateway's own checks of its predictions come back with its result: all exact, no drift.
+    assert gateway.extra.get("prediction_exact", 0) >= trace.requests - 2 and not gateway.extra.get("drift")
+    assert not direct.extra
     paths = write_results(results, tmp_path, {"seed": 0})
     saved = json.loads(paths["json"].read_text())
     assert [c["name"] for c in saved["contenders"]] == ["direct", "gateway-kv_aware"]
