@@ -22,6 +22,8 @@ class HfTokenizer:
         # Never reach a model hub: tokenizers come from local directories only.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        # The gateway's threads are its parallelism; the tokenizer's own thread pool would only fight them.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer  # heavy import, paid only by who tokenizes
 
         self.path = str(path)
@@ -70,7 +72,9 @@ class HfTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch releases the GIL while it works and encode does not (benchmarks/tokenize_threads.py):
+            # long new text tokenized in a worker thread then really runs beside the event loop.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
