@@ -105,9 +105,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     admit = SloAdmission(pods, admission, metrics)
     verifier = PredictionVerifier(config.verification, metrics)
+    checked = [RequestValidation(pods, auth, config.server), PolicyResolution(pods, router, config.routing)]
     pipeline = RequestPipeline(
-        prepare=[RequestValidation(pods, auth, config.server), PolicyResolution(pods, router, config.routing),
-                 PromptTokenization(pods, tokens, verifier, config.server),
+        prepare=[*checked, PromptTokenization(pods, tokens, verifier, config.server),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit],
         route=[workflows],
@@ -123,6 +123,11 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
         pipeline = tracing.traced(pipeline, tracer_provider.get_tracer(tracing.INSTRUMENTATION))
     director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries,
                                1.0 / lc.default_capacity)
+    # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
+    # workflow or prediction steps, since nothing is cached or learnt by them.
+    counting = RequestDirector(
+        RequestPipeline(prepare=list(checked), complete=[RequestMetrics(metrics), AccessLog()]),
+        router, ledger, proxy, config.routing.max_retries, 1.0 / lc.default_capacity)
     pressure = None
     if config.pressure.enabled:
         source = pressure_source(config, PressureContext(load, working_set, capacity_of))
@@ -136,6 +141,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
     scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, director=director,
+        counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, pressure=pressure, scraper=scraper, discovery=discovery,

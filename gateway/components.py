@@ -45,6 +45,7 @@ class Gateway:
     ledger: InFlightLedger
     router: Router
     director: RequestDirector
+    counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
     auth: ApiKeyAuth
     policies: PluginRegistry
     kv: KvEventService

@@ -16,7 +16,7 @@ log = logging.getLogger("gateway.api")
 
 REQUEST_ID = web.RequestKey("request_id", str)
 # Routes whose errors are written in Anthropic's shape.
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),

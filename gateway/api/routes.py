@@ -29,6 +29,7 @@ def add_routes(app: web.Application) -> None:
     gateway = app[GATEWAY_KEY]
     for path, kind in PROXIED_ROUTES.items():
         app.router.add_post(path, partial(_proxied, gateway, kind))
+    app.router.add_post("/v1/messages/count_tokens", partial(_counted, gateway))
     app.router.add_get("/v1/models", partial(_models, gateway))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
@@ -45,6 +46,11 @@ def add_routes(app: web.Application) -> None:
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
     gateway.auth.check(request)  # who; the model and rate checks run once the body is parsed
     return await gateway.director.handle(request, kind)
+
+
+async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    gateway.auth.check(request)
+    return await gateway.counting.handle(request, "count_tokens")
 
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:

@@ -188,6 +188,7 @@ class MockPod:
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/messages", self._messages)
+        r.add_post("/v1/messages/count_tokens", self._count_tokens)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/chat/completions/render", self._render_chat)
@@ -282,6 +283,13 @@ class MockPod:
             if not seq.finished:
                 self.aborted_requests += 1
                 self.engine.abort(seq)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            ids = anthropic_api.prompt_ids(self.tokenizer, await self._body(request))
+        except (ValueError, TypeError) as exc:
+            return anthropic_api.error(400, str(exc))
+        return web.json_response({"input_tokens": len(ids)})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if failure := await self._inference_faults():

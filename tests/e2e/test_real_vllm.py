@@ -321,3 +321,5 @@ async def test_anthropic_messages_are_tokenized_like_vllm_renders_them(start_kv_
     assert hits >= 3
     outcomes, _ = await prediction_outcomes(http, gw.url)
     assert outcomes == {"exact": 4}, outcomes
+    counted = await sdk.messages.count_tokens(model=MODEL, system=system, messages=messages)
+    assert counted.input_tokens == len(ids)  # vLLM's own count, relayed

@@ -91,3 +91,15 @@ def test_conversion_matches_vllms_for_tools_results_and_inline_system():
         conversion.chat_messages(InferenceRequest(messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]), False)
     assert HfTokenizer(MOCK_TOKENIZER_DIR).system_first is False  # the mock template takes inline system
+
+
+async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_mock_pod, start_gateway, tokenizer):
+    _, gw = await fleet(start_mock_pod, start_gateway, n=2)
+    messages = [{"role": "user", "content": "How long is this?"}]
+    counted = await client(gw).messages.count_tokens(model=MODEL, system="Be brief.", messages=messages,
+                                                     extra_headers={"x-workflow-id": "wf-count"})
+    expected = tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *messages])
+    assert counted.input_tokens == len(expected)
+    assert "wf-count" not in gw.gateway.workflows.tracker.workflows  # counting is not a stage
+    with pytest.raises(anthropic.NotFoundError):
+        await client(gw).messages.count_tokens(model="nope", messages=messages)
