@@ -121,13 +121,12 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
 
         tracer_provider = tracer_provider or tracing.tracer_provider()
         pipeline = tracing.traced(pipeline, tracer_provider.get_tracer(tracing.INSTRUMENTATION))
-    director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries,
-                               1.0 / lc.default_capacity)
+    director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries, load.default_consumption)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(
         RequestPipeline(prepare=list(checked), complete=[RequestMetrics(metrics), AccessLog()]),
-        router, ledger, proxy, config.routing.max_retries, 1.0 / lc.default_capacity)
+        router, ledger, proxy, config.routing.max_retries, load.default_consumption)
     pressure = None
     if config.pressure.enabled:
         source = pressure_source(config, PressureContext(load, working_set, capacity_of))

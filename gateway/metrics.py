@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from gateway.backends.registry import Pod
@@ -155,3 +156,19 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def prediction_checks(metrics_text: str) -> dict[str, float]:
+    """From a gateway's ``/metrics`` text: its checks of its predictions against the engines, summed by
+    outcome (``prediction_<outcome>``), and ``drift``, the highest drift gauge (present once a model has
+    a drift gauge)."""
+    checks: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "gateway_kv_prediction_exact_total":
+                key = "prediction_" + sample.labels["outcome"]
+                checks[key] = checks.get(key, 0.0) + sample.value
+            elif sample.name == "gateway_kv_drift":
+                checks["drift"] = max(checks.get("drift", 0.0), sample.value)
+    return checks
+

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from gateway.backends.scraper import parse_engine_metrics
 from gateway.bench.workloads import Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
+from gateway.metrics import prediction_checks
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
@@ -269,12 +270,11 @@ class BenchRunner:
         checks: dict[str, float] = {}
         for url in routers:
             with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-                for line in resp.read().decode().splitlines():
-                    if line.startswith("gateway_kv_prediction_exact_total{"):
-                        key = "prediction_" + line.split('outcome="')[1].split('"')[0]
-                        checks[key] = checks.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-                    elif line.startswith("gateway_kv_drift{"):
-                        checks["drift"] = max(checks.get("drift", 0.0), float(line.rsplit(" ", 1)[1]))
+                for key, value in prediction_checks(resp.read().decode()).items():
+                    if key == "drift":  # any replica's drift
+                        checks[key] = max(checks.get(key, 0.0), value)
+                    else:
+                        checks[key] = checks.get(key, 0.0) + value
         return checks
 
     @staticmethod

@@ -101,7 +101,8 @@ class TokenizationService:
         return cfg.mode if cfg else self._config.default_mode
 
     def has_local(self, model: str) -> bool:
-        return self._pods.base_model(model) in self._local and self.mode_of(self._pods.base_model(model)) == "local"
+        base = self._pods.base_model(model)
+        return base in self._local and self.mode_of(base) == "local"
 
     async def tokenize(self, model: str, kind: str, req: InferenceRequest, *, avoid_local: bool = False
                        ) -> list[int] | None:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import random
 import re
-from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from gateway.api.requests import parse_inference_request
+from gateway.metrics import prediction_checks
 from gateway.tokenization.hf import HfTokenizer
 from tests.conftest import eventually, gateway_process
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet
@@ -66,15 +66,13 @@ async def step_engine(http: aiohttp.ClientSession, pod_url: str) -> None:
     await post(http, f"{pod_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
 
 
-async def prediction_outcomes(http: aiohttp.ClientSession, gateway_url: str) -> tuple[Counter[str], str]:
-    """How the gateway's checks of its predictions against the engines came out, and its metrics text."""
+async def prediction_outcomes(http: aiohttp.ClientSession, gateway_url: str) -> tuple[dict[str, float], str]:
+    """How the gateway's checks of its predictions against the engines came out, by outcome, and its
+    metrics text."""
     async with http.get(f"{gateway_url}/metrics") as resp:
         text = await resp.text()
-    outcomes: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith("gateway_kv_prediction_exact_total{"):
-            outcomes[line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
-    return outcomes, text
+    checks = prediction_checks(text)
+    return {k.removeprefix("prediction_"): v for k, v in checks.items() if k != "drift"}, text
 
 
 @pytest.fixture
