@@ -25,6 +25,9 @@ from gateway.backends.health import HealthChecker
 from gateway.backends.membership import PodMembership, health_changed
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
+from gateway.cluster.bus import StateBus
+from gateway.cluster.identity import WorkerIdentity
+from gateway.cluster.replication import Replication
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import GatewayConfig
 from gateway.http_client import HttpClient
@@ -37,6 +40,7 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.profiles import ProfileStore
+from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureModes, PressureMonitor, PressureSource, PressureSourceUnavailable
@@ -68,13 +72,19 @@ DISCOVERY_GROUP = "gateway.discovery_sources"
 log = logging.getLogger("gateway.app")
 
 
-def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway:
+def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None
+                  ) -> Gateway:
     """Every component, wired. ``tracer_provider``: an OpenTelemetry provider to trace with (tracing
-    on), instead of the OTLP exporter the ``OTEL_*`` variables configure."""
+    on), instead of the OTLP exporter the ``OTEL_*`` variables configure. ``identity``: which worker of
+    ``serve --workers N`` this is (none: the only one)."""
+    identity = identity or WorkerIdentity.single()
     http = HttpClient()
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
-    ledger = InFlightLedger()
+    shared_load = (SharedLoadTable(identity.load_table, identity.index, identity.count)
+                   if identity.count > 1 else None)
+    ledger = InFlightLedger(shared_load)
+    bus = StateBus(config.shared_state, identity, metrics.registry)
     modes = PressureModes()
     index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s)
     approximate = ApproximatePrefixIndex()
@@ -88,7 +98,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
-    working_set = ResumableWorkingSet(config.placement)
+    working_set = ResumableWorkingSet(config.placement, anonymous_prefix=f"anon-{identity.origin}-")
     capacity_of = kv_capacity(pods, load)
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
@@ -100,6 +110,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions)
+    replication = Replication(bus, ledger, tracker, sessions, working_set, index)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
@@ -143,7 +154,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None) -> Gateway
         counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, pressure=pressure, scraper=scraper, discovery=discovery,
+        membership=membership, modes=modes, identity=identity, bus=bus, replication=replication,
+        shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
@@ -236,6 +248,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     """The components with a lifetime, in start order (they stop in reverse)."""
     out = [
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
+        lifecycle(gw.bus.start, gw.bus.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load)),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
@@ -253,8 +266,9 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     return out
 
 
-def build_app(config: GatewayConfig, tracer_provider: Any = None) -> web.Application:
-    gateway = build_gateway(config, tracer_provider)
+def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None
+              ) -> web.Application:
+    gateway = build_gateway(config, tracer_provider, identity)
     app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
                           client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway

@@ -62,6 +62,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         server["host"] = args.host
     if args.port is not None:
         server["port"] = args.port
+    if args.workers is not None:
+        server["workers"] = args.workers
     overrides: dict[str, Any] = {"server": server} if server else {}
     if args.policy:
         overrides["routing"] = {"policy": args.policy}
@@ -76,6 +78,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["logging"] = {"json": True}
     if args.redis:
         overrides["load"] = {"redis_url": args.redis}
+    if args.shared_state_redis:
+        overrides["shared_state"] = {"redis_url": args.shared_state_redis}
     if args.admission:
         overrides["admission"] = {"enabled": True}
     return overrides
@@ -91,6 +95,7 @@ def with_mock_tokenizer(config: GatewayConfig) -> TokenizationConfig:
 
 
 async def serve(config: GatewayConfig) -> None:
+    from gateway.cluster.workers import Supervisor, worker_count
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
 
@@ -105,8 +110,12 @@ async def serve(config: GatewayConfig) -> None:
         config = msgspec.structs.replace(config, pods=[*config.pods, *pods],
                                          tokenization=with_mock_tokenizer(config))
         log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
+    workers = worker_count(config)
     try:
-        await run_gateway(config)
+        if workers == 1:
+            await run_gateway(config)
+        else:
+            await Supervisor(config, workers).run()
     finally:
         if fleet:
             fleet.stop()
@@ -158,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML or JSON config file")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    s.add_argument("--workers", type=int,
+                   help="worker processes on the port (default: one per core this process may use)")
     s.add_argument("--policy", help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
     s.add_argument("--pod", action="append",
                    help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b] (repeatable)")
@@ -165,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
     s.add_argument("--log-json", action="store_true", help="one JSON object per log line")
     s.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
+    s.add_argument("--shared-state-redis", help="Redis URL through which replicas share workflow state")
     s.add_argument("--admission", action="store_true", help="turn SLO admission on")
 
     m = sub.add_parser("mock", help="run one simulated vLLM/SGLang pod")

@@ -19,6 +19,9 @@ from gateway.backends.health import HealthChecker
 from gateway.backends.membership import PodMembership
 from gateway.backends.registry import PodRegistry
 from gateway.backends.scraper import MetricsScraper
+from gateway.cluster.bus import StateBus
+from gateway.cluster.identity import WorkerIdentity
+from gateway.cluster.replication import Replication
 from gateway.config import GatewayConfig
 from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
@@ -27,6 +30,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.profiles import ProfileStore
+from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureModes, PressureMonitor
@@ -60,6 +64,10 @@ class Gateway:
     verifier: PredictionVerifier
     membership: PodMembership
     modes: PressureModes
+    identity: WorkerIdentity  # which worker of which replica this is
+    bus: StateBus
+    replication: Replication
+    shared_load: SharedLoadTable | None  # with several workers
     # Present only when their config turns them on.
     pressure: PressureMonitor | None
     scraper: MetricsScraper | None

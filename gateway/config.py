@@ -70,8 +70,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace_s: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Worker processes sharing the port (SO_REUSEPORT), each with its own event loop; none: one per core
+    # this process may use. They share their load per pod and their workflow state (``shared_state``).
+    workers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.workers is not None and not 1 <= self.workers <= 256:
+            raise ValueError(f"workers must be in 1..256, got {self.workers}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
@@ -230,6 +235,27 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_sessions: int = 100_000
 
 
+class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """What the workers of one gateway, and (through Redis) its replicas, tell each other: workflows and
+    their stages, session pins, the contexts of the placement model, just-routed blocks, and which
+    workflows and sessions have requests in flight. Eventually consistent: each change reaches the others
+    ``flush_ms`` plus a network hop later; nothing on the request path ever waits for it."""
+
+    # Redis whose pub/sub channel the replicas share; none: only the workers of one replica share.
+    redis_url: str | None = None
+    channel: str = "gateway:shared-state"
+    # What to share; leave one out to keep it local (each costs every other worker CPU to apply).
+    share: list[Literal["workflows", "sessions", "contexts", "speculative"]] = msgspec.field(
+        default_factory=lambda: ["workflows", "sessions", "contexts", "speculative"])
+    flush_ms: float = 2.0
+    heartbeat_s: float = 1.0
+    # A worker or replica not heard from for this long is gone: its requests are no longer in flight.
+    peer_timeout_s: float = 5.0
+    # Batches waiting for Redis; past it the oldest are dropped (and counted).
+    max_pending_batches: int = 1000
+    redis_timeout_s: float = 0.5
+
+
 class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
     """OpenTelemetry spans per request (the ``otel`` extra). The exporter is OTLP over HTTP, configured by
     the standard ``OTEL_EXPORTER_OTLP_*`` and ``OTEL_SERVICE_NAME`` variables. Off: nothing is done."""
@@ -341,6 +367,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     verification: VerificationConfig = msgspec.field(default_factory=VerificationConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    shared_state: SharedStateConfig = msgspec.field(default_factory=SharedStateConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

@@ -15,6 +15,7 @@ import ssl
 from aiohttp import web
 
 from gateway.app import build_app
+from gateway.cluster.identity import WorkerIdentity
 from gateway.components import GATEWAY_KEY
 from gateway.config import GatewayConfig, ServerConfig
 
@@ -42,18 +43,25 @@ async def start_runner(runner: web.AppRunner) -> None:
         raise
 
 
-async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None) -> None:
-    app = build_app(config)
+async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
+                      identity: WorkerIdentity | None = None) -> None:
+    """One gateway process: the only one, or worker ``identity.index`` of ``serve --workers N`` (then the
+    port is shared with its siblings, and it also answers on a private Unix socket for them)."""
+    app = build_app(config, identity=identity)
+    identity = app[GATEWAY_KEY].identity
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
         **PARSER_LIMITS,
     )
     await start_runner(runner)
+    many = identity.count > 1
     site = web.TCPSite(runner, config.server.host, config.server.port, ssl_context=tls_context(config.server),
-                       backlog=2048, shutdown_timeout=config.server.shutdown_grace_s)
+                       backlog=2048, shutdown_timeout=config.server.shutdown_grace_s, reuse_port=many or None)
     await site.start()
-    log.info("gateway listening on %s (policy %s, %d pods)", site.name, config.routing.policy,
-             len(config.pods))
+    if many:
+        await web.UnixSite(runner, identity.http_socket(identity.index)).start()
+    log.info("gateway %slistening on %s (policy %s, %d pods)", f"worker {identity.name} " if many else "",
+             site.name, config.routing.policy, len(config.pods))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from functools import partial
 from typing import Any
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.openapi import openapi_document
+from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.workflow.tracker import Workflow, WorkflowTracker
 
@@ -41,6 +43,14 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
+    app.router.add_get("/debug/workers", partial(_debug_workers, gateway))
+    if gateway.identity.count > 1:
+        app.on_response_prepare.append(partial(_name_worker, gateway.identity.name))
+
+
+async def _name_worker(name: str, request: web.Request, response: web.StreamResponse) -> None:
+    """Which worker answered (``serve --workers N``)."""
+    response.headers["x-gateway-worker"] = name
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
@@ -73,8 +83,21 @@ async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request)
-    return web.Response(body=gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+    """Every worker's metrics merged; ``?worker=self``: this worker's alone."""
+    own_only = request.query.get("worker") == OWN_ONLY
+    if not (own_only and _from_sibling(request)):
+        gateway.auth.check_admin(request)
+    body = gateway.metrics.render()
+    identity = gateway.identity
+    if identity.count > 1 and not own_only:
+        texts, unscraped = await sibling_expositions(identity)
+        body = merge_expositions([body.decode(), *texts], identity.count, unscraped)
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+def _from_sibling(request: web.Request) -> bool:
+    """Whether the request came over this worker's private Unix socket (only its siblings use it)."""
+    return request.transport is not None and isinstance(request.transport.get_extra_info("sockname"), str)
 
 
 async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
@@ -156,6 +179,19 @@ async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Respon
         "sessions": len(gateway.workflows.sessions),
         "pressure": {pod: mode.name.lower() for pod, mode in gateway.modes.items()},
         "hard_flushes": gateway.workflows.executor.hard_flushes,
+    })
+
+
+async def _debug_workers(gateway: Gateway, request: web.Request) -> web.Response:
+    """Which worker answered, the load table the workers share, and who this one hears from."""
+    gateway.auth.check_admin(request)
+    identity = gateway.identity
+    pods = [p.name for p in gateway.pods.all()]
+    return web.json_response({
+        "worker": identity.name, "workers": identity.count, "replica": identity.replica, "pid": os.getpid(),
+        "shared_load": gateway.shared_load.debug(pods) if gateway.shared_load is not None else None,
+        "in_flight_here": gateway.ledger.total(),
+        "shared_state": {**gateway.bus.debug(), "remote_contexts_in_flight": gateway.replication.debug()},
     })
 
 

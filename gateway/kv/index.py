@@ -1,7 +1,9 @@
 """The prefix index: which token blocks each pod (and DP rank) holds, keyed by the gateway's own hash.
 
 Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply`) and by routing's
-speculative insertion; read by routing through :meth:`PrefixIndex.lookup`.
+speculative insertion; read by routing through :meth:`PrefixIndex.lookup`. Every process subscribes to
+the events itself; the speculative blocks of the other workers and replicas come over the state bus
+(:meth:`PrefixIndex.apply_expected`).
 
 Layout, chosen for a small footprint and a lookup that is one dict probe per prompt block:
 
@@ -17,9 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gateway.cluster.facts import BlocksExpected, Fact
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import PromptHashes, chain_hash, namespace_root
 
@@ -88,6 +91,7 @@ class PrefixIndex:
         # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
+        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
 
     # Views
 
@@ -307,6 +311,19 @@ class PrefixIndex:
             return
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         hashes = prompt.first(view.block_size, prompt.token_count)
+        self._expect(view, hashes, now)
+        if self.publish is not None and hashes:
+            self.publish(BlocksExpected(pod, hashes))
+
+    def apply_expected(self, origin: str, fact: BlocksExpected) -> None:
+        """Another worker or replica just routed these blocks to the pod."""
+        now = time.monotonic()
+        self._expire_speculative(now)
+        view = self._views.get((fact.pod, 0))
+        if view is not None and view.block_size and self.speculative_ttl_s > 0:
+            self._expect(view, fact.hashes, now)
+
+    def _expect(self, view: EngineView, hashes: list[int], now: float) -> None:
         expiry = now + self.speculative_ttl_s
         for h in hashes:
             self._speculative.setdefault(h, {})[view.bit] = expiry

@@ -13,6 +13,10 @@ of all contexts before it has one), its blocks count as *resumable* on its pod: 
 recomputing them when it comes back. Past that window it lapses, and its blocks are as cheap to evict
 as any other cached block.
 
+With several workers or replicas, each keeps its own working set and tells the others every hold, idle
+and release (the state bus), so that every process weighs the contexts all of them placed; anonymous
+contexts are named after the process that first saw them, so that the names never clash.
+
 A pod's demand is the distinct blocks of its resumable contexts (a role prompt shared by ten workflows
 counts once) plus the growth they are still expected to add: each context's average increment per
 stage times the stages it is expected to have left (from the stage counts of completed contexts).
@@ -23,10 +27,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.cluster.facts import ContextHeld, ContextIdled, ContextReleased, Fact
 from gateway.config import PlacementConfig
 
 
@@ -123,7 +129,7 @@ class PodDemand:
 
 
 class ResumableWorkingSet:
-    def __init__(self, config: PlacementConfig | None = None) -> None:
+    def __init__(self, config: PlacementConfig | None = None, anonymous_prefix: str = "anon-") -> None:
         self.config = config or PlacementConfig()
         self._contexts: dict[str, Context] = {}
         self._pods: dict[str, PodDemand] = {}
@@ -131,6 +137,8 @@ class ResumableWorkingSet:
         self._tails: dict[int, str] = {}
         self._expiry: list[tuple[float, int, str]] = []  # (protected_until, version, key)
         self._anonymous = itertools.count()
+        self._anonymous_prefix = anonymous_prefix
+        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
         self.forecast = ContextForecast(self.config)
         self.lapsed = 0
         self.released = 0
@@ -206,11 +214,24 @@ class ResumableWorkingSet:
              now: float) -> Context:
         """One of the context's requests was routed to ``pod`` with a prompt of these blocks."""
         self.lapse(now)
-        ctx = self.context(key, hashes)
+        ctx = self._hold(self.context(key, hashes), key or f"{self._anonymous_prefix}{next(self._anonymous)}",
+                         key is not None, pod, block_size, hashes, prompt_tokens, now)
+        if self.publish is not None:
+            self.publish(ContextHeld(ctx.key, ctx.keyed, pod, block_size, hashes, prompt_tokens))
+        return ctx
+
+    def apply_held(self, origin: str, fact: ContextHeld) -> None:
+        """Another worker or replica routed a request of this context."""
+        now = time.monotonic()
+        self.lapse(now)
+        self._hold(self._contexts.get(fact.key), fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes,
+                   fact.prompt_tokens, now)
+
+    def _hold(self, ctx: Context | None, new_key: str, keyed: bool, pod: str, block_size: int, hashes: list[int],
+              prompt_tokens: int, now: float) -> Context:
         if ctx is None:
             self._make_room()
-            ctx = Context(key or f"anon-{next(self._anonymous)}", pod, block_size, [], prompt_tokens, key is not None,
-                          *self.forecast.new_means(), stages=0)
+            ctx = Context(new_key, pod, block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
             self._contexts[ctx.key] = ctx
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
@@ -229,6 +250,16 @@ class ResumableWorkingSet:
         """A request of ``context`` ended: it stays resumable for its predicted think time."""
         if self._contexts.get(context.key) is not context or context.in_flight == 0:
             return
+        if self.publish is not None:
+            self.publish(ContextIdled(context.key))
+        self._idle(context, now)
+
+    def apply_idled(self, origin: str, fact: ContextIdled) -> None:
+        ctx = self._contexts.get(fact.key)
+        if ctx is not None and ctx.in_flight:
+            self._idle(ctx, time.monotonic())
+
+    def _idle(self, context: Context, now: float) -> None:
         context.in_flight -= 1
         if context.in_flight:
             return
@@ -245,10 +276,20 @@ class ResumableWorkingSet:
         ctx = self._forget(key)
         if ctx is None:
             return False
+        if self.publish is not None:
+            self.publish(ContextReleased(key, completed))
+        self._released(ctx, completed)
+        return True
+
+    def apply_released(self, origin: str, fact: ContextReleased) -> None:
+        ctx = self._forget(fact.key)
+        if ctx is not None:
+            self._released(ctx, fact.completed)
+
+    def _released(self, ctx: Context, completed: bool) -> None:
         if completed:
             self.forecast.completed(ctx)
         self.released += 1
-        return True
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k, c in self._contexts.items() if c.pod == pod]:

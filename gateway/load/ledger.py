@@ -6,13 +6,23 @@ however it ended, and the pod-removal path calls :meth:`forget_pod`. Everything 
 (requests per pod), pending load (consumption per pod), the workflow tracker (a workflow's or stage's
 requests), session affinity (a session with a request running is never forgotten) and hard flushes
 (whether anyone else is running on a pod).
+
+With several workers (``serve --workers N``) the ledger also writes this worker's cell of the shared load
+table, and the per-pod reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`) sum
+every worker's. The per-owner counts (workflow, stage, session) of the other workers and replicas come
+over the state bus (:meth:`apply_changed`, :meth:`apply_snapshot`), one tally per origin so that a
+vanished one can be dropped.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from gateway.cluster.facts import Fact, OwnersChanged, OwnersSnapshot
+from gateway.load.shared_table import SharedLoadTable
 
 
 @dataclass(eq=False, slots=True)
@@ -35,11 +45,18 @@ class PodTally:
     embedding_consumption: float = 0.0
 
 
+OwnerKey = tuple[str, ...]
+
+
 class InFlightLedger:
-    def __init__(self) -> None:
+    def __init__(self, shared: SharedLoadTable | None = None) -> None:
         self._pods: dict[str, PodTally] = {}
-        # ("workflow", id), ("stage", id, stage) and ("session", key) → requests in flight.
-        self._owners: Counter[tuple[str, ...]] = Counter()
+        # ("workflow", id), ("stage", id, stage) and ("session", key) → requests in flight, here and
+        # (``_remote``, per origin) on the other workers and replicas.
+        self._owners: Counter[OwnerKey] = Counter()
+        self._remote: dict[str, Counter[OwnerKey]] = {}
+        self._shared = shared
+        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
 
     # Writes (the request pipeline only)
 
@@ -55,17 +72,21 @@ class InFlightLedger:
         if kind == "embeddings":
             tally.embedding_consumption += entry.consumption
         if workflow is not None or session is not None:
-            for owner in _owners_of(entry):
+            owners = _owners_of(entry)
+            for owner in owners:
                 self._owners[owner] += 1
+            if self.publish is not None:
+                self.publish(OwnersChanged([list(o) for o in owners], 1))
+        if self._shared is not None:
+            self._shared.write(pod, len(tally.running), tally.consumption, tally.embedding_consumption)
         return entry
 
     def finish(self, entry: Dispatch) -> None:
-        for owner in _owners_of(entry) if entry.workflow is not None or entry.session is not None else ():
-            left = self._owners[owner] - 1
-            if left > 0:
-                self._owners[owner] = left
-            else:
-                del self._owners[owner]
+        if entry.workflow is not None or entry.session is not None:
+            owners = _owners_of(entry)
+            _count_down(self._owners, owners, 1)
+            if self.publish is not None:
+                self.publish(OwnersChanged([list(o) for o in owners], -1))
         tally = self._pods.get(entry.pod)
         if tally is None or entry not in tally.running:
             return  # the pod was forgotten while the request ran
@@ -75,33 +96,69 @@ class InFlightLedger:
         if entry.kind == "embeddings":
             tally.embedding_consumption = (max(0.0, tally.embedding_consumption - entry.consumption)
                                            if tally.running else 0.0)
+        if self._shared is not None:
+            self._shared.write(entry.pod, len(tally.running), tally.consumption, tally.embedding_consumption)
 
     def forget_pod(self, pod: str) -> None:
         """The pod left the fleet: its counts go (requests still running there finish quietly)."""
         self._pods.pop(pod, None)
+        if self._shared is not None:
+            self._shared.release(pod)
+
+    def apply_changed(self, origin: str, fact: OwnersChanged) -> None:
+        """Another worker or replica dispatched (+1) or finished (-1) a request of these owners."""
+        counts = self._remote.setdefault(origin, Counter())
+        owners = [tuple(o) for o in fact.owners]
+        if fact.delta > 0:
+            for owner in owners:
+                counts[owner] += fact.delta
+        else:
+            _count_down(counts, owners, -fact.delta)
+
+    def apply_snapshot(self, origin: str, snapshot: OwnersSnapshot) -> None:
+        self._remote[origin] = Counter({tuple(o): n for o, n in zip(snapshot.owners, snapshot.counts, strict=True)})
+
+    def snapshot(self) -> OwnersSnapshot:
+        return OwnersSnapshot([list(o) for o in self._owners], list(self._owners.values()))
+
+    def forget_origin(self, origin: str) -> None:
+        """That worker or replica is gone: none of its requests is in flight any more."""
+        self._remote.pop(origin, None)
 
     # Reads
 
     def on_pod(self, pod: str) -> int:
+        if self._shared is not None and (shared := self._shared.in_flight(pod)) is not None:
+            return shared
         tally = self._pods.get(pod)
         return len(tally.running) if tally else 0
 
     def consumption(self, pod: str) -> float:
+        if self._shared is not None and (shared := self._shared.consumption(pod)) is not None:
+            return max(0.0, shared)
         tally = self._pods.get(pod)
         return tally.consumption if tally else 0.0
 
     def embedding_consumption(self, pod: str) -> float:
+        if self._shared is not None and (shared := self._shared.embedding(pod)) is not None:
+            return max(0.0, shared)
         tally = self._pods.get(pod)
         return tally.embedding_consumption if tally else 0.0
 
+    def _owned(self, owner: OwnerKey) -> int:
+        n = self._owners.get(owner, 0)
+        for counts in self._remote.values():
+            n += counts.get(owner, 0)
+        return n
+
     def of_workflow(self, workflow: str) -> int:
-        return self._owners.get(("workflow", workflow), 0)
+        return self._owned(("workflow", workflow))
 
     def of_stage(self, workflow: str, stage: str) -> int:
-        return self._owners.get(("stage", workflow, stage), 0)
+        return self._owned(("stage", workflow, stage))
 
     def of_session(self, session: str) -> int:
-        return self._owners.get(("session", session), 0)
+        return self._owned(("session", session))
 
     def others_on(self, pod: str, workflow: str | None) -> bool:
         """Whether a request of another workflow (or of none) is running on ``pod``."""
@@ -109,11 +166,21 @@ class InFlightLedger:
         return tally is not None and any(d.workflow is None or d.workflow != workflow for d in tally.running)
 
     def total(self) -> int:
+        """Requests this process has in flight."""
         return sum(len(t.running) for t in self._pods.values())
 
 
-def _owners_of(entry: Dispatch) -> list[tuple[str, ...]]:
-    owners: list[tuple[str, ...]] = []
+def _count_down(counts: Counter[OwnerKey], owners: list[OwnerKey], n: int) -> None:
+    for owner in owners:
+        left = counts[owner] - n
+        if left > 0:
+            counts[owner] = left
+        else:
+            counts.pop(owner, None)  # a remote finish may come without its dispatch (joined late)
+
+
+def _owners_of(entry: Dispatch) -> list[OwnerKey]:
+    owners: list[OwnerKey] = []
     if entry.workflow is not None:
         owners.append(("workflow", entry.workflow))
         if entry.stage is not None:

@@ -4,14 +4,28 @@ Owner: the :class:`WorkflowTracker` is the only writer of workflow state; the wo
 as requests start, are dispatched and finish, and the API and the pressure monitor read it. Which of a
 workflow's requests are in flight it reads from the in-flight ledger. It decides cache actions
 (``docs/architecture.md``, "Workflow cache actions") but carries none out: that is the executor's job.
+
+With several workers or replicas each keeps its own tracker and tells the others each change (the state
+bus): a stage that began, where it was dispatched, that it finished, that a workflow completed or a
+preserve ended. The others apply the change to their copy but decide nothing from it: the process that
+served the request carries out its actions, so each flush is done once.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.cluster.facts import (
+    Fact,
+    PreserveDropped,
+    StageBegan,
+    StageDispatched,
+    StageFinished,
+    WorkflowCompleted,
+)
 from gateway.config import WorkflowConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.workflow.context import WorkflowContext
@@ -90,6 +104,7 @@ class WorkflowTracker:
         self.config = config
         self.workflows: dict[str, Workflow] = {}
         self._ledger = ledger
+        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
 
     def in_flight(self, workflow: Workflow) -> int:
         return self._ledger.of_workflow(workflow.id)
@@ -100,11 +115,7 @@ class WorkflowTracker:
         if not ctx.workflow_id:
             return Plan(None, None, NOOP)
         now = time.monotonic() if now is None else now
-        wf = self.workflows.get(ctx.workflow_id)
-        if wf is None:
-            wf = self.workflows[ctx.workflow_id] = Workflow(ctx.workflow_id, now, now)
-        wf.last_activity = now
-        wf.complete_requested |= ctx.complete
+        wf = self._touch(ctx.workflow_id, ctx.complete, now)
         stage_id = ctx.stage_id or (wf.order[-1] if wf.order else "default")
         stage = wf.stages.get(stage_id)
         if stage is not None:  # another request of a running stage: keep it where the stage is
@@ -113,10 +124,24 @@ class WorkflowTracker:
                 else ActionKind.NOOP
             return Plan(wf, stage, CacheAction(kind, "same_stage", wf.id, pod) if kind is ActionKind.PRESERVE
                         else NOOP)
-        stage = Stage(stage_id, model, prompt_tokens, now)
-        wf.stages[stage_id] = stage
-        wf.order.append(stage_id)
+        stage = self._new_stage(wf, stage_id, model, prompt_tokens, now)
+        if self.publish is not None:
+            self.publish(StageBegan(wf.id, stage_id, model, prompt_tokens, ctx.complete))
         return Plan(wf, stage, self.decide(ctx, wf, stage))
+
+    def _touch(self, workflow_id: str, complete: bool, now: float) -> Workflow:
+        wf = self.workflows.get(workflow_id)
+        if wf is None:
+            wf = self.workflows[workflow_id] = Workflow(workflow_id, now, now)
+        wf.last_activity = now
+        wf.complete_requested |= complete
+        return wf
+
+    @staticmethod
+    def _new_stage(wf: Workflow, stage_id: str, model: str, prompt_tokens: int, now: float) -> Stage:
+        stage = wf.stages[stage_id] = Stage(stage_id, model, prompt_tokens, now)
+        wf.order.append(stage_id)
+        return stage
 
     def decide(self, ctx: WorkflowContext, wf: Workflow, stage: Stage) -> CacheAction:
         """The policy chain at a stage start: override, small increment, boundary, noop."""
@@ -144,15 +169,21 @@ class WorkflowTracker:
         wf, stage = plan.workflow, plan.stage
         if wf is None or stage is None:
             return []
-        now = time.monotonic() if now is None else now
+        if self.publish is not None:
+            action = plan.action
+            self.publish(StageDispatched(wf.id, stage.id, pod, model, action.kind.value, action.pod))
+        return self._dispatched(wf, stage, plan.action, pod, model, time.monotonic() if now is None else now)
+
+    def _dispatched(self, wf: Workflow, stage: Stage, action: CacheAction, pod: str, model: str, now: float
+                    ) -> list[CacheAction]:
         stage.pod = pod
         flushes = [CacheAction(ActionKind.FLUSH, "left_pod", wf.id, other)
                    for other, e in wf.entries.items() if e.preserved and other != pod]
-        if plan.action.kind is ActionKind.FLUSH and plan.action.pod and plan.action.pod != pod:
-            flushes.append(plan.action)
-        for action in flushes:
-            wf.entries[action.pod].preserved = False  # type: ignore[index]
-        keep = plan.action.kind is ActionKind.PRESERVE and plan.action.pod == pod
+        if action.kind is ActionKind.FLUSH and action.pod and action.pod != pod:
+            flushes.append(action)
+        for flush in flushes:
+            wf.entries[flush.pod].preserved = False  # type: ignore[index]
+        keep = action.kind is ActionKind.PRESERVE and action.pod == pod
         entry = wf.entries.get(pod)
         wf.entries[pod] = CacheEntry(pod, model, max(stage.prompt_tokens, entry.tokens if entry else 0), keep, now)
         return _dedupe(flushes)
@@ -162,7 +193,14 @@ class WorkflowTracker:
         wf, stage = plan.workflow, plan.stage
         if wf is None or stage is None:
             return []
-        now = time.monotonic() if now is None else now
+        if self.publish is not None:
+            self.publish(StageFinished(wf.id, stage.id, pod, prompt_tokens))
+        self._finished(wf, stage, pod, prompt_tokens, time.monotonic() if now is None else now)
+        if wf.complete_requested and not self.in_flight(wf):
+            return self.complete(wf.id, "workflow_complete")
+        return []
+
+    def _finished(self, wf: Workflow, stage: Stage, pod: str, prompt_tokens: int | None, now: float) -> None:
         wf.last_activity = now
         if prompt_tokens:  # the engine's own count is exact: the next stage's increment is measured from it
             stage.prompt_tokens = prompt_tokens
@@ -170,9 +208,6 @@ class WorkflowTracker:
                 wf.entries[pod].tokens = prompt_tokens
         if not self._ledger.of_stage(wf.id, stage.id):
             stage.completed = True
-        if wf.complete_requested and not self.in_flight(wf):
-            return self.complete(wf.id, "workflow_complete")
-        return []
 
     def complete(self, workflow_id: str, reason: str = "workflow_complete") -> list[CacheAction]:
         wf = self.workflows.get(workflow_id)
@@ -182,6 +217,8 @@ class WorkflowTracker:
             wf.complete_requested = True  # finishes when its last request does
             return []
         del self.workflows[workflow_id]
+        if self.publish is not None:
+            self.publish(WorkflowCompleted(workflow_id))
         return [CacheAction(ActionKind.FLUSH, reason, wf.id, pod) for pod in wf.entries]
 
     def expire_idle(self, now: float | None = None) -> list[CacheAction]:
@@ -206,11 +243,44 @@ class WorkflowTracker:
 
     def soft_flush(self, pod: str, workflow_id: str | None = None) -> None:
         """Stop preserving on ``pod``: one workflow's entry, or (after a hard flush) every workflow's."""
+        if self.publish is not None:
+            self.publish(PreserveDropped(pod, workflow_id))
+        self._soft_flush(pod, workflow_id)
+
+    def _soft_flush(self, pod: str, workflow_id: str | None) -> None:
         for wf in self.workflows.values():
             if workflow_id is None or wf.id == workflow_id:
                 entry = wf.entries.get(pod)
                 if entry is not None:
                     entry.preserved = False
+
+
+    # Changes made by other workers and replicas: state only, no actions (their sender carries them out)
+
+    def apply_began(self, origin: str, fact: StageBegan) -> None:
+        now = time.monotonic()
+        wf = self._touch(fact.workflow, fact.complete, now)
+        if fact.stage not in wf.stages:
+            self._new_stage(wf, fact.stage, fact.model, fact.prompt_tokens, now)
+
+    def apply_dispatched(self, origin: str, fact: StageDispatched) -> None:
+        wf = self.workflows.get(fact.workflow)
+        stage = wf.stages.get(fact.stage) if wf else None
+        if wf is not None and stage is not None:
+            action = CacheAction(ActionKind(fact.action), "remote", wf.id, fact.action_pod)
+            self._dispatched(wf, stage, action, fact.pod, fact.model, time.monotonic())
+
+    def apply_finished(self, origin: str, fact: StageFinished) -> None:
+        wf = self.workflows.get(fact.workflow)
+        stage = wf.stages.get(fact.stage) if wf else None
+        if wf is not None and stage is not None:
+            self._finished(wf, stage, fact.pod, fact.prompt_tokens, time.monotonic())
+
+    def apply_completed(self, origin: str, fact: WorkflowCompleted) -> None:
+        self.workflows.pop(fact.workflow, None)
+
+    def apply_preserve_dropped(self, origin: str, fact: PreserveDropped) -> None:
+        self._soft_flush(fact.pod, fact.workflow)
 
 
 def _dedupe(actions: list[CacheAction]) -> list[CacheAction]:

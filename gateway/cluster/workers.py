@@ -1,0 +1,189 @@
+"""``gateway serve --workers N``: N gateway processes on one port, kept running by a supervisor.
+
+The supervisor (the process ``serve`` started) makes a private directory for the workers' sockets and
+their shared load table, then spawns the workers. Each is a whole gateway with its own event loop,
+bound to the same port with ``SO_REUSEPORT`` (the kernel spreads connections between them), subscribing
+to the pods' KV events itself, and sharing with its siblings what the docs call shared state (the load
+table directly; workflows, sessions, contexts and just-routed blocks over the state bus).
+
+Owner: the supervisor owns the worker processes and the run directory. A worker that exits unexpectedly
+has its cells of the load table cleared and is started again (a worker failing to start stops them all:
+the same error would follow every restart). SIGTERM or SIGINT go to every worker, each drains its own
+requests for up to ``server.shutdown_grace_s``; what is left after that is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import msgspec
+
+from gateway.cluster.identity import WorkerIdentity, new_replica_id
+from gateway.config import GatewayConfig
+from gateway.load.shared_table import SharedLoadTable
+
+log = logging.getLogger("gateway.workers")
+
+# A worker that dies sooner than this after starting, this many times in a row, is not restarted again.
+QUICK_EXIT_S = 10.0
+MAX_QUICK_EXITS = 3
+
+
+def worker_count(config: GatewayConfig) -> int:
+    """``server.workers``, or the cores this process may run on."""
+    if config.server.workers is not None:
+        return config.server.workers
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Worker:
+    identity: WorkerIdentity
+    process: BaseProcess
+    started: float
+    quick_exits: int = 0
+
+
+class Supervisor:
+    def __init__(self, config: GatewayConfig, count: int) -> None:
+        if config.server.port == 0:  # every worker must bind the same port: choose it now
+            config = msgspec.structs.replace(config, server=msgspec.structs.replace(
+                config.server, port=_free_port(config.server.host)))
+        self.config = config
+        self.count = count
+        self.run_dir = tempfile.mkdtemp(prefix="gateway-workers-")
+        self.replica = new_replica_id()
+        self.table = SharedLoadTable.create(os.path.join(self.run_dir, "load-table"), count)
+        self._context = multiprocessing.get_context("spawn")
+        self._config_bytes = msgspec.json.encode(config)
+        self.workers: list[Worker] = []
+        self._stopping = False
+
+    async def run(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker listens: a client may signal at once
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        try:
+            await self._start_all()
+            log.info("gateway: %d workers on %s:%d (replica %s)", self.count, self.config.server.host,
+                     self.config.server.port, self.replica)
+            while not stop.is_set():
+                self._restart_dead()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+        finally:
+            await self._stop_all()
+            self.table.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _identity(self, index: int) -> WorkerIdentity:
+        return WorkerIdentity(self.replica, index, self.count, self.run_dir)
+
+    def _spawn(self, index: int) -> tuple[BaseProcess, multiprocessing.connection.Connection]:
+        parent, child = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=worker_main, name=f"gateway-w{index}",
+                                        args=(self._config_bytes, self._identity(index), child), daemon=False)
+        process.start()
+        child.close()
+        return process, parent
+
+    async def _start_all(self) -> None:
+        spawned = [self._spawn(i) for i in range(self.count)]
+        self.workers = [Worker(self._identity(i), p, time.monotonic()) for i, (p, _) in enumerate(spawned)]
+        failures = await asyncio.gather(*(asyncio.to_thread(_wait_ready, conn) for _, conn in spawned))
+        errors = [e for e in failures if e]
+        if errors:
+            raise WorkerStartError(errors[0])
+
+    def _restart_dead(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive() or self._stopping:
+                continue
+            index = worker.identity.index
+            lived = time.monotonic() - worker.started
+            worker.quick_exits = worker.quick_exits + 1 if lived < QUICK_EXIT_S else 0
+            self.table.clear_worker(index)
+            if worker.quick_exits >= MAX_QUICK_EXITS:
+                raise WorkerStartError(f"worker w{index} keeps exiting (code {worker.process.exitcode})")
+            log.error("worker w%d exited (code %s) after %.0f s: starting it again", index, worker.process.exitcode,
+                      lived)
+            worker.process, conn = self._spawn(index)
+            worker.started = time.monotonic()
+            conn.close()  # its readiness is not awaited: the others serve meanwhile
+
+    async def _stop_all(self) -> None:
+        self._stopping = True
+        alive = [w.process for w in self.workers if w.process.is_alive()]
+        for process in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.monotonic() + self.config.server.shutdown_grace_s + 10
+        for process in alive:
+            await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
+        for process in alive:
+            if process.is_alive():
+                log.warning("worker %s did not stop in time: killed", process.name)
+                process.kill()
+            process.join(timeout=5)
+
+
+def _wait_ready(conn: multiprocessing.connection.Connection) -> str | None:
+    """None once the worker listens; the reason when it failed to start."""
+    try:
+        message = conn.recv()
+    except EOFError:
+        return "a worker exited during start-up"
+    finally:
+        conn.close()
+    return None if message == "ready" else str(message)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiprocessing.connection.Connection) -> None:
+    """A worker process: one gateway on the shared port, until SIGTERM."""
+    from gateway.cli import run_loop
+    from gateway.logs import configure_logging
+    from gateway.server import run_gateway
+
+    config = msgspec.json.decode(config_bytes, type=GatewayConfig)
+    configure_logging(config.logging)
+
+    async def main() -> None:
+        started = asyncio.Event()
+        waiter = asyncio.create_task(started.wait())
+        waiter.add_done_callback(lambda task: None if task.cancelled() else ready.send("ready"))
+        await run_gateway(config, started, identity)
+
+    try:
+        run_loop(main())
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            ready.send(f"{type(exc).__name__}: {exc}")
+        log.error("worker %s failed: %s: %s", identity.name, type(exc).__name__, exc)
+        raise SystemExit(1) from None
