@@ -1,11 +1,12 @@
 """What the gateway adds to a request: wrk against a trivial backend, direct vs through the gateway.
 
-    python benchmarks/proxy_overhead.py [--duration 10] [--policy round_robin]
+    python benchmarks/proxy_overhead.py [--duration 10] [--policy round_robin] [--workers 1 2]
 
 A 4 KB non-streaming chat request; 1 connection (added latency) and 16 connections (throughput), and
-the gateway process's CPU time per request. All processes share this machine, so compare the ratios of
-one run, not numbers across machines; to compare two versions, alternate them (A B B A) and compare the
-CPU per request.
+the gateway's CPU time per request (all its processes). ``--workers 1 2`` measures a gateway of each
+size in the same run (``gateway_w<N>_c<connections>``) and prints the throughput ratio. All processes
+share this machine, so compare the ratios of one run, not numbers across machines; to compare two
+versions, alternate them (A B B A) and compare the CPU per request.
 """
 
 from __future__ import annotations
@@ -48,9 +49,18 @@ def parse_wrk(output: str) -> dict[str, float]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User plus system CPU time so far of a process and its children (Linux): a multi-worker gateway
+    is a supervisor and its workers."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            own_pid, rest = stat.read_text().split(" ", 1)
+        except OSError:
+            continue  # exited meanwhile
+        fields = rest.rsplit(")", 1)[1].split()
+        if int(own_pid) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def run_wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None) -> dict[str, float]:
@@ -71,6 +81,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1],
+                        help="gateway worker counts to measure, each in the same run (default 1)")
     parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
     parser.add_argument("--peers", action="store_true",
                         help="also measure vllm-router round_robin and cache_aware (pip install '.[bench]')")
@@ -78,12 +90,16 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
         return 2
-    backend_port, gateway_port, *peer_ports = free_ports(6)
+    backend_port, *ports = free_ports(5 + len(args.workers))
+    gateway_ports, peer_ports = ports[:len(args.workers)], ports[len(args.workers):]
     procs = [subprocess.Popen([sys.executable, str(HERE / "trivial_backend.py"), str(backend_port)])]
     env_log = [] if args.access_log else ["GATEWAY_LOGGING__ACCESS_LOG=false"]
-    gateway = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(gateway_port),
-               "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
-    procs.append(subprocess.Popen(gateway, stderr=subprocess.DEVNULL))
+    gateways: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
+    for workers, port in zip(args.workers, gateway_ports, strict=True):
+        command = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers",
+                   str(workers), "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
+        gateways[workers] = (f"http://127.0.0.1:{port}", subprocess.Popen(command, stderr=subprocess.DEVNULL))
+    procs += [proc for _, proc in gateways.values()]
     wait_http(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
     peers: dict[str, str] = {}
     if args.peers:
@@ -96,20 +112,23 @@ def main() -> int:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             peers[f"vllm-router-{policy}"] = f"http://127.0.0.1:{port}"
     try:
-        direct, through = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
+        direct = f"http://127.0.0.1:{backend_port}"
         wait_http(f"{direct}/health")
-        wait_http(f"{through}/readyz")
+        for url, _ in gateways.values():
+            wait_http(f"{url}/readyz")
         for url in peers.values():
             wait_http(f"{url}/v1/models")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "post.lua"
             wrk_script(script)
-            run_wrk(through, 4, 2, script)  # warm-up: connection pools, caches
+            for url, _ in gateways.values():
+                run_wrk(url, 16, 2, script)  # warm-up: connection pools, caches, every worker
             results = {}
             for connections in (1, 16):
                 results[f"direct_c{connections}"] = run_wrk(direct, connections, args.duration, script)
-                results[f"gateway_c{connections}"] = run_wrk(through, connections, args.duration, script,
-                                                             procs[1].pid)
+                for workers, (url, proc) in gateways.items():
+                    name = "gateway" if len(gateways) == 1 else f"gateway_w{workers}"
+                    results[f"{name}_c{connections}"] = run_wrk(url, connections, args.duration, script, proc.pid)
                 for name, url in peers.items():
                     results[f"{name}_c{connections}"] = run_wrk(url, connections, args.duration, script)
     finally:
@@ -119,9 +138,17 @@ def main() -> int:
     print(f"{'run':<30}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
     for name, r in results.items():
         print(f"{name:<30}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")
-    added = results["gateway_c1"]["p50_ms"] - results["direct_c1"]["p50_ms"]
-    print(f"added p50 at 1 connection: {added:.3f} ms; gateway at 16 connections: "
-          f"{results['gateway_c16']['req_per_s']:.0f} req/s, {results['gateway_c16']['cpu_us_per_req']} µs CPU each")
+    for workers in gateways:
+        name = "gateway" if len(gateways) == 1 else f"gateway_w{workers}"
+        added = results[f"{name}_c1"]["p50_ms"] - results["direct_c1"]["p50_ms"]
+        c16 = results[f"{name}_c16"]
+        print(f"{workers} worker(s): added p50 at 1 connection {added:.3f} ms; at 16 connections "
+              f"{c16['req_per_s']:.0f} req/s, {c16['cpu_us_per_req']} µs CPU each")
+    if len(gateways) > 1:
+        first, *others = gateways
+        for workers in others:
+            ratio = results[f"gateway_w{workers}_c16"]["req_per_s"] / results[f"gateway_w{first}_c16"]["req_per_s"]
+            print(f"{workers} workers / {first}: {ratio:.2f}x req/s at 16 connections")
     print(json.dumps(results))
     return 0
 

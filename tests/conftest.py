@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.app import GATEWAY_KEY, Gateway, build_app
 from gateway.bench.runner import wait_http
+from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
 from gateway.mock.pod import MockPod, MockPodConfig, free_port
 from gateway.server import PARSER_LIMITS
@@ -54,11 +55,12 @@ async def serve_app(app: web.Application) -> web.AppRunner:
 async def start_gateway() -> AsyncIterator[Callable[..., Awaitable[RunningGateway]]]:
     runners: list[web.AppRunner] = []
 
-    async def start(pods: list[Any], **overrides: Any) -> RunningGateway:
+    async def start(pods: list[Any], identity: WorkerIdentity | None = None, **overrides: Any) -> RunningGateway:
+        """``identity``: one worker of several (their run directory and load table made by the caller)."""
         pod_dicts = [p if isinstance(p, dict) else {"url": p} for p in pods]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5})
         config: GatewayConfig = load_config(overrides={"pods": pod_dicts, **overrides}, environ={})
-        app = build_app(config)
+        app = build_app(config, identity=identity)
         runner = await serve_app(app)
         runners.append(runner)
         return RunningGateway(runner, app)

@@ -177,13 +177,18 @@ def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiproce
     async def main() -> None:
         started = asyncio.Event()
         waiter = asyncio.create_task(started.wait())
-        waiter.add_done_callback(lambda task: None if task.cancelled() else ready.send("ready"))
+        waiter.add_done_callback(lambda task: None if task.cancelled() else _tell(ready, "ready"))
         await run_gateway(config, started, identity)
 
     try:
         run_loop(main())
     except Exception as exc:
-        with contextlib.suppress(OSError):
-            ready.send(f"{type(exc).__name__}: {exc}")
+        _tell(ready, f"{type(exc).__name__}: {exc}")
         log.error("worker %s failed: %s: %s", identity.name, type(exc).__name__, exc)
         raise SystemExit(1) from None
+
+
+def _tell(conn: multiprocessing.connection.Connection, message: str) -> None:
+    """Tell the supervisor, if it still listens (it does not wait for a restarted worker)."""
+    with contextlib.suppress(OSError):
+        conn.send(message)

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,8 +44,10 @@ def pod_key(pod: str) -> int:
 class SharedLoadTable:
     """One worker's handle on the table (``worker`` is its index; the supervisor uses -1)."""
 
-    def __init__(self, path: str, worker: int, workers: int, slots: int = DEFAULT_SLOTS) -> None:
+    def __init__(self, path: str, worker: int, workers: int, slots: int = DEFAULT_SLOTS,
+                 retry_full_s: float = 5.0) -> None:
         self.path, self.worker, self.workers, self.slots = path, worker, workers, slots
+        self.retry_full_s = retry_full_s
         self._fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(self._fd, self.size(workers, slots))
         cells = slots * workers
@@ -56,6 +59,7 @@ class SharedLoadTable:
         self._consumption = memoryview(self._map)[counts_at + 8 * cells:counts_at + 16 * cells].cast("d")
         self._embedding = memoryview(self._map)[counts_at + 16 * cells:counts_at + 24 * cells].cast("d")
         self._rows: dict[str, int] = {}
+        self._unplaced: dict[str, float] = {}  # pods that found the table full → when to try again
         self._full_warned = False
 
     @staticmethod
@@ -86,13 +90,22 @@ class SharedLoadTable:
     def _row(self, pod: str) -> int:
         """The pod's row, found or claimed (-1: the table is full; this worker then counts alone)."""
         row = self._rows.get(pod)
-        if row is None:
-            row = self._rows[pod] = self._claim(pod_key(pod))
-            if row < 0 and not self._full_warned:
-                self._full_warned = True
-                log.warning("shared load table full (%d pods): new pods' load is not shared between workers",
-                            self.slots)
-        return row
+        if row is not None:
+            return row
+        now = time.monotonic()
+        if self._unplaced.get(pod, 0.0) > now:
+            return -1
+        row = self._claim(pod_key(pod))
+        if row >= 0:
+            self._rows[pod] = row
+            self._unplaced.pop(pod, None)
+            return row
+        self._unplaced[pod] = now + self.retry_full_s
+        if not self._full_warned:
+            self._full_warned = True
+            log.warning("shared load table full (%d pods): new pods' load is not shared between workers",
+                        self.slots)
+        return -1
 
     def _claim(self, key: int) -> int:
         w, n = self.worker, self.workers
@@ -119,6 +132,7 @@ class SharedLoadTable:
 
     def release(self, pod: str) -> None:
         """This worker forgets the pod: its cells go to zero and the row is free once nobody uses it."""
+        self._unplaced.pop(pod, None)
         row = self._rows.pop(pod, -1)
         if row >= 0:
             cell = row * self.workers + self.worker

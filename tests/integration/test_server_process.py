@@ -110,3 +110,56 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_workers_share_one_port_merge_metrics_and_are_restarted():
+    """`serve --workers 2`: both workers answer on one port, /metrics counts every worker's requests, a
+    killed worker is started again while the other serves, and SIGTERM stops them all."""
+    import os
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *gateway_cmd("--mock-pods", "2", "--mock-speed", "0", "--workers", "2", "--port", str(port)),
+        stderr=asyncio.subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    # A new connection per request: SO_REUSEPORT spreads connections, not requests.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        try:
+            await wait_ready(url, http, proc)
+            workers: dict[str, int] = {}
+            while len(workers) < 2:
+                async with http.get(f"{url}/debug/workers") as resp:
+                    info = await resp.json()
+                    assert resp.headers["x-gateway-worker"] == info["worker"] and info["workers"] == 2
+                    workers[info["worker"]] = info["pid"]
+            answered = set()
+            for _ in range(20):
+                async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama")) as resp:
+                    assert resp.status == 200
+                    answered.add(resp.headers["x-gateway-worker"])
+            assert answered == {"w0", "w1"}
+            text = await (await http.get(f"{url}/metrics")).text()
+            counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("gateway_requests_total{"))
+            assert counted == 20 and "gateway_workers 2.0" in text and "gateway_workers_unscraped 0.0" in text
+
+            os.kill(workers["w1"], signal.SIGKILL)
+            for _ in range(10):  # the other worker serves meanwhile
+                async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama")) as resp:
+                    assert resp.status == 200
+            for _ in range(100):
+                async with http.get(f"{url}/debug/workers") as resp:
+                    info = await resp.json()
+                if info["worker"] == "w1" and info["pid"] != workers["w1"]:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("worker w1 was not started again")
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+            stderr = (await proc.stderr.read()).decode()
+            assert "worker w1 exited" in stderr and "Traceback" not in stderr
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
