@@ -14,10 +14,12 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,8 +45,12 @@ class Contender(msgspec.Struct, frozen=True):
     policy: str = "round_robin"
     env: dict[str, str] = {}
     # Gateway replicas, each with its own index; the client spreads requests over them round-robin,
-    # as a Kubernetes Service would.
+    # as a Kubernetes Service would. They share workflow state through a Redis the runner starts, unless
+    # ``share_state`` is off; ``redis_lost_at``: the share of the trace's requests after which it stops.
     replicas: int = 1
+    share_state: bool = True
+    redis_lost_at: float | None = None
+    workers: int = 1  # per gateway replica (serve --workers)
 
 
 CONTENDERS = {
@@ -56,6 +62,9 @@ CONTENDERS = {
         Contender("gateway-kv_aware", "gateway", "kv_aware"),
         Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
         Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
+        Contender("gateway-kv_aware-2-replicas-unshared", "gateway", "kv_aware", replicas=2, share_state=False),
+        Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
+        Contender("gateway-kv_aware-2-workers", "gateway", "kv_aware", workers=2),
         Contender("gateway-slo", "gateway", "slo"),
         Contender("vllm-router-round_robin", "vllm-router", "round_robin"),
         Contender("vllm-router-cache_aware", "vllm-router", "cache_aware"),
@@ -71,6 +80,7 @@ class Outcome:
     status: int
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    cache_action: str = ""  # the gateway's x-gateway-cache-action
 
 
 @dataclass
@@ -135,6 +145,7 @@ class BenchRunner:
         self.existing_pods = existing_pods
         self.progress = progress
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._redis: subprocess.Popen[bytes] | None = None
 
     # Pods
 
@@ -158,11 +169,35 @@ class BenchRunner:
     def _start_routers(self, contender: Contender, pods: list[PodConfig]) -> list[str] | None:
         if contender.kind == "direct":
             return None
-        return [self._start_router(contender, pods) for _ in range(contender.replicas)]
+        env = dict(contender.env)
+        if contender.kind == "gateway" and contender.replicas > 1 and contender.share_state:
+            env["GATEWAY_SHARED_STATE__REDIS_URL"] = self._start_redis()
+        return [self._start_router(contender, pods, env) for _ in range(contender.replicas)]
 
-    def _start_router(self, contender: Contender, pods: list[PodConfig]) -> str:
+    def _start_redis(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (make install)")
         port = free_port()
-        env = {**os.environ, **contender.env}
+        self._redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                        "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._procs.append(self._redis)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._redis.poll() is not None:
+                break
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                return f"redis://127.0.0.1:{port}/0"
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def _stop_redis(self) -> None:
+        if self._redis is not None and self._redis.poll() is None:
+            self._redis.terminate()
+
+    def _start_router(self, contender: Contender, pods: list[PodConfig], extra_env: dict[str, str]) -> str:
+        port = free_port()
+        env = {**os.environ, **extra_env}
         if contender.kind == "gateway":
             cmd = self._gateway_command(contender, pods, port, env)
         elif contender.kind == "vllm-router":
@@ -181,7 +216,8 @@ class BenchRunner:
 
     def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
                          env: dict[str, str]) -> list[str]:
-        cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy]
+        cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy,
+               "--workers", str(contender.workers)]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
                 (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name}"
@@ -237,7 +273,10 @@ class BenchRunner:
             fleet, pods = self._start_pods(self.speed if speed is None else speed)
             routers = self._start_routers(contender, pods)
             before = [self._prefix_counters(p.url) for p in pods]
-            outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods], contender.name))
+            lose_redis_after = (round(contender.redis_lost_at * trace.requests)
+                                if contender.redis_lost_at is not None else None)
+            outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods], contender.name,
+                                                         lose_redis_after))
             after = [self._prefix_counters(p.url) for p in pods]
             if contender.kind == "gateway" and routers:
                 result.extra.update(self._prediction_checks(routers))
@@ -256,6 +295,9 @@ class BenchRunner:
         ok = [o for o in outcomes if o.status == 200]
         result.hit_ratio = hits / queries if queries else 0.0
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
+        # The gateway's workflow cache actions, as shares of the answered requests.
+        for action, n in Counter(o.cache_action for o in ok if o.cache_action).items():
+            result.extra[f"action_{action}"] = round(n / len(ok), 4)
         result.rejected = sum(1 for o in outcomes if o.status == 429)
         ttft, e2e = [o.ttft_s * 1000 for o in ok], [o.e2e_s * 1000 for o in ok]
         result.ttft_p50_ms, result.ttft_p90_ms, result.ttft_p99_ms = (pct(ttft, q) for q in (0.5, 0.9, 0.99))
@@ -285,7 +327,7 @@ class BenchRunner:
         return values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0), values.get("requests_finished", 0.0)
 
     async def _replay(self, trace: Trace, routers: list[str] | None, pod_urls: list[str],
-                      label: str) -> tuple[list[Outcome], float]:
+                      label: str, lose_redis_after: int | None = None) -> tuple[list[Outcome], float]:
         targets = itertools.cycle(routers or pod_urls)
         outcomes: list[Outcome] = []
         # A real progress bar on a terminal; nothing on a pipe (CI logs) or when asked for none.
@@ -305,6 +347,8 @@ class BenchRunner:
                     history.extend(step.messages)
                     outcome, answer = await self._send(http, next(targets), history, step.max_tokens, step.headers)
                     outcomes.append(outcome)
+                    if len(outcomes) == lose_redis_after:
+                        self._stop_redis()
                     bar.update(1)
                     history.append({"role": "assistant", "content": answer})
 
@@ -326,6 +370,7 @@ class BenchRunner:
                 if resp.status != 200:
                     await resp.read()
                     return Outcome(resp.status), ""
+                action = resp.headers.get("x-gateway-cache-action", "")
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
                         continue
@@ -337,5 +382,5 @@ class BenchRunner:
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
             return Outcome(599), ""
         end = time.monotonic()
-        return Outcome(200, (first or end) - started, end - started), "".join(parts)
+        return Outcome(200, (first or end) - started, end - started, action), "".join(parts)
 

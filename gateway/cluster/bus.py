@@ -73,6 +73,11 @@ class StateBus:
         self._task: asyncio.Task[None] | None = None
 
     @property
+    def redis_up(self) -> bool | None:
+        """Whether the Redis link works (None: no Redis configured)."""
+        return None if self._redis is None else self._redis.up
+
+    @property
     def active(self) -> bool:
         """Whether there is anyone to share with (several workers, or Redis)."""
         return self._siblings is not None or self._redis is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -27,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import msgspec
 
@@ -41,14 +43,20 @@ QUICK_EXIT_S = 10.0
 MAX_QUICK_EXITS = 3
 
 
-def worker_count(config: GatewayConfig) -> int:
-    """``server.workers``, or the cores this process may run on."""
+def worker_count(config: GatewayConfig, cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """``server.workers``, or the cores this process may use: its CPU affinity, bounded by its cgroup's CPU
+    quota (a container sees every core of its node but may be given two)."""
     if config.server.workers is not None:
         return config.server.workers
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path(cpu_max).read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    return cores
 
 
 class WorkerStartError(RuntimeError):

@@ -302,8 +302,11 @@ class PrefixIndex:
             mask ^= low
         return runs
 
-    def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes) -> None:
-        """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view)."""
+    def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
+               confirmed_tokens: int = 0) -> None:
+        """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view). Of them, the
+        first ``confirmed_tokens``' worth the pod's events already confirmed: the other processes are told
+        only of the rest (they get the same events)."""
         now = time.monotonic()
         self._expire_speculative(now)
         view = self._views.get((pod, 0))
@@ -312,8 +315,9 @@ class PrefixIndex:
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         hashes = prompt.first(view.block_size, prompt.token_count)
         self._expect(view, hashes, now)
-        if self.publish is not None and hashes:
-            self.publish(BlocksExpected(pod, hashes))
+        new = hashes[confirmed_tokens // view.block_size:]
+        if self.publish is not None and new:
+            self.publish(BlocksExpected(pod, new))
 
     def apply_expected(self, origin: str, fact: BlocksExpected) -> None:
         """Another worker or replica just routed these blocks to the pod."""

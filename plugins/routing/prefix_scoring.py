@@ -76,8 +76,10 @@ class PrefixMatcher:
         index until its events confirm them)."""
         match = request.prefix
         if match is not None and match.precise and self._index is not None and request.token_ids:
+            held = match.pods.get(decision.pod.name)
+            confirmed = held.gpu_tokens - held.speculative_tokens if held is not None else 0
             self._index.expect(decision.pod.name, request.base_model or request.model, request.lora_name,
-                               match.hashes or request.token_ids)
+                               match.hashes or request.token_ids, confirmed_tokens=confirmed)
         else:
             text = match.text if match is not None else _text_of(request)
             if text:

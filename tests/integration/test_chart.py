@@ -65,9 +65,11 @@ def test_render_and_validate(helm, name, tmp_path):
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert config.server.port == 8080 and config.server.shutdown_grace_s == 55
+    assert config.server.port == 8080 and config.server.shutdown_grace_s == 55 and config.server.workers == 2
+    assert container["resources"]["requests"]["cpu"] == "2"  # one core per worker
     if name == "static-pods-redis-hpa-monitoring":
         assert config.pods[0].kv_events == POD["kv_events"] and config.load.redis_url == "redis://gw-gateway-redis:6379/0"
+        assert config.shared_state.redis_url == config.load.redis_url
         assert {"HorizontalPodAutoscaler", "ServiceMonitor"} <= kinds and "replicas" not in deployment["spec"]
         assert any(d["metadata"]["name"] == "gw-gateway-dashboard" for d in docs)
     if name == "kubernetes-discovery":
@@ -81,6 +83,9 @@ def test_render_and_validate(helm, name, tmp_path):
         pods_file.write_text(config_map["data"]["pods.yaml"])
         assert read_config_file(pods_file)["pods"] == [POD]
         assert "Role" not in kinds and config.load.redis_url == "redis://redis.shared:6379/0"
+        assert config.shared_state.redis_url == "redis://redis.shared:6379/0"
+    if name == "default":
+        assert config.shared_state.redis_url is None  # no Redis: each replica keeps its own state
 
 
 def test_dashboard_queries_name_real_metrics():

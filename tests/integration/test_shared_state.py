@@ -64,7 +64,7 @@ async def alternate_stages(http, gateways, workflow: str, stages: int) -> tuple[
         pods.append(pod)
         actions.append(action)
         history.append(payload["choices"][0]["message"])
-        await eventually(lambda: all(stage_known(g, workflow, f"s{i}", pod) for g in gateways))
+        await eventually(lambda i=i, pod=pod: all(stage_known(g, workflow, f"s{i}", pod) for g in gateways))
     return pods, actions
 
 
@@ -95,7 +95,7 @@ async def test_a_session_sticks_to_one_pod_across_workers(start_mock_pod, start_
         gw = gateways[i % 2]
         pod, _, _ = await post(http, gw, history, **{"x-session-id": "sess-1"})
         seen.append(pod)
-        await eventually(lambda: all(g.gateway.workflows.sessions.pod_of("sess-1") == pod for g in gateways))
+        await eventually(lambda pod=pod: all(g.gateway.workflows.sessions.pod_of("sess-1") == pod for g in gateways))
     assert len(set(seen)) == 1
 
 
@@ -112,7 +112,7 @@ async def test_workers_weigh_each_others_contexts_and_speculative_blocks(start_m
     other = next(p["name"] for p in pods if p["name"] != pod)
     assert working_set.demand_tokens(other, 0.0) == 0
     # The second worker's index expects the first's blocks on that pod before any event says so.
-    assert second.gateway.kv.index._speculative  # noqa: SLF001 (what the bus delivered)
+    assert second.gateway.kv.index._speculative
 
 
 async def test_replicas_share_workflows_through_redis_and_survive_its_loss(start_mock_pod, start_gateway, http,
@@ -128,11 +128,11 @@ async def test_replicas_share_workflows_through_redis_and_survive_its_loss(start
     history = [{"role": "user", "content": "Redis is gone; keep answering."}]
     for i in range(10):  # every request is answered: shared state is never on the request path
         await post(http, gateways[i % 2], history, **{"x-workflow-id": "wf-lost", "x-stage-id": f"s{i}"})
-    await eventually(lambda: all(bus.metrics.redis_up._value.get() == 0 for bus in buses), within_s=10)  # noqa: SLF001
+    await eventually(lambda: not any(bus.redis_up for bus in buses), within_s=10)
     text = await (await http.get(f"{gateways[0].url}/metrics")).text()
     assert "gateway_shared_state_redis_up 0.0" in text and 'gateway_shared_state_errors_total{link="redis"' in text
 
     redis_server.start()  # same port: the links come back by themselves
-    await eventually(lambda: all(bus.metrics.redis_up._value.get() == 1 for bus in buses), within_s=15)  # noqa: SLF001
+    await eventually(lambda: all(bus.redis_up for bus in buses), within_s=15)
     pods_used, actions = await alternate_stages(http, gateways, "wf-back", 3)
     assert len(set(pods_used)) == 1 and actions == ["noop"] + ["preserve:small_increment"] * 2

@@ -67,3 +67,19 @@ def test_ledgers_of_two_workers_see_each_others_requests(tables):
     first.forget_pod("pod-a")
     assert second.on_pod("pod-a") == 0
     first.finish(a)  # finishing on a forgotten pod is quiet
+
+
+def test_worker_count_is_the_cores_the_cgroup_quota_allows(tmp_path: Path):
+    import os
+
+    from gateway.cluster.workers import worker_count
+    from gateway.config import GatewayConfig, ServerConfig
+
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs → 2 workers (if the machine has them)
+    assert worker_count(GatewayConfig(), str(cpu_max)) == min(cores, 2)
+    cpu_max.write_text("max 100000\n")
+    assert worker_count(GatewayConfig(), str(cpu_max)) == cores
+    assert worker_count(GatewayConfig(), str(tmp_path / "absent")) == cores
+    assert worker_count(GatewayConfig(server=ServerConfig(workers=3)), str(cpu_max)) == 3
