@@ -186,7 +186,11 @@ def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiproce
         started = asyncio.Event()
         waiter = asyncio.create_task(started.wait())
         waiter.add_done_callback(lambda task: None if task.cancelled() else _tell(ready, "ready"))
-        await run_gateway(config, started, identity)
+        orphan_watch = asyncio.create_task(_drain_if_orphaned(os.getppid()))
+        try:
+            await run_gateway(config, started, identity)
+        finally:
+            orphan_watch.cancel()
 
     try:
         run_loop(main())
@@ -194,6 +198,14 @@ def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiproce
         _tell(ready, f"{type(exc).__name__}: {exc}")
         log.error("worker %s failed: %s: %s", identity.name, type(exc).__name__, exc)
         raise SystemExit(1) from None
+
+
+async def _drain_if_orphaned(supervisor: int) -> None:
+    """A supervisor killed outright cannot stop its workers: each notices and drains itself."""
+    while os.getppid() == supervisor:  # noqa: ASYNC110 (no event to wait for: the parent changes)
+        await asyncio.sleep(1.0)
+    log.warning("the supervisor is gone: this worker drains and stops")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _tell(conn: multiprocessing.connection.Connection, message: str) -> None:
