@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.app import GATEWAY_KEY, Gateway, build_app
-from gateway.bench.runner import wait_http
+from gateway.bench.runner import start_redis_server, wait_http
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
 from gateway.mock.pod import MockPod, MockPodConfig, free_port
@@ -118,16 +116,7 @@ class RedisServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        for _ in range(100):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        self.process = start_redis_server(self.binary, self.port)
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -127,6 +127,19 @@ def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] |
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+def start_redis_server(binary: str, port: int) -> subprocess.Popen[bytes]:
+    """A throw-away ``redis-server`` on loopback (no persistence), returned once it accepts connections."""
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
 def _binary(name: str) -> str:
     return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
 
@@ -179,17 +192,9 @@ class BenchRunner:
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (make install)")
         port = free_port()
-        self._redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                        "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._redis = start_redis_server(binary, port)
         self._procs.append(self._redis)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self._redis.poll() is not None:
-                break
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                return f"redis://127.0.0.1:{port}/0"
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        return f"redis://127.0.0.1:{port}/0"
 
     def _stop_redis(self) -> None:
         if self._redis is not None and self._redis.poll() is None:

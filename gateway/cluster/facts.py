@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 
-class Fact(msgspec.Struct, array_like=True, tag=True, omit_defaults=False):
+class Fact(msgspec.Struct, array_like=True, tag=True):
     pass
 
 

@@ -80,7 +80,7 @@ class Supervisor:
         self.count = count
         self.run_dir = tempfile.mkdtemp(prefix="gateway-workers-")
         self.replica = new_replica_id()
-        self.table = SharedLoadTable.create(os.path.join(self.run_dir, "load-table"), count)
+        self.table = SharedLoadTable.create(self._identity(0).load_table, count)
         self._context = multiprocessing.get_context("spawn")
         self._config_bytes = msgspec.json.encode(config)
         self.workers: list[Worker] = []

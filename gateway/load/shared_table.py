@@ -152,16 +152,18 @@ class SharedLoadTable:
     # Reads: every worker's cells summed
 
     def in_flight(self, pod: str) -> int | None:
-        row = self._row(pod)
-        return sum(self._in_flight[row * self.workers:(row + 1) * self.workers]) if row >= 0 else None
+        return self._sum(self._in_flight, pod)
 
     def consumption(self, pod: str) -> float | None:
-        row = self._row(pod)
-        return sum(self._consumption[row * self.workers:(row + 1) * self.workers]) if row >= 0 else None
+        return self._sum(self._consumption, pod)
 
     def embedding(self, pod: str) -> float | None:
+        return self._sum(self._embedding, pod)
+
+    def _sum(self, cells: memoryview, pod: str) -> Any:
+        """The pod's row of ``cells`` summed (None: the pod has no row)."""
         row = self._row(pod)
-        return sum(self._embedding[row * self.workers:(row + 1) * self.workers]) if row >= 0 else None
+        return sum(cells[row * self.workers:(row + 1) * self.workers]) if row >= 0 else None
 
     def debug(self, pods: list[str]) -> dict[str, Any]:
         """Per pod, each worker's cells (for ``/debug/workers``)."""

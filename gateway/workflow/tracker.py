@@ -264,17 +264,20 @@ class WorkflowTracker:
             self._new_stage(wf, fact.stage, fact.model, fact.prompt_tokens, now)
 
     def apply_dispatched(self, origin: str, fact: StageDispatched) -> None:
-        wf = self.workflows.get(fact.workflow)
-        stage = wf.stages.get(fact.stage) if wf else None
-        if wf is not None and stage is not None:
+        if found := self._stage(fact.workflow, fact.stage):
+            wf, stage = found
             action = CacheAction(ActionKind(fact.action), "remote", wf.id, fact.action_pod)
             self._dispatched(wf, stage, action, fact.pod, fact.model, time.monotonic())
 
     def apply_finished(self, origin: str, fact: StageFinished) -> None:
-        wf = self.workflows.get(fact.workflow)
-        stage = wf.stages.get(fact.stage) if wf else None
-        if wf is not None and stage is not None:
-            self._finished(wf, stage, fact.pod, fact.prompt_tokens, time.monotonic())
+        if found := self._stage(fact.workflow, fact.stage):
+            self._finished(*found, fact.pod, fact.prompt_tokens, time.monotonic())
+
+    def _stage(self, workflow_id: str, stage_id: str) -> tuple[Workflow, Stage] | None:
+        """A stage this tracker knows (a fact about one it missed the start of is ignored)."""
+        wf = self.workflows.get(workflow_id)
+        stage = wf.stages.get(stage_id) if wf is not None else None
+        return (wf, stage) if wf is not None and stage is not None else None
 
     def apply_completed(self, origin: str, fact: WorkflowCompleted) -> None:
         self.workflows.pop(fact.workflow, None)
