@@ -10,8 +10,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gateway.bench.workloads import GENERATORS, Trace, read_trace, working_set_tokens, write_trace
+from gateway.bench.workloads import (
+    GENERATORS,
+    Trace,
+    longest_request_tokens,
+    read_trace,
+    working_set_tokens,
+    write_trace,
+)
 
 DEFAULT_CONTENDERS = {
     "shared-prefix": ["direct", "gateway-round_robin", "gateway-prefix_cache", "gateway-kv_aware", "gateway-slo",
@@ -84,12 +92,18 @@ def parse_knobs(gen: Callable[..., Trace], knobs: list[str]) -> dict[str, float]
 
 
 def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int) -> int:
-    """KV blocks per simulated pod such that the trace's peak working set is ``ratio`` times the fleet's."""
+    """KV blocks per simulated pod such that the trace's peak working set is ``ratio`` times the fleet's,
+    and never fewer than its longest request needs: vLLM refuses to start with a cache that cannot hold
+    one request of its longest length, so a pod that refuses a request for its size is no real fleet."""
     from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
     tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
-    peak = working_set_tokens(trace, lambda messages: len(tokenizer.encode_chat(messages)))
-    return max(16, math.ceil(peak / block_size / ratio / pods))
+    def count(messages: list[dict[str, Any]]) -> int:
+        return len(tokenizer.encode_chat(messages))
+    by_ratio = math.ceil(working_set_tokens(trace, count) / block_size / ratio / pods)
+    # An answer re-tokenized from its text may take a few more tokens than were generated.
+    longest = math.ceil(longest_request_tokens(trace, count) * 1.05 / block_size)
+    return max(16, by_ratio, longest)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -165,6 +165,21 @@ def working_set_tokens(trace: Trace, count_tokens: Any, answer_tokens: bool = Tr
     return peak
 
 
+def longest_request_tokens(trace: Trace, count_tokens: Any) -> int:
+    """An upper bound on the trace's longest request as the replay sends it: the history so far, each
+    earlier answer at its full ``max_tokens`` (with its chat-template wrapping), and this step's answer."""
+    longest = 0
+    for session in trace.sessions:
+        history: list[dict[str, Any]] = []
+        answers = 0
+        for step in session.steps:
+            history.extend(step.messages)
+            answers += step.max_tokens
+            longest = max(longest, count_tokens(history) + answers)
+            history.append({"role": "assistant", "content": ""})
+    return longest
+
+
 def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, seconds: float = 20.0,
              prompt_words: int = 400, ttft_ms: int = 1000, max_tokens: int = 32) -> Trace:
     """A rate ramp past capacity; every request carries a TTFT SLO."""

@@ -70,6 +70,19 @@ class Context:
     version: int = 0  # bumped whenever ``protected_until`` changes, so stale heap entries are skipped
 
 
+def shared_blocks(old: list[int], new: list[int]) -> int:
+    """How many leading blocks two prompts share. Block hashes are chained (each covers its parent), so
+    equal hashes at one position mean equal prefixes up to it, and a binary search finds the last one."""
+    low, high = 0, min(len(old), len(new))
+    while low < high:
+        mid = (low + high) // 2
+        if old[mid] == new[mid]:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
 class ContextForecast:
     """What contexts have shown so far, per context and over all: the think time between their requests,
     the prompt tokens each stage adds, how many stages a completed workflow had. Owned by the working set."""
@@ -229,13 +242,16 @@ class ResumableWorkingSet:
 
     def _hold(self, ctx: Context | None, new_key: str, keyed: bool, pod: str, block_size: int, hashes: list[int],
               prompt_tokens: int, now: float) -> Context:
+        kept = 0  # leading blocks still counted for this context: its prompt usually grew on the same pod
         if ctx is None:
             self._make_room()
             ctx = Context(new_key, pod, block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
             self._contexts[ctx.key] = ctx
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
-            self._unplace(ctx)
+            if ctx.pod == pod and ctx.block_size == block_size and pod in self._pods:
+                kept = shared_blocks(ctx.hashes, hashes)
+            self._unplace(ctx, kept)
         ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
         ctx.hashes = hashes
         ctx.stages += 1
@@ -243,7 +259,7 @@ class ResumableWorkingSet:
         ctx.protected_until = math.inf
         ctx.version += 1
         ctx.expected_growth = self.forecast.expected_growth(ctx, ctx.keyed, ctx.stages)
-        self._place(ctx)
+        self._place(ctx, kept)
         return ctx
 
     def idle(self, context: Context, now: float) -> None:
@@ -314,11 +330,12 @@ class ResumableWorkingSet:
             self._unplace(ctx)
         return ctx
 
-    def _place(self, ctx: Context) -> None:
+    def _place(self, ctx: Context, kept: int = 0) -> None:
+        """Count ``ctx`` on its pod; its first ``kept`` blocks are counted already."""
         demand = self._pods.setdefault(ctx.pod, PodDemand())
         demand.block_size = ctx.block_size
         refs = demand.refs
-        for h in ctx.hashes:
+        for h in itertools.islice(ctx.hashes, kept, None):
             refs[h] = refs.get(h, 0) + 1
         demand.growth += ctx.expected_growth
         demand.contexts += 1
@@ -327,12 +344,13 @@ class ResumableWorkingSet:
         elif ctx.hashes:
             self._tails[ctx.hashes[-1]] = ctx.key
 
-    def _unplace(self, ctx: Context) -> None:
+    def _unplace(self, ctx: Context, kept: int = 0) -> None:
+        """Stop counting ``ctx`` on its pod, but for its first ``kept`` blocks."""
         demand = self._pods.get(ctx.pod)
         if demand is None:
             return
         refs = demand.refs
-        for h in ctx.hashes:
+        for h in itertools.islice(ctx.hashes, kept, None):
             n = refs.get(h, 0) - 1
             if n > 0:
                 refs[h] = n

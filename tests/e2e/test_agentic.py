@@ -9,7 +9,8 @@ between its stages.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -24,6 +25,10 @@ NUM_BLOCKS = 48
 @pytest.fixture(scope="module")
 def small_vllm(model_dir: str) -> Iterator[VllmFleet]:
     yield from running_fleet("small", model_dir, ("--num-gpu-blocks-override", str(NUM_BLOCKS)))
+
+
+def actions(result: Result) -> dict[str, float]:
+    return {k: v for k, v in result.extra.items() if k.startswith("action_")}
 
 
 def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
@@ -42,10 +47,30 @@ def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
     return result
 
 
-def test_kv_aware_spreads_workflows_and_beats_round_robin_on_real_pods(small_vllm: VllmFleet, model_dir: str):
-    round_robin = bench(small_vllm, model_dir, "direct")
-    kv_aware = bench(small_vllm, model_dir, "gateway-kv_aware")
+@pytest.fixture(scope="module")
+def results(small_vllm: VllmFleet, model_dir: str) -> Callable[[str], Result]:
+    """A contender's run, made once for the module's tests."""
+    return functools.cache(lambda contender: bench(small_vllm, model_dir, contender))
+
+
+def test_kv_aware_spreads_workflows_and_beats_round_robin_on_real_pods(results: Callable[[str], Result]):
+    round_robin, kv_aware = results("direct"), results("gateway-kv_aware")
     print(f"round robin: hit {round_robin.hit_ratio:.3f} pods {round_robin.pod_requests}; "
           f"kv_aware: hit {kv_aware.hit_ratio:.3f} pods {kv_aware.pod_requests}")
     assert min(kv_aware.pod_requests) > 0 and kv_aware.largest_share <= 0.75
     assert kv_aware.hit_ratio >= round_robin.hit_ratio + 0.05
+
+
+def test_two_replicas_sharing_state_act_as_one_on_real_pods(results: Callable[[str], Result]):
+    """Two gateway replicas behind a round robin, sharing their state through a real Redis: each stage of a
+    workflow may reach either, yet their cache actions are the single replica's and the hit ratio stays."""
+    one, two = results("gateway-kv_aware"), results("gateway-kv_aware-2-replicas")
+    unshared = results("gateway-kv_aware-2-replicas-unshared")
+    print(f"one replica: hit {one.hit_ratio:.3f} {actions(one)}; two: hit {two.hit_ratio:.3f} {actions(two)}; "
+          f"unshared: hit {unshared.hit_ratio:.3f} {actions(unshared)}")
+    assert actions(one) and actions(two).keys() == actions(one).keys()
+    assert all(abs(actions(two)[k] - share) <= 0.02 for k, share in actions(one).items())
+    # Without shared state each replica sees half of every workflow and decides differently: the check
+    # above is one that can fail.
+    assert any(abs(actions(unshared).get(k, 0.0) - share) > 0.02 for k, share in actions(one).items())
+    assert two.hit_ratio >= one.hit_ratio - 0.05

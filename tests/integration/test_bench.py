@@ -15,6 +15,7 @@ from gateway.bench.workloads import (
     Trace,
     agentic,
     agentic_shared,
+    longest_request_tokens,
     multi_turn,
     overload,
     read_trace,
@@ -87,8 +88,14 @@ def test_agentic_shared_knobs_and_working_set():
     overlap = Trace("t", 0, [Session("a", 0.0, [Step(say(10), 1), Step(say(20), 1, think_s=1.0)]),
                              Session("b", 0.5, [Step(say(5), 1), Step(say(5), 1, think_s=2.0)])])
     assert working_set_tokens(overlap, lambda ms: sum(len(m["content"].split()) for m in ms)) == 30 + 1 + 5 + 1
+    # A's second request carries both user turns, its first answer and its own: 10 + 20 + 1 + 1.
+    assert longest_request_tokens(overlap, lambda ms: sum(len(m["content"].split()) for m in ms)) == 32
     # --working-set-ratio 2 over 2 pods of 16-token blocks: the fleet holds half the peak, rounded up.
     tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
     peak_tokens = working_set_tokens(trace, lambda m: len(tokenizer.encode_chat(m)))
     blocks = cache_blocks_for(trace, 2.0, 2, 16)
     assert blocks * 16 * 2 * 2 >= peak_tokens > (blocks - 1) * 16 * 2 * 2
+    # A ratio so high that one pod could not hold the longest request: sized for that request instead,
+    # as vLLM refuses to start with a cache shorter than its longest request.
+    longest = longest_request_tokens(trace, lambda m: len(tokenizer.encode_chat(m)))
+    assert cache_blocks_for(trace, 50.0, 2, 16) * 16 >= longest > blocks * 16 * 2 * 2 / 50

@@ -3,10 +3,12 @@ growth forecasts, anonymous continuations, release and lapse."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gateway.config import PlacementConfig
-from gateway.kv.working_set import ResumableWorkingSet
+from gateway.kv.working_set import ResumableWorkingSet, shared_blocks
 
 BS = 16
 
@@ -61,6 +63,33 @@ def test_a_stage_on_another_pod_moves_the_context():
     assert s.resumable("p0") == (0, 0) and s.resumable("p1") == (1, 0)
 
 
+def test_a_grown_prompt_recounts_only_its_new_blocks_and_the_counts_stay_exact():
+    """A context held again on the same pod keeps the blocks its prompts share (found by their chained
+    hashes) and recounts the rest: growing, rewriting its tail, moving, sharing blocks with others."""
+    rng = random.Random(7)
+
+    def chained(tokens: list[int]) -> list[int]:
+        return [hash(tuple(tokens[: (i + 1) * 4])) for i in range(len(tokens) // 4)]
+
+    s = ws(max_contexts=1000)
+    prompts: dict[str, list[int]] = {}
+    where: dict[str, str] = {}
+    for _ in range(400):
+        key = f"workflow:{rng.randrange(6)}"
+        tokens = prompts.get(key, [rng.randrange(3) for _ in range(8)])  # a few shared openings
+        if rng.random() < 0.2:
+            tokens = tokens[: rng.randrange(len(tokens) + 1)]  # the tail rewritten
+        tokens = tokens + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        prompts[key], where[key] = tokens, rng.choice(["p0", "p0", "p1"])
+        s.idle(s.hold(key, where[key], BS, chained(tokens), len(tokens), now=0.0), now=0.0)
+        for pod in ("p0", "p1"):
+            expected = {h for k, t in prompts.items() if where[k] == pod for h in chained(t)}
+            assert s.debug([pod], lambda _: None, now=0.0)["pods"][pod]["distinct_blocks"] == len(expected)
+    for key in prompts:
+        assert s.release(key)
+    assert all(s.debug([pod], lambda _: None, now=0)["pods"][pod]["distinct_blocks"] == 0 for pod in ("p0", "p1"))
+
+
 def test_growth_is_forecast_from_increments_and_completed_stage_counts():
     s = ws(default_stages=4)
     assert s.forecast.expected_growth(None, keyed=True, stages_done=1) == 0  # nothing seen yet
@@ -104,3 +133,10 @@ def test_idle_contexts_oldest_first_and_the_bound():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="protect"):
         PlacementConfig(protect_margin=0)
+
+
+def test_shared_blocks_is_the_common_prefix_of_chained_hashes():
+    assert shared_blocks([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert shared_blocks([1, 2, 3, 4], [1, 2]) == 2
+    assert shared_blocks([1, 2, 3], [1, 9, 10]) == 1
+    assert shared_blocks([1], [2]) == 0 and shared_blocks([], [1]) == 0
