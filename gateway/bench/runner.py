@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -271,27 +272,35 @@ class BenchRunner:
 
     # One contender
 
-    def run(self, contender: Contender, trace: Trace, speed: float | None = None) -> Result:
-        result = Result(contender.name, contender.policy, trace.scenario, trace.seed, requests=trace.requests)
+    @contextlib.contextmanager
+    def serving(self, contender: Contender, speed: float | None = None
+                ) -> Iterator[tuple[list[str] | None, list[PodConfig]]]:
+        """The pods (simulated ones started, existing ones reset) and the contender's routers in front of
+        them (``None``: requests go straight to the pods), all stopped on leaving."""
         fleet = None
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed)
-            routers = self._start_routers(contender, pods)
-            before = [self._prefix_counters(p.url) for p in pods]
-            lose_redis_after = (round(contender.redis_lost_at * trace.requests)
-                                if contender.redis_lost_at is not None else None)
-            outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods], contender.name,
-                                                         lose_redis_after))
-            after = [self._prefix_counters(p.url) for p in pods]
-            if contender.kind == "gateway" and routers:
-                result.extra.update(self._prediction_checks(routers))
-        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
-            result.skipped = str(exc)
-            return result
+            yield self._start_routers(contender, pods), pods
         finally:
             self._stop_procs()
             if fleet:
                 fleet.stop()
+
+    def run(self, contender: Contender, trace: Trace, speed: float | None = None) -> Result:
+        result = Result(contender.name, contender.policy, trace.scenario, trace.seed, requests=trace.requests)
+        lose_redis_after = (round(contender.redis_lost_at * trace.requests)
+                            if contender.redis_lost_at is not None else None)
+        try:
+            with self.serving(contender, speed) as (routers, pods):
+                before = [self._prefix_counters(p.url) for p in pods]
+                outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods],
+                                                             contender.name, lose_redis_after))
+                after = [self._prefix_counters(p.url) for p in pods]
+                if contender.kind == "gateway" and routers:
+                    result.extra.update(self._prediction_checks(routers))
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            result.skipped = str(exc)
+            return result
         queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
         hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
         result.pod_requests = [round(a[2] - b[2]) for a, b in zip(after, before, strict=True)]
