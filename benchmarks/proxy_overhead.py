@@ -63,10 +63,11 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def run_wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None) -> dict[str, float]:
+def run_wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None,
+            threads: int = 1) -> dict[str, float]:
     """wrk's numbers; with ``pid``, also that process's CPU time per request (less noisy than req/s on a
     shared machine: it does not depend on how much CPU the process was given)."""
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
+    cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
            f"{url}/v1/chat/completions"]
     cpu_before = cpu_seconds(pid) if pid else 0.0
     output = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

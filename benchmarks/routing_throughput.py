@@ -21,13 +21,12 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import msgspec
-from proxy_overhead import parse_wrk  # this folder is on the path when a benchmark runs
+from proxy_overhead import run_wrk  # this folder is on the path when a benchmark runs
 
 from gateway.bench.runner import CONTENDERS, BenchRunner, Contender
 from gateway.bench.workloads import WORDS
@@ -62,12 +61,6 @@ end
 """)
 
 
-def run_wrk(url: str, script: Path, connections: int, duration: int) -> dict[str, float]:
-    output = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
-                             url], capture_output=True, text=True, check=True).stdout
-    return parse_wrk(output)
-
-
 def contenders(workers: list[int], peers: bool) -> list[Contender]:
     kv_aware = CONTENDERS["gateway-kv_aware"]
     found = [msgspec.structs.replace(kv_aware, name=f"gateway-kv_aware-w{n}", workers=n) for n in workers]
@@ -97,9 +90,9 @@ def main() -> int:
                     for mix in args.mix:
                         script = Path(tmp) / f"{mix}.lua"
                         wrk_script(script, runner.model, mix, args.prompt_words)
-                        run_wrk(routers[0], script, args.connections, 2)  # warm-up: caches, pools, workers
-                        results[f"{contender.name} {mix}"] = run_wrk(routers[0], script, args.connections,
-                                                                     args.duration)
+                        run_wrk(routers[0], args.connections, 2, script, threads=2)  # warm-up: caches, pools, workers
+                        results[f"{contender.name} {mix}"] = run_wrk(routers[0], args.connections, args.duration,
+                                                                     script, threads=2)
             except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
                 results[contender.name] = {"skipped": str(exc)}
     print(f"{'run':<36}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")

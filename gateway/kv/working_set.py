@@ -249,7 +249,7 @@ class ResumableWorkingSet:
             self._contexts[ctx.key] = ctx
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
-            if ctx.pod == pod and ctx.block_size == block_size and pod in self._pods:
+            if ctx.pod == pod:
                 kept = shared_blocks(ctx.hashes, hashes)
             self._unplace(ctx, kept)
         ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
