@@ -22,8 +22,8 @@ from gateway.config import ApiKeyConfig, AuthConfig
 class _Key:
     digest: bytes
     config: ApiKeyConfig
-    tokens: float = 0.0
-    refreshed: float = 0.0
+    tokens: float
+    refreshed: float  # monotonic time of the last refill
 
 
 _KEY = web.RequestKey("api_key", _Key)
@@ -48,8 +48,9 @@ def _match(digest: bytes | None, keys: list[_Key]) -> _Key | None:
 class ApiKeyAuth:
     def __init__(self, config: AuthConfig) -> None:
         keys = [ApiKeyConfig(hash=h) for h in config.api_key_hashes] + list(config.keys)
-        self._keys = [_Key(bytes.fromhex(k.hash), k, tokens=self._burst(k)) for k in keys]
-        self._admin = [_Key(bytes.fromhex(h), ApiKeyConfig(hash=h)) for h in config.admin_key_hashes]
+        now = time.monotonic()
+        self._keys = [_Key(bytes.fromhex(k.hash), k, tokens=self._burst(k), refreshed=now) for k in keys]
+        self._admin = [_Key(bytes.fromhex(h), ApiKeyConfig(hash=h), math.inf, now) for h in config.admin_key_hashes]
         self.debug_endpoints = config.debug_endpoints
 
     @staticmethod

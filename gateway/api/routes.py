@@ -113,7 +113,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
             "ejections": p.ejections,
             "in_flight": gateway.ledger.on_pod(p.name),
             "last_error": p.last_error,
-            "checked_s_ago": round(now - p.last_check, 3) if p.last_check else None,
+            "checked_s_ago": round(now - p.last_check, 3) if p.last_check is not None else None,
         }
         for p in gateway.pods.all()
     ]

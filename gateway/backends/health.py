@@ -32,8 +32,10 @@ class HealthChecker:
         http: HttpClient,
         config: HealthConfig,
         on_change: Callable[[Pod], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
+        self._clock = clock
         self._http = http
         self._config = config
         self._on_change = on_change
@@ -64,11 +66,14 @@ class HealthChecker:
         await asyncio.gather(*(self.check(p, initial, refresh_models) for p in pods))
 
     async def check(self, pod: Pod, initial: bool = False, refresh_models: bool = False) -> None:
+        started = self._clock()
         ok, error = await self._probe(pod)
         if ok and (refresh_models or not pod.models) and not pod.config.models:
             ok, error = await self._fetch_models(pod)
-        pod.last_check = time.monotonic()
+        pod.last_check = self._clock()
         self._record(pod, ok, error, initial)
+        if ok:
+            self._registry.health_passed(pod, started)
 
     def _record(self, pod: Pod, ok: bool, error: str | None, initial: bool) -> None:
         was = pod.healthy

@@ -8,6 +8,7 @@ else reads. What is in flight on a pod is the in-flight ledger's (:mod:`gateway.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +26,14 @@ class Pod:
     healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    # Passive ejection (the proxy's reports): out of rotation until ``ejected_until``; ``ejections`` in a
+    # row double the backoff. ``ejected_at`` is None while the pod is not ejected.
     ejected_until: float = 0.0
+    ejected_at: float | None = None
     ejections: int = 0
     consecutive_5xx: int = 0
     last_error: str | None = None
-    last_check: float = 0.0
+    last_check: float | None = None
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -43,8 +47,10 @@ class Pod:
 
 
 class PodRegistry:
-    def __init__(self, pods: list[PodConfig], health: HealthConfig) -> None:
+    def __init__(self, pods: list[PodConfig], health: HealthConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._health = health
+        self._clock = clock
         self._pods: dict[str, Pod] = {}
         for cfg in pods:
             self.add(cfg)
@@ -90,7 +96,7 @@ class PodRegistry:
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Pod]:
         """Pods serving ``model`` that are healthy, not ejected and not excluded."""
-        now = time.monotonic()
+        now = self._clock()
         return [
             p for p in self._pods.values()
             if p.serves(model) and p.available(now) and p.name not in exclude
@@ -104,7 +110,7 @@ class PodRegistry:
                 cards.setdefault(str(card.get("id")), card)
         return list(cards.values())
 
-    # Passive health, reported by the proxy.
+    # Passive health, reported by the proxy; ended early by a passing health check.
 
     def report_connect_failure(self, pod: Pod, error: str) -> None:
         self._eject(pod, error)
@@ -118,14 +124,30 @@ class PodRegistry:
             self._eject(pod, error)
 
     def _eject(self, pod: Pod, error: str) -> None:
-        """Eject the pod for a backoff that doubles with each consecutive ejection."""
+        """Eject the pod for a backoff that doubles with each ejection in a row. Failures of requests sent
+        before the ejection (a burst to a pod that just died) are the same outage: they do not lengthen it."""
+        pod.last_error = error
+        now = self._clock()
+        if now < pod.ejected_until:
+            return
         pod.ejections += 1
         backoff = min(self._health.ejection_base_s * 2 ** (pod.ejections - 1), self._health.ejection_max_s)
-        pod.ejected_until = time.monotonic() + backoff
-        pod.last_error = error
+        pod.ejected_at = now
+        pod.ejected_until = now + backoff
 
     def report_success(self, pod: Pod) -> None:
         pod.consecutive_5xx = 0
         if pod.ejections:
-            pod.ejections = 0
-            pod.ejected_until = 0.0
+            self._end_ejection(pod)
+
+    def health_passed(self, pod: Pod, probe_started: float) -> None:
+        """A health probe sent at ``probe_started`` passed: an ejection that began before it is over (the
+        pod answers again), one that began while it was on the wire stands."""
+        if pod.ejected_at is not None and pod.ejected_at < probe_started:
+            self._end_ejection(pod)
+
+    @staticmethod
+    def _end_ejection(pod: Pod) -> None:
+        pod.ejections = 0
+        pod.ejected_until = 0.0
+        pod.ejected_at = None

@@ -9,7 +9,7 @@ reads before scoring); the pod-removal path forgets a pod.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import xxhash
 
@@ -17,8 +17,10 @@ from gateway.lru import LruCache
 
 
 class ApproximatePrefixIndex:
-    def __init__(self, block_chars: int = 256, max_blocks: int = 500_000, ttl_s: float = 600.0) -> None:
+    def __init__(self, block_chars: int = 256, max_blocks: int = 500_000, ttl_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.block_chars = block_chars
+        self._clock = clock
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
         # block hash → {pod: last time that pod was sent this block}.
@@ -35,12 +37,13 @@ class ApproximatePrefixIndex:
         """Per pod, how many leading characters of ``text`` it was sent recently."""
         alive = set(pods)
         matched = dict.fromkeys(alive, 0)
-        oldest = time.monotonic() - self.ttl_s
+        # Negative on a host up for less than ``ttl_s``: only pods actually sent a block may count.
+        oldest = self._clock() - self.ttl_s
         for i, h in enumerate(self._hashes(text)):
             holders = self._blocks.get(h)
             if not holders:
                 break
-            alive = {p for p in alive if holders.get(p, 0.0) > oldest}
+            alive = {p for p in alive if (sent := holders.get(p)) is not None and sent > oldest}
             if not alive:
                 break
             for pod in alive:
@@ -48,7 +51,7 @@ class ApproximatePrefixIndex:
         return matched
 
     def record(self, text: str, pod: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         blocks = self._blocks
         for h in self._hashes(text):
             holders = blocks.pop(h, None) or {}  # re-inserted last: the most recently used

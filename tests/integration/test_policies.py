@@ -153,3 +153,39 @@ async def test_retry_after_backend_500(start_backend, start_gateway, http):
     # Round robin keeps offering the failing pod until three 5xx in a row eject it.
     assert hits == Counter({"good": 4, "failing": 3})
     assert gw.gateway.pods.get("failing").ejections == 1
+
+
+async def test_a_restarted_pod_is_back_within_two_health_intervals(start_backend, start_gateway, http):
+    """A pod that dies under a burst of requests, then comes back: every failed request of the burst is the
+    same outage (one ejection, not a backoff grown to its cap), and its first passing health check ends the
+    ejection, so it serves again within two health intervals of being up."""
+    from tests.conftest import serve_app
+
+    hits: Counter = Counter()
+    interval = 0.3
+    restartable = await serve_app(counting_backend("restarted", hits))
+    port = restartable.addresses[0][1]
+    gw = await start_gateway([{"url": f"http://127.0.0.1:{port}", "name": "restarted"},
+                              {"url": await start_backend(counting_backend("steady", hits)), "name": "steady"}],
+                             health={"interval_s": interval, "timeout_s": 0.2, "failure_threshold": 3,
+                                     "success_threshold": 1, "ejection_base_s": 1.0, "ejection_max_s": 30.0})
+    await restartable.cleanup()  # the pod dies
+    burst = [http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) for _ in range(40)]
+    for resp in await asyncio.gather(*burst):
+        assert resp.status == 200 and resp.headers["x-gateway-pod"] == "steady"
+        resp.release()
+    pod = gw.gateway.pods.get("restarted")
+    assert pod.ejections == 1
+    site_app = counting_backend("restarted", hits)
+    revived = web.AppRunner(site_app)
+    await revived.setup()
+    await web.TCPSite(revived, "127.0.0.1", port).start()  # the same pod, restarted
+    up_at = time.monotonic()
+    try:
+        while hits["restarted"] == 0:
+            assert time.monotonic() - up_at < 2 * interval * 1.1 + 0.3, "the restarted pod stayed out of rotation"
+            async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.02)
+    finally:
+        await revived.cleanup()

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -90,17 +89,50 @@ def test_no_candidates_is_503_and_unknown_override_is_400():
     assert info.value.status == 400 and info.value.param == "x-routing-strategy"
 
 
-def test_passive_ejection_backoff_doubles_and_success_resets():
-    pods = registry(1)
+class FakeClock:
+    """A monotonic clock that starts where a freshly booted host's does: near zero."""
+
+    def __init__(self, now: float = 3.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_passive_ejection_backoff_doubles_per_ejection_and_success_resets():
+    clock = FakeClock()
+    pods = PodRegistry([PodConfig(url="http://p0:1", name="p0", models=["m"])],
+                       HealthConfig(ejection_base_s=10, ejection_max_s=30), clock=clock)
     pod = pods.get("p0")
+    pod.healthy = True
     pods.report_connect_failure(pod, "refused")
-    first = pod.ejected_until - time.monotonic()
-    pods.report_connect_failure(pod, "refused")
-    second = pod.ejected_until - time.monotonic()
-    assert 9 < first <= 10 and 19 < second <= 20
-    assert pods.candidates("m") == []
-    pods.report_success(pod)
+    assert pod.ejected_until == clock.now + 10 and pods.candidates("m") == []
+    for _ in range(20):  # the rest of a burst sent before the ejection: the same outage, no longer
+        pods.report_connect_failure(pod, "refused")
+    assert pod.ejections == 1 and pod.ejected_until == clock.now + 10
+    clock.now += 10  # back in rotation; its next request fails too: a second ejection in a row
     assert pods.candidates("m") == [pod]
+    pods.report_connect_failure(pod, "refused")
+    assert pod.ejections == 2 and pod.ejected_until == clock.now + 20
+    clock.now += 20
+    pods.report_connect_failure(pod, "refused")
+    assert pod.ejected_until == clock.now + 30  # capped at ejection_max_s
+    pods.report_success(pod)
+    assert pods.candidates("m") == [pod] and pod.ejections == 0
+
+
+def test_a_passing_health_probe_ends_an_ejection_that_began_before_it():
+    clock = FakeClock()
+    pods = PodRegistry([PodConfig(url="http://p0:1", name="p0", models=["m"])], HealthConfig(ejection_base_s=10),
+                       clock=clock)
+    pod = pods.get("p0")
+    pod.healthy = True
+    pods.report_connect_failure(pod, "refused")
+    pods.health_passed(pod, probe_started=clock.now)  # sent as the pod was ejected: proves nothing
+    assert pods.candidates("m") == []
+    clock.now += 0.5
+    pods.health_passed(pod, probe_started=clock.now)  # sent after: the pod answers again
+    assert pods.candidates("m") == [pod] and pod.ejections == 0 and pod.ejected_at is None
 
 
 def test_health_thresholds():

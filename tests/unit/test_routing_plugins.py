@@ -102,7 +102,9 @@ def test_prefix_matcher_precise_then_remembers_the_choice(pods):
 def test_prefix_matcher_by_text_and_without_text(pods):
     from gateway.api.requests import InferenceRequest
 
-    approximate = ApproximatePrefixIndex(block_chars=8)
+    # A host booted seconds ago: its monotonic clock is below the history's TTL, which must not make every
+    # pod look as if it had been sent every text.
+    approximate = ApproximatePrefixIndex(block_chars=8, clock=lambda: 3.0)
     matcher = PrefixMatcher(None, approximate)
     body = InferenceRequest(model="m", prompt="x" * 40)
     approximate.record("x" * 40, "p0")
