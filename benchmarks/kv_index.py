@@ -16,9 +16,9 @@ import statistics
 import time
 import tracemalloc
 
-from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, PodConfig, TokenizationConfig
+from gateway.core.requests import InferenceRequest
 from gateway.http_client import HttpClient
 from gateway.kv.events import BlockStored, Encoding, EventBatch, decode_batch, encode_batch
 from gateway.kv.index import PrefixIndex

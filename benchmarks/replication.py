@@ -28,8 +28,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.app import GATEWAY_KEY, Gateway, build_app
-from gateway.cluster.facts import DECODER
 from gateway.cluster.identity import WorkerIdentity
+from gateway.cluster.wire import DECODER
 from gateway.config import load_config
 from gateway.load.shared_table import SharedLoadTable
 from gateway.mock.pod import MockPod, MockPodConfig
@@ -103,12 +103,15 @@ def apply_all(pods: list[dict[str, Any]], run_dir: str, datagrams: list[bytes]) 
     gateway: Gateway = gateway_app(pods, WorkerIdentity("r", 1, 2, run_dir))[GATEWAY_KEY]
     bus = gateway.bus
     spent: Counter[str] = Counter()
-    for kind, handler in list(bus._handlers.items()):
-        def timed(origin: str, fact: Any, handler: Any = handler, name: str = kind.__name__) -> None:
+    def timed(handler: Any, name: str) -> Any:
+        def run(origin: str, fact: Any) -> None:
             t0 = time.perf_counter_ns()
             handler(origin, fact)
             spent[name] += time.perf_counter_ns() - t0
-        bus._handlers[kind] = timed
+        return run
+
+    for kind, handlers in list(bus._handlers.items()):
+        bus._handlers[kind] = [timed(handler, kind.__name__) for handler in handlers]
     t0 = time.perf_counter_ns()
     for data in datagrams:
         DECODER.decode(data)

@@ -23,10 +23,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from gateway.api.errors import ApiError
 from gateway.backends.registry import Pod
 from gateway.background import cancel_and_wait
 from gateway.config import AdmissionConfig
+from gateway.core.errors import ErrorKind, GatewayError, bad_request
 from gateway.load.pending import Estimate, PendingLoad
 from gateway.metrics import GatewayMetrics
 
@@ -89,10 +89,10 @@ class AdmissionController:
                                                         else None)
             prio = int(priority) if priority else 0
         except ValueError:
-            raise ApiError(400, "x-slo-ttft-ms and x-slo-e2e-ms must be numbers, x-priority an integer.",
-                           code="invalid_slo_header") from None
+            raise bad_request("x-slo-ttft-ms and x-slo-e2e-ms must be numbers, x-priority an integer.",
+                              code="invalid_slo_header") from None
         if (ttft is not None and ttft <= 0) or (e2e is not None and e2e <= 0):
-            raise ApiError(400, "SLO targets must be positive.", code="invalid_slo_header")
+            raise bad_request("SLO targets must be positive.", code="invalid_slo_header")
         return Slo(ttft, e2e, prio)
 
     async def admit(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate], slo: Slo) -> AdmissionTicket:
@@ -167,7 +167,7 @@ class AdmissionController:
             wait = min(wait, max(0.0, slo.ttft_s - expected))
         return wait
 
-    def _reject(self, pods: list[Pod], estimates: dict[str, Estimate], reason: str) -> ApiError:
+    def _reject(self, pods: list[Pod], estimates: dict[str, Estimate], reason: str) -> GatewayError:
         self._metrics.admission.labels("rejected", reason).inc()
         retry_after = max(1, math.ceil(min(self._drain(p, estimates[p.name]) for p in pods)))
         messages = {
@@ -175,8 +175,8 @@ class AdmissionController:
             "queue_full": "The gateway is at capacity and its wait queue is full.",
             "queue_timeout": "The gateway is at capacity; the request could not start within its SLO.",
         }
-        return ApiError(429, f"{messages[reason]} Retry after {retry_after} s.", type="rate_limit_error",
-                        code=reason, headers={"Retry-After": str(retry_after)})
+        return GatewayError(ErrorKind.RATE_LIMITED, f"{messages[reason]} Retry after {retry_after} s.", code=reason,
+                            retry_after_s=retry_after)
 
     def _drain(self, pod: Pod, estimate: Estimate) -> float:
         excess = self._load.load(pod.name) + min(estimate.consumption, 1.0) - 1.0

@@ -17,19 +17,19 @@ import msgspec
 from aiohttp import web
 
 from gateway.admission import AdmissionController
-from gateway.api.auth import ApiKeyAuth
 from gateway.api.middleware import openai_errors
 from gateway.api.routes import add_routes
+from gateway.auth import ApiKeyAuth
 from gateway.backends.discovery import DiscoveryContext, PodSetApplier
 from gateway.backends.health import HealthChecker
-from gateway.backends.membership import PodMembership, health_changed
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
-from gateway.cluster.replication import Replication
+from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import GatewayConfig
+from gateway.fleet import PodMembership, health_changed
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
@@ -39,23 +39,24 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure import PressureContext, PressureModes, PressureMonitor, PressureSource, PressureSourceUnavailable
-from gateway.proxy import Proxy
-from gateway.request.director import RequestDirector
-from gateway.request.observers import (
-    AccessLog,
-    OutputLearning,
-    PolicyFinishHooks,
-    PredictionCheck,
-    RequestMetrics,
-    RoutingMetrics,
-)
+from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
+from gateway.proxy.forward import Proxy
+from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.steps import LoadEstimation, PolicyResolution, PromptTokenization, RequestValidation, SloAdmission
+from gateway.request.placement import ContextPlacement, ContextResolution, RoutedPrefix
+from gateway.request.steps import (
+    LoadEstimation,
+    PromptTokenization,
+    RequestValidation,
+    SloAdmission,
+    WorkflowPlanning,
+)
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -83,10 +84,11 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     metrics = GatewayMetrics()
     shared_load = (SharedLoadTable(identity.load_table, identity.index, identity.count)
                    if identity.count > 1 else None)
-    ledger = InFlightLedger(shared_load)
     bus = StateBus(config.shared_state, identity, metrics.registry)
+    sinks = Sinks.of(bus)
+    ledger = InFlightLedger(shared_load, sinks.ledger)
     modes = PressureModes()
-    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s)
+    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s, sinks.index)
     approximate = ApproximatePrefixIndex()
     kv = KvEventService(index)
     metrics.registry.register(KvMetricsCollector(kv))
@@ -98,46 +100,50 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
-    working_set = ResumableWorkingSet(config.placement, anonymous_prefix=f"anon-{identity.origin}-")
+    working_set = ResumableWorkingSet(config.placement, ledger, sinks.working_set,
+                                      anonymous_prefix=f"anon-{identity.origin}-")
     capacity_of = kv_capacity(pods, load)
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
                                   ledger=ledger, working_set=working_set, capacity_of=capacity_of))
     wc = config.workflow
-    tracker = WorkflowTracker(wc, ledger)
+    tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
-    sessions = SessionAffinity(ledger, wc.max_sessions)
-    replication = Replication(bus, ledger, tracker, sessions, working_set, index)
+    sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
+    replicate(bus, ledger, tracker, sessions, working_set, index)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     admit = SloAdmission(pods, admission, metrics)
     verifier = PredictionVerifier(config.verification, metrics)
-    checked = [RequestValidation(pods, auth, config.server), PolicyResolution(pods, router, config.routing)]
+    validation = RequestValidation(pods, auth, config.server)
+    planning = WorkflowPlanning(workflows)
+    placement = ContextPlacement(index, working_set)
     pipeline = RequestPipeline(
-        prepare=[*checked, PromptTokenization(pods, tokens, verifier, config.server),
+        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
+                 ContextResolution(pods, index, working_set),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit],
-        route=[workflows],
-        dispatch=[RoutingMetrics(metrics), workflows],
-        finish=[admit, workflows, PolicyFinishHooks()],
+        dispatch=[RoutingMetrics(metrics), RoutedPrefix(index, approximate), placement, planning],
+        finish=[admit, planning, placement],
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
     )
     if config.tracing.enabled:
-        from gateway import tracing  # the otel extra: imported only when tracing is on
+        from gateway.request import tracing  # the otel extra: imported only when tracing is on
 
         tracer_provider = tracer_provider or tracing.tracer_provider()
         pipeline = tracing.traced(pipeline, tracer_provider.get_tracer(tracing.INSTRUMENTATION))
-    director = RequestDirector(pipeline, router, ledger, proxy, config.routing.max_retries, load.default_consumption)
+    directing = {"max_retries": config.routing.max_retries, "default_consumption": load.default_consumption,
+                 "allow_strategy_header": config.routing.allow_strategy_header}
+    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
-    counting = RequestDirector(
-        RequestPipeline(prepare=list(checked), complete=[RequestMetrics(metrics), AccessLog()]),
-        router, ledger, proxy, config.routing.max_retries, load.default_consumption)
+    counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
+                               router, NoPlanner(), ledger, proxy, pods, **directing)
     pressure = None
     if config.pressure.enabled:
         source = pressure_source(config, PressureContext(load, working_set, capacity_of))
@@ -154,7 +160,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, identity=identity, bus=bus, replication=replication,
+        membership=membership, modes=modes, identity=identity, bus=bus,
         shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )

@@ -1,11 +1,12 @@
-"""Background work on the gateway's event loop: stopping long-lived tasks, and sharing the loop fairly."""
+"""The event loop: running the gateway on it, stopping long-lived tasks, and sharing it fairly."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -51,3 +52,13 @@ class Turn:
             await asyncio.sleep(0)
             share.yields += 1
             self._since = time.perf_counter()
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when it is installed, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)

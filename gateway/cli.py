@@ -11,11 +11,11 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
 
+from gateway.background import run_loop
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -28,15 +28,6 @@ from gateway.config import (
 from gateway.kv.events import Encoding
 
 log = logging.getLogger("gateway.cli")
-
-
-def run_loop(main: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
 
 
 def parse_pod(spec: str) -> dict[str, Any]:
@@ -95,9 +86,9 @@ def with_mock_tokenizer(config: GatewayConfig) -> TokenizationConfig:
 
 
 async def serve(config: GatewayConfig) -> None:
-    from gateway.cluster.workers import Supervisor, worker_count
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
+    from gateway.supervisor import Supervisor, worker_count
 
     fleet = None
     if config.mock_pods.count:

@@ -13,27 +13,27 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admission import AdmissionController
-from gateway.api.auth import ApiKeyAuth
+from gateway.auth import ApiKeyAuth
 from gateway.backends.discovery import PodSetApplier
 from gateway.backends.health import HealthChecker
-from gateway.backends.membership import PodMembership
 from gateway.backends.registry import PodRegistry
 from gateway.backends.scraper import MetricsScraper
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
-from gateway.cluster.replication import Replication
 from gateway.config import GatewayConfig
+from gateway.fleet import PodMembership
 from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure import PressureModes, PressureMonitor
+from gateway.pressure import PressureMonitor
 from gateway.request.director import RequestDirector
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -66,7 +66,6 @@ class Gateway:
     modes: PressureModes
     identity: WorkerIdentity  # which worker of which replica this is
     bus: StateBus
-    replication: Replication
     shared_load: SharedLoadTable | None  # with several workers
     # Present only when their config turns them on.
     pressure: PressureMonitor | None

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-if TYPE_CHECKING:
-    from gateway.backends.registry import Pod
-    from gateway.load.pending import PendingLoad
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -112,12 +108,12 @@ class GatewayMetrics:
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
 
-    def watch_pod(self, pod: Pod, load: PendingLoad) -> None:
+    def watch_pod(self, pod: str, in_flight: Callable[[], float], pending_load: Callable[[], float],
+                  kv_usage: Callable[[], float]) -> None:
         """Export the pod's live numbers, read at scrape time (nothing to update per request)."""
-        self.in_flight.labels(pod.name).set_function(lambda: load.ledger.on_pod(pod.name))
-        self.pending_load.labels(pod.name).set_function(lambda: load.load(pod.name))
-        self.kv_usage.labels(pod.name).set_function(
-            lambda: stats.kv_usage if (stats := load.engine.get(pod.name)) else 0.0)
+        self.in_flight.labels(pod).set_function(in_flight)
+        self.pending_load.labels(pod).set_function(pending_load)
+        self.kv_usage.labels(pod).set_function(kv_usage)
 
     def decision_made(self, policy: str, reason: str) -> None:
         child = self._decisions.get((policy, reason))

@@ -11,7 +11,6 @@ admission the pod is full (:meth:`PressureModes.in_emergency`).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,45 +21,15 @@ import msgspec
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import PressureConfig
+from gateway.core.contexts import workflow_id_of
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import PendingLoad
+from gateway.load.pressure_modes import PressureMode, PressureModes
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.actions import CacheActionExecutor
-from gateway.workflow.context import workflow_id_of
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
 log = logging.getLogger("gateway.pressure")
-
-
-class PressureMode(enum.IntEnum):
-    RELAXED = 0
-    NORMAL = 1
-    PRESSURE = 2
-    CRITICAL = 3
-    EMERGENCY = 4
-
-
-class PressureModes:
-    """Each pod's pressure mode (relaxed until the monitor says otherwise, and always when it is off)."""
-
-    def __init__(self) -> None:
-        self._modes: dict[str, PressureMode] = {}
-
-    def mode(self, pod: str) -> PressureMode:
-        return self._modes.get(pod, PressureMode.RELAXED)
-
-    def in_emergency(self, pod: str) -> bool:
-        return self._modes.get(pod, PressureMode.RELAXED) >= PressureMode.EMERGENCY
-
-    def items(self) -> list[tuple[str, PressureMode]]:
-        return list(self._modes.items())
-
-    def set(self, pod: str, mode: PressureMode) -> None:
-        """The monitor's alone."""
-        self._modes[pod] = mode
-
-    def forget_pod(self, pod: str) -> None:
-        self._modes.pop(pod, None)
 
 
 class PressureSourceUnavailable(RuntimeError):

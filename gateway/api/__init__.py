@@ -1,1 +1,1 @@
-"""The OpenAI surface: request structs, error envelopes and the headers contract."""
+"""The HTTP edge: routes, the one middleware, and the mapping of domain errors to each API's error JSON."""

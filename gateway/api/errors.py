@@ -1,14 +1,18 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "code", "param"}}`` with the right status.
+"""Errors as the client's API writes them: a status, and OpenAI's or Anthropic's error JSON.
 
-Every failure the gateway reports goes through :class:`ApiError`, so clients built for the OpenAI API
-parse our errors the same way they parse OpenAI's. On the Anthropic route (``/v1/messages``) the same
-error is written in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+The one place that maps the gateway's domain errors (:mod:`gateway.core.errors`) to HTTP. OpenAI's shape
+is ``{"error": {"message", "type", "code", "param"}}``; on the Anthropic route (``/v1/messages``) the same
+error is ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import msgspec
 from aiohttp import web
+
+from gateway.core.errors import ErrorKind, GatewayError
 
 
 class ErrorBody(msgspec.Struct):
@@ -32,35 +36,48 @@ class AnthropicErrorEnvelope(msgspec.Struct):
     type: str = "error"
 
 
+# Status and OpenAI error type of each kind (UPSTREAM_ANSWER: the pod's own status).
+_HTTP: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorKind.FORBIDDEN: (403, "permission_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorKind.UPSTREAM_FAILED: (502, "upstream_error"),
+    ErrorKind.NO_POD: (503, "service_unavailable"),
+    ErrorKind.UPSTREAM_TIMEOUT: (504, "upstream_error"),
+    ErrorKind.UPSTREAM_ANSWER: (502, "upstream_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
 # Anthropic's error types by status (its docs); 503 (no pod can take it) reads as overloaded.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 529: "overloaded_error"}
 
-
 _encoder = msgspec.json.Encoder()
 
+# The request id, stored on the aiohttp request as soon as it is known, so that errors echo it.
+REQUEST_ID = web.RequestKey("request_id", str)
 
-class ApiError(Exception):
-    """An error answered to the client as OpenAI error JSON."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
+@dataclass(slots=True)
+class HttpError:
+    """An error as it goes out on the wire."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, err: GatewayError) -> HttpError:
+        status, kind = _HTTP[err.kind]
+        if err.kind is ErrorKind.UPSTREAM_ANSWER and err.upstream_status:
+            status = err.upstream_status
+        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+        return cls(status, err.message, kind, err.code, err.param, headers)
 
     def body(self, anthropic: bool = False) -> bytes:
         if anthropic:
@@ -69,40 +86,16 @@ class ApiError(Exception):
         return _encoder.encode(ErrorEnvelope(ErrorBody(self.message, self.type, self.code, self.param)))
 
     def to_response(self, anthropic: bool = False) -> web.Response:
-        return web.Response(
-            status=self.status, body=self.body(anthropic), content_type="application/json", headers=self.headers
-        )
+        return web.Response(status=self.status, body=self.body(anthropic), content_type="application/json",
+                            headers=self.headers)
 
 
-def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+def status_of(err: GatewayError) -> int:
+    """The HTTP status a domain error is answered with."""
+    return HttpError.of(err).status
 
 
-def unknown_model(model: str) -> ApiError:
-    return ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-
-
-def unauthorized() -> ApiError:
-    return ApiError(401, "Invalid API key.", type="authentication_error", code="invalid_api_key")
-
-
-def no_pod_available(model: str) -> ApiError:
-    return ApiError(
-        503,
-        f"No healthy pod is serving model `{model}` right now; retry shortly.",
-        type="service_unavailable",
-        code="no_healthy_pod",
-    )
-
-
-def upstream_failed(message: str) -> ApiError:
-    return ApiError(502, message, type="upstream_error", code="bad_gateway")
-
-
-def upstream_timeout(message: str) -> ApiError:
-    return ApiError(504, message, type="upstream_error", code="gateway_timeout")
-
-
-def internal_error() -> ApiError:
-    return ApiError(500, "The gateway hit an internal error; it was logged.", type="server_error",
-                    code="internal_error")
+def error_event(err: GatewayError, anthropic: bool) -> bytes:
+    """The last event of a stream that broke: OpenAI's bare ``data:`` line, or Anthropic's named event."""
+    body = HttpError.of(err).body(anthropic)
+    return b"event: error\ndata: " + body + b"\n\n" if anthropic else b"data: " + body + b"\n\n"

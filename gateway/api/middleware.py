@@ -10,11 +10,11 @@ from itertools import chain
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.api.errors import ApiError, internal_error
+from gateway.api.errors import REQUEST_ID, HttpError
+from gateway.core.errors import GatewayError, internal_error
 
 log = logging.getLogger("gateway.api")
 
-REQUEST_ID = web.RequestKey("request_id", str)
 # Routes whose errors are written in Anthropic's shape.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -30,29 +30,29 @@ def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awa
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        anthropic = request.path in ANTHROPIC_PATHS
         if sum(map(len, chain.from_iterable(request.raw_headers))) > max_header_bytes:
-            err = ApiError(431, f"Request headers exceed {max_header_bytes} bytes.", code="headers_too_large")
-            return _with_request_id(err.to_response(), request)
+            too_large = HttpError(431, f"Request headers exceed {max_header_bytes} bytes.", code="headers_too_large")
+            return _with_request_id(too_large.to_response(anthropic), request)
         try:
             return await handler(request)
-        except ApiError as err:
-            return _with_request_id(err.to_response(request.path in ANTHROPIC_PATHS), request)
+        except GatewayError as err:
+            return _with_request_id(HttpError.of(err).to_response(anthropic), request)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = _http_error(request, exc)
-            return _with_request_id(error.to_response(request.path in ANTHROPIC_PATHS), request)
+            return _with_request_id(_http_error(request, exc).to_response(anthropic), request)
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return _with_request_id(internal_error().to_response(request.path in ANTHROPIC_PATHS), request)
+            return _with_request_id(HttpError.of(internal_error()).to_response(anthropic), request)
 
     return middleware
 
 
-def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+def _http_error(request: web.Request, exc: web.HTTPException) -> HttpError:
     kind, code = _HTTP_ERROR_TYPES.get(exc.status, ("invalid_request_error", "http_error"))
     message = exc.text if exc.status != 404 else f"No route for {request.method} {request.path}."
-    return ApiError(exc.status, message or exc.reason, type=kind, code=code)
+    return HttpError(exc.status, message or exc.reason, type=kind, code=code)
 
 
 def _with_request_id(response: web.Response, request: web.Request) -> web.Response:

@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api.errors import ApiError
 from gateway.api.openapi import openapi_document
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
+from gateway.core.errors import ErrorKind, GatewayError
 from gateway.workflow.tracker import Workflow, WorkflowTracker
 
 # Path → request kind; responses are routed like chat.
@@ -54,17 +54,17 @@ async def _name_worker(name: str, request: web.Request, response: web.StreamResp
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
-    gateway.auth.check(request)  # who; the model and rate checks run once the body is parsed
-    return await gateway.director.handle(request, kind)
+    key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
+    return await gateway.director.handle(request, kind, key)
 
 
 async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    gateway.auth.check(request)
-    return await gateway.counting.handle(request, "count_tokens")
+    key = gateway.auth.check(request.headers)
+    return await gateway.counting.handle(request, "count_tokens", key)
 
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request)
+    gateway.auth.check(request.headers)
     return web.json_response({"object": "list", "data": gateway.pods.model_cards()})
 
 
@@ -86,7 +86,7 @@ async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
     """Every worker's metrics merged; ``?worker=self``: this worker's alone."""
     own_only = request.query.get("worker") == OWN_ONLY
     if not (own_only and _from_sibling(request)):
-        gateway.auth.check_admin(request)
+        gateway.auth.check_admin(request.headers, request.path)
     body = gateway.metrics.render()
     identity = gateway.identity
     if identity.count > 1 and not own_only:
@@ -101,7 +101,7 @@ def _from_sibling(request: web.Request) -> bool:
 
 
 async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request)
+    gateway.auth.check_admin(request.headers, request.path)
     now = time.monotonic()
     pods = [
         {
@@ -122,24 +122,24 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request)
+    gateway.auth.check_admin(request.headers, request.path)
     return web.json_response({**gateway.kv.debug(), "predictions": gateway.verifier.debug()})
 
 
 async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request)
+    gateway.auth.check_admin(request.headers, request.path)
     pods = [p.name for p in gateway.pods.all()]
     return web.json_response(gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()))
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request)
+    gateway.auth.check(request.headers)
     workflow_id = request.match_info["workflow_id"]
     tracker = gateway.workflows.tracker
     workflow = tracker.workflows.get(workflow_id)
     if workflow is None:
-        raise ApiError(404, f"No workflow `{workflow_id}` is being tracked.", type="not_found_error",
-                       code="workflow_not_found")
+        raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
+                           code="workflow_not_found")
     actions = tracker.complete(workflow_id)
     gateway.workflows.executor.carry_out(actions)
     status = "completed" if workflow_id not in tracker.workflows else "completing"
@@ -162,17 +162,17 @@ def _workflow_json(tracker: WorkflowTracker, workflow: Workflow) -> dict[str, An
 
 
 async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request)
+    gateway.auth.check(request.headers)
     workflow_id = request.match_info["workflow_id"]
     workflow = gateway.workflows.tracker.workflows.get(workflow_id)
     if workflow is None:
-        raise ApiError(404, f"No workflow `{workflow_id}` is being tracked.", type="not_found_error",
-                       code="workflow_not_found")
+        raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
+                           code="workflow_not_found")
     return web.json_response(_workflow_json(gateway.workflows.tracker, workflow))
 
 
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request)
+    gateway.auth.check_admin(request.headers, request.path)
     tracker = gateway.workflows.tracker
     return web.json_response({
         "workflows": [_workflow_json(tracker, w) for w in tracker.workflows.values()],
@@ -184,14 +184,14 @@ async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Respon
 
 async def _debug_workers(gateway: Gateway, request: web.Request) -> web.Response:
     """Which worker answered, the load table the workers share, and who this one hears from."""
-    gateway.auth.check_admin(request)
+    gateway.auth.check_admin(request.headers, request.path)
     identity = gateway.identity
     pods = [p.name for p in gateway.pods.all()]
     return web.json_response({
         "worker": identity.name, "workers": identity.count, "replica": identity.replica, "pid": os.getpid(),
         "shared_load": gateway.shared_load.debug(pods) if gateway.shared_load is not None else None,
         "in_flight_here": gateway.ledger.total(),
-        "shared_state": {**gateway.bus.debug(), "remote_contexts_in_flight": gateway.replication.debug()},
+        "shared_state": {**gateway.bus.debug(), "remote_in_flight": gateway.ledger.remote_debug()},
     })
 
 

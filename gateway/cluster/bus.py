@@ -1,8 +1,9 @@
 """The state bus: the changes each gateway process makes to shared state, sent to every other one.
 
 Owner: the :class:`StateBus` owns the batch being filled, its links and the table of peers heard from.
-It owns no routing state: owners publish facts about their own writes, and apply, through the handlers
-registered with :meth:`StateBus.on`, the facts of others (``gateway/cluster/replication.py`` wires them).
+It owns no routing state: owners publish facts about their own writes through the sink they are built
+with, and apply the facts of others through the handlers registered with :meth:`StateBus.on`
+(``gateway/cluster/replication.py`` wires both).
 
 Nothing on the request path waits for the bus: :meth:`publish` appends to a list, and the batch goes out
 ``flush_ms`` later. Between the workers of one replica it goes as one Unix datagram to each sibling
@@ -30,9 +31,10 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.background import cancel_and_wait
-from gateway.cluster.facts import DECODER, ENCODER, Batch, Fact
 from gateway.cluster.identity import WorkerIdentity
+from gateway.cluster.wire import DECODER, ENCODER, Batch
 from gateway.config import SharedStateConfig
+from gateway.core.facts import Fact
 
 log = logging.getLogger("gateway.cluster")
 
@@ -62,7 +64,7 @@ class StateBus:
         self.identity = identity
         self.origin = identity.origin
         self.metrics = BusMetrics(registry)
-        self._handlers: dict[type[Fact], Callable[[str, Any], None]] = {}
+        self._handlers: dict[type[Fact], list[Callable[[str, Any], None]]] = {}
         self._gone: list[Callable[[str], None]] = []
         self._heartbeat: Callable[[], Fact | None] = lambda: None
         self._pending: list[Fact] = []
@@ -84,9 +86,11 @@ class StateBus:
 
     # Wiring
 
-    def on(self, kind: type[F], handler: Callable[[str, F], None]) -> None:
-        """Apply facts of this kind from other processes: ``handler(origin, fact)``."""
-        self._handlers[kind] = handler
+    def on(self, kinds: tuple[type[F], ...], handler: Callable[[str, F], None]) -> None:
+        """Apply facts of these kinds from other processes: ``handler(origin, fact)``, after the handlers
+        registered before it."""
+        for kind in kinds:
+            self._handlers.setdefault(kind, []).append(handler)
 
     def on_peer_gone(self, handler: Callable[[str], None]) -> None:
         self._gone.append(handler)
@@ -134,14 +138,12 @@ class StateBus:
             return  # our own, or a sibling's that came directly
         self.peers[batch.origin] = time.monotonic()
         for fact in batch.facts:
-            handler = self._handlers.get(type(fact))
-            if handler is None:
-                continue
-            try:
-                handler(batch.origin, fact)
-            except Exception:  # one bad fact must not stop the others, nor the link
-                self.metrics.errors.labels("redis" if via_redis else "siblings", "apply").inc()
-                log.exception("shared state: applying %s from %s failed", type(fact).__name__, batch.origin)
+            for handler in self._handlers.get(type(fact), ()):
+                try:
+                    handler(batch.origin, fact)
+                except Exception:  # one bad fact must not stop the others, nor the link
+                    self.metrics.errors.labels("redis" if via_redis else "siblings", "apply").inc()
+                    log.exception("shared state: applying %s from %s failed", type(fact).__name__, batch.origin)
         self.metrics.applied.inc(len(batch.facts))
 
     # Lifetime

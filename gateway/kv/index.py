@@ -2,8 +2,8 @@
 
 Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply`) and by routing's
 speculative insertion; read by routing through :meth:`PrefixIndex.lookup`. Every process subscribes to
-the events itself; the speculative blocks of the other workers and replicas come over the state bus
-(:meth:`PrefixIndex.apply_expected`).
+the events itself; its speculative blocks go to the other workers and replicas through the sink it is built
+with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
 
 Layout, chosen for a small footprint and a lookup that is one dict probe per prompt block:
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.cluster.facts import BlocksExpected, Fact
+from gateway.core.facts import BlocksExpected, Publish, unshared
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import PromptHashes, chain_hash, namespace_root
 
@@ -79,7 +79,8 @@ class PodMatch:
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0) -> None:
+    def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
+                 publish: Publish = unshared) -> None:
         self.max_blocks_per_view = max_blocks_per_view
         self.speculative_ttl_s = speculative_ttl_s
         self.stats = IndexStats()
@@ -91,7 +92,7 @@ class PrefixIndex:
         # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
-        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
+        self._publish = publish
 
     # Views
 
@@ -316,10 +317,10 @@ class PrefixIndex:
         hashes = prompt.first(view.block_size, prompt.token_count)
         self._expect(view, hashes, now)
         new = hashes[confirmed_tokens // view.block_size:]
-        if self.publish is not None and new:
-            self.publish(BlocksExpected(pod, new))
+        if new:
+            self._publish(BlocksExpected(pod, new))
 
-    def apply_expected(self, origin: str, fact: BlocksExpected) -> None:
+    def apply_remote(self, origin: str, fact: BlocksExpected) -> None:
         """Another worker or replica just routed these blocks to the pod."""
         now = time.monotonic()
         self._expire_speculative(now)

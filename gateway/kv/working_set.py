@@ -1,9 +1,10 @@
 """The resumable working set: per pod, the KV blocks that live contexts will ask for again.
 
 Owner: the :class:`ResumableWorkingSet` owns every :class:`Context` and the per-pod block counts. The
-routing policy holds a context when it routes one of its requests and idles it when the request ends;
-the workflow executor releases a workflow's context when it completes, is flushed or pressure lets it
-go. Everyone else reads.
+request pipeline holds a context when one of its requests is dispatched and idles it when the attempt
+ends; the workflow executor releases a workflow's context when it completes, is flushed or pressure lets
+it go. Everyone else reads. How many of a context's requests are in flight is the in-flight ledger's
+count, here and on the other workers and replicas; the working set keeps none of its own.
 
 A *context* is what one client keeps coming back with: a workflow (``x-workflow-id``), a session
 (``x-session-id``, ``prompt_cache_key``, ``user``) or, with neither, a conversation recognised by its
@@ -14,8 +15,9 @@ recomputing them when it comes back. Past that window it lapses, and its blocks 
 as any other cached block.
 
 With several workers or replicas, each keeps its own working set and tells the others every hold, idle
-and release (the state bus), so that every process weighs the contexts all of them placed; anonymous
-contexts are named after the process that first saw them, so that the names never clash.
+and release (the sink it is built with; it applies theirs in :meth:`ResumableWorkingSet.apply_remote`), so that
+every process weighs the contexts all of them placed; anonymous contexts are named after the process that
+first saw them, so that the names never clash.
 
 A pod's demand is the distinct blocks of its resumable contexts (a role prompt shared by ten workflows
 counts once) plus the growth they are still expected to add: each context's average increment per
@@ -32,8 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.cluster.facts import ContextHeld, ContextIdled, ContextReleased, Fact
 from gateway.config import PlacementConfig
+from gateway.core.facts import ContextHeld, ContextIdled, ContextReleased, Publish, unshared
+from gateway.load.ledger import InFlightLedger
 
 
 class RunningMean:
@@ -63,11 +66,16 @@ class Context:
     think: RunningMean
     growth: RunningMean  # prompt tokens added per stage
     stages: int = 1
-    in_flight: int = 0
     last_finish: float | None = None
+    # Infinite while its requests run (or until their end is heard of); then the end of its think window.
     protected_until: float = math.inf
     expected_growth: float = 0.0  # tokens it is still expected to add (counted in its pod's demand)
     version: int = 0  # bumped whenever ``protected_until`` changes, so stale heap entries are skipped
+
+    @property
+    def thinking(self) -> bool:
+        """Between requests: its last one ended and its think window runs."""
+        return self.protected_until != math.inf
 
 
 def shared_blocks(old: list[int], new: list[int]) -> int:
@@ -98,7 +106,7 @@ class ContextForecast:
 
     def returned(self, ctx: Context, prompt_tokens: int, now: float) -> None:
         """``ctx`` sends its next request: learn its think time and its growth."""
-        if not ctx.in_flight and ctx.last_finish is not None:
+        if ctx.thinking and ctx.last_finish is not None:
             gap = max(0.0, now - ctx.last_finish)
             ctx.think.add(gap)
             self.think.add(gap)
@@ -142,16 +150,19 @@ class PodDemand:
 
 
 class ResumableWorkingSet:
-    def __init__(self, config: PlacementConfig | None = None, anonymous_prefix: str = "anon-") -> None:
-        self.config = config or PlacementConfig()
+    def __init__(self, config: PlacementConfig, ledger: InFlightLedger, publish: Publish = unshared,
+                 anonymous_prefix: str = "anon-") -> None:
+        self.config = config
+        self._ledger = ledger
+        self._publish = publish
         self._contexts: dict[str, Context] = {}
+        self._running: set[str] = set()  # contexts not yet idled since their last hold
         self._pods: dict[str, PodDemand] = {}
         # The last block hash of each anonymous context's prompt → its key (a continuation contains it).
         self._tails: dict[int, str] = {}
         self._expiry: list[tuple[float, int, str]] = []  # (protected_until, version, key)
         self._anonymous = itertools.count()
         self._anonymous_prefix = anonymous_prefix
-        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
         self.forecast = ContextForecast(self.config)
         self.lapsed = 0
         self.released = 0
@@ -159,15 +170,25 @@ class ResumableWorkingSet:
 
     # Reads
 
-    def context(self, key: str | None, hashes: list[int] | None = None) -> Context | None:
-        """The live context named ``key``, or (anonymous) the one whose last prompt ``hashes`` extends."""
-        if key is not None:
-            return self._contexts.get(key)
-        for h in reversed(hashes or ()):
+    def context(self, key: str) -> Context | None:
+        """The live context named ``key``."""
+        return self._contexts.get(key)
+
+    def continued(self, hashes: list[int]) -> Context | None:
+        """The live anonymous context whose last prompt the prompt of these block hashes extends."""
+        for h in reversed(hashes):
             tail = self._tails.get(h)
             if tail is not None:
                 return self._contexts.get(tail)
         return None
+
+    def anonymous_key(self) -> str:
+        """A new name for a conversation no live context continues."""
+        return f"{self._anonymous_prefix}{next(self._anonymous)}"
+
+    def in_flight(self, context: Context) -> int:
+        """Its requests in flight anywhere (the ledger's count)."""
+        return self._ledger.of_context(context.key)
 
     def demand_tokens(self, pod: str, now: float, exclude: Context | None = None) -> float:
         """Tokens the resumable contexts on ``pod`` hold or are expected to grow to, ``exclude``'s own
@@ -198,7 +219,7 @@ class ResumableWorkingSet:
 
     def idle_on(self, pod: str) -> list[Context]:
         """Keyed contexts between requests on ``pod``, the one idle longest first."""
-        found = [c for c in self._contexts.values() if c.pod == pod and c.keyed and not c.in_flight]
+        found = [c for c in self._contexts.values() if c.pod == pod and c.keyed and c.thinking]
         return sorted(found, key=lambda c: c.last_finish or 0.0)
 
     def debug(self, pods: list[str], capacity_of: Callable[[str], float | None], now: float) -> dict[str, Any]:
@@ -223,30 +244,21 @@ class ResumableWorkingSet:
 
     # Writes
 
-    def hold(self, key: str | None, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
+    def hold(self, key: str, keyed: bool, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
              now: float) -> Context:
-        """One of the context's requests was routed to ``pod`` with a prompt of these blocks."""
+        """One of the context's requests was dispatched to ``pod`` with a prompt of these blocks."""
         self.lapse(now)
-        ctx = self._hold(self.context(key, hashes), key or f"{self._anonymous_prefix}{next(self._anonymous)}",
-                         key is not None, pod, block_size, hashes, prompt_tokens, now)
-        if self.publish is not None:
-            self.publish(ContextHeld(ctx.key, ctx.keyed, pod, block_size, hashes, prompt_tokens))
-        return ctx
+        self._publish(ContextHeld(key, keyed, pod, block_size, hashes, prompt_tokens))
+        return self._hold(key, keyed, pod, block_size, hashes, prompt_tokens, now)
 
-    def apply_held(self, origin: str, fact: ContextHeld) -> None:
-        """Another worker or replica routed a request of this context."""
-        now = time.monotonic()
-        self.lapse(now)
-        self._hold(self._contexts.get(fact.key), fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes,
-                   fact.prompt_tokens, now)
-
-    def _hold(self, ctx: Context | None, new_key: str, keyed: bool, pod: str, block_size: int, hashes: list[int],
-              prompt_tokens: int, now: float) -> Context:
+    def _hold(self, key: str, keyed: bool, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
+              now: float) -> Context:
         kept = 0  # leading blocks still counted for this context: its prompt usually grew on the same pod
+        ctx = self._contexts.get(key)
         if ctx is None:
             self._make_room()
-            ctx = Context(new_key, pod, block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
-            self._contexts[ctx.key] = ctx
+            ctx = Context(key, pod, block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
+            self._contexts[key] = ctx
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
             if ctx.pod == pod:
@@ -255,30 +267,25 @@ class ResumableWorkingSet:
         ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
         ctx.hashes = hashes
         ctx.stages += 1
-        ctx.in_flight += 1
         ctx.protected_until = math.inf
         ctx.version += 1
+        self._running.add(key)
         ctx.expected_growth = self.forecast.expected_growth(ctx, ctx.keyed, ctx.stages)
         self._place(ctx, kept)
         return ctx
 
-    def idle(self, context: Context, now: float) -> None:
-        """A request of ``context`` ended: it stays resumable for its predicted think time."""
-        if self._contexts.get(context.key) is not context or context.in_flight == 0:
+    def idle(self, key: str, now: float) -> None:
+        """An attempt of the context ended: once none of its requests is in flight (the ledger), it stays
+        resumable for its predicted think time."""
+        if key not in self._running:
             return
-        if self.publish is not None:
-            self.publish(ContextIdled(context.key))
-        self._idle(context, now)
-
-    def apply_idled(self, origin: str, fact: ContextIdled) -> None:
-        ctx = self._contexts.get(fact.key)
-        if ctx is not None and ctx.in_flight:
-            self._idle(ctx, time.monotonic())
+        self._publish(ContextIdled(key))
+        self._idle(self._contexts[key], now)
 
     def _idle(self, context: Context, now: float) -> None:
-        context.in_flight -= 1
-        if context.in_flight:
-            return
+        if self._ledger.of_context(context.key):
+            return  # another of its requests still runs (here or elsewhere): it idles when that one ends
+        self._running.discard(context.key)
         context.last_finish = now
         context.protected_until = now + self.forecast.protection_s(context)
         context.version += 1
@@ -286,20 +293,32 @@ class ResumableWorkingSet:
         if context.keyed:
             self._pods[context.pod].idle_keyed += 1
 
+    def settle(self, now: float) -> None:
+        """Idle the contexts whose requests the ledger no longer counts but whose end never arrived (a
+        worker or replica went silent, a batch was lost)."""
+        for key in [k for k in self._running if not self._ledger.of_context(k)]:
+            self._idle(self._contexts[key], now)
+
     def release(self, key: str, *, completed: bool = False) -> bool:
         """Forget a context (its workflow completed or was flushed); a completed one teaches how many
         stages contexts have."""
         ctx = self._forget(key)
         if ctx is None:
             return False
-        if self.publish is not None:
-            self.publish(ContextReleased(key, completed))
+        self._publish(ContextReleased(key, completed))
         self._released(ctx, completed)
         return True
 
-    def apply_released(self, origin: str, fact: ContextReleased) -> None:
-        ctx = self._forget(fact.key)
-        if ctx is not None:
+    def apply_remote(self, origin: str, fact: ContextHeld | ContextIdled | ContextReleased) -> None:
+        """Another worker or replica held, idled or released a context."""
+        now = time.monotonic()
+        self.lapse(now)
+        if isinstance(fact, ContextHeld):
+            self._hold(fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes, fact.prompt_tokens, now)
+        elif isinstance(fact, ContextIdled):
+            if fact.key in self._running:
+                self._idle(self._contexts[fact.key], now)
+        elif (ctx := self._forget(fact.key)) is not None:
             self._released(ctx, fact.completed)
 
     def _released(self, ctx: Context, completed: bool) -> None:
@@ -318,7 +337,7 @@ class ResumableWorkingSet:
         while heap and heap[0][0] <= now:
             _, version, key = heapq.heappop(heap)
             ctx = self._contexts.get(key)
-            if ctx is not None and ctx.version == version and not ctx.in_flight:
+            if ctx is not None and ctx.version == version and not self._ledger.of_context(key):
                 self._forget(key)
                 self.lapsed += 1
 
@@ -328,6 +347,7 @@ class ResumableWorkingSet:
         ctx = self._contexts.pop(key, None)
         if ctx is not None:
             self._unplace(ctx)
+            self._running.discard(key)
         return ctx
 
     def _place(self, ctx: Context, kept: int = 0) -> None:
@@ -360,7 +380,7 @@ class ResumableWorkingSet:
         demand.contexts -= 1
         if ctx.keyed:
             demand.keyed -= 1
-            if not ctx.in_flight:  # a placed context with nothing in flight was counted idle by idle()
+            if ctx.thinking:  # counted idle by _idle()
                 demand.idle_keyed -= 1
         elif ctx.hashes and self._tails.get(ctx.hashes[-1]) == ctx.key:
             del self._tails[ctx.hashes[-1]]
@@ -370,7 +390,7 @@ class ResumableWorkingSet:
         idle context has finished a request; one in flight is never forgotten)."""
         if len(self._contexts) < self.config.max_contexts:
             return
-        idle = [c for c in self._contexts.values() if not c.in_flight]
+        idle = [c for c in self._contexts.values() if c.thinking]
         if idle:
             self._forget(min(idle, key=lambda c: c.last_finish or 0.0).key)
             self.evicted += 1

@@ -3,25 +3,25 @@
 Owner: the :class:`InFlightLedger` is the one record of "request R is in flight on pod P". The request
 pipeline alone writes it: :meth:`dispatch` as an attempt is sent, :meth:`finish` when that attempt ends
 however it ended, and the pod-removal path calls :meth:`forget_pod`. Everything else reads it: routing
-(requests per pod), pending load (consumption per pod), the workflow tracker (a workflow's or stage's
-requests), session affinity (a session with a request running is never forgotten) and hard flushes
-(whether anyone else is running on a pod).
+(requests per pod), pending load (consumption per pod), the working set (a context's requests: the one
+count of them), the workflow tracker (a workflow's or stage's requests), session affinity (a session with
+a request running is never forgotten) and hard flushes (whether anyone else is running on a pod).
 
 With several workers (``serve --workers N``) the ledger also writes this worker's cell of the shared load
 table, and the per-pod reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`) sum
-every worker's. The per-owner counts (workflow, stage, session) of the other workers and replicas come
-over the state bus (:meth:`apply_changed`, :meth:`apply_snapshot`), one tally per origin so that a
-vanished one can be dropped.
+every worker's. The per-owner counts (context, stage) of the other workers and replicas come over the
+state bus (:meth:`apply_remote`), one tally per origin so that a vanished one can be dropped
+(:meth:`forget_origin`); this ledger's own changes go out through the sink it is built with.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.cluster.facts import Fact, OwnersChanged, OwnersSnapshot
+from gateway.core.contexts import session_key, workflow_key
+from gateway.core.facts import OwnersChanged, OwnersSnapshot, Publish, unshared
 from gateway.load.shared_table import SharedLoadTable
 
 
@@ -33,9 +33,8 @@ class Dispatch:
     pod: str
     consumption: float  # the share of the pod it takes while it runs (pending load)
     kind: str
-    workflow: str | None = None
-    stage: str | None = None
-    session: str | None = None
+    context: str | None = None  # the workflow, session or conversation it continues
+    stage: tuple[str, str] | None = None  # (workflow id, stage id)
 
 
 @dataclass(slots=True)
@@ -49,21 +48,20 @@ OwnerKey = tuple[str, ...]
 
 
 class InFlightLedger:
-    def __init__(self, shared: SharedLoadTable | None = None) -> None:
+    def __init__(self, shared: SharedLoadTable | None = None, publish: Publish = unshared) -> None:
         self._pods: dict[str, PodTally] = {}
-        # ("workflow", id), ("stage", id, stage) and ("session", key) → requests in flight, here and
-        # (``_remote``, per origin) on the other workers and replicas.
+        # ("context", key) and ("stage", workflow, stage) → requests in flight, here and (``_remote``, per
+        # origin) on the other workers and replicas.
         self._owners: Counter[OwnerKey] = Counter()
         self._remote: dict[str, Counter[OwnerKey]] = {}
         self._shared = shared
-        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
+        self._publish = publish
 
     # Writes (the request pipeline only)
 
-    def dispatch(self, request_id: str, pod: str, consumption: float, kind: str, *, workflow: str | None = None,
-                 stage: str | None = None, session: str | None = None) -> Dispatch:
-        entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind,
-                         workflow, stage, session)
+    def dispatch(self, request_id: str, pod: str, consumption: float, kind: str, *, context: str | None = None,
+                 stage: tuple[str, str] | None = None) -> Dispatch:
+        entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind, context, stage)
         tally = self._pods.get(pod)
         if tally is None:
             tally = self._pods[pod] = PodTally()
@@ -71,22 +69,20 @@ class InFlightLedger:
         tally.consumption += entry.consumption
         if kind == "embeddings":
             tally.embedding_consumption += entry.consumption
-        if workflow is not None or session is not None:
+        if context is not None or stage is not None:
             owners = _owners_of(entry)
             for owner in owners:
                 self._owners[owner] += 1
-            if self.publish is not None:
-                self.publish(OwnersChanged([list(o) for o in owners], 1))
+            self._publish(OwnersChanged([list(o) for o in owners], 1))
         if self._shared is not None:
             self._shared.write(pod, len(tally.running), tally.consumption, tally.embedding_consumption)
         return entry
 
     def finish(self, entry: Dispatch) -> None:
-        if entry.workflow is not None or entry.session is not None:
+        if entry.context is not None or entry.stage is not None:
             owners = _owners_of(entry)
             _count_down(self._owners, owners, 1)
-            if self.publish is not None:
-                self.publish(OwnersChanged([list(o) for o in owners], -1))
+            self._publish(OwnersChanged([list(o) for o in owners], -1))
         tally = self._pods.get(entry.pod)
         if tally is None or entry not in tally.running:
             return  # the pod was forgotten while the request ran
@@ -105,8 +101,12 @@ class InFlightLedger:
         if self._shared is not None:
             self._shared.release(pod)
 
-    def apply_changed(self, origin: str, fact: OwnersChanged) -> None:
-        """Another worker or replica dispatched (+1) or finished (-1) a request of these owners."""
+    def apply_remote(self, origin: str, fact: OwnersChanged | OwnersSnapshot) -> None:
+        """Another worker or replica dispatched (+1) or finished (-1) a request of these owners, or (every
+        heartbeat) sent all its counts, which replace what came before."""
+        if isinstance(fact, OwnersSnapshot):
+            self._remote[origin] = Counter({tuple(o): n for o, n in zip(fact.owners, fact.counts, strict=True)})
+            return
         counts = self._remote.setdefault(origin, Counter())
         owners = [tuple(o) for o in fact.owners]
         if fact.delta > 0:
@@ -114,9 +114,6 @@ class InFlightLedger:
                 counts[owner] += fact.delta
         else:
             _count_down(counts, owners, -fact.delta)
-
-    def apply_snapshot(self, origin: str, snapshot: OwnersSnapshot) -> None:
-        self._remote[origin] = Counter({tuple(o): n for o, n in zip(snapshot.owners, snapshot.counts, strict=True)})
 
     def snapshot(self) -> OwnersSnapshot:
         return OwnersSnapshot([list(o) for o in self._owners], list(self._owners.values()))
@@ -151,19 +148,29 @@ class InFlightLedger:
             n += counts.get(owner, 0)
         return n
 
+    def of_context(self, key: str) -> int:
+        """Requests of the context in flight, here and on the other workers and replicas."""
+        return self._owned(("context", key))
+
     def of_workflow(self, workflow: str) -> int:
-        return self._owned(("workflow", workflow))
+        return self._owned(("context", workflow_key(workflow)))
 
     def of_stage(self, workflow: str, stage: str) -> int:
         return self._owned(("stage", workflow, stage))
 
     def of_session(self, session: str) -> int:
-        return self._owned(("session", session))
+        return self._owned(("context", session_key(session)))
 
     def others_on(self, pod: str, workflow: str | None) -> bool:
         """Whether a request of another workflow (or of none) is running on ``pod``."""
         tally = self._pods.get(pod)
-        return tally is not None and any(d.workflow is None or d.workflow != workflow for d in tally.running)
+        own = workflow_key(workflow) if workflow is not None else None
+        return tally is not None and any(d.context is None or d.context != own for d in tally.running)
+
+    def remote_debug(self) -> dict[str, int]:
+        """Per other worker or replica, its requests of contexts in flight, as last heard."""
+        return {origin: sum(n for owner, n in counts.items() if owner[0] == "context")
+                for origin, counts in self._remote.items()}
 
     def total(self) -> int:
         """Requests this process has in flight."""
@@ -181,10 +188,8 @@ def _count_down(counts: Counter[OwnerKey], owners: list[OwnerKey], n: int) -> No
 
 def _owners_of(entry: Dispatch) -> list[OwnerKey]:
     owners: list[OwnerKey] = []
-    if entry.workflow is not None:
-        owners.append(("workflow", entry.workflow))
-        if entry.stage is not None:
-            owners.append(("stage", entry.workflow, entry.stage))
-    if entry.session is not None:
-        owners.append(("session", entry.session))
+    if entry.context is not None:
+        owners.append(("context", entry.context))
+    if entry.stage is not None:
+        owners.append(("stage", *entry.stage))
     return owners

@@ -1,5 +1,5 @@
 """The simulated pod's Anthropic Messages endpoint, answered as vLLM 0.32 answers it: the request
-converted to a chat conversation (:mod:`gateway.api.anthropic`), the model's chat template applied, and
+converted to a chat conversation (:mod:`gateway.tokenization.anthropic`), the model's chat template applied, and
 the answer in Anthropic's shape, streamed as ``event:``/``data:`` pairs. Like vLLM's, the usage splits
 the prompt three ways: ``cache_read_input_tokens`` (found cached), ``cache_creation_input_tokens`` (the
 prompt's other full blocks, cached by this request) and ``input_tokens`` (the rest).
@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.api import anthropic
-from gateway.api.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest
 from gateway.mock.engine import Sequence
+from gateway.tokenization import anthropic
 from gateway.tokenization.hf import HfTokenizer
 
 

@@ -1,9 +1,9 @@
 """The :class:`RequestDirector`: runs one client request through the pipeline's extension points.
 
-Owner: the director owns the request's context (:class:`~gateway.request.context.RequestContext`) and
-the retry loop, and it alone writes the in-flight ledger (dispatch before an attempt is sent, finish
-when it ends). Everything a feature does happens in a step (:mod:`gateway.request.pipeline`); the
-proxy only forwards and relays.
+Owner: the director alone builds the typed views the steps see (:mod:`gateway.request.types`), runs the
+retry loop, writes the in-flight ledger (dispatch before an attempt is sent, finish when it ends), and
+records how the request ended, once, from the proxy's returned outcome. Everything a feature does
+happens in a step (:mod:`gateway.request.pipeline`); the proxy only forwards and relays.
 """
 
 from __future__ import annotations
@@ -13,108 +13,187 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.api.errors import ApiError
-from gateway.api.middleware import REQUEST_ID
-from gateway.api.requests import parse_inference_request
+from gateway.api.errors import REQUEST_ID, status_of
+from gateway.auth import ApiKey
+from gateway.backends.registry import PodRegistry
+from gateway.core.errors import GatewayError, bad_request
+from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
-from gateway.proxy import Proxy, RetryableFailure
-from gateway.request.context import RequestContext
+from gateway.proxy.forward import Proxy
+from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.request.pipeline import RequestPipeline
+from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.router import Router
+from gateway.workflow.service import NO_PLAN, RequestPlan
 
 log = logging.getLogger("gateway.proxy")
 
+# What the director knows of a body it could not read or parse: nothing.
+_UNREAD = InferenceRequest()
+
+
+class RequestPlanner(Protocol):
+    """Plans a request before it is routed: its workflow cache action and the pod it is pinned to."""
+
+    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan: ...
+
+
+class NoPlanner:
+    """For requests that belong to no workflow (Anthropic's count_tokens)."""
+
+    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan:
+        return NO_PLAN
+
 
 class RequestDirector:
-    def __init__(self, pipeline: RequestPipeline, router: Router, ledger: InFlightLedger, proxy: Proxy,
-                 max_retries: int, default_consumption: float) -> None:
+    def __init__(self, pipeline: RequestPipeline, router: Router, planner: RequestPlanner, ledger: InFlightLedger,
+                 proxy: Proxy, pods: PodRegistry, *, max_retries: int, default_consumption: float,
+                 allow_strategy_header: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
         self._router = router
+        self._planner = planner
         self._ledger = ledger
         self._proxy = proxy
+        self._pods = pods
         self._max_retries = max_retries
         # What a request takes of a pod when nothing estimated it (no profile, no load-aware policy).
         self._default_consumption = default_consumption
+        self._allow_strategy_header = allow_strategy_header
+        self._clock = clock
         # Request ids unique across replicas without the cost of uuid4 per request.
         self._id_prefix = os.urandom(6).hex()
         self._id_counter = itertools.count()
 
-    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
-        ctx = RequestContext(
-            http=request,
-            request_id=request.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}",
-            kind=kind,
-            started=time.monotonic(),
-        )
-        request[REQUEST_ID] = ctx.request_id
+    async def handle(self, http: web.Request, kind: str, key: ApiKey | None) -> web.StreamResponse:
+        request_id = http.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
+        http[REQUEST_ID] = request_id
+        run = _Run(ClientRequest(http, request_id, kind, self._clock(), b"", _UNREAD, key))
+        status = 500
         try:
-            response = await self._serve(ctx)
-            ctx.status = response.status
+            body = await _read_body(http)
+            run.request = ClientRequest(http, request_id, kind, run.request.started, body,
+                                        parse_inference_request(body), key)
+            response = await self._serve(run)
+            status = run.outcome.status if run.outcome is not None else response.status
             return response
-        except ApiError as err:
-            ctx.status = err.status
+        except GatewayError as err:
+            status = status_of(err)
             raise
         except asyncio.CancelledError:
-            ctx.status = 499  # the client went away first
+            status = 499  # the client went away first
             raise
         finally:
+            done = CompletedRequest(run.request, status, self._clock(), run.attempts, run.routing, run.admitted,
+                                    run.last, run.outcome)
             for step in self._pipeline.complete:
-                step.completed(ctx)
+                step.completed(done)
 
-    async def _serve(self, ctx: RequestContext) -> web.StreamResponse:
-        ctx.body = await ctx.http.read()
-        ctx.parsed = parse_inference_request(ctx.body)
-        ctx.model = ctx.parsed.model or ""
-        pipeline = self._pipeline
-        for prepare in pipeline.prepare:
-            if (waiting := prepare.prepare(ctx)) is not None:
+    async def _serve(self, run: _Run) -> web.StreamResponse:
+        request = run.request
+        policy, routing = self._resolve(request)
+        run.routing = routing
+        for prepare in self._pipeline.prepare:
+            if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
-        for admit in pipeline.admit:
-            if (waiting := admit.admit(ctx)) is not None:
-                await waiting
-        for route in pipeline.route:
-            route.before_route(ctx)
-        ctx.upstream_headers = self._proxy.upstream_headers(ctx.http.headers, ctx.request_id)
-        assert ctx.policy is not None and ctx.routing is not None  # set by the PolicyResolution step
+        for admit in self._pipeline.admit:
+            if (admitting := admit.admit(request, policy, routing)) is not None:
+                run.admitted = await admitting
+        plan = self._planner.plan(request, routing)
+        headers = self._proxy.upstream_headers(request.headers, request.id)
         exclude: set[str] = set()
         failure: RetryableFailure | None = None
-        wf = ctx.workflow
-        for attempt in range(self._max_retries + 1):
+        for number in range(self._max_retries + 1):
+            started = self._clock()
             try:
-                decision = self._router.route(ctx.routing, ctx.policy, frozenset(exclude), wf.pin, wf.pin_reason)
-            except ApiError:
+                decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason)
+            except GatewayError:
                 if failure:  # every pod we could try has failed: say why, not just "none left"
                     raise failure.error from None
                 raise
-            decision.attempt = attempt
-            ctx.decision = decision
-            ctx.attempts = attempt + 1
+            decision.attempt = number
+            estimate = routing.estimates.get(decision.pod.name)
+            dispatch = self._ledger.dispatch(
+                request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
+                request.kind, context=routing.context_key, stage=plan.stage_owner)
+            run.last = Attempt(request, policy, routing, plan, decision, dispatch, number, started, dict(headers))
+            run.attempts = number + 1
             try:
-                return await self._attempt(ctx)
+                response, run.outcome = await self._attempt(run.last)
+                return response
             except RetryableFailure as exc:
                 failure = exc
                 exclude.add(decision.pod.name)
                 log.warning("request %s: pod %s failed before the first byte (%s: %s)",
-                            ctx.request_id, decision.pod.name, exc.cause, exc.error.message)
-        assert failure is not None
+                            request.id, decision.pod.name, exc.cause, exc.error.message)
+        assert failure is not None  # the loop runs at least once, and only a failure continues it
         raise failure.error
 
-    async def _attempt(self, ctx: RequestContext) -> web.StreamResponse:
-        assert ctx.decision is not None and ctx.routing is not None
-        pod = ctx.decision.pod.name
-        estimate = ctx.routing.estimates.get(pod)
-        keys = ctx.workflow.ledger_keys
-        ctx.dispatch = self._ledger.dispatch(
-            ctx.request_id, pod, estimate.consumption if estimate else self._default_consumption, ctx.kind,
-            workflow=keys[0], stage=keys[1], session=keys[2])
+    def _resolve(self, request: ClientRequest) -> tuple[Policy, RoutingRequest]:
+        """The routing policy (the default, or ``x-routing-strategy`` where allowed) and the routing view
+        of the request, which the prepare steps fill."""
+        override = request.headers.get("x-routing-strategy") if self._allow_strategy_header else None
+        base = self._pods.base_model(request.model)
+        return self._router.resolve(override), RoutingRequest(
+            request.id, request.model, request.kind, request.parsed, base_model=base,
+            lora_name=request.model if base != request.model else None)
+
+    async def _attempt(self, attempt: Attempt) -> tuple[web.StreamResponse, RelayOutcome]:
         for step in self._pipeline.dispatch:
-            step.dispatched(ctx)
+            step.dispatched(attempt)
+        outcome = RelayOutcome.failed(502)
         try:
-            return await self._proxy.forward(ctx)
+            response, outcome = await self._proxy.forward(self._call(attempt))
+            return response, outcome
+        except RetryableFailure as exc:
+            outcome = RelayOutcome.failed(status_of(exc.error))
+            raise
+        except GatewayError as err:
+            outcome = RelayOutcome.failed(status_of(err))
+            raise
+        except asyncio.CancelledError:
+            outcome = RelayOutcome(499, Ending.CLIENT_GONE)
+            raise
         finally:
-            self._ledger.finish(ctx.dispatch)
+            self._ledger.finish(attempt.dispatch)
             for step in self._pipeline.finish:
-                step.attempt_finished(ctx)
+                step.attempt_finished(attempt, outcome)
+
+    @staticmethod
+    def _call(attempt: Attempt) -> UpstreamCall:
+        request, decision = attempt.request, attempt.decision
+        answer_headers = {
+            "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
+            "x-gateway-prefix-tokens": str(decision.prefix_tokens),
+            "x-gateway-cache-action": attempt.plan.header_for(decision),
+        }
+        return UpstreamCall(decision.pod, request.http, request.body, attempt.upstream_headers, answer_headers,
+                            request.id, anthropic=request.kind in ("messages", "count_tokens"))
+
+
+class _Run:
+    """The director's own record of one request as it goes: what :class:`CompletedRequest` is built from."""
+
+    __slots__ = ("admitted", "attempts", "last", "outcome", "request", "routing")
+
+    def __init__(self, request: ClientRequest) -> None:
+        self.request = request
+        self.routing: RoutingRequest | None = None
+        self.admitted: Admitted | None = None
+        self.last: Attempt | None = None
+        self.outcome: RelayOutcome | None = None
+        self.attempts = 0
+
+
+async def _read_body(http: web.Request) -> bytes:
+    """The body as sent, decoded from its ``content-encoding``; one that cannot be is the client's fault."""
+    try:
+        return await http.read()
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None

@@ -1,17 +1,15 @@
-"""The built-in steps that watch requests rather than change them: routing metrics, the policy's own
-finish hooks, the check of predictions against the engines, output-length learning, request metrics and
-the access log."""
+"""The built-in steps that watch requests rather than change them: routing metrics, the check of
+predictions against the engines, output-length learning, request metrics and the access log."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
-from gateway.request.context import RequestContext
+from gateway.request.types import Attempt, CompletedRequest
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 
@@ -22,22 +20,11 @@ class RoutingMetrics:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self._metrics = metrics
 
-    def dispatched(self, ctx: RequestContext) -> None:
-        decision, rr = ctx.decision, ctx.routing
-        assert decision is not None and rr is not None
+    def dispatched(self, attempt: Attempt) -> None:
+        decision = attempt.decision
         self._metrics.decision_made(decision.policy, decision.reason)
-        if rr.token_ids is not None:
+        if attempt.routing.token_ids is not None:
             self._metrics.prefix_hit_tokens.labels(decision.policy).observe(decision.prefix_tokens)
-
-
-class PolicyFinishHooks:
-    """finish: the policy's own ``on_finished`` hooks (e.g. a workflow's context starts thinking)."""
-
-    def attempt_finished(self, ctx: RequestContext) -> None:
-        if ctx.policy is None or ctx.routing is None or ctx.decision is None:
-            return
-        for hook in ctx.policy.on_finished:
-            hook(ctx.routing, ctx.decision)
 
 
 class PredictionCheck:
@@ -47,51 +34,57 @@ class PredictionCheck:
     def __init__(self, verifier: PredictionVerifier) -> None:
         self._verifier = verifier
 
-    def completed(self, ctx: RequestContext) -> None:
-        usage, decision, rr = ctx.usage, ctx.decision, ctx.routing
-        if usage is None or decision is None or rr is None or ctx.status != 200:
+    def completed(self, done: CompletedRequest) -> None:
+        outcome, rr, attempt = done.outcome, done.routing, done.last
+        if outcome is None or outcome.usage is None or rr is None or attempt is None or done.status != 200:
             return
-        if ctx.probe_tokens is not None:
-            self._verifier.probe(rr.base_model, ctx.probe_tokens, usage.prompt_tokens)
+        usage = outcome.usage
+        if rr.probe_tokens is not None:
+            self._verifier.probe(rr.base_model, rr.probe_tokens, usage.prompt_tokens)
         reported = usage.cached_tokens
         match = rr.prefix
-        if reported is None or rr.token_ids is None or match is None or not match.precise or not _one_prompt(ctx):
+        if reported is None or rr.token_ids is None or match is None or not match.precise or not _one_prompt(done):
             return
-        pod = decision.pod.name
+        pod = attempt.decision.pod.name
         confirmed = match.pods[pod].gpu_tokens - match.pods[pod].speculative_tokens if pod in match.pods else 0
         self._verifier.observe(rr.base_model, pod, confirmed, reported, len(rr.token_ids), usage.prompt_tokens)
 
 
-def _one_prompt(ctx: RequestContext) -> bool:
+def _one_prompt(done: CompletedRequest) -> bool:
     """Whether the usage counts one prompt (a batch of completion prompts is routed by its first)."""
-    prompt = ctx.parsed.prompt if ctx.parsed is not None else None
+    prompt = done.request.parsed.prompt
     return prompt is None or isinstance(prompt, str) or (isinstance(prompt, list) and not any(
         isinstance(p, str | list) for p in prompt))
 
 
 class OutputLearning:
-    """complete: feed the output-length predictor and the SLO telemetry from a finished request."""
+    """complete: feed the output-length predictor and the SLO telemetry from a request whose answer
+    reached the client whole (a cut stream says nothing true about output lengths)."""
 
     def __init__(self, predictor: OutputLengthPredictor, metrics: GatewayMetrics) -> None:
         self._predictor = predictor
         self._metrics = metrics
 
-    def completed(self, ctx: RequestContext) -> None:
-        if ctx.status != 200 or ctx.kind == "embeddings":
+    def completed(self, done: CompletedRequest) -> None:
+        outcome, rr = done.outcome, done.routing
+        if done.status != 200 or outcome is None or not outcome.complete or rr is None:
             return
-        if ctx.usage is not None:
-            prompt, output = ctx.usage.prompt_tokens, ctx.usage.completion_tokens
-        elif ctx.streamed_events > 2:  # no usage asked for: about one token per event, less role and [DONE]
-            prompt, output = 0, ctx.streamed_events - 2
+        if done.request.kind == "embeddings":
+            return
+        if outcome.usage is not None:
+            prompt, output = outcome.usage.prompt_tokens, outcome.usage.completion_tokens
+        elif outcome.streamed_events > 2:  # no usage asked for: about one token per event, less role and [DONE]
+            prompt, output = 0, outcome.streamed_events - 2
         else:
             return
         if prompt:
-            self._predictor.observe(ctx.base_model, prompt, output)
+            self._predictor.observe(rr.base_model, prompt, output)
         self._metrics.output_actual.observe(output)
-        if ctx.predicted_output_tokens:
-            self._metrics.output_prediction_error.observe(output - ctx.predicted_output_tokens)
-        if ctx.slo and ctx.slo.ttft_s is not None and ctx.first_byte_at is not None:
-            self._metrics.slo_slack.labels("first_byte").observe(ctx.slo.ttft_s - (ctx.first_byte_at - ctx.started))
+        if rr.predicted_output_tokens:
+            self._metrics.output_prediction_error.observe(output - rr.predicted_output_tokens)
+        slo = done.admitted.slo if done.admitted is not None else None
+        if slo is not None and slo.ttft_s is not None and (first_byte := done.first_byte_s) is not None:
+            self._metrics.slo_slack.labels("first_byte").observe(slo.ttft_s - first_byte)
 
 
 class RequestMetrics:
@@ -100,36 +93,37 @@ class RequestMetrics:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self._metrics = metrics
 
-    def completed(self, ctx: RequestContext) -> None:
+    def completed(self, done: CompletedRequest) -> None:
+        decision, outcome = done.decision, done.outcome
+        usage = outcome.usage if outcome is not None else None
         self._metrics.request_done(
-            ctx.model, ctx.decision.pod.name if ctx.decision else "-", ctx.status or 500,
-            time.monotonic() - ctx.started,
-            None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.started,
-            (ctx.usage.prompt_tokens, ctx.usage.completion_tokens) if ctx.usage else None,
+            done.model, decision.pod.name if decision else "-", done.status, done.finished - done.request.started,
+            done.first_byte_s, (usage.prompt_tokens, usage.completion_tokens) if usage else None,
         )
 
 
 class AccessLog:
     """complete: one line per request, with its decision, as text and as structured fields."""
 
-    def completed(self, ctx: RequestContext) -> None:
+    def completed(self, done: CompletedRequest) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        d = ctx.decision
+        d = done.decision
         pod = d.pod.name if d else "-"
-        status = ctx.status or 500
-        ttfb_ms = round((ctx.first_byte_at - ctx.started) * 1000, 2) if ctx.first_byte_at else None
-        request = ctx.http
+        first_byte = done.first_byte_s
+        ttfb_ms = round(first_byte * 1000, 2) if first_byte is not None else None
+        request = done.request.http
         fields = {
-            "request_id": ctx.request_id, "method": request.method, "path": request.path,
-            "status": status, "model": ctx.model, "pod": pod,
+            "request_id": done.request.id, "method": request.method, "path": request.path,
+            "status": done.status, "model": done.model, "pod": pod,
             "policy": d.policy if d else None, "reason": d.reason if d else None,
-            "prefix_tokens": d.prefix_tokens if d else 0, "attempts": ctx.attempts,
-            "duration_ms": round((time.monotonic() - ctx.started) * 1000, 2), "ttfb_ms": ttfb_ms,
-            "queued_ms": round(ctx.queued_s * 1000, 2),
+            "prefix_tokens": d.prefix_tokens if d else 0, "attempts": done.attempts,
+            "duration_ms": round((done.finished - done.request.started) * 1000, 2), "ttfb_ms": ttfb_ms,
+            "queued_ms": round(done.admitted.queued_s * 1000, 2) if done.admitted else 0.0,
+            "ending": done.outcome.ending.value if done.outcome else None,
         }
         access_log.info(
             "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s id=%s",
-            request.method, request.path, status, ctx.model, pod, fields["policy"], fields["reason"],
-            ctx.attempts, fields["duration_ms"], ttfb_ms, ctx.request_id, extra=fields,
+            request.method, request.path, done.status, done.model, pod, fields["policy"], fields["reason"],
+            done.attempts, fields["duration_ms"], ttfb_ms, done.request.id, extra=fields,
         )

@@ -2,21 +2,25 @@
 
 A request passes through them in this order (:class:`~gateway.request.director.RequestDirector`):
 
-1. **prepare**: data the later stages need, read from the request (validation, token ids, the load
-   estimate per pod). A step may refuse the request by raising an :class:`~gateway.api.errors.ApiError`.
-2. **admit**: whether the request may start now, later (it waits) or never (it is refused).
-3. **route**: steps that run before the router decides (a workflow's pin, its cache action); then the
-   policy picks a pod.
-4. **dispatch**: the attempt is recorded in the in-flight ledger, then each dispatch step sees it.
-5. **relay**: the proxy forwards the request and relays the answer (no steps: bytes pass unchanged).
-6. **finish**: the attempt ended, however it ended (the ledger first, then each step); a failed
-   attempt may be retried on another pod, from step 3.
-7. **complete**: the client's request ended; observers record it (metrics, learning, the access log).
+1. **prepare** ``(request, policy, routing)``: what routing needs, read from the request (validation, token ids,
+   the context it continues, the load estimate per pod). A step fills the fields of the routing view it
+   owns, or refuses the request by raising a :class:`~gateway.core.errors.GatewayError`.
+2. **admit** ``(request, policy, routing) -> Admitted``: whether the request may start now, later (it waits) or
+   never (it is refused).
+3. **plan**, then **route**: the workflow planner returns the request's plan (cache action, pin); the
+   router returns the decision. Not extension points: one planner, one router.
+4. **dispatch** ``(attempt)``: the attempt is recorded in the in-flight ledger, then each step sees it.
+5. **relay**: the proxy forwards the request and returns how the answer ended (no steps: bytes pass
+   unchanged).
+6. **finish** ``(attempt, outcome)``: the attempt ended, however it ended (the ledger first, then each
+   step, with the proxy's outcome); a failure before the first byte may be retried on another pod, from 3.
+7. **complete** ``(completed)``: the client's request ended; observers record it (metrics, learning, the
+   access log) from the one record the director made of it.
 
-Steps are objects with the method of their extension point; one object may sit at several points
-(e.g. workflow planning routes, dispatches and finishes). A ``prepare`` or ``admit`` step returns an
-awaitable only when it has something to wait for (tokenizing, queueing): most requests pass most steps
-without a coroutine being made.
+Steps are objects with the method of their extension point; one object may sit at several points. A
+``prepare`` or ``admit`` step returns an awaitable only when it has something to wait for (tokenizing,
+queueing): most requests pass most steps without a coroutine being made. No step writes what another
+step reads except through the routing view's own fields.
 """
 
 from __future__ import annotations
@@ -25,38 +29,35 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.request.context import RequestContext
+from gateway.proxy.outcome import RelayOutcome
+from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.routing.policy import Policy, RoutingRequest
 
 
 class PrepareStep(Protocol):
-    def prepare(self, ctx: RequestContext) -> Awaitable[None] | None: ...
+    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None: ...
 
 
 class AdmitStep(Protocol):
-    def admit(self, ctx: RequestContext) -> Awaitable[None] | None: ...
-
-
-class RouteStep(Protocol):
-    def before_route(self, ctx: RequestContext) -> None: ...
+    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted] | None: ...
 
 
 class DispatchStep(Protocol):
-    def dispatched(self, ctx: RequestContext) -> None: ...
+    def dispatched(self, attempt: Attempt) -> None: ...
 
 
 class FinishStep(Protocol):
-    def attempt_finished(self, ctx: RequestContext) -> None: ...
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None: ...
 
 
 class CompleteStep(Protocol):
-    def completed(self, ctx: RequestContext) -> None: ...
+    def completed(self, done: CompletedRequest) -> None: ...
 
 
 @dataclass(slots=True)
 class RequestPipeline:
     prepare: list[PrepareStep] = field(default_factory=list)
     admit: list[AdmitStep] = field(default_factory=list)
-    route: list[RouteStep] = field(default_factory=list)
     dispatch: list[DispatchStep] = field(default_factory=list)
     finish: list[FinishStep] = field(default_factory=list)
     complete: list[CompleteStep] = field(default_factory=list)

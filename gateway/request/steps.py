@@ -1,4 +1,4 @@
-"""The built-in steps that run before routing: validation, the policy, token ids, load and admission."""
+"""The built-in steps that shape a request: validation, token ids, load, admission and workflow planning."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ import time
 from collections.abc import Awaitable
 
 from gateway.admission import AdmissionController
-from gateway.api.auth import ApiKeyAuth
-from gateway.api.errors import bad_request, unknown_model
+from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
-from gateway.config import RoutingConfig, ServerConfig
+from gateway.config import ServerConfig
+from gateway.core.errors import bad_request, unknown_model
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
-from gateway.request.context import RequestContext
+from gateway.proxy.outcome import RelayOutcome
+from gateway.request.types import Admitted, Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
+from gateway.workflow.service import RequestPlan, WorkflowService
 
 
 class RequestValidation:
@@ -29,45 +30,23 @@ class RequestValidation:
         self._key_auth = key_auth
         self._max_messages = server.max_messages
 
-    def prepare(self, ctx: RequestContext) -> None:
-        parsed = ctx.parsed
-        assert parsed is not None
-        if parsed.messages is not None and len(parsed.messages) > self._max_messages:
-            raise bad_request(f"Too many messages: {len(parsed.messages)} (at most {self._max_messages}).",
+    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+        messages = request.parsed.messages
+        if messages is not None and len(messages) > self._max_messages:
+            raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",
                               param="messages", code="too_many_messages")
-        self._key_auth.authorize(ctx.http, ctx.model)
-        if not self._pods.knows_model(ctx.model):
-            raise unknown_model(ctx.model)
-
-
-class PolicyResolution:
-    """prepare: the routing policy (the default, or ``x-routing-strategy`` where allowed) and the routing
-    view of the request, which the later steps fill."""
-
-    def __init__(self, pods: PodRegistry, router: Router, routing: RoutingConfig) -> None:
-        self._pods = pods
-        self._router = router
-        self._allow_override = routing.allow_strategy_header
-
-    def prepare(self, ctx: RequestContext) -> None:
-        override = ctx.http.headers.get("x-routing-strategy") if self._allow_override else None
-        ctx.policy = self._router.resolve(override)
-        ctx.base_model = base = self._pods.base_model(ctx.model)
-        ctx.routing = RoutingRequest(ctx.request_id, ctx.model, ctx.kind, ctx.parsed, base_model=base,
-                                     lora_name=ctx.model if base != ctx.model else None)
-
-
-def _routed(ctx: RequestContext) -> tuple[Policy, RoutingRequest]:
-    assert ctx.policy is not None and ctx.routing is not None  # PolicyResolution runs first
-    return ctx.policy, ctx.routing
+        self._key_auth.authorize(request.key, request.model)
+        if not self._pods.knows_model(request.model):
+            raise unknown_model(request.model)
 
 
 class PromptTokenization:
-    """prepare: the prompt's token ids, when the policy needs them; a prompt longer than the model's
-    context is refused here, before any pod is bothered. For a model whose predictions drift from the
-    engines' (:mod:`gateway.kv.verification`), the ids come from a pod's ``/tokenize`` instead of the local
-    tokenizer (or, without one, there are none: routing is approximate), and now and then the configured
-    tokenizer is asked too, as a probe of whether it agrees again."""
+    """prepare: the prompt's token ids (``routing.token_ids``), when the policy needs them; a prompt longer
+    than the model's context is refused here, before any pod is bothered. For a model whose predictions
+    drift from the engines' (:mod:`gateway.kv.verification`), the ids come from a pod's ``/tokenize``
+    instead of the local tokenizer (or, without one, there are none: routing is approximate), and now and
+    then the configured tokenizer is asked too, as a probe of whether it agrees again
+    (``routing.probe_tokens``)."""
 
     def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
                  server: ServerConfig) -> None:
@@ -76,25 +55,24 @@ class PromptTokenization:
         self._verifier = verifier
         self._max_prompt_tokens = server.max_prompt_tokens
 
-    def prepare(self, ctx: RequestContext) -> Awaitable[None] | None:
-        policy, rr = _routed(ctx)
+    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
         if not policy.needs_tokens:
             return None
-        if self._verifier.drifting(rr.base_model):
-            return self._tokenize_drifting(ctx, rr)
-        return self._tokenize(ctx, rr)
+        if self._verifier.drifting(routing.base_model):
+            return self._tokenize_drifting(request, routing)
+        return self._tokenize(request, routing)
 
-    async def _tokenize_drifting(self, ctx: RequestContext, rr: RoutingRequest) -> None:
-        local = self._tokens.has_local(ctx.model)
-        if self._verifier.probe_due(rr.base_model):
-            probe = await self._tokens.tokenize(ctx.model, ctx.kind, rr.body)
-            ctx.probe_tokens = len(probe) if probe is not None else None
-        if local:
-            await self._tokenize(ctx, rr, avoid_local=True)
+    async def _tokenize_drifting(self, request: ClientRequest, routing: RoutingRequest) -> None:
+        if self._verifier.probe_due(routing.base_model):
+            probe = await self._tokens.tokenize(request.model, request.kind, request.parsed)
+            routing.probe_tokens = len(probe) if probe is not None else None
+        if self._tokens.has_local(request.model):
+            await self._tokenize(request, routing, avoid_local=True)
 
-    async def _tokenize(self, ctx: RequestContext, rr: RoutingRequest, avoid_local: bool = False) -> None:
-        rr.token_ids = ids = await self._tokens.tokenize(ctx.model, ctx.kind, rr.body, avoid_local=avoid_local)
-        limit = self._max_prompt_tokens or self._pods.max_model_len(ctx.model)
+    async def _tokenize(self, request: ClientRequest, routing: RoutingRequest, avoid_local: bool = False) -> None:
+        routing.token_ids = ids = await self._tokens.tokenize(request.model, request.kind, request.parsed,
+                                                              avoid_local=avoid_local)
+        limit = self._max_prompt_tokens or self._pods.max_model_len(request.model)
         if ids is not None and limit and len(ids) > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)}.",
@@ -102,8 +80,9 @@ class PromptTokenization:
 
 
 class LoadEstimation:
-    """prepare: the request's predicted output length and its cost on each candidate pod, when admission
-    is on or the policy weighs load."""
+    """prepare: the request's predicted output length and its cost on each candidate pod
+    (``routing.input_tokens``, ``predicted_output_tokens``, ``estimates``), when admission is on or the
+    policy weighs load."""
 
     def __init__(self, pods: PodRegistry, load: PendingLoad, predictor: OutputLengthPredictor,
                  metrics: GatewayMetrics, admission_enabled: bool) -> None:
@@ -113,41 +92,62 @@ class LoadEstimation:
         self._metrics = metrics
         self._admission_enabled = admission_enabled
 
-    def prepare(self, ctx: RequestContext) -> None:
-        policy, rr = _routed(ctx)
+    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
         if not (self._admission_enabled or policy.needs_load):
             return
-        parsed = rr.body
-        rr.input_tokens = len(rr.token_ids) if rr.token_ids else max(1, len(ctx.body) // 4)
-        rr.predicted_output_tokens = self._predictor.predict(
-            rr.base_model, rr.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
-        self._metrics.output_predicted.observe(rr.predicted_output_tokens)
-        rr.estimates = {p.name: self._load.estimate(p.name, rr.base_model, rr.input_tokens,
-                                                    rr.predicted_output_tokens)
-                        for p in self._pods.candidates(rr.model)}
+        parsed = request.parsed
+        routing.input_tokens = len(routing.token_ids) if routing.token_ids else max(1, len(request.body) // 4)
+        routing.predicted_output_tokens = self._predictor.predict(
+            routing.base_model, routing.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
+        self._metrics.output_predicted.observe(routing.predicted_output_tokens)
+        routing.estimates = {p.name: self._load.estimate(p.name, routing.base_model, routing.input_tokens,
+                                                         routing.predicted_output_tokens)
+                             for p in self._pods.candidates(routing.model)}
 
 
 class SloAdmission:
     """admit: ADMIT, QUEUE or REJECT by the request's SLO and the pods' predicted load
-    (:mod:`gateway.admission`); ``finish``: a finished attempt lets the next waiter re-check."""
+    (:mod:`gateway.admission`); finish: a finished attempt lets the next waiter re-check."""
 
     def __init__(self, pods: PodRegistry, admission: AdmissionController, metrics: GatewayMetrics) -> None:
         self._pods = pods
         self._admission = admission
         self._metrics = metrics
 
-    def admit(self, ctx: RequestContext) -> Awaitable[None] | None:
-        policy, rr = _routed(ctx)
-        return self._admit(ctx, rr) if self._admission.config.enabled or policy.needs_load else None
+    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted] | None:
+        if self._admission.config.enabled or policy.needs_load:
+            return self._admit(request, routing)
+        return None
 
-    async def _admit(self, ctx: RequestContext, rr: RoutingRequest) -> None:
-        h = ctx.http.headers
-        ctx.slo = slo = self._admission.slo_for(rr.base_model, h.get("x-slo-ttft-ms"), h.get("x-slo-e2e-ms"),
-                                                h.get("x-priority"))
-        ticket = await self._admission.admit(self._pods.candidates(rr.model), ctx.kind, rr.estimates, slo)
-        ctx.queued_s = ticket.waited_s
+    async def _admit(self, request: ClientRequest, routing: RoutingRequest) -> Admitted:
+        h = request.headers
+        slo = self._admission.slo_for(routing.base_model, h.get("x-slo-ttft-ms"), h.get("x-slo-e2e-ms"),
+                                      h.get("x-priority"))
+        ticket = await self._admission.admit(self._pods.candidates(routing.model), request.kind, routing.estimates,
+                                             slo)
         if slo.ttft_s is not None:
-            self._metrics.slo_slack.labels("dispatch").observe(slo.ttft_s - (time.monotonic() - ctx.started))
+            self._metrics.slo_slack.labels("dispatch").observe(slo.ttft_s - (time.monotonic() - request.started))
+        return Admitted(slo, ticket.waited_s)
 
-    def attempt_finished(self, ctx: RequestContext) -> None:
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         self._admission.release()
+
+
+class WorkflowPlanning:
+    """The planner (a workflow's cache action and the pin of its stage or session), then dispatch (where
+    the stage went, the flushes that follow) and finish (what the stage ended with) of
+    :mod:`gateway.workflow.service`."""
+
+    def __init__(self, workflows: WorkflowService) -> None:
+        self._workflows = workflows
+
+    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan:
+        prompt_tokens = len(routing.token_ids) if routing.token_ids else len(request.body) // 4
+        return self._workflows.plan(request.headers, request.parsed, routing.base_model, prompt_tokens)
+
+    def dispatched(self, attempt: Attempt) -> None:
+        self._workflows.record_dispatch(attempt.plan, attempt.decision, attempt.routing.base_model)
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        usage = outcome.usage
+        self._workflows.finished(attempt.plan, attempt.decision.pod.name, usage.prompt_tokens if usage else None)

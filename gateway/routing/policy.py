@@ -52,31 +52,37 @@ class PlacementCost:
 
 @dataclass(slots=True)
 class RoutingRequest:
-    """One request as routing sees it. The proxy pipeline fills the request's own facts; the fields
-    after them are routing state, each written by the one part named beside it and read by the rest."""
+    """One request as routing sees it. The director fills the request's own facts; the fields after them
+    are routing state, each written by the one part named beside it and read by the rest."""
 
     request_id: str
     model: str
     # The API path family: "chat", "completions", "responses", "embeddings".
     kind: str
     body: Any = None
-    token_ids: list[int] | None = None
     # The base model and LoRA adapter the prompt's KV blocks are namespaced by.
     base_model: str = ""
     lora_name: str | None = None
+    # Prompt tokenization: the token ids exactly as the engine will see them, and (for a model whose
+    # predictions drift) the local tokenizer's count, as a probe.
+    token_ids: list[int] | None = None
+    probe_tokens: int | None = None
+    # Context resolution: the context the request continues (a workflow, a session, or a conversation
+    # recognised by its prompt; None: it cannot be told), whether the client named it, and the prompt's
+    # block hashes (computed lazily, shared by everyone who looks the prompt up).
+    context_key: str | None = None
+    context_keyed: bool = False
+    hashes: PromptHashes | None = None
+    # Load estimation: the request's size, and per pod its predicted cost there.
     input_tokens: int = 0
     predicted_output_tokens: int = 0
-    # Per pod, the request's predicted cost there (filled when admission or the policy needs load).
     estimates: dict[str, Estimate] = field(default_factory=dict)
-    # The workflow planner: the workflow or session the request belongs to (None: anonymous).
-    context_key: str | None = None
     # The router, per attempt: filter name → the pods it removed.
     filtered_out: dict[str, list[str]] = field(default_factory=dict)
     # The prefix matcher: what each pod holds, and the predicted cached prompt tokens per pod.
     prefix: PrefixMatch | None = None
     prefix_tokens: dict[str, int] = field(default_factory=dict)
-    # The placement planner: each pod's cost, and the request's resumable context (found before routing,
-    # held once routed).
+    # The placement planner: each pod's cost, and the request's live context in the working set.
     placement: dict[str, PlacementCost] = field(default_factory=dict)
     context: Context | None = None
 
@@ -139,11 +145,6 @@ class WeightedScorer:
     weight: float = 1.0
 
 
-RoutedHook = Callable[[RoutingRequest, Decision], None]
-# Called when an attempt on the decided pod ends, however it ended.
-FinishedHook = Callable[[RoutingRequest, Decision], None]
-
-
 @dataclass(slots=True)
 class Policy:
     name: str
@@ -151,12 +152,9 @@ class Policy:
     filters: list[Filter] = field(default_factory=list)
     preparers: list[Preparer] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
-    # Whether the proxy must tokenize the prompt, or estimate its load per pod, before routing.
+    # Whether the pipeline must tokenize the prompt, or estimate its load per pod, before routing.
     needs_tokens: bool = False
     needs_load: bool = False
-    # Called with the decision once a pod is chosen (e.g. to record what that pod will now cache).
-    on_routed: list[RoutedHook] = field(default_factory=list)
-    on_finished: list[FinishedHook] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -192,7 +190,7 @@ class PolicyContext:
         defaults: dict[str, Any] = {
             "index": PrefixIndex(), "approximate": ApproximatePrefixIndex(), "metrics": GatewayMetrics(),
             "load": PendingLoad(ProfileStore(None), ledger, default_capacity=64, deployment_of=str),
-            "working_set": ResumableWorkingSet(PlacementConfig()), "capacity_of": lambda pod: None,
+            "working_set": ResumableWorkingSet(PlacementConfig(), ledger), "capacity_of": lambda pod: None,
         }
         return cls(pods=pods, ledger=ledger, **{**defaults, **parts})
 

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.api.errors import bad_request, no_pod_available
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
 from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, RoutingRequest
 
@@ -69,7 +69,7 @@ class Router:
                 scores[i] += ws.weight * s
         pinned = self._pinned(pods, pin, pin_reason)
         pick = pinned or policy.picker.pick(request, pods, scores)
-        decision = Decision(
+        return Decision(
             pod=pick.pod,
             policy=policy.name,
             reason=pick.reason,
@@ -78,9 +78,6 @@ class Router:
             prefix_tokens=request.prefix_tokens.get(pick.pod.name, 0),
             unpinned=pin if pin is not None and pinned is None else None,
         )
-        for hook in policy.on_routed:
-            hook(request, decision)
-        return decision
 
     @staticmethod
     def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from gateway.api.messages import normalize_messages
+from gateway.tokenization.conversation import normalize_messages
 
 MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import aiohttp
 
-from gateway.api.anthropic import NotRenderable
-from gateway.api.messages import CHAT_KINDS, chat_messages, chat_tools
-from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
+from gateway.core.requests import InferenceRequest
 from gateway.http_client import HttpClient
 from gateway.load.ledger import InFlightLedger
 from gateway.lru import LruCache
 from gateway.metrics import GatewayMetrics
+from gateway.tokenization.anthropic import NotRenderable
+from gateway.tokenization.conversation import CHAT_KINDS, chat_messages, chat_tools
 from gateway.tokenization.hf import HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder
 

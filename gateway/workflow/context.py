@@ -7,8 +7,9 @@ from typing import Literal
 import msgspec
 from multidict import CIMultiDictProxy
 
-from gateway.api.errors import bad_request
-from gateway.api.requests import InferenceRequest
+from gateway.core.contexts import context_key
+from gateway.core.errors import bad_request
+from gateway.core.requests import InferenceRequest
 
 CachePolicy = Literal["auto", "preserve", "flush"]
 
@@ -30,17 +31,6 @@ def _first(headers: CIMultiDictProxy[str], *names: str) -> str | None:
     return None
 
 
-def workflow_key(workflow_id: str) -> str:
-    """The key of a workflow's context in the resumable working set."""
-    return f"workflow:{workflow_id}"
-
-
-def workflow_id_of(key: str) -> str | None:
-    """The workflow id of a working-set key, if it names a workflow."""
-    prefix = workflow_key("")
-    return key[len(prefix):] if key.startswith(prefix) else None
-
-
 def _workflow_id(headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
     meta = body.metadata
     return _first(headers, "x-workflow-id", "x-orla-workflow-run") or (meta.workflow_id if meta else None)
@@ -56,12 +46,6 @@ def context_key_of(headers: CIMultiDictProxy[str], body: InferenceRequest) -> st
     """The workflow or session a request continues, for placement (read even with workflow actions off;
     never an error: a bad cache-policy header is the workflow service's to refuse)."""
     return context_key(_workflow_id(headers, body), _session_id(headers, body))
-
-
-def context_key(workflow_id: str | None, session_id: str | None) -> str | None:
-    if workflow_id:
-        return workflow_key(workflow_id)
-    return f"session:{session_id}" if session_id else None
 
 
 def parse_workflow_context(headers: CIMultiDictProxy[str], body: InferenceRequest) -> WorkflowContext:

@@ -1,47 +1,54 @@
 """The request path's view of workflows and sessions: plan before routing, record after, learn at finish.
 
-A step of the request pipeline at three points: ``route`` (the cache action and the pin), ``dispatch``
-and ``finish``. Owner: nothing of its own beyond the idle-expiry task; state lives in the tracker and the
-session map, requests in flight in the ledger, and actions go to the executor.
+The request pipeline calls it as the planner, and at dispatch and finish
+(:class:`gateway.request.steps.WorkflowPlanning`). Owner: nothing of its own beyond the idle-expiry task;
+state lives in the tracker and the session map, requests in flight in the ledger, and actions go to the
+executor.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from multidict import CIMultiDictProxy
 
-from gateway.api.requests import InferenceRequest
 from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
-from gateway.pressure import PressureModes
+from gateway.core.requests import InferenceRequest
+from gateway.load.pressure_modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor
-from gateway.workflow.context import WorkflowContext, context_key, context_key_of, parse_workflow_context
+from gateway.workflow.context import WorkflowContext, parse_workflow_context
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import NOOP, ActionKind, Plan, WorkflowTracker
 
-if TYPE_CHECKING:
-    from gateway.request.context import RequestContext
 
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestPlan:
+    """What the workflow service decided for one request before it was routed."""
+
     context: WorkflowContext
     plan: Plan
     pin: str | None = None
     pin_reason: str = ""
-    header: str = "none"
     # The session key, when session affinity applies (a request outside any workflow).
     session: str | None = None
 
     @property
-    def ledger_keys(self) -> tuple[str | None, str | None, str | None]:
-        """The workflow, stage and session under which the ledger counts the request's attempts."""
+    def stage_owner(self) -> tuple[str, str] | None:
+        """The (workflow, stage) under which the ledger counts the request's attempts."""
         wf, stage = self.plan.workflow, self.plan.stage
-        return (wf.id if wf else None, stage.id if wf and stage else None, self.session)
+        return (wf.id, stage.id) if wf is not None and stage is not None else None
+
+    def header_for(self, decision: Decision) -> str:
+        """``x-gateway-cache-action`` of an answer routed by ``decision``: the action, or that its pin
+        could not be kept ("none": workflow actions are off)."""
+        if self is NO_PLAN:
+            return "none"
+        if self.pin and decision.unpinned == self.pin:
+            return f"{self.plan.action.kind.value}-fallback:pod_unavailable" if self.plan.workflow else "session-moved"
+        return self.plan.action.header
 
 
 NO_PLAN = RequestPlan(WorkflowContext(), Plan(None, None, NOOP))
@@ -70,53 +77,28 @@ class WorkflowService:
             await asyncio.sleep(min(30.0, self.config.idle_ttl_s / 4))
             self.executor.carry_out(self.tracker.expire_idle())
 
-    # Pipeline steps
-
-    def before_route(self, ctx: RequestContext) -> None:
-        """The cache action and pin, and the request's context key for placement (read even with workflow
-        actions off)."""
-        assert ctx.routing is not None and ctx.parsed is not None
-        ctx.workflow = self.plan(ctx.http.headers, ctx.parsed, ctx.base_model, ctx.prompt_tokens)
-        wc = ctx.workflow.context
-        ctx.routing.context_key = context_key(wc.workflow_id, wc.session_id) if ctx.workflow is not NO_PLAN \
-            else context_key_of(ctx.http.headers, ctx.parsed)
-
-    def dispatched(self, ctx: RequestContext) -> None:
-        assert ctx.decision is not None
-        self.record_dispatch(ctx.workflow, ctx.decision, ctx.base_model)
-
-    def attempt_finished(self, ctx: RequestContext) -> None:
-        assert ctx.decision is not None
-        self.finished(ctx.workflow, ctx.decision.pod.name, ctx.usage.prompt_tokens if ctx.usage else None)
-
     # The workflow lifecycle
 
-    def plan(self, headers: CIMultiDictProxy[str], body: InferenceRequest | None, model: str,
+    def plan(self, headers: CIMultiDictProxy[str], body: InferenceRequest, model: str,
              prompt_tokens: int) -> RequestPlan:
-        if not self.config.enabled or body is None:
+        """The cache action and the pin of a request about to be routed."""
+        if not self.config.enabled:
             return NO_PLAN
         ctx = parse_workflow_context(headers, body)
         plan = self.tracker.begin(ctx, model, prompt_tokens)
         session = ctx.session_id if ctx.workflow_id is None and self.config.session_affinity else None
-        rp = RequestPlan(ctx, plan, session=session or None)
         action = plan.action
         # In a KV-memory emergency a pod takes no new pinned work.
         if action.kind is ActionKind.PRESERVE and action.pod and not self._modes.in_emergency(action.pod):
-            rp.pin, rp.pin_reason = action.pod, "workflow_preserve"
-        elif session:
-            pod = self.sessions.pod_of(session)
-            if pod and not self._modes.in_emergency(pod):
-                rp.pin, rp.pin_reason = pod, "session_affinity"
-        return rp
+            return RequestPlan(ctx, plan, action.pod, "workflow_preserve", session=session or None)
+        if session and (pod := self.sessions.pod_of(session)) and not self._modes.in_emergency(pod):
+            return RequestPlan(ctx, plan, pod, "session_affinity", session=session)
+        return RequestPlan(ctx, plan, session=session or None)
 
     def record_dispatch(self, rp: RequestPlan, decision: Decision, model: str) -> None:
         if rp is NO_PLAN:
             return
         action = rp.plan.action
-        if rp.pin and decision.unpinned == rp.pin:
-            rp.header = f"{action.kind.value}-fallback:pod_unavailable" if rp.plan.workflow else "session-moved"
-        else:
-            rp.header = action.header
         if rp.plan.workflow is not None:
             if action.kind is ActionKind.PRESERVE:
                 self.executor.record(action)  # flushes are recorded as they are carried out

@@ -5,28 +5,28 @@ as requests start, are dispatched and finish, and the API and the pressure monit
 workflow's requests are in flight it reads from the in-flight ledger. It decides cache actions
 (``docs/architecture.md``, "Workflow cache actions") but carries none out: that is the executor's job.
 
-With several workers or replicas each keeps its own tracker and tells the others each change (the state
-bus): a stage that began, where it was dispatched, that it finished, that a workflow completed or a
-preserve ended. The others apply the change to their copy but decide nothing from it: the process that
-served the request carries out its actions, so each flush is done once.
+With several workers or replicas each keeps its own tracker and tells the others each change (the sink it
+is built with): a stage that began, where it was dispatched, that it finished, that a workflow completed
+or a preserve ended. The others apply the change to their copy (:meth:`WorkflowTracker.apply_remote`) but decide
+nothing from it: the process that served the request carries out its actions, so each flush is done once.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.cluster.facts import (
-    Fact,
+from gateway.config import WorkflowConfig
+from gateway.core.facts import (
     PreserveDropped,
+    Publish,
     StageBegan,
     StageDispatched,
     StageFinished,
     WorkflowCompleted,
+    unshared,
 )
-from gateway.config import WorkflowConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.workflow.context import WorkflowContext
 
@@ -100,11 +100,11 @@ class Plan:
 
 
 class WorkflowTracker:
-    def __init__(self, config: WorkflowConfig, ledger: InFlightLedger) -> None:
+    def __init__(self, config: WorkflowConfig, ledger: InFlightLedger, publish: Publish = unshared) -> None:
         self.config = config
         self.workflows: dict[str, Workflow] = {}
         self._ledger = ledger
-        self.publish: Callable[[Fact], None] | None = None  # the state bus, when there is anyone to tell
+        self._publish = publish
 
     def in_flight(self, workflow: Workflow) -> int:
         return self._ledger.of_workflow(workflow.id)
@@ -125,8 +125,7 @@ class WorkflowTracker:
             return Plan(wf, stage, CacheAction(kind, "same_stage", wf.id, pod) if kind is ActionKind.PRESERVE
                         else NOOP)
         stage = self._new_stage(wf, stage_id, model, prompt_tokens, now)
-        if self.publish is not None:
-            self.publish(StageBegan(wf.id, stage_id, model, prompt_tokens, ctx.complete))
+        self._publish(StageBegan(wf.id, stage_id, model, prompt_tokens, ctx.complete))
         return Plan(wf, stage, self.decide(ctx, wf, stage))
 
     def _touch(self, workflow_id: str, complete: bool, now: float) -> Workflow:
@@ -169,9 +168,8 @@ class WorkflowTracker:
         wf, stage = plan.workflow, plan.stage
         if wf is None or stage is None:
             return []
-        if self.publish is not None:
-            action = plan.action
-            self.publish(StageDispatched(wf.id, stage.id, pod, model, action.kind.value, action.pod))
+        action = plan.action
+        self._publish(StageDispatched(wf.id, stage.id, pod, model, action.kind.value, action.pod))
         return self._dispatched(wf, stage, plan.action, pod, model, time.monotonic() if now is None else now)
 
     def _dispatched(self, wf: Workflow, stage: Stage, action: CacheAction, pod: str, model: str, now: float
@@ -193,8 +191,7 @@ class WorkflowTracker:
         wf, stage = plan.workflow, plan.stage
         if wf is None or stage is None:
             return []
-        if self.publish is not None:
-            self.publish(StageFinished(wf.id, stage.id, pod, prompt_tokens))
+        self._publish(StageFinished(wf.id, stage.id, pod, prompt_tokens))
         self._finished(wf, stage, pod, prompt_tokens, time.monotonic() if now is None else now)
         if wf.complete_requested and not self.in_flight(wf):
             return self.complete(wf.id, "workflow_complete")
@@ -217,8 +214,7 @@ class WorkflowTracker:
             wf.complete_requested = True  # finishes when its last request does
             return []
         del self.workflows[workflow_id]
-        if self.publish is not None:
-            self.publish(WorkflowCompleted(workflow_id))
+        self._publish(WorkflowCompleted(workflow_id))
         return [CacheAction(ActionKind.FLUSH, reason, wf.id, pod) for pod in wf.entries]
 
     def expire_idle(self, now: float | None = None) -> list[CacheAction]:
@@ -243,8 +239,7 @@ class WorkflowTracker:
 
     def soft_flush(self, pod: str, workflow_id: str | None = None) -> None:
         """Stop preserving on ``pod``: one workflow's entry, or (after a hard flush) every workflow's."""
-        if self.publish is not None:
-            self.publish(PreserveDropped(pod, workflow_id))
+        self._publish(PreserveDropped(pod, workflow_id))
         self._soft_flush(pod, workflow_id)
 
     def _soft_flush(self, pod: str, workflow_id: str | None) -> None:
@@ -257,33 +252,32 @@ class WorkflowTracker:
 
     # Changes made by other workers and replicas: state only, no actions (their sender carries them out)
 
-    def apply_began(self, origin: str, fact: StageBegan) -> None:
+    def apply_remote(self, origin: str, fact: StageBegan | StageDispatched | StageFinished | WorkflowCompleted
+              | PreserveDropped) -> None:
         now = time.monotonic()
-        wf = self._touch(fact.workflow, fact.complete, now)
-        if fact.stage not in wf.stages:
-            self._new_stage(wf, fact.stage, fact.model, fact.prompt_tokens, now)
-
-    def apply_dispatched(self, origin: str, fact: StageDispatched) -> None:
-        if found := self._stage(fact.workflow, fact.stage):
-            wf, stage = found
-            action = CacheAction(ActionKind(fact.action), "remote", wf.id, fact.action_pod)
-            self._dispatched(wf, stage, action, fact.pod, fact.model, time.monotonic())
-
-    def apply_finished(self, origin: str, fact: StageFinished) -> None:
-        if found := self._stage(fact.workflow, fact.stage):
-            self._finished(*found, fact.pod, fact.prompt_tokens, time.monotonic())
+        match fact:
+            case StageBegan():
+                wf = self._touch(fact.workflow, fact.complete, now)
+                if fact.stage not in wf.stages:
+                    self._new_stage(wf, fact.stage, fact.model, fact.prompt_tokens, now)
+            case StageDispatched():
+                if found := self._stage(fact.workflow, fact.stage):
+                    wf, stage = found
+                    action = CacheAction(ActionKind(fact.action), "remote", wf.id, fact.action_pod)
+                    self._dispatched(wf, stage, action, fact.pod, fact.model, now)
+            case StageFinished():
+                if found := self._stage(fact.workflow, fact.stage):
+                    self._finished(*found, fact.pod, fact.prompt_tokens, now)
+            case WorkflowCompleted():
+                self.workflows.pop(fact.workflow, None)
+            case PreserveDropped():
+                self._soft_flush(fact.pod, fact.workflow)
 
     def _stage(self, workflow_id: str, stage_id: str) -> tuple[Workflow, Stage] | None:
         """A stage this tracker knows (a fact about one it missed the start of is ignored)."""
         wf = self.workflows.get(workflow_id)
         stage = wf.stages.get(stage_id) if wf is not None else None
         return (wf, stage) if wf is not None and stage is not None else None
-
-    def apply_completed(self, origin: str, fact: WorkflowCompleted) -> None:
-        self.workflows.pop(fact.workflow, None)
-
-    def apply_preserve_dropped(self, origin: str, fact: PreserveDropped) -> None:
-        self._soft_flush(fact.pod, fact.workflow)
 
 
 def _dedupe(actions: list[CacheAction]) -> list[CacheAction]:

@@ -35,7 +35,7 @@ class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
 def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
     matcher, prefix = prefix_parts(context, offload_weight=options.offload_weight,
                                    approximate_weight=options.approximate_weight)
-    planner = PlacementPlanner(context.index, context.working_set, context.capacity_of, clock=context.clock)
+    planner = PlacementPlanner(context.working_set, context.capacity_of, clock=context.clock)
     return Policy(
         name="kv_aware",
         picker=CacheAwarePicker(),
@@ -46,8 +46,6 @@ def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
                                 options.load_weight),
                  WeightedScorer(KvUsageScorer(context.index), options.kv_usage_weight)],
         needs_tokens=True,
-        on_routed=[matcher.remember, planner.hold],
-        on_finished=[planner.idle],
     )
 
 

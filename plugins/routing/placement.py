@@ -36,26 +36,24 @@ import time
 from collections.abc import Callable
 
 from gateway.backends.registry import Pod
-from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import Context, ResumableWorkingSet
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
-from gateway.routing.policy import Decision, PlacementCost, RoutingRequest
+from gateway.routing.policy import PlacementCost, RoutingRequest
 from plugins.routing.prefix_scoring import PrefixScorer
 
 CapacityOf = Callable[[str], float | None]
 
 
 class PlacementPlanner:
-    """Finds the request's resumable context and each candidate's cost; after routing it holds the
-    context on the chosen pod, and when the attempt ends lets it think there. Runs after the prefix
-    matcher, whose cached-token counts are its ``hit``."""
+    """Finds the request's live context (the one context resolution named) and each candidate's cost.
+    Runs after the prefix matcher, whose cached-token counts are its ``hit``. Holding the context while
+    the request runs is the pipeline's (:mod:`gateway.request.placement`)."""
 
     name = "placement"
 
-    def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet, capacity_of: CapacityOf, *,
+    def __init__(self, working_set: ResumableWorkingSet, capacity_of: CapacityOf, *,
                  output_tokens: int = 16, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._index = index
         self._working_set = working_set
         self._capacity_of = capacity_of
         self._output_tokens = output_tokens
@@ -67,9 +65,9 @@ class PlacementPlanner:
             return
         now = self._clock()
         prompt = len(request.token_ids)
-        context = request.context = self._context_of(request, pods)
+        context = request.context = self._working_set.context(request.context_key) if request.context_key else None
         stages_done = context.stages + 1 if context is not None else 1
-        growth = self._working_set.forecast.expected_growth(context, request.context_key is not None, stages_done)
+        growth = self._working_set.forecast.expected_growth(context, request.context_keyed, stages_done)
         footprint = prompt + self._output_tokens + growth
         for pod in pods:
             hit = request.prefix_tokens.get(pod.name, 0)
@@ -79,36 +77,6 @@ class PlacementPlanner:
                 demand = self._working_set.demand_tokens(pod.name, now, exclude=context)
                 overflow = max(0.0, demand + footprint - hit - capacity) - max(0.0, demand - capacity)
             request.placement[pod.name] = PlacementCost(prompt - hit, overflow)
-
-    def _context_of(self, request: RoutingRequest, pods: list[Pod]) -> Context | None:
-        if request.context_key is not None:
-            return self._working_set.context(request.context_key)
-        bs = next((b for p in pods if (b := self._index.block_size(p.name))), None)
-        if bs is None:
-            return None
-        return self._working_set.context(None, self._prompt_blocks(request, bs))
-
-    @staticmethod
-    def _prompt_blocks(request: RoutingRequest, block_size: int) -> list[int]:
-        assert request.prefix is not None and request.prefix.hashes is not None  # checked by the callers
-        hashes = request.prefix.hashes
-        return list(hashes.first(block_size, hashes.token_count // block_size))
-
-    def hold(self, request: RoutingRequest, decision: Decision) -> None:
-        """After routing: the request's context is resumable on the chosen pod from now on."""
-        bs = self._index.block_size(decision.pod.name)
-        if not request.precise or not request.token_ids or bs is None:
-            request.context = None  # nothing held: nothing to idle when the request ends
-            return
-        request.context = self._working_set.hold(request.context_key, decision.pod.name, bs,
-                                                 self._prompt_blocks(request, bs), len(request.token_ids),
-                                                 self._clock())
-
-    def idle(self, request: RoutingRequest, decision: Decision) -> None:
-        """The request ended: its context stays resumable for its predicted think time."""
-        if request.context is not None:
-            self._working_set.idle(request.context, self._clock())
-
 
 class PlacementScorer:
     """``1 - cost / (P + max overflow)`` over the candidates; the plain prefix share when the planner had
@@ -142,7 +110,7 @@ class ResumableLoadScorer:
     def busy(self, pod: Pod, request: RoutingRequest) -> float:
         thinking = self._working_set.resumable(pod.name)[1]
         own = request.context
-        if own is not None and own.pod == pod.name and not own.in_flight:
+        if own is not None and own.pod == pod.name and own.thinking:
             thinking -= 1  # the request's own context, about to resume: not someone else's load
         return self._ledger.on_pod(pod.name) + self._idle_weight * thinking
 

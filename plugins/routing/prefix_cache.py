@@ -20,7 +20,6 @@ def build(context: PolicyContext, options: CacheAwareOptions) -> Policy:
         preparers=[matcher],
         scorers=[WeightedScorer(prefix, options.prefix_weight),
                  WeightedScorer(LoadScorer(context.ledger), options.load_weight)],
-        on_routed=[matcher.remember],
     )
 
 

@@ -10,14 +10,14 @@ import time
 
 import msgspec
 
-from gateway.api.messages import request_text
 from gateway.backends.registry import Pod
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Decision, Pick, PolicyContext, PrefixMatch, RoutingRequest
+from gateway.routing.policy import Pick, PolicyContext, PrefixMatch, RoutingRequest
+from gateway.tokenization.conversation import request_text
 
 
 class CacheAwareOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,8 +33,8 @@ class CacheAwareOptions(msgspec.Struct, forbid_unknown_fields=True):
 class PrefixMatcher:
     """Finds how much of the prompt each candidate holds: precise (KV events) when the prompt has token
     ids and the policy has the index, else approximate (the gateway's own routing history of the text).
-    Owner of the request's ``prefix`` and ``prefix_tokens``; after routing it records what the chosen pod
-    will now hold."""
+    Owner of the request's ``prefix`` and ``prefix_tokens``. What the chosen pod will hold once routed is
+    recorded by the pipeline (:class:`gateway.request.placement.RoutedPrefix`)."""
 
     name = "prefix_match"
 
@@ -53,9 +53,7 @@ class PrefixMatcher:
     def _precise(self, request: RoutingRequest, index: PrefixIndex, pods: list[Pod]) -> None:
         started = time.perf_counter()
         model = request.base_model or request.model
-        previous = request.prefix
-        hashes = previous.hashes if previous is not None and previous.hashes is not None else \
-            index.prompt_hashes(model, request.lora_name, request.token_ids or [])
+        hashes = request.hashes or index.prompt_hashes(model, request.lora_name, request.token_ids or [])
         matches = index.lookup(model, request.lora_name, hashes, [p.name for p in pods])
         if self._metrics:
             self._metrics.lookup_seconds.observe(time.perf_counter() - started)
@@ -70,20 +68,6 @@ class PrefixMatcher:
             return
         request.prefix = PrefixMatch(precise=False, text=text,
                                      chars=self._approximate.lookup(text, [p.name for p in pods]))
-
-    def remember(self, request: RoutingRequest, decision: Decision) -> None:
-        """After routing: the chosen pod will hold this prompt's blocks (speculative for the precise
-        index until its events confirm them)."""
-        match = request.prefix
-        if match is not None and match.precise and self._index is not None and request.token_ids:
-            held = match.pods.get(decision.pod.name)
-            confirmed = held.gpu_tokens - held.speculative_tokens if held is not None else 0
-            self._index.expect(decision.pod.name, request.base_model or request.model, request.lora_name,
-                               match.hashes or request.token_ids, confirmed_tokens=confirmed)
-        else:
-            text = match.text if match is not None else _text_of(request)
-            if text:
-                self._approximate.record(text, decision.pod.name)
 
 
 def _text_of(request: RoutingRequest) -> str:

@@ -33,7 +33,6 @@ def build(context: PolicyContext, options: SloOptions) -> Policy:
                  WeightedScorer(PendingLoadScorer(context.load), options.load_weight)],
         needs_tokens=True,
         needs_load=True,
-        on_routed=[matcher.remember],
     )
 
 

@@ -17,7 +17,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.api.requests import parse_inference_request
+from gateway.core.requests import parse_inference_request
 from gateway.metrics import prediction_checks
 from gateway.tokenization.hf import HfTokenizer
 from tests.conftest import eventually, gateway_process

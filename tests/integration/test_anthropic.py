@@ -7,8 +7,8 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from gateway.api import anthropic as conversion
-from gateway.api.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest
+from gateway.tokenization import anthropic as conversion
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 from tests.integration.test_kv_routing import MODEL, fleet, synced, system_prompt
 from tests.integration.test_verification import metric

@@ -10,6 +10,7 @@ from gateway.config import HealthConfig, PlacementConfig, PodConfig
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.plugin_registry import PluginRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
@@ -19,21 +20,24 @@ ROLE = list(range(100, 132))  # 8 blocks every workflow starts with
 
 
 class Fleet:
-    def __init__(self, capacity_tokens: dict[str, float], growth_per_stage: float = 0.0) -> None:
+    def __init__(self, capacity_tokens: dict[str, float], growth_per_stage: float = 0.0,
+                 load_weight: float = 0.3) -> None:
         self.pods = PodRegistry([PodConfig(url=f"http://{n}:1", name=n, models=["m"]) for n in capacity_tokens],
                                 HealthConfig())
         for pod in self.pods.all():
             pod.healthy = True
         self.index = PrefixIndex(speculative_ttl_s=0)
         self.views = {n: self.index.view(n, 0, "m", BS) for n in capacity_tokens}
-        self.ws = ResumableWorkingSet(PlacementConfig(default_stages=4))
+        self.ledger = InFlightLedger()
+        self.ws = ResumableWorkingSet(PlacementConfig(default_stages=4), self.ledger)
         if growth_per_stage:
             self.ws.forecast.growth.add(growth_per_stage)
-        context = PolicyContext.standalone(self.pods, index=self.index, working_set=self.ws,
+        context = PolicyContext.standalone(self.pods, index=self.index, working_set=self.ws, ledger=self.ledger,
                                            capacity_of=capacity_tokens.get)
         self.router = Router(self.pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",
-                             {"kv_aware": {"kv_usage_weight": 0.0}}, context)
+                             {"kv_aware": {"kv_usage_weight": 0.0, "load_weight": load_weight}}, context)
         self.policy = self.router.resolve(None)
+        self.dispatches: dict[str, Dispatch] = {}
         self._engine_hash = 0
 
     def cache(self, pod: str, tokens: list[int]) -> None:
@@ -44,10 +48,23 @@ class Fleet:
             hashes.append(self._engine_hash)
         self.index.apply(self.views[pod], [BlockStored(hashes, None, tokens, BS)])
 
-    def route(self, tokens: list[int], key: str | None):
-        request = RoutingRequest("r", "m", "chat", token_ids=tokens, base_model="m", context_key=key)
-        decision = self.router.route(request, self.policy)
+    def route(self, tokens: list[int], key: str, exclude: frozenset[str] = frozenset(),
+              request: RoutingRequest | None = None):
+        """Route a request of context ``key``, then dispatch it as the pipeline does: counted in the ledger,
+        its context held on the chosen pod."""
+        request = request or RoutingRequest("r", "m", "chat", token_ids=tokens, base_model="m", context_key=key,
+                                            context_keyed=True, hashes=self.index.prompt_hashes("m", None, tokens))
+        decision = self.router.route(request, self.policy, exclude)
+        pod, hashes = decision.pod.name, request.hashes
+        self.dispatches[key] = self.ledger.dispatch("r", pod, 0.1, "chat", context=key)
+        self.ws.hold(key, True, pod, BS, hashes.first(BS, hashes.token_count // BS), hashes.token_count,
+                     time.monotonic())
         return request, decision
+
+    def finish(self, request: RoutingRequest) -> None:
+        """The attempt ended, however it ended."""
+        self.ledger.finish(self.dispatches.pop(request.context_key))
+        self.ws.idle(request.context_key, time.monotonic())
 
 
 def own(start: int, n: int) -> list[int]:
@@ -59,7 +76,8 @@ def test_a_new_workflow_leaves_a_full_pod_holding_its_role_prompt():
     fleet.cache("p0", ROLE + own(1000, 48))
     # A workflow thinking on p0 holds the role prompt and 48 tokens of its own there.
     blocks = fleet.index.prompt_hashes("m", None, ROLE + own(1000, 48)).first(BS, 20)
-    fleet.ws.idle(fleet.ws.hold("workflow:old", "p0", BS, blocks, 80, now=time.monotonic()), now=time.monotonic())
+    fleet.ws.hold("workflow:old", True, "p0", BS, blocks, 80, now=time.monotonic())
+    fleet.ws.idle("workflow:old", now=time.monotonic())
     request, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
     costs = request.placement
     # On p0 the role prompt is a hit (32 tokens), but the new workflow's expected growth (3 more stages of
@@ -86,15 +104,16 @@ def test_unknown_capacity_degrades_to_prefix_affinity():
 
 
 def test_a_later_stage_stays_with_its_cache_on_a_full_pod():
-    fleet = Fleet({"p0": 100.0, "p1": 10_000.0}, growth_per_stage=8)
+    # The cost model alone (the thinking crowd would also make p0 look busier: the load scorer's test).
+    fleet = Fleet({"p0": 100.0, "p1": 10_000.0}, growth_per_stage=8, load_weight=0.0)
     context = ROLE + own(3000, 40)
     fleet.cache("p0", context)
     request, first = fleet.route(context, "workflow:w")
     assert first.pod.name == "p0"
-    fleet.policy.on_finished[0](request, first)  # the stage ended; the workflow thinks on p0
-    # Another workflow fills p0 past its capacity while this one thinks.
-    crowd = fleet.index.prompt_hashes("m", None, own(6000, 120)).first(BS, 30)
-    fleet.ws.hold("workflow:crowd", "p0", BS, crowd, 120, now=time.monotonic())
+    fleet.finish(request)  # the stage ended; the workflow thinks on p0
+    # Another workflow fills p0 past its capacity while this one thinks, and thinks too.
+    crowd, _ = fleet.route(own(6000, 120), "workflow:crowd", exclude=frozenset({"p1"}))
+    fleet.finish(crowd)
     request, decision = fleet.route(context + own(4000, 12), "workflow:w")
     assert request.placement["p0"].overflow > 0
     # Elsewhere it would prefill its whole context again; here only the tool result.
@@ -105,9 +124,10 @@ def test_a_later_stage_stays_with_its_cache_on_a_full_pod():
 def test_routing_holds_the_context_and_finishing_lets_it_think():
     fleet = Fleet({"p0": 10_000.0, "p1": 10_000.0})
     request, decision = fleet.route(ROLE + own(2000, 8), "session:s")
-    assert request.context is not None and request.context.pod == decision.pod.name
+    held = fleet.ws.context("session:s")
+    assert held is not None and held.pod == decision.pod.name
     assert fleet.ws.resumable(decision.pod.name) == (1, 0)
-    fleet.policy.on_finished[0](request, decision)
+    fleet.finish(request)
     assert fleet.ws.resumable(decision.pod.name) == (1, 1)
     # A pod with a thinking session is busier than an empty one: the next new session goes elsewhere.
     _, other = fleet.route(own(5000, 40), "session:t")
@@ -126,10 +146,9 @@ def test_vllm_and_sglang_metrics_say_the_capacity():
 def test_a_retry_without_the_failed_pod_keeps_its_reason():
     fleet = Fleet({"p0": 200.0, "p1": 200.0, "p2": 200.0}, growth_per_stage=40)
     fleet.cache("p0", ROLE)
-    request = RoutingRequest("r", "m", "chat", token_ids=ROLE + own(2000, 8), base_model="m", context_key="workflow:x")
-    first = fleet.router.route(request, fleet.policy)
+    request, first = fleet.route(ROLE + own(2000, 8), "workflow:x")
     assert first.pod.name == "p0"
-    fleet.policy.on_finished[0](request, first)  # the attempt failed before the first byte
-    retry = fleet.router.route(request, fleet.policy, exclude=frozenset({"p0"}))
+    fleet.finish(request)  # the attempt failed before the first byte
+    _, retry = fleet.route([], "workflow:x", exclude=frozenset({"p0"}), request=request)
     assert retry.pod.name in {"p1", "p2"} and retry.reason == "no_hit_least_loaded"
     assert set(request.placement) == {"p1", "p2"}

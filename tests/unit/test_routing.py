@@ -4,10 +4,10 @@ from collections import Counter
 
 import pytest
 
-from gateway.api.errors import ApiError
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
+from gateway.core.errors import ErrorKind, GatewayError
 from gateway.http_client import HttpClient
 from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
@@ -81,12 +81,12 @@ def test_random_policy_uses_every_pod():
 def test_no_candidates_is_503_and_unknown_override_is_400():
     pods = registry(2)
     router = make_router(pods, "round_robin")
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(GatewayError) as info:
         router.route(request("other-model"), router.resolve(None))
-    assert info.value.status == 503
-    with pytest.raises(ApiError) as info:
+    assert info.value.kind is ErrorKind.NO_POD
+    with pytest.raises(GatewayError) as info:
         router.resolve("nope")
-    assert info.value.status == 400 and info.value.param == "x-routing-strategy"
+    assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.param == "x-routing-strategy"
 
 
 class FakeClock:

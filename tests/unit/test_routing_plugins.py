@@ -9,7 +9,7 @@ import random
 import pytest
 
 from gateway.backends.registry import PodRegistry
-from gateway.config import HealthConfig, PodConfig
+from gateway.config import HealthConfig, PlacementConfig, PodConfig
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PodMatch, PrefixIndex
@@ -18,7 +18,7 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, Estimate, PendingLoad
 from gateway.load.profiles import ProfileStore
 from gateway.routing.pickers import MaxScorePicker, RandomPicker
-from gateway.routing.policy import Decision, PlacementCost, PrefixMatch, RoutingRequest
+from gateway.routing.policy import PlacementCost, PrefixMatch, RoutingRequest
 from plugins.routing.least_request import InFlightScorer
 from plugins.routing.load_scoring import CapacityFilter, PendingLoadScorer, ThroughputScorer
 from plugins.routing.placement import PlacementScorer, ResumableLoadScorer
@@ -86,7 +86,7 @@ def test_capacity_filter(pods, loads, emergency, kept):
 # Preparers
 
 
-def test_prefix_matcher_precise_then_remembers_the_choice(pods):
+def test_prefix_matcher_precise_then_counts_the_chosen_pods_speculative_blocks(pods):
     index = PrefixIndex(speculative_ttl_s=60)
     views = {n: index.view(n, 0, "m", 4) for n in NAMES}
     index.apply(views["p1"], [BlockStored([1, 2], None, list(range(8)), 4)])
@@ -94,13 +94,14 @@ def test_prefix_matcher_precise_then_remembers_the_choice(pods):
     rr = request(token_ids=list(range(12)))
     matcher.prepare(rr, pods)
     assert rr.precise and rr.prefix_tokens == {"p0": 0, "p1": 8, "p2": 0}
-    matcher.remember(rr, Decision(pods[2], "kv_aware", "no_hit_least_loaded"))
+    index.expect("p2", "m", None, rr.prefix.hashes)  # routed there (gateway.request.placement.RoutedPrefix)
     matcher.prepare(rr, pods)  # the next attempt (or request) expects p2 to hold the prompt's blocks too
     assert rr.prefix_tokens == {"p0": 0, "p1": 8, "p2": 8}
+    assert rr.prefix.pods["p2"].speculative_tokens == 8 and rr.prefix.pods["p1"].speculative_tokens == 0
 
 
 def test_prefix_matcher_by_text_and_without_text(pods):
-    from gateway.api.requests import InferenceRequest
+    from gateway.core.requests import InferenceRequest
 
     # A host booted seconds ago: its monotonic clock is below the history's TTL, which must not make every
     # pod look as if it had been sent every text.
@@ -180,10 +181,11 @@ def test_placement_scorer_without_costs_is_the_prefix_share(pods):
 
 
 def test_resumable_load_scorer_counts_thinking_contexts_but_not_the_requests_own(pods):
-    ws = ResumableWorkingSet()
-    for key in ("session:a", "session:b"):
-        ws.idle(ws.hold(key, "p0", 4, [hash(key)], 4, now=0.0), now=0.0)
     ledger = ledger_with({"p1": 1})
+    ws = ResumableWorkingSet(PlacementConfig(), ledger)
+    for key in ("session:a", "session:b"):
+        ws.hold(key, True, "p0", 4, [hash(key)], 4, now=0.0)
+        ws.idle(key, now=0.0)
     scorer = ResumableLoadScorer(ledger, ws, idle_weight=0.5)
     assert scorer.score(request(), pods) == [0.0, 0.0, 1.0]  # p0: 2 x 0.5 thinking = p1's one request
     own = request(context=ws.context("session:a"))

@@ -72,8 +72,8 @@ def test_ledgers_of_two_workers_see_each_others_requests(tables):
 def test_worker_count_is_the_cores_the_cgroup_quota_allows(tmp_path: Path):
     import os
 
-    from gateway.cluster.workers import worker_count
     from gateway.config import GatewayConfig, ServerConfig
+    from gateway.supervisor import worker_count
 
     cores = len(os.sched_getaffinity(0))
     cpu_max = tmp_path / "cpu.max"

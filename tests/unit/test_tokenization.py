@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from gateway.api.requests import InferenceRequest
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, TokenizationConfig
+from gateway.core.requests import InferenceRequest
 from gateway.http_client import HttpClient
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics

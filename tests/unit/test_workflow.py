@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.api.errors import ApiError
-from gateway.api.requests import InferenceRequest, Metadata
 from gateway.config import WorkflowConfig
+from gateway.core.contexts import session_key, workflow_key
+from gateway.core.errors import ErrorKind, GatewayError
+from gateway.core.requests import InferenceRequest, Metadata
 from gateway.load.ledger import Dispatch, InFlightLedger
-from gateway.pressure import PressureMode, next_mode
+from gateway.load.pressure_modes import PressureMode
+from gateway.pressure import next_mode
 from gateway.workflow.context import WorkflowContext, parse_workflow_context
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import ActionKind, WorkflowTracker
@@ -30,8 +32,9 @@ class LedgerTracker(WorkflowTracker):
 
     def dispatch(self, plan, request_id, pod, model, now=None):
         wf, stage = plan.workflow, plan.stage
-        self._running[request_id] = self.ledger.dispatch(request_id, pod, 0.0, "chat", workflow=wf.id if wf else None,
-                                                         stage=stage.id if wf and stage else None)
+        self._running[request_id] = self.ledger.dispatch(
+            request_id, pod, 0.0, "chat", context=workflow_key(wf.id) if wf else None,
+            stage=(wf.id, stage.id) if wf and stage else None)
         return self.dispatched(plan, pod, model, now)
 
     def finish(self, request_id, pod, plan, tokens=None, now=None):
@@ -149,7 +152,7 @@ def test_sessions_bounded_but_in_flight_never_evicted():
     sessions = SessionAffinity(ledger, max_sessions=2)
 
     def started(key: str, pod: str) -> Dispatch:
-        running = ledger.dispatch(f"{key}-r", pod, 0.0, "chat", session=key)
+        running = ledger.dispatch(f"{key}-r", pod, 0.0, "chat", context=session_key(key))
         sessions.started(key, pod)
         return running
 
@@ -177,6 +180,6 @@ def test_context_from_headers_aliases_and_body():
     assert parse_workflow_context(headers(x_session_id="sess"), InferenceRequest(model="m", user="u")).session_id \
         == "sess"
     for bad in ({"x_stage_cache_policy": "keep"}, {"x_stage_preserve_threshold": "lots"}):
-        with pytest.raises(ApiError) as info:
+        with pytest.raises(GatewayError) as info:
             parse_workflow_context(headers(**bad), InferenceRequest(model="m"))
-        assert info.value.status == 400
+        assert info.value.kind is ErrorKind.INVALID_REQUEST

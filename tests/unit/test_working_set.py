@@ -8,14 +8,43 @@ import random
 import pytest
 
 from gateway.config import PlacementConfig
-from gateway.kv.working_set import ResumableWorkingSet, shared_blocks
+from gateway.kv.working_set import Context, ResumableWorkingSet, shared_blocks
+from gateway.load.ledger import Dispatch, InFlightLedger
 
 BS = 16
 
 
-def ws(**overrides: float) -> ResumableWorkingSet:
-    return ResumableWorkingSet(PlacementConfig(**{"default_think_s": 1.0, "protect_margin": 2.0,
-                                                  "min_protect_s": 0.5, "default_stages": 4, **overrides}))
+class Requests:
+    """A working set driven as the request pipeline drives it: a request is counted in the ledger, then its
+    context held; when it ends, the ledger forgets it, then its context is idled."""
+
+    def __init__(self, **overrides: float) -> None:
+        self.ledger = InFlightLedger()
+        self.ws = ResumableWorkingSet(PlacementConfig(**{"default_think_s": 1.0, "protect_margin": 2.0,
+                                                         "min_protect_s": 0.5, "default_stages": 4, **overrides}),
+                                      self.ledger)
+        self._running: dict[str, list[Dispatch]] = {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ws, name)
+
+    def hold(self, key: str | None, pod: str, block_size: int, hashes: list[int], tokens: int, now: float) -> Context:
+        """A request of ``key`` (None: whatever conversation its prompt continues) dispatched to ``pod``."""
+        keyed = key is not None
+        if key is None:
+            continued = self.ws.continued(hashes)
+            key = continued.key if continued is not None else self.ws.anonymous_key()
+        self._running.setdefault(key, []).append(self.ledger.dispatch("r", pod, 0.1, "chat", context=key))
+        return self.ws.hold(key, keyed, pod, block_size, hashes, tokens, now)
+
+    def idle(self, context: Context, now: float) -> None:
+        """That request ended."""
+        self.ledger.finish(self._running[context.key].pop())
+        self.ws.idle(context.key, now)
+
+
+def ws(**overrides: float) -> Requests:
+    return Requests(**overrides)
 
 
 def test_a_context_is_resumable_while_running_and_for_its_predicted_think_time():
@@ -111,8 +140,8 @@ def test_an_anonymous_conversation_is_recognised_by_its_prefix():
     s = ws()
     first = s.hold(None, "p0", BS, [1, 2, 3], 48, now=0.0)
     s.idle(first, now=0.5)
-    assert s.context(None, [1, 2, 3, 4, 5]) is first  # the next turn extends the last prompt
-    assert s.context(None, [1, 2, 9]) is None  # a sibling that shares a prefix is someone else
+    assert s.continued([1, 2, 3, 4, 5]) is first  # the next turn extends the last prompt
+    assert s.continued([1, 2, 9]) is None  # a sibling that shares a prefix is someone else
     again = s.hold(None, "p0", BS, [1, 2, 3, 4, 5], 80, now=1.0)
     assert again is first and again.stages == 2 and not again.keyed
     assert s.resumable("p0") == (0, 0)  # anonymous contexts are demand, not load
@@ -124,7 +153,7 @@ def test_idle_contexts_oldest_first_and_the_bound():
         s.idle(s.hold(key, "p0", BS, [i], 16, now=float(i)), now=float(i) + 0.1)
     busy = s.hold("workflow:busy", "p0", BS, [7], 16, now=3.0)
     assert [c.key for c in s.idle_on("p0")] == ["workflow:new"]  # "old" went over the bound
-    assert s.size == 2 and busy.in_flight == 1
+    assert s.size == 2 and s.in_flight(busy) == 1
     # The newcomer is never the one forgotten, and the pod's counts follow what is live.
     assert s.context("workflow:busy") is busy and s.lapsed == 0 and s.evicted == 1
     assert s.resumable("p0") == (2, 1) and s.demand_tokens("p0", now=3.0) == 2 * BS
@@ -140,3 +169,27 @@ def test_shared_blocks_is_the_common_prefix_of_chained_hashes():
     assert shared_blocks([1, 2, 3, 4], [1, 2]) == 2
     assert shared_blocks([1, 2, 3], [1, 9, 10]) == 1
     assert shared_blocks([1], [2]) == 0 and shared_blocks([], [1]) == 0
+
+
+def test_the_ledger_is_the_one_count_a_context_runs_until_its_last_request_ends():
+    s = ws()
+    first = s.hold("workflow:a", "p0", BS, [1], 16, now=0.0)
+    s.hold("workflow:a", "p0", BS, [1, 2], 32, now=0.5)  # a second request of it, in parallel
+    s.idle(first, now=1.0)
+    assert s.in_flight(first) == 1 and not first.thinking and s.resumable("p0") == (1, 0)
+    s.idle(first, now=2.0)
+    assert s.in_flight(first) == 0 and first.thinking and first.last_finish == 2.0
+    assert s.resumable("p0") == (1, 1)
+
+
+def test_a_request_elsewhere_keeps_a_context_running_until_its_process_is_gone():
+    from gateway.core.facts import OwnersChanged
+
+    s = ws()
+    ctx = s.hold("workflow:a", "p0", BS, [1], 16, now=0.0)
+    s.ledger.apply_remote("replica-b/w0/1", OwnersChanged([["context", "workflow:a"]], 1))
+    s.idle(ctx, now=1.0)
+    assert not ctx.thinking  # the other replica's request still runs
+    s.ledger.forget_origin("replica-b/w0/1")  # it went silent: its requests no longer count
+    s.settle(now=7.0)
+    assert ctx.thinking and ctx.last_finish == 7.0 and s.resumable("p0") == (1, 1)

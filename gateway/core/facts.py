@@ -1,18 +1,15 @@
-"""The state bus wire format: what workers and replicas tell each other, in one place.
+"""Facts: the changes an owner of shared state makes, as it tells the other workers and replicas.
 
-One datagram (between the workers of one replica, over Unix sockets) or one Redis pub/sub message
-(between replicas) is one msgpack ``Batch``::
-
-    [origin, replica, [fact, fact, ...]]
-
-``origin`` names the sending process (``<replica>/w<index>/<pid>``: a restarted worker is a new origin,
-so nothing of its previous life stays counted). ``replica`` lets a worker ignore, on Redis, what its own
-siblings already sent it directly. Each fact is a positional array tagged by its first element, and
-reports one change its sender's owner made; the receiver's owner applies it as a remote change. A batch
-with no facts is a heartbeat.
+Each fact reports one change its sender's owner made (a request of a workflow began, a context was held
+on a pod, ...); the receiver's owner applies it as a remote change. Owners emit them through the sink they
+are built with (:mod:`gateway.cluster.replication` makes those sinks) and apply the others' in one
+``apply_remote`` method each. Each fact is a positional msgpack array tagged by its first element; a batch of
+them is the state bus's datagram (:mod:`gateway.cluster.wire`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 
@@ -102,11 +99,9 @@ AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | Con
            | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped)
 
 
-class Batch(msgspec.Struct, array_like=True):
-    origin: str
-    replica: str
-    facts: list[AnyFact]
+# Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.
+Publish = Callable[[Fact], None]
 
 
-ENCODER = msgspec.msgpack.Encoder()
-DECODER = msgspec.msgpack.Decoder(Batch)
+def unshared(fact: Fact) -> None:
+    """The sink of an owner whose state is not shared."""

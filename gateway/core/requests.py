@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.api.errors import ApiError, bad_request
+from gateway.core.errors import GatewayError, bad_request
 
 
 class StreamOptions(msgspec.Struct):
@@ -68,7 +68,7 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
     return req
 
 
-def _field_error(detail: str) -> ApiError:
+def _field_error(detail: str) -> GatewayError:
     # msgspec says "... - at `$.messages[0]`"; surface the field as the OpenAI ``param``.
     param = None
     if "at `$." in detail:

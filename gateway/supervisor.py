@@ -32,9 +32,11 @@ from pathlib import Path
 
 import msgspec
 
+from gateway.background import run_loop
 from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import GatewayConfig
 from gateway.load.shared_table import SharedLoadTable
+from gateway.server import run_gateway
 
 log = logging.getLogger("gateway.workers")
 
@@ -175,9 +177,7 @@ def _free_port(host: str) -> int:
 
 def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiprocessing.connection.Connection) -> None:
     """A worker process: one gateway on the shared port, until SIGTERM."""
-    from gateway.cli import run_loop
     from gateway.logs import configure_logging
-    from gateway.server import run_gateway
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     configure_logging(config.logging)

@@ -3,7 +3,7 @@ template sees what vLLM's would) and the approximate prefix index (a canonical t
 
 Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` (a string or a
 list of messages); Anthropic Messages requests carry ``system`` and content blocks
-(:mod:`gateway.api.anthropic`); content is a string or a list of parts, of which only text parts are
+(:mod:`gateway.tokenization.anthropic`); content is a string or a list of parts, of which only text parts are
 flattened.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.api import anthropic
-from gateway.api.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest
+from gateway.tokenization import anthropic
 
 CHAT_KINDS = frozenset({"chat", "responses", "messages"})
 
@@ -42,7 +42,7 @@ def chat_messages(kind: str, req: InferenceRequest, merge_inline_system: bool = 
                   ) -> list[dict[str, Any]] | None:
     """The conversation of a chat, Responses or Messages request (None for other kinds, or when empty).
     ``merge_inline_system``: the chat template takes a system message only first (Messages requests);
-    raises :class:`~gateway.api.anthropic.NotRenderable` for what cannot be rendered exactly."""
+    raises :class:`~gateway.tokenization.anthropic.NotRenderable` for what cannot be rendered exactly."""
     if kind == "chat":
         return req.messages
     if kind == "messages":

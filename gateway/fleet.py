@@ -15,9 +15,9 @@ from gateway.kv.service import KvEventService
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
-from gateway.pressure import PressureModes
 from gateway.workflow.sessions import SessionAffinity
 
 
@@ -38,7 +38,9 @@ class PodMembership:
 
     def attach(self, pod: Pod) -> None:
         health_changed(self.metrics, self.kv, pod)
-        self.metrics.watch_pod(pod, self.load)
+        name, load = pod.name, self.load
+        self.metrics.watch_pod(name, lambda: load.ledger.on_pod(name), lambda: load.load(name),
+                               lambda: stats.kv_usage if (stats := load.engine.get(name)) else 0.0)
         self.kv.add_pod(pod)
         self.profiles.learn_models(pod.models)
 

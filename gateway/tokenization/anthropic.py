@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.api.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest
 
 BILLING_HEADER = "x-anthropic-billing-header"
 

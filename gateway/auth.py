@@ -1,0 +1,99 @@
+"""Gateway API keys: the client's bearer token, hashed, compared in constant time with the config's;
+per key, the models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics.
+
+Owner: :class:`ApiKeyAuth` owns the per-key buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.config import ApiKeyConfig, AuthConfig
+from gateway.core.errors import ErrorKind, GatewayError, unauthenticated
+
+
+@dataclass(eq=False, slots=True)
+class ApiKey:
+    """One configured key: who is asking, once :meth:`ApiKeyAuth.check` matched it."""
+
+    digest: bytes
+    config: ApiKeyConfig
+    tokens: float
+    refreshed: float  # monotonic time of the last refill
+
+
+def _bearer_digest(headers: Mapping[str, str]) -> bytes | None:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return hashlib.sha256(token.strip().encode()).digest()
+
+
+def _match(digest: bytes | None, keys: list[ApiKey]) -> ApiKey | None:
+    # Compare against every key so the time taken does not reveal which one (if any) matched.
+    found = None
+    for key in keys:
+        if hmac.compare_digest(digest or b"", key.digest):
+            found = key
+    return found
+
+
+class ApiKeyAuth:
+    def __init__(self, config: AuthConfig) -> None:
+        keys = [ApiKeyConfig(hash=h) for h in config.api_key_hashes] + list(config.keys)
+        now = time.monotonic()
+        self._keys = [ApiKey(bytes.fromhex(k.hash), k, self._burst(k), now) for k in keys]
+        self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h), math.inf, now) for h in config.admin_key_hashes]
+        self.debug_endpoints = config.debug_endpoints
+
+    @staticmethod
+    def _burst(key: ApiKeyConfig) -> float:
+        return key.requests_per_minute or math.inf
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """Who is asking (before the body is read): the matched key, or None when keys are off."""
+        if not self._keys:
+            return None
+        key = _match(_bearer_digest(headers), self._keys)
+        if key is None:
+            raise unauthenticated()
+        return key
+
+    def authorize(self, key: ApiKey | None, model: str) -> None:
+        """Once the model is known: the key's model list and its rate."""
+        if key is None:
+            return
+        if key.config.models and model not in key.config.models:
+            raise GatewayError(ErrorKind.FORBIDDEN, f"This API key may not use model `{model}`.",
+                               code="model_not_allowed", param="model")
+        self._take(key)
+
+    def _take(self, key: ApiKey) -> None:
+        rate = key.config.requests_per_minute
+        if rate is None:
+            return
+        now = time.monotonic()
+        key.tokens = min(rate, key.tokens + (now - key.refreshed) * rate / 60)
+        key.refreshed = now
+        if key.tokens < 1:
+            wait = math.ceil((1 - key.tokens) * 60 / rate)
+            raise GatewayError(ErrorKind.RATE_LIMITED,
+                               f"Rate limit of {rate:g} requests per minute reached for this key.",
+                               code="rate_limit_exceeded", retry_after_s=wait)
+        key.tokens -= 1
+
+    def check_admin(self, headers: Mapping[str, str], path: str) -> None:
+        """``/debug/*`` and ``/metrics``: absent when debug endpoints are off, else behind an admin key."""
+        if not self.debug_endpoints:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"No route for {path}.", code="not_found")
+        if self._admin and _match(_bearer_digest(headers), self._admin) is None:
+            raise unauthenticated()

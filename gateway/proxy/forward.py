@@ -1,0 +1,116 @@
+"""Forwarding: one attempt of a request sent to the pod the router chose, its answer relayed.
+
+Owner: the proxy reports upstream outcomes to the pod registry (passive ejection) and owns nothing
+else. One shared ``aiohttp.ClientSession`` (the :class:`~gateway.http_client.HttpClient`) carries all
+upstream traffic. The client's body goes upstream as received and the pod's bytes (SSE chunks included)
+reach the client unchanged: nothing on this path re-encodes JSON. What happened comes back as a
+:class:`~gateway.proxy.outcome.RelayOutcome`; everything else a request goes through is a step of the
+pipeline (:mod:`gateway.request.pipeline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import AuthConfig, ServerConfig, TimeoutConfig
+from gateway.core.errors import upstream_failed, upstream_timeout
+from gateway.http_client import HttpClient
+from gateway.metrics import GatewayMetrics
+from gateway.proxy.outcome import RelayOutcome, RetryableFailure, UpstreamCall
+from gateway.proxy.relay import ERROR_SNIPPET, Relay
+
+log = logging.getLogger("gateway.proxy")
+
+# Never forwarded: hop-by-hop headers, and those aiohttp sets itself for the new connection.
+_SKIP_REQUEST_HEADERS = frozenset(
+    h.lower() for h in (
+        "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+        "upgrade", "proxy-authorization", "proxy-connection", "authorization", "expect", "content-encoding",
+    )
+)
+
+
+class Proxy:
+    def __init__(self, pods: PodRegistry, metrics: GatewayMetrics, http: HttpClient, timeouts: TimeoutConfig,
+                 auth: AuthConfig, server: ServerConfig) -> None:
+        self._pods = pods
+        self._metrics = metrics
+        self._http = http
+        self._auth = auth
+        self._first_byte_s = timeouts.first_byte_s
+        # aiohttp's per-read timeout covers both the wait for headers and the gaps between chunks; an
+        # extra timer per request is paid only for whichever of the two is configured shorter.
+        sock_read = max(timeouts.first_byte_s, timeouts.idle_s)
+        self._explicit_first_byte = timeouts.first_byte_s < sock_read
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=sock_read
+        )
+        self._relay = Relay(metrics, timeouts, server.client_stall_s, explicit_idle=timeouts.idle_s < sock_read)
+
+    async def forward(self, call: UpstreamCall) -> tuple[web.StreamResponse, RelayOutcome]:
+        """Send the request to ``call.pod`` and relay its answer; a failure before anything reached the
+        client raises :class:`RetryableFailure` (the director may try another pod)."""
+        pod = call.pod
+        try:
+            upstream = await self._send(pod, call.client.path_qs, call.body, call.headers)
+            try:
+                if upstream.status >= 500:
+                    raise await self._upstream_5xx(pod, upstream)
+                self._pods.report_success(pod)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    return await self._relay.stream(call, upstream)
+                return await self._relay.body(call, upstream)
+            finally:
+                # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
+                upstream.close()
+        except RetryableFailure as exc:
+            self._metrics.retries.labels(pod.name, exc.cause).inc()
+            raise
+
+    def upstream_headers(self, incoming: CIMultiDictProxy[str], request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in incoming.items() if k.lower() not in _SKIP_REQUEST_HEADERS}
+        headers["x-request-id"] = request_id
+        if self._auth.upstream == "pass":
+            if "authorization" in incoming:
+                headers["authorization"] = incoming["authorization"]
+        elif self._auth.upstream == "replace":
+            headers["authorization"] = f"Bearer {self._auth.upstream_api_key}"
+        return headers
+
+    async def _send(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        try:
+            sending = self._http.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
+            if not self._explicit_first_byte:
+                return await sending
+            async with asyncio.timeout(self._first_byte_s):
+                return await sending
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._pods.report_connect_failure(pod, str(exc))
+            self._metrics.upstream_errors.labels(pod.name, "connect").inc()
+            raise RetryableFailure(upstream_failed(f"Pod {pod.name} is unreachable: {exc}"), "connect") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            self._metrics.upstream_errors.labels(pod.name, "disconnect").inc()
+            raise RetryableFailure(
+                upstream_failed(f"Pod {pod.name} closed the connection before answering: {exc}"), "disconnect",
+            ) from None
+        except TimeoutError:
+            # Not retried: the pod may still be working on it, and a second copy would double the load.
+            self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()
+            raise upstream_timeout(f"Pod {pod.name} sent nothing within {self._first_byte_s:g} s.") from None
+
+    async def _upstream_5xx(self, pod: Pod, upstream: aiohttp.ClientResponse) -> RetryableFailure:
+        try:
+            snippet = (await upstream.content.read(ERROR_SNIPPET)).decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError):
+            snippet = ""
+        self._metrics.upstream_errors.labels(pod.name, f"status_{upstream.status}").inc()
+        detail = f": {snippet.strip()}" if snippet.strip() else ""
+        message = f"Pod {pod.name} answered HTTP {upstream.status}{detail}"
+        self._pods.report_server_error(pod, message)
+        return RetryableFailure(upstream_failed(message), "status_5xx")

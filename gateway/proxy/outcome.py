@@ -1,0 +1,68 @@
+"""What one upstream call is and how it ended: the proxy's input and its typed result.
+
+The proxy returns a :class:`RelayOutcome` for every answer it relayed, and raises
+:class:`RetryableFailure` (nothing reached the client: another pod may take it) or a
+:class:`~gateway.core.errors.GatewayError` (an answer to give the client, not retried). The director
+records the outcome once; nobody else decides a request's status.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.backends.registry import Pod
+from gateway.core.errors import GatewayError
+from gateway.core.usage import Usage
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    """One attempt, as the proxy needs it: where to, what to send, and whom to relay the answer to."""
+
+    pod: Pod
+    client: web.Request
+    body: bytes
+    headers: dict[str, str]  # sent to the pod
+    answer_headers: dict[str, str]  # the gateway's own, added to the answer (x-gateway-pod, ...)
+    request_id: str
+    anthropic: bool  # Anthropic's API: a broken stream ends with its named error event
+
+
+class Ending(enum.Enum):
+    COMPLETE = "complete"  # the pod's whole answer reached the client
+    UPSTREAM_BROKE = "upstream_broke"  # the pod failed or stalled mid-stream; the client got an error event
+    CLIENT_GONE = "client_gone"  # the client disconnected
+    CLIENT_STALLED = "client_stalled"  # the client stopped reading for ``server.client_stall_s``: cut
+    FAILED = "failed"  # nothing was relayed: the attempt failed before the first byte
+
+
+@dataclass(frozen=True, slots=True)
+class RelayOutcome:
+    """How an attempt ended. ``status`` is the request's truth for metrics, logs and learning: a stream
+    whose 200 headers went out but that broke is a 502 (or a 499 when the client left)."""
+
+    status: int
+    ending: Ending
+    first_byte_at: float | None = None
+    usage: Usage | None = None
+    streamed_events: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.ending is Ending.COMPLETE
+
+    @classmethod
+    def failed(cls, status: int) -> RelayOutcome:
+        return cls(status, Ending.FAILED)
+
+
+class RetryableFailure(Exception):
+    """The pod failed before anything reached the client: another pod may take the request."""
+
+    def __init__(self, error: GatewayError, cause: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.cause = cause

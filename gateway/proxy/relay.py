@@ -1,0 +1,151 @@
+"""Relaying a pod's answer to the client: a whole body, or an SSE stream chunk by chunk, unchanged.
+
+Each relay returns the answer's :class:`~gateway.proxy.outcome.RelayOutcome`. A body that fails to
+arrive raises (nothing reached the client yet); a stream that breaks after its headers went out ends with
+an error event in the route's shape, and its outcome says so.
+
+A client reading a long stream slowly is not timed while the kernel takes the bytes: its socket's send
+buffer (``net.ipv4.tcp_wmem``, up to a few MB) absorbs them at no cost to the gateway's own memory, and
+the pod is not held back. Only once that buffer is full does the gateway's write buffer grow; from then
+on, a client that reads nothing for ``server.client_stall_s`` is cut (``gateway_stream_aborts_total
+{side="client_stalled"}``), so one slow reader holds at most one socket buffer, never the gateway's heap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from gateway.api.errors import error_event
+from gateway.config import TimeoutConfig
+from gateway.core.errors import ErrorKind, GatewayError, upstream_failed, upstream_timeout
+from gateway.core.usage import usage_of_body, usage_of_stream_tail
+from gateway.metrics import GatewayMetrics
+from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
+
+log = logging.getLogger("gateway.proxy")
+
+RELAYED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
+ERROR_SNIPPET = 512
+_UNTIMED_CHUNK = 16 * 1024  # smaller writes cannot block on a client with an empty backlog
+_UPSTREAM_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class ClientStalled(Exception):
+    """The client stopped reading a stream for longer than ``server.client_stall_s``."""
+
+
+class Relay:
+    def __init__(self, metrics: GatewayMetrics, timeouts: TimeoutConfig, client_stall_s: float,
+                 explicit_idle: bool) -> None:
+        self._metrics = metrics
+        self._idle_s = timeouts.idle_s
+        self._client_stall_s = client_stall_s
+        # aiohttp's own read timeout covers the gaps between chunks unless ``idle_s`` is the shorter one.
+        self._explicit_idle = explicit_idle
+
+    @staticmethod
+    def answer_headers(call: UpstreamCall, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        headers = {h: upstream.headers[h] for h in RELAYED_RESPONSE_HEADERS if h in upstream.headers}
+        headers.update(call.answer_headers)
+        return headers
+
+    async def body(self, call: UpstreamCall, upstream: aiohttp.ClientResponse) -> tuple[web.Response, RelayOutcome]:
+        pod = call.pod.name
+        try:
+            data = await upstream.read()
+        except _UPSTREAM_READ_ERRORS as exc:
+            self._metrics.upstream_errors.labels(pod, "body").inc()
+            failed = upstream_failed(f"Pod {pod} failed while sending its answer: {exc}")
+            raise RetryableFailure(failed, "body") from None
+        except TimeoutError:
+            self._metrics.upstream_errors.labels(pod, "idle_timeout").inc()
+            raise upstream_timeout(f"Pod {pod} stalled while sending its answer.") from None
+        first_byte_at = time.monotonic()
+        if upstream.status >= 400 and not upstream.headers.get("content-type", "").startswith("application/json"):
+            # An engine's own errors are OpenAI JSON and pass as they are; anything else gets that shape.
+            text = data[:ERROR_SNIPPET].decode(errors="replace").strip()
+            raise upstream_answer(pod, upstream.status, text)
+        usage = usage_of_body(data) if upstream.status == 200 else None
+        response = web.Response(status=upstream.status, body=data, headers=self.answer_headers(call, upstream))
+        return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage)
+
+    async def stream(self, call: UpstreamCall, upstream: aiohttp.ClientResponse
+                     ) -> tuple[web.StreamResponse, RelayOutcome]:
+        pod, client = call.pod.name, call.client
+        response = web.StreamResponse(status=upstream.status, headers=self.answer_headers(call, upstream))
+        await response.prepare(client)
+        last_chunks: deque[bytes] = deque(maxlen=4)
+        first_byte_at: float | None = None
+        events = 0
+
+        def ended(status: int, ending: Ending) -> RelayOutcome:
+            usage = usage_of_stream_tail(last_chunks) if ending is Ending.COMPLETE else None
+            return RelayOutcome(status, ending, first_byte_at, usage, events)
+
+        try:
+            transport = client.transport
+            async for chunk in self._chunks(upstream):
+                if first_byte_at is None:
+                    first_byte_at = time.monotonic()
+                if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
+                    # A backlog (or a chunk that could fill the socket): the client may read slower than
+                    # the pod writes. Wait for it, but not forever.
+                    await self._write_or_stall(response, chunk)
+                else:
+                    await response.write(chunk)
+                last_chunks.append(chunk)
+                events += chunk.count(b"data: ")
+        except ClientStalled:
+            self._metrics.stream_aborts.labels(pod, "client_stalled").inc()
+            log.warning("request %s: client stalled for %g s; stream cut", call.request_id, self._client_stall_s)
+            if client.transport is not None:
+                client.transport.abort()
+            return response, ended(499, Ending.CLIENT_STALLED)
+        except (*_UPSTREAM_READ_ERRORS, TimeoutError) as exc:
+            kind = "idle_timeout" if isinstance(exc, TimeoutError) else "mid_stream"
+            self._metrics.stream_aborts.labels(pod, "upstream").inc()
+            self._metrics.upstream_errors.labels(pod, kind).inc()
+            log.warning("request %s: pod %s broke the stream (%s)", call.request_id, pod, kind)
+            error = upstream_failed(f"Pod {pod} stopped the stream early ({kind}).")
+            try:
+                await response.write(error_event(error, call.anthropic))
+            except ConnectionResetError:
+                return response, ended(499, Ending.CLIENT_GONE)
+            return response, ended(502, Ending.UPSTREAM_BROKE)
+        except ConnectionResetError:
+            self._metrics.stream_aborts.labels(pod, "client").inc()
+            return response, ended(499, Ending.CLIENT_GONE)
+        await response.write_eof()
+        return response, ended(upstream.status, Ending.COMPLETE)
+
+    async def _write_or_stall(self, response: web.StreamResponse, chunk: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._client_stall_s):
+                await response.write(chunk)
+        except TimeoutError:
+            raise ClientStalled from None
+
+    async def _chunks(self, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        if not self._explicit_idle:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+            return
+        while True:
+            async with asyncio.timeout(self._idle_s):
+                chunk = await upstream.content.readany()
+            if not chunk:
+                return
+            yield chunk
+
+
+def upstream_answer(pod: str, status: int, text: str) -> GatewayError:
+    """A pod's error answer that is not the API's JSON, passed on with its status in the API's shape."""
+    return GatewayError(ErrorKind.UPSTREAM_ANSWER, f"Pod {pod} answered HTTP {status}: {text}",
+                        code=f"upstream_{status}", upstream_status=status)

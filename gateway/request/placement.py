@@ -1,0 +1,95 @@
+"""The steps that keep placement's state true: which context a request continues (prepare), that context
+held on its pod while the request runs and thinking after it (dispatch, finish), and the blocks the chosen
+pod will now hold (dispatch).
+
+None of them decides anything: the policy reads what they keep (:mod:`plugins.routing.placement`,
+:mod:`plugins.routing.prefix_scoring`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.backends.registry import PodRegistry
+from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.index import PrefixIndex
+from gateway.kv.working_set import ResumableWorkingSet
+from gateway.proxy.outcome import RelayOutcome
+from gateway.request.types import Attempt, ClientRequest
+from gateway.routing.policy import Policy, RoutingRequest
+from gateway.workflow.context import context_key_of
+
+
+class ContextResolution:
+    """prepare: the context the request continues (``routing.context_key``): the workflow or session it
+    names, else, for a tokenized prompt, the live conversation whose last prompt it extends or a new one;
+    and the prompt's block hashes (``routing.hashes``), computed once for everyone who looks it up."""
+
+    def __init__(self, pods: PodRegistry, index: PrefixIndex, working_set: ResumableWorkingSet) -> None:
+        self._pods = pods
+        self._index = index
+        self._working_set = working_set
+
+    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+        keyed = context_key_of(request.headers, request.parsed)
+        if keyed is not None:
+            routing.context_key, routing.context_keyed = keyed, True
+        if not routing.token_ids:
+            return
+        routing.hashes = hashes = self._index.prompt_hashes(routing.base_model or routing.model, routing.lora_name,
+                                                           routing.token_ids)
+        if keyed is not None:
+            return
+        block_size = next((bs for p in self._pods.candidates(routing.model) if (bs := self._index.block_size(p.name))),
+                          None)
+        if block_size is None:  # no pod's events have said how they cut prompts: nothing can be held
+            return
+        continued = self._working_set.continued(hashes.first(block_size, hashes.token_count // block_size))
+        routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
+
+
+class ContextPlacement:
+    """dispatch: the request's context is resumable on the chosen pod from now on (its prompt's full
+    blocks there); finish: when its last request ends, it starts thinking."""
+
+    def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._index = index
+        self._working_set = working_set
+        self._clock = clock
+
+    def dispatched(self, attempt: Attempt) -> None:
+        routing, pod = attempt.routing, attempt.decision.pod.name
+        block_size = self._index.block_size(pod)
+        hashes = routing.hashes
+        if routing.context_key is None or hashes is None or block_size is None:
+            return
+        self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
+                               list(hashes.first(block_size, hashes.token_count // block_size)),
+                               hashes.token_count, self._clock())
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        if attempt.routing.context_key is not None:
+            self._working_set.idle(attempt.routing.context_key, self._clock())
+
+
+class RoutedPrefix:
+    """dispatch: the chosen pod will hold this prompt's blocks: speculative in the precise index until the
+    pod's events confirm them, or recorded in the approximate (text) history."""
+
+    def __init__(self, index: PrefixIndex, approximate: ApproximatePrefixIndex) -> None:
+        self._index = index
+        self._approximate = approximate
+
+    def dispatched(self, attempt: Attempt) -> None:
+        match, routing, pod = attempt.routing.prefix, attempt.routing, attempt.decision.pod.name
+        if match is None:
+            return
+        if match.precise and match.hashes is not None:
+            held = match.pods.get(pod)
+            confirmed = held.gpu_tokens - held.speculative_tokens if held is not None else 0
+            self._index.expect(pod, routing.base_model or routing.model, routing.lora_name, match.hashes,
+                               confirmed_tokens=confirmed)
+        elif match.text:
+            self._approximate.record(match.text, pod)

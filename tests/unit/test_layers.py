@@ -1,0 +1,133 @@
+"""The layers of the code, bottom to top: every import (type-only and deferred ones included) goes to the
+same layer or one below, and no module imports itself back through others. An import that must go up
+says why on its line (``# layering: <reason>``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Bottom to top; a module belongs to the first layer with a prefix of its name. ``docs/architecture.md``
+# draws the same picture.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core: request and answer types, domain errors, context names, shared facts", ("gateway.core",)),
+    ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin lookup",
+     ("gateway.config", "gateway.background", "gateway.lru", "gateway.logs", "gateway.http_client",
+      "gateway.metrics", "gateway.plugin_registry")),
+    ("state: pods, load, what each pod caches, tokens",
+     ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization")),
+    ("decisions: who may ask, admission, routing, workflows, pressure, and the plugins that decide",
+     ("gateway.auth", "gateway.admission", "gateway.routing", "gateway.workflow", "gateway.pressure", "plugins")),
+    ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
+    ("request path: domain errors as HTTP, forwarding, the pipeline",
+     ("gateway.api.errors", "gateway.proxy", "gateway.request")),
+    ("assembly: the fleet's membership, the components, the routes, the wiring",
+     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app")),
+    ("processes: the server, its supervisor, simulated pods, the benchmark, the command line",
+     ("gateway.server", "gateway.supervisor", "gateway.mock", "gateway.bench", "gateway.cli", "gateway.__main__")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in ("gateway", "plugins"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _layer(module: str) -> int:
+    if module in ("gateway", "plugins"):  # the packages themselves: empty
+        return 0
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int, str]]:
+    """(imported module, line, source line) for every import of a module of ours."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                out.append((name, node.lineno, lines[node.lineno - 1]))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: {target for target, _, _ in _imports(p, modules) if target != m} for m, p in modules.items()}
+
+
+def test_every_import_goes_down_or_says_why():
+    modules = _modules()
+    upward = []
+    for module, path in sorted(modules.items()):
+        for target, line, text in _imports(path, modules):
+            if _layer(target) > _layer(module) and "# layering:" not in text:
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {module} ({LAYERS[_layer(module)][0].split(':')[0]})"
+                              f" imports {target} ({LAYERS[_layer(target)][0].split(':')[0]})")
+    assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_checks_see_what_they_should():
+    """The scanner finds deferred and type-only imports, and the layers cover every module."""
+    modules = _modules()
+    app = {target for target, _, _ in _imports(modules["gateway.app"], modules)}
+    assert "gateway.request.tracing" in app  # imported inside build_gateway, only with tracing on
+    routing = {target for target, _, _ in _imports(modules["gateway.routing.policy"], modules)}
+    assert "gateway.kv.working_set" in routing  # under TYPE_CHECKING
+    assert all(_layer(m) >= 0 for m in modules)
