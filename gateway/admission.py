@@ -65,6 +65,7 @@ class AdmissionController:
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
         self._ticker: asyncio.Task[None] | None = None
+        self._draining = False
 
     @property
     def queued(self) -> int:
@@ -105,6 +106,8 @@ class AdmissionController:
         if self._fits(meetable, kind, estimates):
             self._metrics.admission.labels("admitted", "capacity").inc()
             return ticket
+        if self._draining:
+            raise _shutting_down()
         if len(self._queue) >= self.config.queue_size:
             raise self._reject(meetable, estimates, "queue_full")
         started = time.monotonic()
@@ -133,6 +136,14 @@ class AdmissionController:
             with contextlib.suppress(ValueError):
                 self._queue.remove(waiter)
                 heapq.heapify(self._queue)
+
+    def drain(self) -> None:
+        """The gateway is shutting down: it waits for the requests in flight, not for those still queued,
+        which are refused at once (another replica can take them)."""
+        self._draining = True
+        for waiter in self._queue:
+            if not waiter.future.done():
+                waiter.future.set_exception(_shutting_down())
 
     def release(self) -> None:
         """A request finished: let the waiter with the least slack re-check."""
@@ -181,3 +192,7 @@ class AdmissionController:
     def _drain(self, pod: Pod, estimate: Estimate) -> float:
         excess = self._load.load(pod.name) + min(estimate.consumption, 1.0) - 1.0
         return self._load.drain_seconds(pod.name, max(excess, 0.0), estimate.e2e_s or self.config.typical_e2e_s)
+
+
+def _shutting_down() -> GatewayError:
+    return GatewayError(ErrorKind.NO_POD, "The gateway is shutting down; retry the request.", code="draining")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -138,7 +139,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         tracer_provider = tracer_provider or tracing.tracer_provider()
         pipeline = tracing.traced(pipeline, tracer_provider.get_tracer(tracing.INSTRUMENTATION))
     directing = {"max_retries": config.routing.max_retries, "default_consumption": load.default_consumption,
-                 "allow_strategy_header": config.routing.allow_strategy_header}
+                 "allow_strategy_header": config.routing.allow_strategy_header,
+                 "max_body_bytes": config.server.max_body_bytes}
     director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
@@ -280,4 +282,11 @@ def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: Work
     app[GATEWAY_KEY] = gateway
     add_routes(app)
     app.cleanup_ctx.extend(lifecycles(gateway))
+    app.on_shutdown.append(partial(_drain, gateway))  # before the server waits for the requests in flight
     return app
+
+
+async def _drain(gateway: Gateway, app: web.Application) -> None:
+    """Shutting down: not ready any more, and nothing new waits for capacity."""
+    gateway.draining = True
+    gateway.admission.drain()

@@ -21,9 +21,10 @@ from gateway.config import GatewayConfig, ServerConfig
 
 log = logging.getLogger("gateway.server")
 
-# The HTTP parser's own per-line limits, set well above server.max_header_bytes so that oversized
-# headers are answered by the gateway (431, OpenAI JSON) rather than by the parser (plain text).
-PARSER_LIMITS = {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024}
+# The HTTP server's own handling of requests: per-line limits well above server.max_header_bytes, and no
+# decoding of compressed bodies, so that oversized headers and undecodable bodies are answered by the
+# gateway (431 / 400, in the API's error JSON) rather than by the parser (plain text).
+SERVER_OPTIONS = {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "auto_decompress": False}
 
 
 def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
@@ -51,7 +52,7 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     identity = app[GATEWAY_KEY].identity
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
-        **PARSER_LIMITS,
+        **SERVER_OPTIONS,
     )
     await start_runner(runner)
     many = identity.count > 1
@@ -74,6 +75,5 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     finally:
         log.info("shutting down: draining in-flight requests for up to %.0f s",
                  config.server.shutdown_grace_s)
-        app[GATEWAY_KEY].draining = True
         await runner.cleanup()
         log.info("gateway stopped")

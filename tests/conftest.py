@@ -21,7 +21,7 @@ from gateway.bench.runner import start_redis_server, wait_http
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
 from gateway.mock.pod import MockPod, MockPodConfig, free_port
-from gateway.server import PARSER_LIMITS
+from gateway.server import SERVER_OPTIONS
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
 
@@ -43,7 +43,7 @@ class RunningGateway:
 
 
 async def serve_app(app: web.Application) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1, **PARSER_LIMITS)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1, **SERVER_OPTIONS)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner

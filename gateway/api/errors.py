@@ -42,6 +42,7 @@ _HTTP: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
     ErrorKind.FORBIDDEN: (403, "permission_error"),
     ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.TOO_LARGE: (413, "invalid_request_error"),
     ErrorKind.RATE_LIMITED: (429, "rate_limit_error"),
     ErrorKind.UPSTREAM_FAILED: (502, "upstream_error"),
     ErrorKind.NO_POD: (503, "service_unavailable"),

@@ -16,6 +16,7 @@ class ErrorKind(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
+    TOO_LARGE = "too_large"  # the request is larger than the gateway accepts
     RATE_LIMITED = "rate_limited"  # this client, or the gateway's admission: retry after ``retry_after_s``
     NO_POD = "no_pod"  # no healthy pod serves the model right now
     UPSTREAM_FAILED = "upstream_failed"  # the pod failed (refused, reset, 5xx)

@@ -63,8 +63,17 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
         raise _field_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 as it decodes strings
+        raise bad_request(f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
+                          code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON too deeply.", code="invalid_json") from None
     if not req.model:
         raise bad_request("You must provide a model parameter.", param="model", code="missing_model")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name)
+        if value is not None and value < 1:
+            raise bad_request(f"{name} must be at least 1, got {value}.", param=name)
     return req
 
 

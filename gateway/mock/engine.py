@@ -118,6 +118,8 @@ class MockEngine:
     def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Sequence:
         if not prompt:
             raise PromptRejected("The prompt is empty.")
+        if max_tokens < 1:  # as vLLM's sampling parameters refuse it
+            raise PromptRejected(f"max_tokens must be at least 1, got {max_tokens}.")
         if len(prompt) + max_tokens > self.limits.max_model_len:
             raise PromptRejected(
                 f"This model's maximum context length is {self.limits.max_model_len} tokens. However, you "
@@ -127,7 +129,7 @@ class MockEngine:
         bs = self.cache.block_size
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.num_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max(1, max_tokens),
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
                        time.monotonic(), submitted_clock=self.clock)
         self.waiting.append(seq)
         self._wake.set()

@@ -241,16 +241,21 @@ class MockPod:
         )
 
     def _prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
+        """The prompts of a completion request, in the shapes vLLM accepts: a string, token ids, or a list
+        of either (nothing nested deeper)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            return [self._one_prompt(prompt, add_special_tokens)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            return [self._one_prompt(p, add_special_tokens) for p in prompt]
+        raise PromptRejected("prompt must be a string, token ids, or a list of either")
+
+    def _one_prompt(self, prompt: str | list[Any], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = len(self.tokenizer)
-            if not all(0 <= t < vocab and not isinstance(t, bool) for t in prompt):
-                raise PromptRejected(f"Token ids must be integers in [0, {vocab}).")
-            return [prompt]
-        if isinstance(prompt, list) and prompt:
-            return [p for item in prompt for p in self._prompt_ids(item, add_special_tokens)]
-        raise PromptRejected("prompt must be a string, a list of strings or token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        vocab = len(self.tokenizer)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise PromptRejected(f"Token ids must be a non-empty list of integers in [0, {vocab}).")
+        return prompt
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if failure := await self._inference_faults():
@@ -269,7 +274,8 @@ class MockPod:
         body = await self._body(request)
         try:
             ids = anthropic_api.prompt_ids(self.tokenizer, body)
-            seq = self.engine.submit(ids, int(body.get("max_tokens") or self.config.default_max_tokens),
+            max_tokens = body.get("max_tokens")
+            seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
                                      request.headers.get("x-request-id") or uuid.uuid4().hex)
         except (PromptRejected, ValueError, TypeError) as exc:
             return anthropic_api.error(400, str(exc))
@@ -304,7 +310,8 @@ class MockPod:
     async def _generate(
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             seq = self.engine.submit(ids, int(max_tokens), request_id)

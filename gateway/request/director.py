@@ -17,16 +17,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.api.errors import REQUEST_ID, status_of
 from gateway.auth import ApiKey
 from gateway.backends.registry import PodRegistry
-from gateway.core.errors import GatewayError, bad_request
+from gateway.core.errors import GatewayError
 from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
+from gateway.request.body import read_body
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Policy, RoutingRequest
@@ -55,7 +55,8 @@ class NoPlanner:
 class RequestDirector:
     def __init__(self, pipeline: RequestPipeline, router: Router, planner: RequestPlanner, ledger: InFlightLedger,
                  proxy: Proxy, pods: PodRegistry, *, max_retries: int, default_consumption: float,
-                 allow_strategy_header: bool, clock: Callable[[], float] = time.monotonic) -> None:
+                 allow_strategy_header: bool, max_body_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
         self._router = router
         self._planner = planner
@@ -66,6 +67,7 @@ class RequestDirector:
         # What a request takes of a pod when nothing estimated it (no profile, no load-aware policy).
         self._default_consumption = default_consumption
         self._allow_strategy_header = allow_strategy_header
+        self._max_body_bytes = max_body_bytes
         self._clock = clock
         # Request ids unique across replicas without the cost of uuid4 per request.
         self._id_prefix = os.urandom(6).hex()
@@ -77,7 +79,7 @@ class RequestDirector:
         run = _Run(ClientRequest(http, request_id, kind, self._clock(), b"", _UNREAD, key))
         status = 500
         try:
-            body = await _read_body(http)
+            body = await read_body(http, self._max_body_bytes)
             run.request = ClientRequest(http, request_id, kind, run.request.started, body,
                                         parse_inference_request(body), key)
             response = await self._serve(run)
@@ -189,11 +191,3 @@ class _Run:
         self.last: Attempt | None = None
         self.outcome: RelayOutcome | None = None
         self.attempts = 0
-
-
-async def _read_body(http: web.Request) -> bytes:
-    """The body as sent, decoded from its ``content-encoding``; one that cannot be is the client's fault."""
-    try:
-        return await http.read()
-    except (web.RequestPayloadError, HttpProcessingError) as exc:
-        raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None

@@ -17,13 +17,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Admitted, Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
+from gateway.tokenization import anthropic
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.service import RequestPlan, WorkflowService
 
 
 class RequestValidation:
-    """prepare: refuse what no pod should see (too many messages, a model the key may not use or no pod
-    serves)."""
+    """prepare: refuse what no pod should see (an Anthropic body of the wrong shape, too many messages, a
+    model the key may not use or no pod serves)."""
 
     def __init__(self, pods: PodRegistry, key_auth: ApiKeyAuth, server: ServerConfig) -> None:
         self._pods = pods
@@ -31,6 +32,8 @@ class RequestValidation:
         self._max_messages = server.max_messages
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+        if request.kind in ("messages", "count_tokens"):
+            anthropic.check_request(request.parsed, counting=request.kind == "count_tokens")
         messages = request.parsed.messages
         if messages is not None and len(messages) > self._max_messages:
             raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",

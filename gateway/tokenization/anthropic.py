@@ -23,13 +23,61 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.core.errors import bad_request
 from gateway.core.requests import InferenceRequest
 
 BILLING_HEADER = "x-anthropic-billing-header"
+_ROLES = ("user", "assistant", "system")
+# Block fields the gateway reads, and the types Anthropic's API gives them.
+_BLOCK_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "text": {"text": str},
+    "thinking": {"thinking": str},
+    "tool_use": {"id": str, "name": str, "input": dict},
+    "tool_result": {"tool_use_id": str, "content": (str, list)},
+}
 
 
 class NotRenderable(Exception):
     """The request holds something whose rendering the gateway cannot reproduce exactly."""
+
+
+def check_request(req: InferenceRequest, *, counting: bool = False) -> None:
+    """Refuse (400, naming the field) a Messages body whose parts the gateway reads are not shaped as
+    Anthropic's API defines them: ``max_tokens`` (not for ``count_tokens``), ``messages``, their content
+    blocks, ``system`` and ``thinking``. Block types the gateway does not read pass as they are."""
+    if not counting and req.max_tokens is None:
+        raise bad_request("max_tokens: Field required.", param="max_tokens")
+    if not req.messages:
+        raise bad_request("messages: at least one message is required.", param="messages")
+    for i, message in enumerate(req.messages):
+        if message.get("role") not in _ROLES:
+            raise bad_request(f"messages.{i}.role: must be 'user' or 'assistant'.", param="messages")
+        _check_content(message.get("content"), f"messages.{i}.content")
+    system = req.system
+    if system is not None and not isinstance(system, str):
+        _check_blocks(system, "system", only_text=True)
+    if req.thinking is not None and not isinstance(req.thinking, dict):
+        raise bad_request("thinking: must be an object.", param="thinking")
+
+
+def _check_content(content: Any, where: str) -> None:
+    if not isinstance(content, str):
+        _check_blocks(content, where)
+
+
+def _check_blocks(blocks: Any, where: str, only_text: bool = False) -> None:
+    if not isinstance(blocks, list):
+        raise bad_request(f"{where}: must be a string or a list of content blocks.", param=where.split(".")[0])
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str) or (only_text and kind != "text"):
+            expected = "a text block" if only_text else "an object with a string `type`"
+            raise bad_request(f"{where}.{j}: must be {expected}.", param=where.split(".")[0])
+        for name, types in _BLOCK_FIELDS.get(kind, {}).items():
+            if name in block and not isinstance(block[name], types):
+                raise bad_request(f"{where}.{j}.{name}: wrong type for a {kind} block.", param=where.split(".")[0])
+        if kind == "tool_result" and isinstance(block.get("content"), list):
+            _check_blocks(block["content"], f"{where}.{j}.content")
 
 
 def chat_messages(req: InferenceRequest, merge_inline_system: bool) -> list[dict[str, Any]]:

@@ -224,3 +224,43 @@ async def test_header_size_limit_is_an_openai_431(gw, http):
                          headers={"x-note": "a" * 20_000, "x-request-id": "big-1"}) as resp:
         assert resp.status == 431 and resp.headers["x-request-id"] == "big-1"
         assert_openai_error(await resp.json(), "headers_too_large")
+
+
+async def test_compressed_bodies_reach_the_pod_decoded_and_bad_ones_are_refused(start_backend, start_gateway, http):
+    import gzip
+    import json
+    import zlib
+
+    import brotli
+
+    from gateway.request.body import zstd
+
+    received: list[tuple[bytes, str | None]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        received.append((await request.read(), request.headers.get("content-encoding")))
+        return web.json_response({"id": "ok", "choices": []})
+
+    gw = await start_gateway([await start_backend(backend(record))], server={"max_body_bytes": 4096})
+    body = json.dumps(chat_body(model="m")).encode()
+    codecs = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress, "zstd": zstd.compress,
+              "gzip, br": lambda b: brotli.compress(gzip.compress(b))}
+    for encoding, encode in codecs.items():
+        async with http.post(f"{gw.url}/v1/chat/completions", data=encode(body),
+                             headers={"content-encoding": encoding, "content-type": "application/json"}) as resp:
+            assert resp.status == 200, await resp.text()
+    # The pod gets the JSON itself, without the header that no longer describes it.
+    assert received == [(body, None)] * len(codecs)
+    cases = [("gzip", body[:20], 400, "invalid_body"), ("br", gzip.compress(body), 400, "invalid_body"),
+             ("compress", body, 400, "unsupported_content_encoding"),
+             ("gzip", gzip.compress(b" " * 1_000_000), 413, "request_too_large")]  # 1 MB of spaces in 1 kB
+    for encoding, data, status, code in cases:
+        for path in ("/v1/chat/completions", "/v1/messages"):
+            async with http.post(f"{gw.url}{path}", data=data, headers={"content-encoding": encoding}) as resp:
+                assert resp.status == status
+                payload = await resp.json()
+                if path == "/v1/messages":
+                    assert payload["type"] == "error" and payload["error"]["type"]
+                else:
+                    assert_openai_error(payload, code)
+    assert len(received) == len(codecs)

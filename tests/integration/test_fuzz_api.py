@@ -1,17 +1,21 @@
 """Fuzzing the HTTP API of a real gateway process (kv_aware, admission and workflows on) in front of a
-simulated pod: whatever the body and headers, never a 500 and never a traceback; errors are OpenAI-shaped."""
+simulated pod: whatever the body, its encoding and the headers, on either API, never a 5xx from the gateway
+and never a traceback; every error is in the route's own shape (OpenAI's, or Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zlib
 
+import brotli
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import gateway_process
@@ -47,6 +51,27 @@ headers = st.dictionaries(st.sampled_from([
     "x-session-id", "x-routing-strategy", "x-slo-ttft-ms", "x-slo-e2e-ms", "x-priority", "x-request-id",
     "authorization"]), header_values, max_size=5)
 paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"])
+anthropic_paths = st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"])
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+# Anthropic content: mostly well-formed blocks, each field also of any JSON type.
+blocks = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "thinking", "tool_use", "tool_result", "image", "x"])},
+                          optional={"text": st.one_of(st.text(max_size=20), json_values),
+                                    "thinking": json_values, "input": json_values, "name": json_values,
+                                    "id": json_values, "tool_use_id": json_values, "content": json_values}),
+    json_values), max_size=3)
+anthropic_messages = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", ""]),
+                           "content": st.one_of(st.text(max_size=40), blocks, json_values)}),
+    json_values), max_size=4)
+anthropic_bodies = st.fixed_dictionaries({"model": models}, optional={
+    "messages": st.one_of(anthropic_messages, json_values),
+    "max_tokens": st.one_of(st.integers(-3, 8), json_scalars),
+    "system": st.one_of(st.text(max_size=20), blocks, json_values),
+    "thinking": json_values, "tools": json_values, "tool_choice": json_values, "metadata": json_values,
+    "stream": st.one_of(st.booleans(), json_scalars), "output_config": json_values,
+})
+ENCODERS = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress, "identity": lambda b: b}
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +82,27 @@ def gateway_url():
     assert b"Traceback" not in run.stderr and b"internal error" not in run.stderr, run.stderr.decode()[-3000:]
 
 
-def post(url: str, path: str, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes, str]:
+def post(url: str, path: str, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes, str, bool]:
+    """Status, body and content type of the answer, and whether a pod answered it (not the gateway)."""
     request = urllib.request.Request(url + path, data=body, method="POST",
                                      headers={"content-type": "application/json", **hdrs})
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, resp.read(), resp.headers.get("content-type", "")
+            return resp.status, resp.read(), resp.headers.get("content-type", ""), "x-gateway-pod" in resp.headers
     except urllib.error.HTTPError as err:
-        return err.code, err.read(), err.headers.get("content-type", "")
+        return err.code, err.read(), err.headers.get("content-type", ""), "x-gateway-pod" in err.headers
 
 
-def check(status: int, payload: bytes, ctype: str) -> None:
-    assert status != 500, payload[:500]
+def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "/v1/chat/completions") -> None:
+    """No 5xx of the gateway's own (a pod's, relayed, is the pod's), and an error in the route's shape."""
+    assert status < 500 or from_pod, payload[:500]
     assert b"Traceback" not in payload
     if status >= 400:
         assert ctype.startswith("application/json"), (status, payload[:200])
-        error = json.loads(payload)["error"]
-        assert error["message"]
+        body = json.loads(payload)
+        assert body["error"]["message"]
+        if path in ANTHROPIC_PATHS and not from_pod:
+            assert body["type"] == "error" and body["error"]["type"], body
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -85,12 +114,48 @@ def test_structured_bodies_and_headers(gateway_url, path, body, hdrs):
     assert proc.poll() is None
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(path=paths, raw=st.binary(max_size=200))
+@given(path=anthropic_paths, body=anthropic_bodies, hdrs=headers)
+@example(path="/v1/messages", hdrs={}, body={"model": "mock-llama", "max_tokens": 4, "system": 5,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+@example(path="/v1/messages", hdrs={}, body={"model": "mock-llama", "max_tokens": -3,
+                                              "messages": [{"role": "user", "content": 5}]})
+@example(path="/v1/messages/count_tokens", hdrs={}, body={"model": "mock-llama", "thinking": "on",
+                                                           "messages": [{"role": "user", "content": [5]}]})
+def test_anthropic_bodies_and_headers(gateway_url, path, body, hdrs):
+    url, proc = gateway_url
+    check(*post(url, path, json.dumps(body).encode(), {**hdrs, "anthropic-version": "2023-06-01"}), path)
+    assert proc.poll() is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(path=st.one_of(paths, anthropic_paths), raw=st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda head, junk: head + junk, st.sampled_from([b'{"model": "mock-llama", "messages": "', b"{"]),
+              st.binary(min_size=1, max_size=40)),  # invalid UTF-8 inside a string, among the rest
+    st.integers(500, 20_000).map(lambda depth: b'{"model": "mock-llama", "prompt": ' + b"[" * depth + b"]" * depth
+                                 + b"}"),
+))
 def test_raw_bytes(gateway_url, path, raw):
     url, _ = gateway_url
-    check(*post(url, path, raw, {}))
+    check(*post(url, path, raw, {}), path)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(path=st.one_of(paths, anthropic_paths), body=st.one_of(bodies.map(json.dumps).map(str.encode),
+                                                              st.binary(max_size=100)),
+       encoding=st.sampled_from([*ENCODERS, "zstd", "x-gzip", "compress", "gzip, br"]), encode=st.booleans(),
+       cut=st.integers(0, 30))
+def test_encoded_bodies(gateway_url, path, body, encoding, encode, cut):
+    """Bodies in every content-encoding, well and badly encoded, whole and cut short."""
+    url, _ = gateway_url
+    data = ENCODERS[encoding](body) if encode and encoding in ENCODERS else body
+    if cut and encode:
+        data = data[: max(1, len(data) - cut)]
+    check(*post(url, path, data, {"content-encoding": encoding}), path)
 
 
 def test_schemathesis_against_the_gateways_own_openapi(gateway_url):

@@ -159,3 +159,21 @@ async def test_redis_outage_never_blocks_requests(redis_server, start_mock_pod, 
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "still here?"}], "max_tokens": 2}
     statuses = [(await http.post(f"{gw.url}/v1/chat/completions", json=body)).status for _ in range(20)]
     assert statuses == [200] * 20 and store.get("mock-llama", "small") is not None
+
+
+async def test_shutting_down_refuses_what_waits_for_capacity_and_keeps_what_runs(start_mock_pod, start_gateway,
+                                                                                  http):
+    pod = await start_mock_pod(speed=1.0)
+    gw = await start_gateway([pod.url], routing={"policy": "least_request"},
+                             load={"default_capacity": 1, "scrape_interval_s": 0},
+                             admission={"enabled": True, "queue_size": 8, "max_queue_wait_s": 60})
+    body = {"model": "mock-llama", "messages": [{"role": "user", "content": "slow " * 50}], "max_tokens": 60}
+    running = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
+    await eventually(lambda: gw.gateway.ledger.total() == 1)
+    queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
+    await eventually(lambda: gw.gateway.admission.queued == 1)
+    stopping = asyncio.create_task(gw.runner.cleanup())  # SIGTERM's drain
+    refused = await asyncio.wait_for(queued, timeout=5)  # at once, not after its 60 s of queueing
+    assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"
+    assert (await asyncio.wait_for(running, timeout=30)).status == 200  # what runs, finishes
+    await stopping

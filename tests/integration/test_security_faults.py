@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import ssl
@@ -14,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from gateway.config import hash_api_key
+from gateway.logs import ACCESS_LOGGER
 from gateway.mock.pod import free_port
-from tests.conftest import chat_body, models_of
+from tests.conftest import chat_body, eventually, models_of
 from tests.integration.test_errors import assert_openai_error, backend
 
 
@@ -63,7 +65,23 @@ async def test_admin_endpoints_need_the_admin_key_or_are_gone(start_backend, sta
         assert_openai_error(await resp.json(), "not_found")
 
 
-async def test_pod_dying_mid_stream_ends_the_stream_with_an_error_event(start_mock_pod, start_gateway, http):
+def recorded(gw, caplog) -> tuple[dict[str, float], list[int], float]:
+    """What the gateway recorded of its requests: their count by status in metrics, the statuses in its
+    access log, and how many answers it learnt output lengths from."""
+    registry = gw.gateway.metrics.registry
+    by_status = {}
+    for family in registry.collect():
+        if family.name == "gateway_requests":
+            for sample in family.samples:
+                if sample.name == "gateway_requests_total":
+                    by_status[sample.labels["status"]] = sample.value
+    logged = [record.status for record in caplog.records if record.name == ACCESS_LOGGER]
+    learnt = registry.get_sample_value("gateway_output_tokens_count", {"kind": "actual"}) or 0.0
+    return by_status, logged, learnt
+
+
+async def test_pod_dying_mid_stream_ends_the_stream_with_an_error_event(start_mock_pod, start_gateway, http, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     pod = await start_mock_pod(speed=0.05)
     gw = await start_gateway([pod.url])
     await http.post(f"{pod.url}/debug/faults", json={"die_mid_stream_fraction": 1.0})
@@ -74,13 +92,17 @@ async def test_pod_dying_mid_stream_ends_the_stream_with_an_error_event(start_mo
     assert b'data: {"error"' in body and b"[DONE]" not in body
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
     assert 'gateway_stream_aborts_total{pod="' in metrics and 'side="upstream"' in metrics
+    # The client saw 200 headers, but the request failed: recorded as a 502, and nothing learnt from it.
+    assert recorded(gw, caplog) == ({"502": 1.0}, [502], 0.0)
 
 
-async def test_stalled_stream_hits_the_idle_timeout(start_backend, start_gateway, http):
+async def test_stalled_stream_hits_the_idle_timeout(start_backend, start_gateway, http, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     async def stalls(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(b'data: {"n": 1}\n\n')
+        for n in range(1, 6):  # five tokens' worth, then silence: not an output length to learn from
+            await resp.write(b'data: {"n": %d}\n\n' % n)
         await asyncio.sleep(30)
         return resp
 
@@ -88,6 +110,7 @@ async def test_stalled_stream_hits_the_idle_timeout(start_backend, start_gateway
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m", stream=True)) as resp:
         body = await asyncio.wait_for(resp.read(), timeout=10)
     assert body.startswith(b'data: {"n": 1}') and b"idle_timeout" in body
+    assert recorded(gw, caplog) == ({"502": 1.0}, [502], 0.0)
 
 
 async def test_limits_on_messages_and_prompt_length(start_mock_pod, start_gateway, http):
@@ -106,7 +129,8 @@ async def test_limits_on_messages_and_prompt_length(start_mock_pod, start_gatewa
     assert pod.engine.prompt_tokens_total == 0  # refused before reaching the pod
 
 
-async def test_a_client_that_stops_reading_is_cut_off(start_backend, start_gateway, http):
+async def test_a_client_that_stops_reading_is_cut_off(start_backend, start_gateway, http, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     upstream_gone = asyncio.Event()
 
     async def firehose(request: web.Request) -> web.StreamResponse:
@@ -131,6 +155,8 @@ async def test_a_client_that_stops_reading_is_cut_off(start_backend, start_gatew
     writer.close()
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
     assert 'side="client_stalled"' in metrics
+    await eventually(lambda: recorded(gw, caplog)[0] == {"499": 1.0})
+    assert recorded(gw, caplog) == ({"499": 1.0}, [499], 0.0)
 
 
 @pytest.fixture

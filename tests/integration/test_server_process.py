@@ -174,3 +174,58 @@ async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_workers_stop_after_a_load_run_waiting_only_for_what_is_in_flight(start_backend, tmp_path):
+    """`serve --workers 2` after a load run over kept-alive connections, with clients that gave up
+    mid-request: SIGTERM waits for the one request still running, and for nothing else."""
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][0]["content"] == "slow":
+            await release.wait()
+        return web.json_response({"id": "x", "choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    app.router.add_get("/v1/models", models_of("m"))
+    backend = await start_backend(app)
+    port = free_port()
+    with (tmp_path / "gateway.log").open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            *gateway_cmd("--pod", backend, "--workers", "2", "--port", str(port)), stderr=stderr)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:  # kept-alive connections, open through the shutdown
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", http, proc)
+
+            async def ask(content: str) -> int:
+                async with http.post(url, json=chat_body(content, model="m")) as resp:
+                    await resp.read()
+                    return resp.status
+
+            for _ in range(10):
+                assert set(await asyncio.gather(*(ask("fast") for _ in range(16)))) == {200}
+            quitters = [asyncio.create_task(ask("slow")) for _ in range(8)]
+            await asyncio.sleep(0.2)
+            for task in quitters:  # clients that gave up mid-request
+                task.cancel()
+            release.set()
+            await asyncio.sleep(0.2)
+            release.clear()
+            in_flight = asyncio.create_task(ask("slow"))
+            await asyncio.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)
+            assert proc.returncode is None  # draining the request still running
+            release.set()
+            assert await asyncio.wait_for(in_flight, timeout=10) == 200
+            stopping = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+            assert asyncio.get_running_loop().time() - stopping < 3.0, "waited for something not in flight"
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert "Traceback" not in (tmp_path / "gateway.log").read_text()

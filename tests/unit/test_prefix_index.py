@@ -1,7 +1,9 @@
 """The prefix index against hand-built event sequences, in every encoding the engines use.
 
 The tests taking the ``index`` fixture are the contract every prefix index implementation passes:
-a new one (say, an index shared by many gateway processes) adds its factory to ``IMPLEMENTATIONS``.
+the gateway's, and a plain reference one (``tests/kv_reference.py``) that also checks, on random event
+sequences, that the gateway's gives the same answers. A new one (say, an index shared by many gateway
+processes) adds its factory to ``IMPLEMENTATIONS``.
 The tests taking ``in_memory`` check the in-memory layout's own bounds and bookkeeping.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.kv.events import (
     AllBlocksCleared,
@@ -22,6 +26,7 @@ from gateway.kv.events import (
 )
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
+from tests.kv_reference import ReferenceIndex
 
 BS = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, and the engine may hit at most 16 tokens
@@ -35,7 +40,7 @@ def through_wire(events, encoding: Encoding):
     return decode_batch(encode_batch(EventBatch(1.0, events, 0), encoding)).events
 
 
-IMPLEMENTATIONS = {"in_memory": PrefixIndex}
+IMPLEMENTATIONS = {"in_memory": PrefixIndex, "reference": ReferenceIndex}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -209,3 +214,47 @@ def test_garbage_payloads_are_rejected_or_skipped():
                                             {"type": "BlockRemoved", "block_hashes": [1]}, 42]])
     batch = decode_batch(payload)
     assert batch.skipped == 3 and batch.events == [BlockRemoved([1])]
+
+
+@st.composite
+def event_sequences(draw: st.DrawFn) -> list[tuple[tuple[str, int], list]]:
+    """Batches for a few views: chains of stores growing from known (and sometimes unknown) parents,
+    duplicates, removals in either tier, clears; tokens from a small alphabet so prefixes are shared."""
+    batches = []
+    known: dict[tuple[str, int], list[int]] = {}
+    next_hash = 1
+    for _ in range(draw(st.integers(1, 25))):
+        view = draw(st.sampled_from([("a", 0), ("a", 1), ("b", 0)]))
+        kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+        hashes = known.setdefault(view, [])
+        if kind == "store":
+            n = draw(st.integers(1, 3))
+            parent = draw(st.one_of(st.none(), st.sampled_from(hashes) if hashes else st.none(), st.just(-5)))
+            new = list(range(next_hash, next_hash + n)) if draw(st.booleans()) or not hashes else \
+                draw(st.lists(st.sampled_from(hashes), min_size=n, max_size=n))  # duplicates of stored ones
+            next_hash += n
+            tokens = draw(st.lists(st.integers(0, 2), min_size=n * BS, max_size=n * BS))
+            hashes.extend(new)
+            batches.append((view, [stored(new, parent, tokens, medium=draw(st.sampled_from(["GPU", "CPU"])))]))
+        elif kind == "remove" and hashes:
+            gone = draw(st.lists(st.sampled_from(hashes), min_size=1, max_size=3))
+            batches.append((view, [BlockRemoved(gone, medium=draw(st.sampled_from(["GPU", "CPU"])))]))
+        elif kind == "clear":
+            batches.append((view, [AllBlocksCleared()]))
+    return batches
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches=event_sequences(), prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20),
+                                                   min_size=1, max_size=5))
+def test_the_gateways_index_agrees_with_the_reference_on_any_event_sequence(batches, prompts):
+    ours, reference = PrefixIndex(), ReferenceIndex()
+    for index in (ours, reference):
+        views = {key: index.view(*key, "m", BS) for key in (("a", 0), ("a", 1), ("b", 0))}
+        for key, events in batches:
+            index.apply(views[key], events)
+    for prompt in prompts:
+        assert ours.lookup("m", None, prompt, ["a", "b"]) == reference.lookup("m", None, prompt, ["a", "b"]), prompt
+    for key in (("a", 0), ("a", 1), ("b", 0)):
+        assert ours.own_hashes(*key) == reference.own_hashes(*key)
+    assert ours.stats == reference.stats

@@ -1,0 +1,111 @@
+"""A request's body as the client meant it: read, decoded from its ``content-encoding``, bounded.
+
+The server hands the gateway the bytes as sent (``auto_decompress`` off: aiohttp's own decoding refuses a
+bad body in plain text, sometimes before any handler runs); here they are decoded with each codec the
+header lists, last applied first, and a body that cannot be is the client's fault (400 in the route's own
+error shape), as is one that decodes past ``server.max_body_bytes`` (413; a small compressed body may
+expand without bound). The pod receives the decoded bytes, without the header.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from gateway.core.errors import ErrorKind, GatewayError, bad_request
+
+try:  # Python 3.14 has it; older ones take the backport (a dependency)
+    from compression import zstd  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the Python version
+    from backports import zstd  # type: ignore[import-not-found,no-redef]
+
+import brotli
+
+# A decoder of one codec: (data, limit) -> the decoded bytes, or more than ``limit`` of them when the
+# whole would be larger (decoding stops there).
+Decoder = Callable[[bytes, int], bytes]
+
+
+def _zlib(wbits: int) -> Callable[[], Decoder]:
+    def make() -> Decoder:
+        decompressor = zlib.decompressobj(wbits)
+
+        def decode(data: bytes, limit: int) -> bytes:
+            out = decompressor.decompress(data, limit + 1)
+            if len(out) <= limit and not decompressor.eof:
+                raise ValueError("the compressed data ends early")
+            return out
+
+        return decode
+
+    return make
+
+
+def _deflate() -> Decoder:
+    """``deflate`` is zlib-wrapped by the spec, raw DEFLATE by many clients: both are read."""
+    zlib_wrapped, raw = _zlib(zlib.MAX_WBITS)(), _zlib(-zlib.MAX_WBITS)()
+
+    def decode(data: bytes, limit: int) -> bytes:
+        try:
+            return zlib_wrapped(data, limit)
+        except zlib.error:
+            return raw(data, limit)
+
+    return decode
+
+
+def _brotli() -> Decoder:
+    decompressor = brotli.Decompressor()
+
+    def decode(data: bytes, limit: int) -> bytes:
+        out = decompressor.process(data, output_buffer_limit=limit + 1)
+        if len(out) <= limit and not decompressor.is_finished():
+            raise ValueError("the compressed data ends early")
+        return out
+
+    return decode
+
+
+def _zstd() -> Decoder:
+    decompressor = zstd.ZstdDecompressor()
+
+    def decode(data: bytes, limit: int) -> bytes:
+        out = decompressor.decompress(data, max_length=limit + 1)
+        if len(out) <= limit and not decompressor.eof:
+            raise ValueError("the compressed data ends early")
+        return out
+
+    return decode
+
+
+DECODERS: dict[str, Callable[[], Decoder]] = {
+    "gzip": _zlib(16 + zlib.MAX_WBITS), "x-gzip": _zlib(16 + zlib.MAX_WBITS), "deflate": _deflate,
+    "br": _brotli, "zstd": _zstd,
+}
+
+
+async def read_body(http: web.Request, max_bytes: int) -> bytes:
+    """The body, decoded; raises a :class:`GatewayError` for one that cannot be read or is too large."""
+    try:
+        data = await http.read()
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None
+    encodings = [e.strip().lower() for e in http.headers.get("content-encoding", "").split(",") if e.strip()]
+    for encoding in reversed(encodings):
+        if encoding == "identity":
+            continue
+        make = DECODERS.get(encoding)
+        if make is None:
+            raise bad_request(f"Content-Encoding `{encoding}` is not supported (gzip, deflate, br, zstd are).",
+                              code="unsupported_content_encoding")
+        try:
+            data = make()(data, max_bytes)
+        except Exception as exc:  # each codec has its own error type; any failure is the body's
+            raise bad_request(f"The request body is not valid {encoding} data ({exc}).", code="invalid_body") from None
+        if len(data) > max_bytes:
+            raise GatewayError(ErrorKind.TOO_LARGE, f"The request body decodes to more than {max_bytes} bytes.",
+                               code="request_too_large")
+    return data
