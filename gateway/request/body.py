@@ -93,8 +93,10 @@ async def read_body(http: web.Request, max_bytes: int) -> bytes:
         data = await http.read()
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None
-    encodings = [e.strip().lower() for e in http.headers.get("content-encoding", "").split(",") if e.strip()]
-    for encoding in reversed(encodings):
+    header = http.headers.get("content-encoding")
+    if not header:
+        return data
+    for encoding in reversed([e.strip().lower() for e in header.split(",") if e.strip()]):
         if encoding == "identity":
             continue
         make = DECODERS.get(encoding)

@@ -149,7 +149,7 @@ class RequestDirector:
     async def _attempt(self, attempt: Attempt) -> tuple[web.StreamResponse, RelayOutcome]:
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
-        outcome = RelayOutcome.failed(502)
+        outcome: RelayOutcome | None = None
         try:
             response, outcome = await self._proxy.forward(self._call(attempt))
             return response, outcome
@@ -164,8 +164,9 @@ class RequestDirector:
             raise
         finally:
             self._ledger.finish(attempt.dispatch)
+            ended = outcome or RelayOutcome.failed(500)  # a bug of ours: the middleware answers 500
             for step in self._pipeline.finish:
-                step.attempt_finished(attempt, outcome)
+                step.attempt_finished(attempt, ended)
 
     @staticmethod
     def _call(attempt: Attempt) -> UpstreamCall:

@@ -11,7 +11,7 @@ fields each name their one writer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -32,17 +32,15 @@ class ClientRequest:
     # The API path family: "chat", "completions", "responses", "embeddings", "messages", "count_tokens".
     kind: str
     started: float  # monotonic
-    body: bytes  # as received: forwarded unchanged
+    body: bytes  # as received, decoded from its content-encoding: forwarded as it is
     parsed: InferenceRequest
     key: ApiKey | None  # the gateway API key it came with, when keys are on
+    headers: CIMultiDictProxy[str] = field(init=False)
+    model: str = field(init=False)  # "" until the body is understood
 
-    @property
-    def model(self) -> str:
-        return self.parsed.model or ""
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        return self.http.headers
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "headers", self.http.headers)
+        object.__setattr__(self, "model", self.parsed.model or "")
 
 
 @dataclass(frozen=True, slots=True)
