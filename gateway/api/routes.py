@@ -6,15 +6,12 @@ import asyncio
 import os
 import time
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 
 from gateway.api.openapi import openapi_document
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
-from gateway.core.errors import ErrorKind, GatewayError
-from gateway.workflow.tracker import Workflow, WorkflowTracker
 
 # Path → request kind; responses are routed like chat.
 PROXIED_ROUTES = {
@@ -134,48 +131,19 @@ async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Respon
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check(request.headers)
-    workflow_id = request.match_info["workflow_id"]
-    tracker = gateway.workflows.tracker
-    workflow = tracker.workflows.get(workflow_id)
-    if workflow is None:
-        raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
-                           code="workflow_not_found")
-    actions = tracker.complete(workflow_id)
-    gateway.workflows.executor.carry_out(actions)
-    status = "completed" if workflow_id not in tracker.workflows else "completing"
-    return web.json_response({"workflow_id": workflow_id, "status": status,
-                              "actions": [{"action": a.kind.value, "reason": a.reason, "pod": a.pod} for a in actions]})
-
-
-def _workflow_json(tracker: WorkflowTracker, workflow: Workflow) -> dict[str, Any]:
-    now = time.monotonic()
-    return {
-        "workflow_id": workflow.id, "in_flight": tracker.in_flight(workflow),
-        "idle_s": round(now - workflow.last_activity, 3),
-        "complete_requested": workflow.complete_requested,
-        "stages": [{"stage_id": s.id, "model": s.model, "pod": s.pod, "prompt_tokens": s.prompt_tokens,
-                    "status": "completed" if s.completed else "active"}
-                   for s in (workflow.stages[i] for i in workflow.order)],
-        "cache": [{"pod": e.pod, "model": e.model, "tokens": e.tokens, "preserved": e.preserved}
-                  for e in workflow.entries.values()],
-    }
+    return web.json_response(gateway.workflows.complete(request.match_info["workflow_id"]))
 
 
 async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check(request.headers)
-    workflow_id = request.match_info["workflow_id"]
-    workflow = gateway.workflows.tracker.workflows.get(workflow_id)
-    if workflow is None:
-        raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
-                           code="workflow_not_found")
-    return web.json_response(_workflow_json(gateway.workflows.tracker, workflow))
+    return web.json_response(gateway.workflows.describe(request.match_info["workflow_id"]))
 
 
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check_admin(request.headers, request.path)
     tracker = gateway.workflows.tracker
     return web.json_response({
-        "workflows": [_workflow_json(tracker, w) for w in tracker.workflows.values()],
+        "workflows": [gateway.workflows.describe(w) for w in list(tracker.workflows)],
         "sessions": len(gateway.workflows.sessions),
         "pressure": {pod: mode.name.lower() for pod, mode in gateway.modes.items()},
         "hard_flushes": gateway.workflows.executor.hard_flushes,

@@ -9,19 +9,22 @@ executor.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from multidict import CIMultiDictProxy
 
 from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
+from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import InferenceRequest
 from gateway.load.pressure_modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import WorkflowContext, parse_workflow_context
 from gateway.workflow.sessions import SessionAffinity
-from gateway.workflow.tracker import NOOP, ActionKind, Plan, WorkflowTracker
+from gateway.workflow.tracker import NOOP, ActionKind, Plan, Workflow, WorkflowTracker
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,37 @@ class WorkflowService:
         if session and (pod := self.sessions.pod_of(session)) and not self._modes.in_emergency(pod):
             return RequestPlan(ctx, plan, pod, "session_affinity", session=session)
         return RequestPlan(ctx, plan, session=session or None)
+
+    def complete(self, workflow_id: str) -> dict[str, Any]:
+        """``POST /v1/workflows/{id}/complete``: the workflow's last request was sent; once none of its
+        requests runs, its contexts are released (now, or when its last request ends)."""
+        self._known(workflow_id)
+        actions = self.tracker.complete(workflow_id)
+        self.executor.carry_out(actions)
+        return {"workflow_id": workflow_id,
+                "status": "completed" if workflow_id not in self.tracker.workflows else "completing",
+                "actions": [{"action": a.kind.value, "reason": a.reason, "pod": a.pod} for a in actions]}
+
+    def describe(self, workflow_id: str) -> dict[str, Any]:
+        """What the gateway knows of a workflow: its stages, where its cache is, what runs."""
+        workflow = self._known(workflow_id)
+        return {
+            "workflow_id": workflow.id, "in_flight": self.tracker.in_flight(workflow),
+            "idle_s": round(time.monotonic() - workflow.last_activity, 3),
+            "complete_requested": workflow.complete_requested,
+            "stages": [{"stage_id": s.id, "model": s.model, "pod": s.pod, "prompt_tokens": s.prompt_tokens,
+                        "status": "completed" if s.completed else "active"}
+                       for s in (workflow.stages[i] for i in workflow.order)],
+            "cache": [{"pod": e.pod, "model": e.model, "tokens": e.tokens, "preserved": e.preserved}
+                      for e in workflow.entries.values()],
+        }
+
+    def _known(self, workflow_id: str) -> Workflow:
+        workflow = self.tracker.workflows.get(workflow_id)
+        if workflow is None:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
+                               code="workflow_not_found")
+        return workflow
 
     def record_dispatch(self, rp: RequestPlan, decision: Decision, model: str) -> None:
         if rp is NO_PLAN:
