@@ -26,6 +26,7 @@ from gateway.config import (
     load_config,
 )
 from gateway.kv.events import Encoding
+from gateway.mock.engine import MODEL_MAX_LEN
 
 log = logging.getLogger("gateway.cli")
 
@@ -124,6 +125,7 @@ async def mock(args: argparse.Namespace) -> None:
         hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
+        max_model_len=args.max_model_len,
     )
     pod = MockPod(config)
     await pod.start()
@@ -192,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-batched-tokens", type=int, default=2048)
     m.add_argument("--default-max-tokens", type=int, default=16)
+    m.add_argument("--max-model-len", type=int, default=MODEL_MAX_LEN,
+                   help="longest prompt plus answer in tokens (default: the simulated model's, 131072)")
     m.add_argument("--lora-adapter", action="append", help="adapter name to list as a model")
 
     from gateway.load.cli import add_profiles_parser

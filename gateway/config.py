@@ -350,6 +350,8 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     speed: float = 1.0
     flavor: Literal["vllm", "sglang"] = "vllm"
     base_port: int = 0
+    # Longest prompt plus answer in tokens; none: the simulated model's own.
+    max_model_len: int | None = None
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):

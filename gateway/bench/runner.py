@@ -151,8 +151,10 @@ _BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)
 class BenchRunner:
     def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
                  model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
-                 existing_pods: list[PodConfig] | None = None, progress: bool = True) -> None:
+                 existing_pods: list[PodConfig] | None = None, progress: bool = True,
+                 max_model_len: int | None = None) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
+        self.max_model_len = max_model_len
         self.model = model
         # A local tokenizer directory for the routers that tokenize; none: the gateway asks the pods.
         self.tokenizer = tokenizer
@@ -160,6 +162,8 @@ class BenchRunner:
         self.progress = progress
         self._procs: list[subprocess.Popen[bytes]] = []
         self._redis: subprocess.Popen[bytes] | None = None
+        # The routers of the contender being served (their CPU is what some benchmarks measure).
+        self.router_processes: list[subprocess.Popen[bytes]] = []
 
     # Pods
 
@@ -168,7 +172,8 @@ class BenchRunner:
             self._reset_existing()
             return None, self.existing_pods
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
-                                            num_blocks=self.num_blocks, speed=speed), quiet=True)
+                                            num_blocks=self.num_blocks, speed=speed,
+                                            max_model_len=self.max_model_len), quiet=True)
         return fleet, fleet.start()
 
     def _reset_existing(self) -> None:
@@ -216,6 +221,7 @@ class BenchRunner:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         self._procs.append(proc)
+        self.router_processes.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", 90, proc)
         return url
@@ -269,6 +275,7 @@ class BenchRunner:
                 proc.kill()
                 proc.wait()
         self._procs.clear()
+        self.router_processes.clear()
 
     # One contender
 

@@ -38,10 +38,14 @@ class TimingModel(msgspec.Struct, frozen=True):
         return self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
 
 
+# The context length of the simulated model (a Llama-3.1-shaped one).
+MODEL_MAX_LEN = 131_072
+
+
 class EngineLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
-    max_model_len: int = 8192
+    max_model_len: int = MODEL_MAX_LEN
 
 
 class PromptRejected(ValueError):

@@ -68,6 +68,8 @@ class MockPodFleet:
             "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
             "--model", c.model,
         ]
+        if c.max_model_len is not None:
+            cmd += ["--max-model-len", str(c.max_model_len)]
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL if self.quiet else None)
         url = f"http://{self.host}:{port}"

@@ -27,7 +27,7 @@ from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
 from gateway.mock import anthropic as anthropic_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
-from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from gateway.mock.kvcache import PagedKvCache
 from gateway.mock.publisher import KvEventPublisher
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
@@ -61,7 +61,9 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     default_max_tokens: int = 16
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
-    max_model_len: int = 8192
+    # Longest prompt plus answer, in tokens; by default the simulated model's own (Llama 3.1's 128k context),
+    # as vLLM defaults to the model's.
+    max_model_len: int = MODEL_MAX_LEN
     lora_adapters: list[str] = []
     timing: TimingModel | None = None
 
