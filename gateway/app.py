@@ -257,7 +257,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out = [
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
         lifecycle(gw.bus.start, gw.bus.stop),
-        lifecycle(lambda: asyncio.to_thread(gw.tokens.load)),
+        lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
     ]

@@ -174,6 +174,11 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     prompt_cache_size: int = 4_096
     # New text longer than this is tokenized in a worker thread, off the event loop.
     offload_chars: int = 8_000
+    # Threads tokenizing long new text; none: one per core this process may use.
+    threads: int | None = None
+    # Token ids of earlier chat prompts kept so that a conversation's next turn tokenizes only what it
+    # adds (about 30 bytes a token).
+    reuse_tokens: int = 20_000_000
 
 
 class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -119,7 +119,7 @@ class ReferenceIndex:
             return
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         expiry = time.monotonic() + self.speculative_ttl_s
-        for h in prompt.first(view.block_size, prompt.token_count):
+        for h in prompt.first(view.block_size, prompt.token_count)[confirmed_tokens // view.block_size:]:
             self._expected.setdefault(view.key, {})[h] = expiry
 
     def own_hashes(self, pod: str, rank: int = 0) -> set[int]:

@@ -36,24 +36,42 @@ def prefix_hashes(root: int, token_ids: list[int], block_size: int) -> list[int]
 
 
 class PromptHashes:
-    """A prompt's block hashes, computed lazily per block size and only as far as a lookup needs."""
+    """A prompt's block hashes, computed lazily per block size and only as far as a lookup needs.
 
-    __slots__ = ("_by_size", "_data", "root", "token_count")
+    A prompt that extends an earlier one (the next turn of a conversation) is built on it (``earlier``):
+    the blocks of their ``shared_tokens`` leading tokens are taken as they are, so only the new tail is
+    ever hashed."""
 
-    def __init__(self, root: int, token_ids: list[int]) -> None:
+    __slots__ = ("_by_size", "_tokens", "root", "token_count")
+
+    def __init__(self, root: int, token_ids: list[int], earlier: PromptHashes | None = None,
+                 shared_tokens: int = 0) -> None:
         self.root = root
         self.token_count = len(token_ids)
-        self._data = array("I", token_ids).tobytes()
+        self._tokens = token_ids
         self._by_size: dict[int, list[int]] = {}
+        if earlier is not None and earlier.root == root:
+            for block_size, hashes in earlier._by_size.items():
+                kept = min(len(hashes), shared_tokens // block_size, self.token_count // block_size)
+                if kept:
+                    self._by_size[block_size] = hashes[:kept]
 
     def first(self, block_size: int, count: int) -> list[int]:
         """At least the first ``count`` hashes (fewer only if the prompt has fewer full blocks)."""
         done = self._by_size.setdefault(block_size, [])
         count = min(count, self.token_count // block_size)
-        if len(done) < count:
-            step, data = 4 * block_size, self._data
+        start = len(done)
+        if start < count:
+            # Only the tokens of the blocks still to hash are packed: a long prompt's head is never copied.
+            data = array("I", self._tokens[start * block_size : count * block_size]).tobytes()
+            step = 4 * block_size
             parent = done[-1] if done else self.root
-            for offset in range(len(done) * step, count * step, step):
+            for offset in range(0, (count - start) * step, step):
                 parent = _hash(data[offset : offset + step], parent)
                 done.append(parent)
         return done
+
+    def known(self, block_size: int) -> int:
+        """How many hashes of that block size are computed already (no hashing)."""
+        hashes = self._by_size.get(block_size)
+        return len(hashes) if hashes is not None else 0

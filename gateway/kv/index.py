@@ -5,13 +5,19 @@ speculative insertion; read by routing through :meth:`PrefixIndex.lookup`. Every
 the events itself; its speculative blocks go to the other workers and replicas through the sink it is built
 with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
 
-Layout, chosen for a small footprint and a lookup that is one dict probe per prompt block:
+Layout, chosen for a small footprint and a lookup that costs the log of the matched length:
 
 - each (pod, rank) is an :class:`EngineView` with a bit of its own, its ``engine hash → own hash`` map
   and a reference count per own hash and tier (vLLM stores duplicates; each copy is stored and removed);
-- ``_gpu`` and ``_offload`` map an own hash to the bitmask of views holding it in that tier, so a lookup
-  ANDs masks block by block and stops when no candidate is left;
+- ``_gpu`` and ``_offload`` map an own hash to the bitmask of views holding it in that tier;
 - both per-view maps are bounded LRUs (a dict's insertion order, refreshed on use).
+
+Engines evict a cached block only after its descendants (vLLM frees a finished request's blocks tail
+first and evicts least recently freed first; SGLang evicts radix-tree leaves), so what one holds is closed
+under prefixes: if a prompt's block ``i`` is held, so are all before it. A lookup then gallops and
+bisects over the prompt's chained hashes for the end of the held run. Whether a view is so closed is
+tracked, not assumed: each view counts its *orphans* (held GPU blocks whose parent it does not hold), and
+a view with any (lost events, the memory bound) is walked block by block, as every view used to be.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class EngineView:
     approximate: bool = False
     last_seq: int = -1
     evictions: int = 0  # BlockRemoved blocks: the engine reused a cached block's slot
+    # The GPU tier's shape: each held block's parent (own hashes), held children per block, and how many
+    # held blocks lack their parent (0: what the view holds is closed under prefixes).
+    parents: dict[int, int] = field(default_factory=dict)
+    held_children: dict[int, int] = field(default_factory=dict)
+    orphans: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -145,6 +156,33 @@ class PrefixIndex:
                     else:
                         del tier[own]
         view.refs.clear()
+        view.parents.clear()
+        view.held_children.clear()
+        view.orphans = 0
+
+    @staticmethod
+    def _gpu_held(view: EngineView, own: int, parent: int | None) -> None:
+        """``own`` (child of ``parent``; None: a first block) is now in the view's GPU tier."""
+        if parent is not None:
+            view.parents[own] = parent
+            view.held_children[parent] = view.held_children.get(parent, 0) + 1
+            if not view.refs.get(parent, 0) & _GPU_MASK:
+                view.orphans += 1
+        view.orphans -= view.held_children.get(own, 0)  # its children had lost their parent: no longer
+
+    @staticmethod
+    def _gpu_released(view: EngineView, own: int) -> None:
+        """``own`` is no longer in the view's GPU tier (its refs already say so)."""
+        view.orphans += view.held_children.get(own, 0)
+        parent = view.parents.pop(own, None)
+        if parent is not None:
+            left = view.held_children[parent] - 1
+            if left:
+                view.held_children[parent] = left
+            else:
+                del view.held_children[parent]
+            if not view.refs.get(parent, 0) & _GPU_MASK:
+                view.orphans -= 1
 
     # Events (the subscribers' side)
 
@@ -168,14 +206,15 @@ class PrefixIndex:
             if view.block_size is not None:
                 log.warning("pod %s rank %d: block size %s → %d", view.pod, view.rank, view.block_size, bs)
             view.block_size = bs
+        parent: int | None  # the own hash of the block before (None: the first block of a prompt)
         if event.parent_block_hash is None:
-            parent = namespace_root(view.model, event.lora_name)
+            parent, chained = None, namespace_root(view.model, event.lora_name)
         else:
-            found = view.engine_to_own.get(event.parent_block_hash)
-            if found is None:
+            parent = view.engine_to_own.get(event.parent_block_hash)
+            if parent is None:
                 self.stats.unknown_parent += 1
                 return
-            parent = found
+            chained = parent
         one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
         tier = self._gpu if one == _GPU_ONE else self._offload
         bit = 1 << view.bit
@@ -183,13 +222,16 @@ class PrefixIndex:
         refs, e2o = view.refs, view.engine_to_own
         for i, engine_hash in enumerate(hashes):
             key = extra[i] if extra is not None and i < len(extra) else None
-            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs], repr(key).encode() if key else b"")
+            own = chain_hash(chained, tokens[i * bs : (i + 1) * bs], repr(key).encode() if key else b"")
             e2o.pop(engine_hash, None)  # re-insert: most recently used last
-            e2o[engine_hash] = parent
-            count = refs.pop(parent, 0)
-            refs[parent] = count + one
+            e2o[engine_hash] = own
+            count = refs.pop(own, 0)
+            refs[own] = count + one
             if not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
-                tier[parent] = tier.get(parent, 0) | bit
+                tier[own] = tier.get(own, 0) | bit
+                if one == _GPU_ONE:
+                    self._gpu_held(view, own, parent)
+            parent = chained = own
         self.stats.blocks_stored += len(hashes)
         if len(refs) > self.max_blocks_per_view or len(e2o) > self.max_blocks_per_view:
             self._shrink(view)
@@ -211,6 +253,8 @@ class PrefixIndex:
                 del view.refs[own]
             if not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
                 self._clear_bit(tier, own, view.bit)
+                if one == _GPU_ONE:
+                    self._gpu_released(view, own)
             self.stats.blocks_removed += 1
             view.evictions += 1
 
@@ -226,9 +270,11 @@ class PrefixIndex:
         """Past the memory bound, forget the least recently stored tenth of the view."""
         excess = len(view.refs) - self.max_blocks_per_view * 9 // 10
         for own in list(view.refs)[: max(excess, 0)]:
-            del view.refs[own]
+            held_on_gpu = view.refs.pop(own) & _GPU_MASK
             self._clear_bit(self._gpu, own, view.bit)
             self._clear_bit(self._offload, own, view.bit)
+            if held_on_gpu:
+                self._gpu_released(view, own)  # the oldest stored are often prefixes: orphans follow
             self.stats.evicted_for_memory += 1
         excess = len(view.engine_to_own) - self.max_blocks_per_view * 9 // 10
         for engine_hash in list(view.engine_to_own)[: max(excess, 0)]:
@@ -244,80 +290,83 @@ class PrefixIndex:
         """Per pod, the longest run of the prompt's blocks cached from the first block."""
         hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         wanted = set(pods)
-        by_size: dict[int, list[EngineView]] = {}
-        for view in self._views.values():
-            if view.pod in wanted and view.block_size:
-                by_size.setdefault(view.block_size, []).append(view)
         out: dict[str, PodMatch] = {}
         now = time.monotonic()
-        for bs, views in by_size.items():
+        for view in self._views.values():
+            if view.pod not in wanted or not view.block_size:
+                continue
+            bs = view.block_size
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
-            confirmed = self._runs(hashes, bs, usable, views, self._gpu, None)
-            with_spec = self._runs(hashes, bs, usable, views, self._gpu, now) if self._speculative else confirmed
-            any_tier = (self._runs(hashes, bs, usable, views, self._gpu, None, self._offload) if self._offload
-                        else confirmed)
-            for view in views:
-                gpu = with_spec[view.bit]
-                match = PodMatch(gpu * bs, max(0, any_tier[view.bit] - gpu) * bs,
-                                 (gpu - confirmed[view.bit]) * bs, view.approximate)
-                best = out.get(view.pod)
-                if best is None or match.gpu_tokens > best.gpu_tokens:
-                    out[view.pod] = match
+            bit = 1 << view.bit
+            confirmed = (self._closed_run(hashes, bs, usable, bit) if not view.orphans
+                         else self._extend(hashes, bs, usable, 0, bit, self._gpu))
+            gpu = self._extend(hashes, bs, usable, confirmed, bit, self._gpu, now) if self._speculative else confirmed
+            any_tier = (self._extend(hashes, bs, usable, confirmed, bit, self._gpu, None, self._offload)
+                        if self._offload else confirmed)
+            match = PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, view.approximate)
+            best = out.get(view.pod)
+            if best is None or match.gpu_tokens > best.gpu_tokens:
+                out[view.pod] = match
         for pod in wanted - out.keys():
             out[pod] = PodMatch()
         return out
 
-    def _runs(self, prompt: PromptHashes, bs: int, usable: int, views: list[EngineView], tier: dict[int, int],
-              now: float | None, also: dict[int, int] | None = None) -> dict[int, int]:
-        """Length of the run of leading blocks held, per view bit (hashing no further than needed)."""
-        mask = 0
-        for view in views:
-            mask |= 1 << view.bit
-        runs: dict[int, int] = {}
+    def _closed_run(self, prompt: PromptHashes, bs: int, usable: int, bit: int) -> int:
+        """The run of leading blocks in the GPU tier of a view closed under prefixes: galloping (0, 1, 3,
+        7, ... blocks), then bisecting; the prompt is hashed no further than twice the run."""
+        gpu = self._gpu
+        low, step = 0, 1  # every block before ``low`` is held
+        high = usable
+        while low < usable:
+            probe = min(low + step - 1, usable - 1)
+            if gpu.get(prompt.first(bs, probe + 1)[probe], 0) & bit:
+                low, step = probe + 1, step * 2
+            else:
+                high = probe
+                break
+        hashes = prompt.first(bs, high)
+        while low < high:
+            mid = (low + high) // 2
+            if gpu.get(hashes[mid], 0) & bit:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+    def _extend(self, prompt: PromptHashes, bs: int, usable: int, start: int, bit: int, tier: dict[int, int],
+                now: float | None = None, also: dict[int, int] | None = None) -> int:
+        """The run from ``start`` on, block by block, held in ``tier`` (or ``also``, or expected on the
+        view until past ``now``)."""
         spec = self._speculative if now is not None else None
-        hashes: list[int] = []
-        i = 0
-        while mask and i < usable:
+        i = start
+        hashes = prompt.first(bs, min(usable, start + 8))
+        while i < usable:
             if i == len(hashes):
-                hashes = prompt.first(bs, min(usable, max(8, 2 * i)))
+                hashes = prompt.first(bs, min(usable, 2 * i))
             h = hashes[i]
-            held = tier.get(h, 0)
-            if also is not None:
-                held |= also.get(h, 0)
-            if spec is not None and (expected := spec.get(h)):
-                for bit, expiry in expected.items():
-                    if expiry > now:
-                        held |= 1 << bit
-            held &= mask
-            dropped = mask & ~held
-            while dropped:
-                low = dropped & -dropped
-                runs[low.bit_length() - 1] = i
-                dropped ^= low
-            mask = held
+            held = tier.get(h, 0) | (also.get(h, 0) if also is not None else 0)
+            if not held & bit:
+                expected = spec.get(h) if spec is not None else None
+                if expected is None or (expiry := expected.get(bit.bit_length() - 1)) is None or expiry <= now:
+                    break
             i += 1
-        while mask:
-            low = mask & -mask
-            runs[low.bit_length() - 1] = i
-            mask ^= low
-        return runs
+        return i
 
     def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                confirmed_tokens: int = 0) -> None:
-        """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view). Of them, the
-        first ``confirmed_tokens``' worth the pod's events already confirmed: the other processes are told
-        only of the rest (they get the same events)."""
+        """Speculative insertion: the prompt's blocks will soon be on ``pod`` (rank 0's view). The first
+        ``confirmed_tokens``' worth the pod's events already confirmed: only the rest are expected, here
+        and by the other processes (they get the same events)."""
         now = time.monotonic()
         self._expire_speculative(now)
         view = self._views.get((pod, 0))
         if view is None or not view.block_size or self.speculative_ttl_s <= 0:
             return
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
-        hashes = prompt.first(view.block_size, prompt.token_count)
-        self._expect(view, hashes, now)
-        new = hashes[confirmed_tokens // view.block_size:]
+        new = prompt.first(view.block_size, prompt.token_count)[confirmed_tokens // view.block_size:]
         if new:
+            self._expect(view, new, now)
             self._publish(BlocksExpected(pod, new))
 
     def apply_remote(self, origin: str, fact: BlocksExpected) -> None:

@@ -91,6 +91,20 @@ def shared_blocks(old: list[int], new: list[int]) -> int:
     return low
 
 
+def exclusive_blocks(hashes: list[int], refs: dict[int, int]) -> int:
+    """How many of a placed context's blocks no other context on its pod holds. Another context holding
+    block ``i`` holds every block before it (hashes are chained), so the counts never rise along the
+    prompt: the exclusive blocks are a tail, found by bisection."""
+    low, high = 0, len(hashes)
+    while low < high:
+        mid = (low + high) // 2
+        if refs.get(hashes[mid], 0) > 1:
+            low = mid + 1
+        else:
+            high = mid
+    return len(hashes) - low
+
+
 class ContextForecast:
     """What contexts have shown so far, per context and over all: the think time between their requests,
     the prompt tokens each stage adds, how many stages a completed workflow had. Owned by the working set."""
@@ -174,8 +188,11 @@ class ResumableWorkingSet:
         """The live context named ``key``."""
         return self._contexts.get(key)
 
-    def continued(self, hashes: list[int]) -> Context | None:
-        """The live anonymous context whose last prompt the prompt of these block hashes extends."""
+    def continued(self, hashes: list[int], hint: int | None = None) -> Context | None:
+        """The live anonymous context whose last prompt the prompt of these block hashes extends: looked
+        for at block ``hint`` first (where the conversation's earlier prompt ended), then from the end."""
+        if hint is not None and 0 <= hint < len(hashes) and (tail := self._tails.get(hashes[hint])) is not None:
+            return self._contexts.get(tail)
         for h in reversed(hashes):
             tail = self._tails.get(h)
             if tail is not None:
@@ -199,8 +216,7 @@ class ResumableWorkingSet:
             return 0.0
         tokens = demand.tokens
         if exclude is not None and exclude.pod == pod and exclude.key in self._contexts:
-            own = sum(1 for h in exclude.hashes if demand.refs.get(h) == 1) * exclude.block_size
-            tokens -= own + exclude.expected_growth
+            tokens -= exclusive_blocks(exclude.hashes, demand.refs) * exclude.block_size + exclude.expected_growth
         return max(0.0, tokens)
 
     def others_on(self, pod: str, key: str, now: float) -> bool:

@@ -23,8 +23,8 @@ from gateway.workflow.context import context_key_of
 
 class ContextResolution:
     """prepare: the context the request continues (``routing.context_key``): the workflow or session it
-    names, else, for a tokenized prompt, the live conversation whose last prompt it extends or a new one;
-    and the prompt's block hashes (``routing.hashes``), computed once for everyone who looks it up."""
+    names, else, for a tokenized prompt, the live conversation whose last prompt it extends (looked for
+    first where the conversation's earlier prompt ended, when tokenization reused one) or a new one."""
 
     def __init__(self, pods: PodRegistry, index: PrefixIndex, working_set: ResumableWorkingSet) -> None:
         self._pods = pods
@@ -35,17 +35,17 @@ class ContextResolution:
         keyed = context_key_of(request.headers, request.parsed)
         if keyed is not None:
             routing.context_key, routing.context_keyed = keyed, True
-        if not routing.token_ids:
             return
-        routing.hashes = hashes = self._index.prompt_hashes(routing.base_model or routing.model, routing.lora_name,
-                                                           routing.token_ids)
-        if keyed is not None:
+        hashes = routing.hashes
+        if hashes is None:
             return
         block_size = next((bs for p in self._pods.candidates(routing.model) if (bs := self._index.block_size(p.name))),
                           None)
         if block_size is None:  # no pod's events have said how they cut prompts: nothing can be held
             return
-        continued = self._working_set.continued(hashes.first(block_size, hashes.token_count // block_size))
+        blocks = hashes.first(block_size, hashes.token_count // block_size)
+        earlier = routing.continued_tokens
+        continued = self._working_set.continued(blocks, earlier // block_size - 1 if earlier else None)
         routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
 
 
@@ -66,8 +66,8 @@ class ContextPlacement:
         if routing.context_key is None or hashes is None or block_size is None:
             return
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
-                               list(hashes.first(block_size, hashes.token_count // block_size)),
-                               hashes.token_count, self._clock())
+                               hashes.first(block_size, hashes.token_count // block_size), hashes.token_count,
+                               self._clock())
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         if attempt.routing.context_key is not None:

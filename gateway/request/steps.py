@@ -10,6 +10,7 @@ from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
 from gateway.core.errors import bad_request, unknown_model
+from gateway.kv.hashing import PromptHashes, namespace_root
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
@@ -44,11 +45,13 @@ class RequestValidation:
 
 
 class PromptTokenization:
-    """prepare: the prompt's token ids (``routing.token_ids``), when the policy needs them; a prompt longer
-    than the model's context is refused here, before any pod is bothered. For a model whose predictions
-    drift from the engines' (:mod:`gateway.kv.verification`), the ids come from a pod's ``/tokenize``
-    instead of the local tokenizer (or, without one, there are none: routing is approximate), and now and
-    then the configured tokenizer is asked too, as a probe of whether it agrees again
+    """prepare: the prompt's token ids and block hashes (``routing.token_ids``, ``routing.hashes``), when
+    the policy needs them; a prompt longer than the model's context is refused here, before any pod is
+    bothered. The next turn of a conversation reuses its earlier prompt's ids and hashes and works only on
+    what it adds (``routing.continued_tokens`` says how long that earlier prompt was). For a model whose
+    predictions drift from the engines' (:mod:`gateway.kv.verification`), the ids come from a pod's
+    ``/tokenize`` instead of the local tokenizer (or, without one, there are none: routing is approximate),
+    and now and then the configured tokenizer is asked too, as a probe of whether it agrees again
     (``routing.probe_tokens``)."""
 
     def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
@@ -68,18 +71,26 @@ class PromptTokenization:
     async def _tokenize_drifting(self, request: ClientRequest, routing: RoutingRequest) -> None:
         if self._verifier.probe_due(routing.base_model):
             probe = await self._tokens.tokenize(request.model, request.kind, request.parsed)
-            routing.probe_tokens = len(probe) if probe is not None else None
+            routing.probe_tokens = len(probe.ids) if probe is not None else None
         if self._tokens.has_local(request.model):
             await self._tokenize(request, routing, avoid_local=True)
 
     async def _tokenize(self, request: ClientRequest, routing: RoutingRequest, avoid_local: bool = False) -> None:
-        routing.token_ids = ids = await self._tokens.tokenize(request.model, request.kind, request.parsed,
-                                                              avoid_local=avoid_local)
+        tokens = await self._tokens.tokenize(request.model, request.kind, request.parsed, avoid_local=avoid_local)
+        if tokens is None:
+            return
+        ids = tokens.ids
         limit = self._max_prompt_tokens or self._pods.max_model_len(request.model)
-        if ids is not None and limit and len(ids) > limit:
+        if limit and len(ids) > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)}.",
                 param="messages", code="context_length_exceeded")
+        earlier = tokens.earlier
+        routing.token_ids = ids
+        routing.hashes = PromptHashes(namespace_root(routing.base_model or routing.model, routing.lora_name), ids,
+                                      earlier.hashes if earlier else None, len(earlier.ids) if earlier else 0)
+        routing.continued_tokens = earlier.tokens if earlier else None
+        self._tokens.remember(request.model, tokens, routing.hashes)
 
 
 class LoadEstimation:

@@ -67,12 +67,14 @@ class RoutingRequest:
     # predictions drift) the local tokenizer's count, as a probe.
     token_ids: list[int] | None = None
     probe_tokens: int | None = None
+    # Prompt tokenization, too: the prompt's block hashes (computed lazily, shared by everyone who looks
+    # the prompt up), and the length of the conversation's earlier prompt they reuse (None: none).
+    hashes: PromptHashes | None = None
+    continued_tokens: int | None = None
     # Context resolution: the context the request continues (a workflow, a session, or a conversation
-    # recognised by its prompt; None: it cannot be told), whether the client named it, and the prompt's
-    # block hashes (computed lazily, shared by everyone who looks the prompt up).
+    # recognised by its prompt; None: it cannot be told), and whether the client named it.
     context_key: str | None = None
     context_keyed: bool = False
-    hashes: PromptHashes | None = None
     # Load estimation: the request's size, and per pod its predicted cost there.
     input_tokens: int = 0
     predicted_output_tokens: int = 0

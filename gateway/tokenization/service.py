@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -19,19 +23,37 @@ from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
 from gateway.core.requests import InferenceRequest
 from gateway.http_client import HttpClient
+from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.lru import LruCache
 from gateway.metrics import GatewayMetrics
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.conversation import CHAT_KINDS, chat_messages, chat_tools
 from gateway.tokenization.hf import HfTokenizer
+from gateway.tokenization.reuse import ConversationMemory, RememberedPrompt, Splitter, TemplateReuse, fingerprints
 from gateway.tokenization.segments import SegmentEncoder
 
 log = logging.getLogger("gateway.tokenization")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A prompt's token ids, and what they reused: the conversation's earlier prompt whose ids they
+    begin with (None: tokenized whole)."""
+
+    ids: list[int]
+    earlier: RememberedPrompt | None = None
+    # Local chat prompts only: where to remember this prompt for the conversation's next turn.
+    fingerprint: int | None = None
+    messages: int = 0
 
 
 class LocalTokenizer:
-    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig) -> None:
+    """A model's local tokenizer, its caches (segments, completion prompts, conversations) and the
+    threads long new text is tokenized on."""
+
+    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig, executor: Executor | None = None) -> None:
         self.tokenizer = tokenizer
         self.segments = SegmentEncoder(tokenizer, config.segment_cache_size)
         if not self.segments.self_check():
@@ -39,26 +61,64 @@ class LocalTokenizer:
                         tokenizer.path)
         self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
         self._offload_chars = config.offload_chars
+        self._executor = executor
+        self.reuse = TemplateReuse(tokenizer.render_chat, Splitter(self.segments.split)) if self.segments.exact \
+            else None
+        self.memory = ConversationMemory(config.reuse_tokens)
+        generation = self.reuse.generation_prompt if self.reuse is not None else None
+        self._generation_ids = self.segments.encode(generation) if generation else []
+        if self.reuse is not None and not self.reuse.plain:
+            log.info("tokenizer %s: its chat template re-renders earlier turns; conversations are tokenized "
+                     "whole each turn", tokenizer.path)
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest,
-                   tools: list[dict[str, Any]] | None) -> list[int]:
-        text = self.tokenizer.render_chat(
-            messages,
-            add_generation_prompt=req.add_generation_prompt if req.add_generation_prompt is not None else True,
-            continue_final_message=bool(req.continue_final_message),
-            tools=tools,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
+                   tools: list[dict[str, Any]] | None) -> Tokens:
+        render = {"add_generation_prompt": req.add_generation_prompt if req.add_generation_prompt is not None else True,
+                  "continue_final_message": bool(req.continue_final_message), "tools": tools,
+                  "chat_template_kwargs": req.chat_template_kwargs}
+        reuse = self.reuse
+        if reuse is None or not reuse.plain or render["continue_final_message"]:
+            return Tokens(await self._whole(messages, render))
+        prints = fingerprints(messages, [tools, req.chat_template_kwargs, render["add_generation_prompt"]])
+        earlier = self.memory.longest(prints) if reuse.allows(messages, tools) else None
+        if earlier is not None:
+            tail = reuse.tail(messages[earlier.messages - 1], messages[earlier.messages:], **render)
+            if tail is not None:
+                self.memory.reused += 1
+                return Tokens(earlier.ids + await self._encode(tail), earlier, prints[-1], len(messages))
+        self.memory.missed += 1
+        return Tokens(await self._whole(messages, render), None, prints[-1], len(messages))
+
+    def remember(self, tokens: Tokens, hashes: PromptHashes) -> None:
+        """Remember a chat prompt (with its block hashes, once made) for the conversation's next turn."""
+        generation = self._generation_ids
+        if tokens.fingerprint is None or (generation and tokens.ids[-len(generation):] != generation):
+            return  # not a prompt this template ends as usual: the next turn renders whole
+        self.memory.remember(tokens.fingerprint, RememberedPrompt(
+            tokens.messages, tokens.ids[: len(tokens.ids) - len(generation)], hashes, len(tokens.ids)))
+
+    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any]) -> list[int]:
+        """A prompt rendered and tokenized from its first message: long ones on the tokenization threads
+        (the template too), the segment cache read and filled on the event loop (it is not shared)."""
+        if sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages) \
+                > self._offload_chars:
+            text = await self._off_loop(lambda: self.tokenizer.render_chat(messages, **render))
+        else:
+            text = self.tokenizer.render_chat(messages, **render)
+        return await self._encode(text)
+
+    async def _encode(self, text: str) -> list[int]:
         if not self.segments.exact:
             if len(text) > self._offload_chars:
-                return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+                return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
             return self.tokenizer.encode(text, add_special_tokens=False)
         pieces = self.segments.split(text)
         new = self.segments.uncached(pieces)
         if sum(map(len, new)) > self._offload_chars:
-            encoded = await asyncio.to_thread(
-                lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in new]
-            )
+            encoded = await self._off_loop(lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in new])
             for piece, ids in zip(new, encoded, strict=True):
                 self.segments.remember(piece, ids)
         return self.segments.encode(pieces)
@@ -67,7 +127,7 @@ class LocalTokenizer:
         ids = self._prompts.touch(prompt)
         if ids is None:
             if len(prompt) > self._offload_chars:
-                ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+                ids = await self._off_loop(lambda: self.tokenizer.encode(prompt))
             else:
                 ids = self.tokenizer.encode(prompt)
             self._prompts.put(prompt, ids)
@@ -85,13 +145,19 @@ class TokenizationService:
         self._remote_timeout = aiohttp.ClientTimeout(total=config.remote_timeout_s)
         self._http = http
         self._ledger = ledger
+        # Long new text is tokenized here, beside the event loop (encode_batch releases the GIL).
+        self._executor = ThreadPoolExecutor(config.threads or len(os.sched_getaffinity(0)),
+                                            thread_name_prefix="tokenize")
 
     def load(self) -> None:
         """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
         for model, cfg in self._config.models.items():
             if cfg.mode == "local" and cfg.path:
-                self._local[model] = LocalTokenizer(HfTokenizer(cfg.path), self._config)
+                self._local[model] = LocalTokenizer(HfTokenizer(cfg.path), self._config, self._executor)
                 log.info("model %s: local tokenizer from %s", model, cfg.path)
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     def local(self, model: str) -> LocalTokenizer | None:
         return self._local.get(model)
@@ -105,7 +171,7 @@ class TokenizationService:
         return base in self._local and self.mode_of(base) == "local"
 
     async def tokenize(self, model: str, kind: str, req: InferenceRequest, *, avoid_local: bool = False
-                       ) -> list[int] | None:
+                       ) -> Tokens | None:
         """The prompt's token ids, or None. ``avoid_local``: ask a pod even if a local tokenizer is
         configured (its predictions drift from the engines')."""
         base = self._pods.base_model(model)
@@ -113,29 +179,36 @@ class TokenizationService:
         started = time.perf_counter()
         try:
             if mode == "local" and base in self._local and not avoid_local:
-                ids = await self._local_tokens(self._local[base], kind, req)
+                tokens = await self._local_tokens(self._local[base], kind, req)
             elif mode in ("local", "remote"):
                 mode = "remote"
                 ids = await self._remote_tokens(model, kind, req)
+                tokens = Tokens(ids) if ids is not None else None
             else:
-                ids = None
+                tokens = None
                 self._warn_once(base, "no tokenizer is configured for it")
         except _NotTokenizable as exc:
             self._metrics.tokenization_done(base, mode, exc.outcome, None)
             return None
-        self._metrics.tokenization_done(base, mode, "ok" if ids is not None else "unavailable",
+        self._metrics.tokenization_done(base, mode, "ok" if tokens is not None else "unavailable",
                                         time.perf_counter() - started)
-        return ids
+        return tokens
 
-    async def _local_tokens(self, local: LocalTokenizer, kind: str, req: InferenceRequest) -> list[int] | None:
+    def remember(self, model: str, tokens: Tokens, hashes: PromptHashes) -> None:
+        """A chat prompt's block hashes exist: its conversation's next turn may build on it."""
+        local = self._local.get(self._pods.base_model(model))
+        if local is not None and tokens.fingerprint is not None:
+            local.remember(tokens, hashes)
+
+    async def _local_tokens(self, local: LocalTokenizer, kind: str, req: InferenceRequest) -> Tokens | None:
         try:
             if kind in CHAT_KINDS:
                 messages = chat_messages(kind, req, merge_inline_system=local.tokenizer.system_first)
                 return await local.chat(messages, req, chat_tools(kind, req)) if messages else None
             prompt = first_prompt(req.prompt)
             if isinstance(prompt, str):
-                return await local.prompt(prompt)
-            return prompt
+                return Tokens(await local.prompt(prompt))
+            return Tokens(prompt) if prompt is not None else None
         except NotRenderable as exc:
             log.debug("not tokenized exactly: %s", exc)
             raise _NotTokenizable("not_renderable") from None

@@ -244,17 +244,48 @@ def event_sequences(draw: st.DrawFn) -> list[tuple[tuple[str, int], list]]:
     return batches
 
 
+prompts_of_blocks = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=5)
+
+
 @settings(max_examples=300, deadline=None)
-@given(batches=event_sequences(), prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20),
-                                                   min_size=1, max_size=5))
-def test_the_gateways_index_agrees_with_the_reference_on_any_event_sequence(batches, prompts):
-    ours, reference = PrefixIndex(), ReferenceIndex()
+@given(batches=event_sequences(), prompts=prompts_of_blocks,
+       expected=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(st.integers(0, 2), max_size=20),
+                                   st.integers(0, 12)), max_size=3))
+def test_the_gateways_index_agrees_with_the_reference_on_any_event_sequence(batches, prompts, expected):
+    """Any stores, duplicates, removals (holes in the middle of a prefix included), clears, tiers and
+    speculative insertions: the same answers as the plainest implementation."""
+    ours, reference = PrefixIndex(speculative_ttl_s=60), ReferenceIndex(speculative_ttl_s=60)
     for index in (ours, reference):
         views = {key: index.view(*key, "m", BS) for key in (("a", 0), ("a", 1), ("b", 0))}
         for key, events in batches:
             index.apply(views[key], events)
+        for pod, tokens, confirmed in expected:
+            index.expect(pod, "m", None, tokens, confirmed_tokens=confirmed)
     for prompt in prompts:
         assert ours.lookup("m", None, prompt, ["a", "b"]) == reference.lookup("m", None, prompt, ["a", "b"]), prompt
     for key in (("a", 0), ("a", 1), ("b", 0)):
         assert ours.own_hashes(*key) == reference.own_hashes(*key)
     assert ours.stats == reference.stats
+
+
+def test_a_closed_view_is_bisected_and_the_prompt_hashed_no_further_than_needed(in_memory):
+    index = in_memory
+    view = index.view("a", 0, "m", BS)
+    prompt = list(range(4000))
+    index.apply(view, [stored(list(range(1, 101)), None, prompt[:400])])  # the first 100 of 999 blocks
+    hashes = index.prompt_hashes("m", None, prompt)
+    assert index.lookup("m", None, hashes, ["a"])["a"].gpu_tokens == 400
+    assert view.orphans == 0 and hashes.known(BS) <= 2 * 100 + 1  # galloping past the run, not to the end
+    assert index.lookup("m", None, list(range(10_000, 14_000)), ["a"])["a"].gpu_tokens == 0
+
+
+def test_a_view_that_lost_a_parent_is_walked_block_by_block(in_memory):
+    index = in_memory
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply(view, [BlockRemoved([2])])  # a hole: blocks 3 and 4 are held without their parent
+    assert view.orphans == 1 and match(index) == {"a": 4, "b": 0}
+    index.apply(view, [stored([2], 1, PROMPT[4:8])])  # the parent again: closed once more
+    assert view.orphans == 0 and match(index) == {"a": 16, "b": 0}
+    index.apply(view, [BlockRemoved([4, 3, 2])])  # evicted children first, as engines do
+    assert view.orphans == 0 and match(index) == {"a": 4, "b": 0}

@@ -114,6 +114,12 @@ def test_a_grown_prompt_recounts_only_its_new_blocks_and_the_counts_stay_exact()
         for pod in ("p0", "p1"):
             expected = {h for k, t in prompts.items() if where[k] == pod for h in chained(t)}
             assert s.debug([pod], lambda _: None, now=0.0)["pods"][pod]["distinct_blocks"] == len(expected)
+            for k in (k for k in prompts if where[k] == pod):  # a context's exclusive share, by bisection
+                others = {h for o, t in prompts.items() if where[o] == pod and o != k for h in chained(t)}
+                exclusive = sum(1 for h in chained(prompts[k]) if h not in others)
+                ctx = s.context(k)
+                assert s.demand_tokens(pod, 0.0, exclude=ctx) == pytest.approx(
+                    s.demand_tokens(pod, 0.0) - exclusive * BS - ctx.expected_growth)
     for key in prompts:
         assert s.release(key)
     assert all(s.debug([pod], lambda _: None, now=0)["pods"][pod]["distinct_blocks"] == 0 for pod in ("p0", "p1"))
