@@ -8,6 +8,7 @@ process and version; these do not. Seeding with the parent avoids building a new
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -44,7 +45,7 @@ class PromptHashes:
 
     __slots__ = ("_by_size", "_tokens", "root", "token_count")
 
-    def __init__(self, root: int, token_ids: list[int], earlier: PromptHashes | None = None,
+    def __init__(self, root: int, token_ids: Sequence[int], earlier: PromptHashes | None = None,
                  shared_tokens: int = 0) -> None:
         self.root = root
         self.token_count = len(token_ids)
@@ -63,7 +64,8 @@ class PromptHashes:
         start = len(done)
         if start < count:
             # Only the tokens of the blocks still to hash are packed: a long prompt's head is never copied.
-            data = array("I", self._tokens[start * block_size : count * block_size]).tobytes()
+            tokens = self._tokens[start * block_size : count * block_size]
+            data = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
             step = 4 * block_size
             parent = done[-1] if done else self.root
             for offset in range(0, (count - start) * step, step):

@@ -88,7 +88,7 @@ class PromptTokenization:
         earlier = tokens.earlier
         routing.token_ids = ids
         routing.hashes = PromptHashes(namespace_root(routing.base_model or routing.model, routing.lora_name), ids,
-                                      earlier.hashes if earlier else None, len(earlier.ids) if earlier else 0)
+                                      earlier.hashes if earlier else None, earlier.length if earlier else 0)
         routing.continued_tokens = earlier.tokens if earlier else None
         self._tokens.remember(request.model, tokens, routing.hashes)
 

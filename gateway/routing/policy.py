@@ -9,7 +9,7 @@ the :class:`~gateway.routing.router.Router` only runs them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,7 +65,7 @@ class RoutingRequest:
     lora_name: str | None = None
     # Prompt tokenization: the token ids exactly as the engine will see them, and (for a model whose
     # predictions drift) the local tokenizer's count, as a probe.
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None
     probe_tokens: int | None = None
     # Prompt tokenization, too: the prompt's block hashes (computed lazily, shared by everyone who looks
     # the prompt up), and the length of the conversation's earlier prompt they reuse (None: none).

@@ -77,6 +77,12 @@ class HfTokenizer:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """Several texts at once, without special tokens (one call into the Rust tokenizer, GIL released)."""
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        return [self.encode(t, add_special_tokens=False) for t in texts]
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids)
 

@@ -22,6 +22,7 @@ LRU bounded by their tokens.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,9 +55,14 @@ class RememberedPrompt:
     """A conversation's prompt as its next turn may reuse it."""
 
     messages: int  # how many messages it rendered
-    ids: list[int]  # their token ids, without the generation prompt
-    hashes: PromptHashes  # the block hashes of the whole prompt that was routed (filled as it was looked up)
-    tokens: int  # that whole prompt's length (the ids plus the generation prompt)
+    ids: array[int]  # the whole prompt that was routed: the messages' token ids, then the generation prompt
+    length: int  # of those, the messages' (the ids a next turn begins with)
+    hashes: PromptHashes  # the block hashes of the whole prompt (filled as it was looked up)
+
+    @property
+    def tokens(self) -> int:
+        """The whole prompt's length."""
+        return len(self.ids)
 
 
 class ConversationMemory:
@@ -83,12 +89,12 @@ class ConversationMemory:
     def remember(self, fingerprint: int, prompt: RememberedPrompt) -> None:
         old = self._prompts.pop(fingerprint, None)
         if old is not None:
-            self._tokens -= len(old.ids)
+            self._tokens -= old.tokens
         self._prompts[fingerprint] = prompt
-        self._tokens += len(prompt.ids)
+        self._tokens += prompt.tokens
         while self._tokens > self.max_tokens and len(self._prompts) > 1:
             _, evicted = self._prompts.popitem(last=False)
-            self._tokens -= len(evicted.ids)
+            self._tokens -= evicted.tokens
 
     def __len__(self) -> int:
         return len(self._prompts)

@@ -12,6 +12,7 @@ Owner: a :class:`SegmentEncoder` owns its LRU of segment encodings. Exactness is
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Callable
 
 from gateway.lru import LruCache
@@ -33,7 +34,7 @@ class SegmentEncoder:
         # Longest first, so a token that is a prefix of another never wins the match.
         names = sorted(self._added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
-        self._cache: LruCache[str, list[int]] = LruCache(max_segments)
+        self._cache: LruCache[str, array[int]] = LruCache(max_segments)
         self.hits = 0
         self.misses = 0
         self.exact = tokenizer.added_tokens_split_cleanly() and self._split is not None
@@ -43,13 +44,14 @@ class SegmentEncoder:
         assert self._split is not None
         return self._split.split(text)
 
-    def encode(self, text: str | list[str], encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
+    def encode(self, text: str | list[str], encode_segment: Callable[[str], list[int]] | None = None) -> array[int]:
         """Token ids of a rendered chat prompt (no special tokens added beyond those in the text);
-        ``text`` may come already :meth:`split`."""
+        ``text`` may come already :meth:`split`. As packed arrays, segments and prompts alike: joining
+        a long prompt's cached segments copies bytes, not a hundred thousand int objects."""
         if not self.exact:
             assert isinstance(text, str)
-            return self._tok.encode(text, add_special_tokens=False)
-        out: list[int] = []
+            return array("I", self._tok.encode(text, add_special_tokens=False))
+        out = array("I")
         for i, piece in enumerate(self.split(text) if isinstance(text, str) else text):
             if i % 2:  # odd pieces are the added tokens themselves
                 out.append(self._added[piece])
@@ -61,18 +63,18 @@ class SegmentEncoder:
         """The text segments among :meth:`split` ``pieces`` not yet in the cache."""
         return [p for i, p in enumerate(pieces) if not i % 2 and p and p not in self._cache]
 
-    def segment(self, piece: str, encode_segment: Callable[[str], list[int]] | None = None) -> list[int]:
+    def segment(self, piece: str, encode_segment: Callable[[str], list[int]] | None = None) -> array[int]:
         ids = self._cache.touch(piece)
         if ids is None:
             self.misses += 1
-            ids = (encode_segment or self._encode_plain)(piece)
+            ids = array("I", (encode_segment or self._encode_plain)(piece))
             self._cache.put(piece, ids)
         else:
             self.hits += 1
         return ids
 
     def remember(self, piece: str, ids: list[int]) -> None:
-        self._cache.put(piece, ids)
+        self._cache.put(piece, array("I", ids))
 
     def _encode_plain(self, piece: str) -> list[int]:
         return self._tok.encode(piece, add_special_tokens=False)
@@ -86,7 +88,7 @@ class SegmentEncoder:
                 text = self._tok.render_chat(messages)
             except Exception:  # a template that rejects a probe (e.g. no system role) proves nothing
                 continue
-            if self.encode(text) != self._tok.encode(text, add_special_tokens=False):
+            if self.encode(text).tolist() != self._tok.encode(text, add_special_tokens=False):
                 self.exact = False
                 self._cache.clear()
                 return False

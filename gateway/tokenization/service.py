@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ class Tokens:
     """A prompt's token ids, and what they reused: the conversation's earlier prompt whose ids they
     begin with (None: tokenized whole)."""
 
-    ids: list[int]
+    ids: Sequence[int]  # a packed array for chat prompts (cheap to extend and to copy), else a list
     earlier: RememberedPrompt | None = None
     # Local chat prompts only: where to remember this prompt for the conversation's next turn.
     fingerprint: int | None = None
@@ -53,7 +54,8 @@ class LocalTokenizer:
     """A model's local tokenizer, its caches (segments, completion prompts, conversations) and the
     threads long new text is tokenized on."""
 
-    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig, executor: Executor | None = None) -> None:
+    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig, executor: Executor | None = None,
+                 threads: int = 1) -> None:
         self.tokenizer = tokenizer
         self.segments = SegmentEncoder(tokenizer, config.segment_cache_size)
         if not self.segments.self_check():
@@ -62,11 +64,12 @@ class LocalTokenizer:
         self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
         self._offload_chars = config.offload_chars
         self._executor = executor
+        self._threads = threads
         self.reuse = TemplateReuse(tokenizer.render_chat, Splitter(self.segments.split)) if self.segments.exact \
             else None
         self.memory = ConversationMemory(config.reuse_tokens)
         generation = self.reuse.generation_prompt if self.reuse is not None else None
-        self._generation_ids = self.segments.encode(generation) if generation else []
+        self._generation_ids = self.segments.encode(generation) if generation else array("I")
         if self.reuse is not None and not self.reuse.plain:
             log.info("tokenizer %s: its chat template re-renders earlier turns; conversations are tokenized "
                      "whole each turn", tokenizer.path)
@@ -88,19 +91,20 @@ class LocalTokenizer:
             tail = reuse.tail(messages[earlier.messages - 1], messages[earlier.messages:], **render)
             if tail is not None:
                 self.memory.reused += 1
-                return Tokens(earlier.ids + await self._encode(tail), earlier, prints[-1], len(messages))
+                return Tokens(earlier.ids[: earlier.length] + await self._encode(tail), earlier, prints[-1],
+                              len(messages))
         self.memory.missed += 1
         return Tokens(await self._whole(messages, render), None, prints[-1], len(messages))
 
     def remember(self, tokens: Tokens, hashes: PromptHashes) -> None:
         """Remember a chat prompt (with its block hashes, once made) for the conversation's next turn."""
-        generation = self._generation_ids
-        if tokens.fingerprint is None or (generation and tokens.ids[-len(generation):] != generation):
+        generation, ids = self._generation_ids, tokens.ids
+        if tokens.fingerprint is None or not isinstance(ids, array) or ids[len(ids) - len(generation):] != generation:
             return  # not a prompt this template ends as usual: the next turn renders whole
-        self.memory.remember(tokens.fingerprint, RememberedPrompt(
-            tokens.messages, tokens.ids[: len(tokens.ids) - len(generation)], hashes, len(tokens.ids)))
+        self.memory.remember(tokens.fingerprint, RememberedPrompt(tokens.messages, ids, len(ids) - len(generation),
+                                                                  hashes))
 
-    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any]) -> list[int]:
+    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any]) -> array[int]:
         """A prompt rendered and tokenized from its first message: long ones on the tokenization threads
         (the template too), the segment cache read and filled on the event loop (it is not shared)."""
         if sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages) \
@@ -110,18 +114,33 @@ class LocalTokenizer:
             text = self.tokenizer.render_chat(messages, **render)
         return await self._encode(text)
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str) -> array[int]:
         if not self.segments.exact:
             if len(text) > self._offload_chars:
-                return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
-            return self.tokenizer.encode(text, add_special_tokens=False)
+                return array("I", await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False)))
+            return array("I", self.tokenizer.encode(text, add_special_tokens=False))
         pieces = self.segments.split(text)
         new = self.segments.uncached(pieces)
         if sum(map(len, new)) > self._offload_chars:
-            encoded = await self._off_loop(lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in new])
-            for piece, ids in zip(new, encoded, strict=True):
+            for piece, ids in zip(new, await self._encode_spread(new), strict=True):
                 self.segments.remember(piece, ids)
         return self.segments.encode(pieces)
+
+    async def _encode_spread(self, texts: list[str]) -> list[list[int]]:
+        """Long new text split over the tokenization threads, by characters: one prompt is tokenized by
+        every core rather than one."""
+        shares = self._threads
+        size = -(-sum(map(len, texts)) // shares)
+        groups: list[list[str]] = [[]]
+        filled = 0
+        for text in texts:
+            if filled >= size and len(groups) < shares:
+                groups.append([])
+                filled = 0
+            groups[-1].append(text)
+            filled += len(text)
+        done = await asyncio.gather(*(self._off_loop(lambda g=g: self.tokenizer.encode_many(g)) for g in groups))
+        return [ids for group in done for ids in group]
 
     async def prompt(self, prompt: str) -> list[int]:
         ids = self._prompts.touch(prompt)
@@ -146,14 +165,15 @@ class TokenizationService:
         self._http = http
         self._ledger = ledger
         # Long new text is tokenized here, beside the event loop (encode_batch releases the GIL).
-        self._executor = ThreadPoolExecutor(config.threads or len(os.sched_getaffinity(0)),
-                                            thread_name_prefix="tokenize")
+        self._threads = config.threads or len(os.sched_getaffinity(0))
+        self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenize")
 
     def load(self) -> None:
         """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
         for model, cfg in self._config.models.items():
             if cfg.mode == "local" and cfg.path:
-                self._local[model] = LocalTokenizer(HfTokenizer(cfg.path), self._config, self._executor)
+                self._local[model] = LocalTokenizer(HfTokenizer(cfg.path), self._config, self._executor,
+                                                    self._threads)
                 log.info("model %s: local tokenizer from %s", model, cfg.path)
 
     async def stop(self) -> None:

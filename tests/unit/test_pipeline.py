@@ -162,7 +162,7 @@ async def test_tokenization_fills_the_token_ids_or_refuses_a_prompt_too_long(tok
     assert waiting is not None
     if outcome == "tokenized":
         await waiting
-        assert routing.token_ids == tokenizer.encode_chat(request.parsed.messages)
+        assert list(routing.token_ids) == tokenizer.encode_chat(request.parsed.messages)
     else:
         with pytest.raises(GatewayError) as info:
             await waiting
