@@ -62,6 +62,7 @@ from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
+from gateway.workflow.context import ContextSignals
 from gateway.workflow.service import WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
@@ -115,7 +116,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
     replicate(bus, ledger, tracker, sessions, working_set, index)
-    workflows = WorkflowService(wc, tracker, sessions, executor, modes)
+    signals = ContextSignals(wc.session_headers)
+    workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     admit = SloAdmission(pods, admission, metrics)
@@ -125,7 +127,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     placement = ContextPlacement(index, working_set)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
-                 ContextResolution(pods, index, working_set),
+                 ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit],
         dispatch=[RoutingMetrics(metrics), RoutedPrefix(index, approximate), placement, planning],

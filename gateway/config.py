@@ -238,6 +238,9 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     # the pod that served the session last.
     session_affinity: bool = True
     max_sessions: int = 100_000
+    # Headers that name a session besides the built-in ones (x-session-id, the agent tools' own: see
+    # docs/architecture.md), read after them; the value is the session, matched exactly.
+    session_headers: list[str] = []
 
 
 class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):

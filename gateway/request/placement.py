@@ -18,7 +18,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.workflow.context import context_key_of
+from gateway.workflow.context import ContextSignals
 
 
 class ContextResolution:
@@ -26,13 +26,15 @@ class ContextResolution:
     names, else, for a tokenized prompt, the live conversation whose last prompt it extends (looked for
     first where the conversation's earlier prompt ended, when tokenization reused one) or a new one."""
 
-    def __init__(self, pods: PodRegistry, index: PrefixIndex, working_set: ResumableWorkingSet) -> None:
+    def __init__(self, pods: PodRegistry, index: PrefixIndex, working_set: ResumableWorkingSet,
+                 signals: ContextSignals) -> None:
         self._pods = pods
         self._index = index
         self._working_set = working_set
+        self._signals = signals
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
-        keyed = context_key_of(request.headers, request.parsed)
+        keyed = self._signals.context_key(request.headers, request.parsed)
         if keyed is not None:
             routing.context_key, routing.context_keyed = keyed, True
             return

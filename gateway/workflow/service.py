@@ -22,7 +22,7 @@ from gateway.core.requests import InferenceRequest
 from gateway.load.pressure_modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor
-from gateway.workflow.context import WorkflowContext, parse_workflow_context
+from gateway.workflow.context import ContextSignals, WorkflowContext
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import NOOP, ActionKind, Plan, Workflow, WorkflowTracker
 
@@ -59,8 +59,9 @@ NO_PLAN = RequestPlan(WorkflowContext(), Plan(None, None, NOOP))
 
 class WorkflowService:
     def __init__(self, config: WorkflowConfig, tracker: WorkflowTracker, sessions: SessionAffinity,
-                 executor: CacheActionExecutor, modes: PressureModes) -> None:
+                 executor: CacheActionExecutor, modes: PressureModes, signals: ContextSignals) -> None:
         self.config = config
+        self.signals = signals
         self.tracker = tracker
         self.sessions = sessions
         self.executor = executor
@@ -87,7 +88,7 @@ class WorkflowService:
         """The cache action and the pin of a request about to be routed."""
         if not self.config.enabled:
             return NO_PLAN
-        ctx = parse_workflow_context(headers, body)
+        ctx = self.signals.parse(headers, body)
         plan = self.tracker.begin(ctx, model, prompt_tokens)
         session = ctx.session_id if ctx.workflow_id is None and self.config.session_affinity else None
         action = plan.action

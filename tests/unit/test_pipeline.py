@@ -57,6 +57,7 @@ from gateway.routing.router import Router
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor
+from gateway.workflow.context import ContextSignals
 from gateway.workflow.service import NO_PLAN, WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
@@ -180,7 +181,7 @@ class Contexts:
             self.index.view(pod.name, 0, MODEL, BS)
         self.ledger = InFlightLedger()
         self.working_set = ResumableWorkingSet(PlacementConfig(), self.ledger, anonymous_prefix="anon-")
-        self.step = ContextResolution(self.pods, self.index, self.working_set)
+        self.step = ContextResolution(self.pods, self.index, self.working_set, ContextSignals())
 
     def resolve(self, token_ids: list[int] | None, headers: dict[str, str] | None = None,
                 **body: Any) -> RoutingRequest:
@@ -259,7 +260,7 @@ def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_wi
     executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry, GatewayMetrics(),
                                    lambda pod: None, HttpClient(), hard_flush=False)
     step = WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
-                                            PressureModes()))
+                                            PressureModes(), ContextSignals()))
     first = client_request(chat("stage one"), headers={"x-workflow-id": "wf", "x-stage-id": "s1"})
     routing = routing_of(first, token_ids=list(range(1000)), context_key="workflow:wf")
     plan = step.plan(first, routing)

@@ -12,9 +12,11 @@ from gateway.core.requests import InferenceRequest, Metadata
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pressure_modes import PressureMode
 from gateway.pressure import next_mode
-from gateway.workflow.context import WorkflowContext, parse_workflow_context
+from gateway.workflow.context import ContextSignals, WorkflowContext
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import ActionKind, WorkflowTracker
+
+parse_workflow_context = ContextSignals().parse
 
 
 def ctx(stage: str, **kw) -> WorkflowContext:
@@ -183,3 +185,39 @@ def test_context_from_headers_aliases_and_body():
         with pytest.raises(GatewayError) as info:
             parse_workflow_context(headers(**bad), InferenceRequest(model="m"))
         assert info.value.kind is ErrorKind.INVALID_REQUEST
+
+
+def raw_headers(values: dict[str, str]) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict(values))
+
+
+@pytest.mark.parametrize(("sent", "body", "key"), [
+    ({"X-Claude-Code-Session-Id": "cc-1"}, {}, "session:cc-1"),
+    ({"X-Claude-Code-Session-Id": "cc-1", "X-Claude-Code-Agent-Id": "a7"}, {}, "session:cc-1/agent:a7"),
+    ({"X-Qwen-Code-Session-Id": "qw-1"}, {}, "session:qw-1"),
+    ({"session_id": "codex-1", "conversation_id": "codex-1"}, {"prompt_cache_key": "codex-1"}, "session:codex-1"),
+    ({"conversation_id": "codex-2"}, {}, "session:codex-2"),
+    ({"session-id": "s"}, {}, "session:s"), ({"thread-id": "t"}, {}, "session:t"),
+    ({}, {"prompt_cache_key": "pck"}, "session:pck"),
+    ({}, {"metadata": Metadata(user_id="user_ab_account_cd_session_ef")}, "session:user_ab_account_cd_session_ef"),
+    ({}, {"user": "alice"}, "session:alice"),
+    ({"x-session-id": "mine", "X-Claude-Code-Session-Id": "cc"}, {"user": "alice"}, "session:mine"),  # first wins
+    ({"X-Claude-Code-Session-Id": "cc"}, {"prompt_cache_key": "pck", "user": "alice"}, "session:cc"),
+    ({"x-workflow-id": "wf", "x-session-id": "s"}, {}, "workflow:wf"),
+    ({"X-Claude-Code-Agent-Id": "a7"}, {}, None),  # an agent id alone names no session
+    ({"X-Claude-Code-Session-Id": "  "}, {"user": "bob"}, "session:bob"),  # blank is absent
+    ({}, {}, None),
+])
+def test_agent_tools_session_signals_map_to_one_context_each(sent, body, key):
+    assert ContextSignals().context_key(raw_headers(sent), InferenceRequest(model="m", **body)) == key
+
+
+def test_session_ids_match_exactly_and_configured_headers_come_after_the_builtin_ones():
+    signals = ContextSignals(extra_headers=["X-My-Agent-Run"])
+    keys = {signals.context_key(raw_headers({"x-session-id": sid}), InferenceRequest(model="m"))
+            for sid in ("abc", "abc-1", "ABC", "abc ")}
+    assert keys == {"session:abc", "session:abc-1", "session:ABC"}  # "abc " is "abc", trimmed
+    assert signals.context_key(raw_headers({"x-my-agent-run": "r1"}), InferenceRequest(model="m")) == "session:r1"
+    assert signals.context_key(raw_headers({"x-my-agent-run": "r1", "thread-id": "t"}),
+                               InferenceRequest(model="m")) == "session:t"
+    assert ContextSignals().context_key(raw_headers({"x-my-agent-run": "r1"}), InferenceRequest(model="m")) is None
