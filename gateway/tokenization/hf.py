@@ -31,6 +31,10 @@ class HfTokenizer:
         # The Rust tokenizer underneath, called directly: the same ids without transformers' per-call
         # overhead (which dominates for the short segments that routing tokenizes).
         self._backend = getattr(self._tok, "backend_tokenizer", None)
+        # Its batch call without character offsets (``encode_batch_fast``, tokenizers >= 0.21) where it has
+        # one: the offsets are a third of the work, and routing needs the ids alone.
+        self._encode_batch = getattr(self._backend, "encode_batch_fast", None) or getattr(
+            self._backend, "encode_batch", None)
         self.eos_token_id: int | None = self._tok.eos_token_id
 
     def __len__(self) -> int:
@@ -71,16 +75,16 @@ class HfTokenizer:
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if self._backend is not None:
-            # encode_batch releases the GIL while it works and encode does not (benchmarks/tokenize_threads.py):
+        if self._encode_batch is not None:
+            # The batch call releases the GIL while it works and encode does not (benchmarks/tokenize_threads.py):
             # long new text tokenized in a worker thread then really runs beside the event loop.
-            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """Several texts at once, without special tokens (one call into the Rust tokenizer, GIL released)."""
-        if self._backend is not None:
-            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        if self._encode_batch is not None:
+            return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
         return [self.encode(t, add_special_tokens=False) for t in texts]
 
     def decode(self, token_ids: list[int]) -> str:
