@@ -28,7 +28,9 @@ class HttpClient:
     async def start(self) -> None:
         # No per-host cap: pods are few and hot.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # No cookie jar: a pod's Set-Cookie answers one client, and must never ride on another's request.
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              cookie_jar=aiohttp.DummyCookieJar())
 
     async def stop(self) -> None:
         if self._session is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -264,3 +265,22 @@ async def test_compressed_bodies_reach_the_pod_decoded_and_bad_ones_are_refused(
                 else:
                     assert_openai_error(payload, code)
     assert len(received) == len(codecs)
+
+
+async def test_a_pods_cookie_never_reaches_another_clients_request(start_backend, start_gateway):
+    seen: list[str | None] = []
+
+    async def sets_cookie(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("cookie"))
+        response = web.json_response({"id": "x", "choices": []})
+        response.set_cookie("session", "for-the-first-client-only")
+        return response
+
+    # By name, as pods in a cluster are (aiohttp's own jar ignores cookies of bare IP addresses).
+    pod = (await start_backend(backend(sets_cookie))).replace("127.0.0.1", "localhost")
+    gw = await start_gateway([pod])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as clients:  # clients that keep none
+        for _ in range(2):
+            async with clients.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+                assert resp.status == 200 and "set-cookie" in resp.headers.get("set-cookie", "set-cookie")
+    assert seen == [None, None]  # the gateway kept no cookie of the pod's to send on
