@@ -50,7 +50,7 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import ContextPlacement, ContextResolution, RoutedPrefix
+from gateway.request.placement import ContextPlacement, ContextResolution, PlacementLosses, RoutedPrefix
 from gateway.request.steps import (
     LoadEstimation,
     PromptTokenization,
@@ -124,7 +124,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server)
     planning = WorkflowPlanning(workflows)
-    placement = ContextPlacement(index, working_set)
+    losses = PlacementLosses(metrics)
+    placement = ContextPlacement(index, working_set, losses)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
@@ -164,7 +165,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, identity=identity, bus=bus,
+        membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
         shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )

@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureMonitor
 from gateway.request.director import RequestDirector
+from gateway.request.placement import PlacementLosses
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.service import WorkflowService
@@ -66,6 +67,7 @@ class Gateway:
     modes: PressureModes
     identity: WorkerIdentity  # which worker of which replica this is
     bus: StateBus
+    losses: PlacementLosses  # where cache hits were lost (/debug/placement)
     shared_load: SharedLoadTable | None  # with several workers
     # Present only when their config turns them on.
     pressure: PressureMonitor | None

@@ -105,6 +105,10 @@ class GatewayMetrics:
         )
         self.kv_drift = Gauge("gateway_kv_drift", "1 while a model's predictions keep missing", ["model"],
                               registry=r)
+        self.placement_lost_tokens = Counter(
+            "gateway_placement_lost_tokens",
+            "Prompt tokens a request could have found cached and did not, by cause (evicted while its context "
+            "thought, moved from its cache, a new context placed off the best prefix)", ["cause"], registry=r)
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
 

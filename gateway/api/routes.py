@@ -126,7 +126,8 @@ async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
 async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check_admin(request.headers, request.path)
     pods = [p.name for p in gateway.pods.all()]
-    return web.json_response(gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()))
+    return web.json_response({**gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()),
+                              "losses": gateway.losses.debug()})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gateway.backends.registry import PodRegistry
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import ResumableWorkingSet
+from gateway.kv.working_set import Context, ResumableWorkingSet
+from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
@@ -51,14 +53,64 @@ class ContextResolution:
         routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
 
 
+class PlacementLosses:
+    """Where cache hits were lost, by cause, as each decision saw them: the tokens a request could have
+    found cached and did not (``/debug/placement``, ``gateway_placement_lost_tokens_total``).
+
+    - ``evicted_while_thinking``: a context came back to its pod and part of its last prompt was gone;
+    - ``moved_from_its_cache``: a context was sent away from the pod holding more of its prompt;
+    - ``new_off_best_prefix``: a new context was placed where less of its prompt was cached than on the
+      best pod (a shared prompt copied to a pod with room, or a balance decision).
+
+    Owner: the context placement step."""
+
+    CAUSES = ("evicted_while_thinking", "moved_from_its_cache", "new_off_best_prefix")
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.requests = {cause: 0 for cause in self.CAUSES}
+        self.tokens = {cause: 0 for cause in self.CAUSES}
+        self.decisions = 0
+        self.cached_tokens = 0  # found cached on the chosen pod, in all
+        self._metric = {cause: metrics.placement_lost_tokens.labels(cause) for cause in self.CAUSES}
+
+    def record(self, attempt: Attempt, context: Context | None, block_size: int) -> None:
+        routing, pod = attempt.routing, attempt.decision.pod.name
+        match = routing.prefix
+        if match is None or not match.precise:
+            return
+        hit = match.pods[pod].gpu_tokens if pod in match.pods else 0
+        self.decisions += 1
+        self.cached_tokens += hit
+        if context is None:
+            best = max((m.gpu_tokens for m in match.pods.values()), default=0)
+            self._lost("new_off_best_prefix", best - hit)
+        elif context.pod == pod:
+            self._lost("evicted_while_thinking", len(context.hashes) * block_size - hit)
+        elif context.pod in match.pods:
+            self._lost("moved_from_its_cache", match.pods[context.pod].gpu_tokens - hit)
+
+    def _lost(self, cause: str, tokens: int) -> None:
+        if tokens > 0:
+            self.requests[cause] += 1
+            self.tokens[cause] += tokens
+            self._metric[cause].inc(tokens)
+
+    def debug(self) -> dict[str, Any]:
+        return {"decisions": self.decisions, "cached_tokens": self.cached_tokens,
+                "lost": {cause: {"requests": self.requests[cause], "tokens": self.tokens[cause]}
+                         for cause in self.CAUSES}}
+
+
 class ContextPlacement:
     """dispatch: the request's context is resumable on the chosen pod from now on (its prompt's full
-    blocks there); finish: when its last request ends, it starts thinking."""
+    blocks there), and what its placement lost is counted; finish: when its last request ends, it starts
+    thinking."""
 
-    def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet,
+    def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet, losses: PlacementLosses,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._index = index
         self._working_set = working_set
+        self._losses = losses
         self._clock = clock
 
     def dispatched(self, attempt: Attempt) -> None:
@@ -67,6 +119,8 @@ class ContextPlacement:
         hashes = routing.hashes
         if routing.context_key is None or hashes is None or block_size is None:
             return
+        if attempt.number == 0:  # a retry's losses are the failed pod's, not placement's
+            self._losses.record(attempt, self._working_set.context(routing.context_key), block_size)
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
                                hashes.first(block_size, hashes.token_count // block_size), hashes.token_count,
                                self._clock())

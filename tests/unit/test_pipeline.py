@@ -49,7 +49,7 @@ from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import ContextPlacement, ContextResolution, RoutedPrefix
+from gateway.request.placement import ContextPlacement, ContextResolution, PlacementLosses, RoutedPrefix
 from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, SloAdmission, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
@@ -282,7 +282,7 @@ def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_wi
 def test_context_placement_holds_while_running_and_lets_the_context_think_after():
     contexts = Contexts()
     routing = contexts.resolve(list(range(48)), {"x-session-id": "s"})
-    step = ContextPlacement(contexts.index, contexts.working_set, clock=lambda: 5.0)
+    step = ContextPlacement(contexts.index, contexts.working_set, PlacementLosses(GatewayMetrics()), clock=lambda: 5.0)
     attempt = attempt_of(client_request(chat()), routing, "p1", contexts.pods, contexts.ledger)
     step.dispatched(attempt)
     held = contexts.working_set.context("session:s")
@@ -464,3 +464,25 @@ async def test_the_director_records_a_refusal_before_routing_and_after_every_pod
     assert info.value.kind is ErrorKind.UPSTREAM_FAILED and "pod 1" in info.value.message  # the last pod's cause
     assert log[-1] == "complete 502 attempts=2" and log.count("finish p0 502 failed") == 1
     assert NoPlanner().plan(recorder.done.request, routing_of(recorder.done.request)) is NO_PLAN
+
+
+@pytest.mark.parametrize(("held_on", "held_blocks", "hits", "chosen", "lost"), [
+    (None, 0, {"p0": 32, "p1": 0}, "p1", ("new_off_best_prefix", 32)),  # the role prompt was on p0
+    (None, 0, {"p0": 32, "p1": 32}, "p1", None),
+    ("p0", 4, {"p0": 32, "p1": 0}, "p0", ("evicted_while_thinking", 32)),  # 2 of its 4 blocks gone
+    ("p0", 4, {"p0": 64, "p1": 0}, "p0", None),
+    ("p0", 4, {"p0": 48, "p1": 16}, "p1", ("moved_from_its_cache", 32)),
+])
+def test_placement_losses_say_where_hits_were_lost(held_on, held_blocks, hits, chosen, lost):
+    losses = PlacementLosses(GatewayMetrics())
+    request = client_request(chat())
+    routing = routing_of(request, prefix=PrefixMatch(True, pods={p: PodMatch(n) for p, n in hits.items()}))
+    context = None
+    if held_on is not None:
+        working_set = ResumableWorkingSet(PlacementConfig(), InFlightLedger())
+        context = working_set.hold("session:s", True, held_on, BS, list(range(held_blocks)), held_blocks * BS, 0.0)
+    losses.record(attempt_of(request, routing, chosen), context, BS)
+    expected = {cause: {"requests": 0, "tokens": 0} for cause in PlacementLosses.CAUSES}
+    if lost is not None:
+        expected[lost[0]] = {"requests": 1, "tokens": lost[1]}
+    assert losses.debug() == {"decisions": 1, "cached_tokens": hits[chosen], "lost": expected}
