@@ -156,7 +156,7 @@ def read_mooncake(path: str | Path, tokenizer: HfTokenizer, *, block_tokens: int
                               {"x-session-id": session_id} if session_header else {}, think))
         start_s = (records[members[0]].timestamp - t0) * time_scale / 1000
         sessions.append(Session(session_id, round(start_s, 4), steps, carry_history=False))
-    return Trace("mooncake", start, sessions)
+    return Trace("mooncake", start, sessions)  # no seed: the slice's first request stands in its place
 
 
 def _check_concatenation(text: BlockText, record: MooncakeRecord, tokenizer: HfTokenizer) -> None:

@@ -86,7 +86,7 @@ class Outcome:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     cache_action: str = ""  # the gateway's x-gateway-cache-action
-    answer: str = ""  # the answer's text (none when the request failed)
+    answer: str = ""  # the answer's text (empty when the request failed)
     session: int = 0  # the request's session and step in the trace
     step: int = 0
 
@@ -207,7 +207,11 @@ class BenchRunner:
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed,
                                             max_model_len=self.max_model_len), quiet=True)
-        return fleet, fleet.start()
+        try:
+            return fleet, fleet.start()
+        except BaseException:
+            fleet.stop()  # the pods it had spawned: none is the caller's to stop yet
+            raise
 
     def _reset_existing(self) -> None:
         """Start each contender from cold caches where the engine allows it."""
