@@ -115,7 +115,8 @@ def _admitted(requests: list[OracleRequest], block_size: int,
 
 
 def infinite_hit_ratio(requests: list[OracleRequest], block_size: int, capacity_blocks: int) -> float:
-    """Hit ratio if every block ever computed stayed cached on every pod (the smallest of ``capacity_blocks``)."""
+    """Hit ratio if every block ever computed stayed cached on every pod; requests needing more than
+    ``capacity_blocks`` (the smallest pod's) are left out."""
     computed: set[int] = set()
     queries = hits = 0
     for request, hashes, may_hit in _admitted(requests, block_size, capacity_blocks):
