@@ -1,4 +1,8 @@
-"""``gateway bench``: the side-by-side router benchmark."""
+"""``gateway bench``: the side-by-side router benchmark.
+
+Owner: the command line: which traces (generated, saved, or a Mooncake file), which contenders, and the
+size of the simulated pods for each trace.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.bench.workloads import (
     GENERATORS,
@@ -21,6 +25,9 @@ from gateway.bench.workloads import (
     write_trace,
 )
 
+if TYPE_CHECKING:
+    from gateway.bench.runner import BenchRunner
+
 DEFAULT_CONTENDERS = {
     "shared-prefix": ["direct", "gateway-round_robin", "gateway-prefix_cache", "gateway-kv_aware", "gateway-slo",
                       "vllm-router-round_robin", "vllm-router-cache_aware", "vllm-router-kv_aware",
@@ -30,8 +37,13 @@ DEFAULT_CONTENDERS = {
     "agentic-shared": ["direct", "gateway-round_robin", "gateway-kv_aware-no-workflow", "gateway-kv_aware",
                        "vllm-router-cache_aware", "vllm-router-kv_aware", "sglang-router-cache_aware",
                        "smg-cache_aware"],
+    "long-context": ["direct", "gateway-round_robin", "gateway-kv_aware", "vllm-router-cache_aware",
+                     "smg-cache_aware"],
+    "mooncake": ["direct", "gateway-round_robin", "gateway-kv_aware", "vllm-router-cache_aware", "smg-cache_aware"],
     "overload": ["direct", "gateway-least_request", "gateway-slo"],
 }
+# Flags that only a Mooncake trace takes (their defaults are None: given or not).
+MOONCAKE_FLAGS = ("block_tokens", "time_scale", "session_header", "max_output_tokens", "start", "limit")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +65,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated pod")
     b.add_argument("--speed", type=float, default=0.2, help="time factor of the simulated pods")
     b.add_argument("--trace", help="replay this JSONL trace instead of generating one")
+    b.add_argument("--trace-format", choices=["bench", "mooncake"], default="bench",
+                   help="bench: a trace --save-trace wrote; mooncake: the Mooncake FAST'25 format (timestamp, "
+                        "input_length, output_length, hash_ids of 512-token blocks)")
+    b.add_argument("--block-tokens", type=int, metavar="N",
+                   help="Mooncake: tokens per trace block in the replayed prompts (default 512, the trace's own; "
+                        "e.g. 64 to fit small engines, keeping the structure)")
+    b.add_argument("--time-scale", type=float, metavar="F",
+                   help="Mooncake: multiplies the trace's arrival times and the gaps between turns (default 1; "
+                        "0.5: twice as fast). --speed is the simulated pods' compute, not this")
+    b.add_argument("--session-header", action="store_true", default=None,
+                   help="Mooncake: send each conversation's session id in x-session-id (default: no header, as "
+                        "agents that send none)")
+    b.add_argument("--max-output-tokens", type=int, metavar="N", help="Mooncake: cap each request's output_length")
+    b.add_argument("--start", type=int, metavar="K", help="Mooncake: replay from the K-th request (0-based)")
+    b.add_argument("--limit", type=int, metavar="N", help="Mooncake: replay N requests")
     b.add_argument("--save-trace", help="write the generated trace here")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--pod-url", action="append", help="benchmark these existing pods instead of simulated ones")
@@ -68,7 +95,7 @@ def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, kno
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
     counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows",
-              "agentic-shared": "workflows"}
+              "agentic-shared": "workflows", "long-context": "sessions"}
     if scenario in counts:
         default = inspect.signature(gen).parameters[counts[scenario]].default
         kwargs[counts[scenario]] = max(1, round(default * scale))
@@ -91,27 +118,72 @@ def parse_knobs(gen: Callable[..., Trace], knobs: list[str]) -> dict[str, float]
     return out
 
 
-def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int) -> int:
+TokenCounter = Callable[[list[dict[str, Any]]], int]
+
+
+def mock_token_counter() -> TokenCounter:
+    """The simulated pods' token count of a chat prompt."""
+    from gateway.bench.oracle import ChatEncoder
+    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+
+    encoder = ChatEncoder(HfTokenizer(MOCK_TOKENIZER_DIR))
+    return lambda messages: len(encoder.chat(messages))
+
+
+def longest_tokens_for(trace: Trace, count: TokenCounter) -> int:
+    # An answer re-tokenized from its text may take a few more tokens than were generated.
+    return math.ceil(longest_request_tokens(trace, count) * 1.05)
+
+
+def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int, count: TokenCounter | None = None) -> int:
     """KV blocks per simulated pod such that the trace's peak working set is ``ratio`` times the fleet's,
     and never fewer than its longest request needs: vLLM refuses to start with a cache that cannot hold
     one request of its longest length, so a pod that refuses a request for its size is no real fleet."""
-    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
-
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
-    def count(messages: list[dict[str, Any]]) -> int:
-        return len(tokenizer.encode_chat(messages))
+    count = count or mock_token_counter()
     by_ratio = math.ceil(working_set_tokens(trace, count) / block_size / ratio / pods)
-    # An answer re-tokenized from its text may take a few more tokens than were generated.
-    longest = math.ceil(longest_request_tokens(trace, count) * 1.05 / block_size)
-    return max(16, by_ratio, longest)
+    return max(16, by_ratio, math.ceil(longest_tokens_for(trace, count) / block_size))
+
+
+def size_simulated_pods(runner: BenchRunner, trace: Trace, args: argparse.Namespace) -> None:
+    """Blocks per pod (``--num-blocks``, or by ``--working-set-ratio``) and context length (the model's) enough
+    for the trace's longest request, as a real fleet serving it would have."""
+    from gateway.mock.engine import MODEL_MAX_LEN
+
+    count = mock_token_counter()
+    longest = longest_tokens_for(trace, count)
+    if args.working_set_ratio:
+        runner.num_blocks = cache_blocks_for(trace, args.working_set_ratio, args.pods, runner.block_size, count)
+    else:
+        runner.num_blocks = max(args.num_blocks, math.ceil(longest / runner.block_size))
+    runner.max_model_len = longest if longest > MODEL_MAX_LEN else None
+
+
+def load_trace(args: argparse.Namespace, scenario: str | None, tokenizer: str | None) -> Trace:
+    """The generated trace of ``scenario``, or the one in ``--trace`` (a saved one, or a Mooncake file)."""
+    if scenario is not None:
+        return scaled_trace(scenario, args.seed, args.scale, args.rate, args.set)
+    if args.trace_format == "bench":
+        return read_trace(args.trace)
+    from gateway.bench.mooncake import TRACE_BLOCK_TOKENS, read_mooncake
+    from gateway.tokenization.hf import HfTokenizer
+
+    if tokenizer is None:
+        raise ValueError("a Mooncake trace needs --tokenizer (its prompts are words of one token each)")
+    return read_mooncake(args.trace, HfTokenizer(tokenizer), block_tokens=args.block_tokens or TRACE_BLOCK_TOKENS,
+                         start=args.start or 0, limit=args.limit, time_scale=args.time_scale or 1.0,
+                         session_header=bool(args.session_header), max_output_tokens=args.max_output_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.bench.report import write_results
+    from gateway.bench.report import ratio, write_results
     from gateway.bench.runner import CONTENDERS, BenchRunner
     from gateway.config import PodConfig
     from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 
+    misplaced = [f"--{f.replace('_', '-')}" for f in MOONCAKE_FLAGS if getattr(args, f) is not None]
+    if misplaced and not (args.trace and args.trace_format == "mooncake"):
+        print(f"gateway bench: {', '.join(misplaced)} only with --trace FILE --trace-format mooncake", file=sys.stderr)
+        return 2
     existing = None
     tokenizer = args.tokenizer or (None if args.pod_url else str(MOCK_TOKENIZER_DIR))
     if args.pod_url:
@@ -125,32 +197,34 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     for scenario in [None] if args.trace else args.scenario or ["shared-prefix", "agentic"]:
         try:
-            trace = read_trace(args.trace) if scenario is None else scaled_trace(scenario, args.seed, args.scale,
-                                                                                 args.rate, args.set)
-        except ValueError as exc:
+            trace = load_trace(args, scenario, tokenizer)
+        except (ValueError, OSError) as exc:
             print(f"gateway bench: {exc}", file=sys.stderr)
             return 2
         if args.save_trace:
             write_trace(trace, args.save_trace)
-        if args.working_set_ratio and not existing:
-            runner.num_blocks = cache_blocks_for(trace, args.working_set_ratio, args.pods, runner.block_size)
+        if not existing:
+            size_simulated_pods(runner, trace, args)
         names = args.contender or DEFAULT_CONTENDERS[trace.scenario]
         unknown = [n for n in names if n not in CONTENDERS]
         if unknown:
             print(f"gateway bench: unknown contender(s) {unknown}; known: {sorted(CONTENDERS)}", file=sys.stderr)
             return 2
-        print(f"{trace.scenario}: {trace.requests} requests, seed {trace.seed}, {runner.num_blocks} KV blocks per pod",
-              file=sys.stderr)
+        conversations = sum(1 for s in trace.sessions if len(s.steps) > 1)
+        print(f"{trace.scenario}: {trace.requests} requests in {len(trace.sessions)} sessions ({conversations} of "
+              f"several requests), seed {trace.seed}, {runner.num_blocks} KV blocks per pod", file=sys.stderr)
         for name in names:
             result = runner.run(CONTENDERS[name], trace)
             results.append(result)
             if result.skipped:
                 print(f"  {name}: skipped ({result.skipped})", file=sys.stderr)
             else:
-                print(f"  {name}: hit ratio {result.hit_ratio:.3f}, TTFT p90 {result.ttft_p90_ms:.0f} ms, "
-                      f"per pod {'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
+                print(f"  {name}: hit ratio {result.hit_ratio:.3f} (sticky LRU {ratio(result.sticky_lru)}, infinite "
+                      f"{ratio(result.infinite)}), TTFT p90 {result.ttft_p90_ms:.0f} ms, per pod "
+                      f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
     meta = {"seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks, "speed": args.speed,
-            "working_set_ratio": args.working_set_ratio, "knobs": args.set,
+            "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,
+            "trace_format": args.trace_format, **{f: getattr(args, f) for f in MOONCAKE_FLAGS},
             "seconds": round(time.time() - started, 1)}
     paths = write_results(results, Path(args.out), meta)
     print(paths["md"].read_text())

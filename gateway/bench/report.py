@@ -1,4 +1,8 @@
-"""Bench output: ``latest.json``, a CSV of every figure, a Markdown table and PNG plots."""
+"""Bench output: ``latest.json``, a CSV of every figure, a Markdown table and PNG plots.
+
+Owner: nothing with a lifetime: results to files. Beside each hit ratio stand the trace's references
+(``infinite``, ``sticky_lru``: :mod:`gateway.bench.oracle`) and the ``distance`` to the sticky one.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from pathlib import Path
 from gateway.bench.runner import Result
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
-           "e2e_p90_ms", "e2e_p99_ms", "req_per_s", "errors", "rejected", "requests", "pod_requests", "largest_share"]
+           "e2e_p90_ms", "e2e_p99_ms", "req_per_s", "errors", "rejected", "requests", "pod_requests", "largest_share",
+           "infinite", "sticky_lru", "distance"]
 
 
 def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> dict[str, Path]:
@@ -28,16 +33,25 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| scenario | contender | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p90 ms | req/s "
-             "| errors | requests per pod | largest share |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| scenario | contender | hit ratio | infinite | sticky LRU | distance | TTFT p50 ms | TTFT p90 ms "
+             "| TTFT p99 ms | E2E p90 ms | req/s | errors | requests per pod | largest share |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} | | | | | | | | |")
+            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} |" + " |" * 11)
             continue
-        lines.append(f"| {r.scenario} | {r.name} | {r.hit_ratio:.3f} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
+        lines.append(f"| {r.scenario} | {r.name} | {r.hit_ratio:.3f} | {ratio(r.infinite)} | {ratio(r.sticky_lru)} | "
+                     f"{ratio(r.distance, signed=True)} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.req_per_s:.2f} | {r.errors} | "
                      f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def ratio(value: float | None, signed: bool = False) -> str:
+    """A hit ratio (or a difference of two) as the tables print it; n/a where there is none."""
+    if value is None:
+        return "n/a"
+    return f"{value:+.3f}" if signed else f"{value:.3f}"
 
 
 def plots(results: list[Result], out: Path) -> dict[str, Path]:
@@ -55,6 +69,7 @@ def plots(results: list[Result], out: Path) -> dict[str, Path]:
         names = [r.name for r in rs]
         colors = ["#d62728" if r.name.startswith("gateway") else "#7f7f7f" for r in rs]
         ax1.barh(names, [r.hit_ratio for r in rs], color=colors)
+        _references(ax1, rs)
         ax1.set_xlabel("prefix-cache hit ratio (pods' own counters)")
         ax1.set_xlim(0, 1)
         ax2.barh(names, [r.ttft_p90_ms for r in rs], color=colors)
@@ -82,3 +97,14 @@ def _pod_shares(ax, results: list[Result]) -> None:
     ax.set_xlim(0, 1.12)
     ax.set_yticks([])
     ax.set_xlabel("share of requests per pod (largest share at right)")
+
+
+def _references(ax, results: list[Result]) -> None:
+    """The trace's references on each contender's hit-ratio bar: infinite cache (black), sticky LRU (blue)."""
+    for row, r in enumerate(results):
+        for value, color, label in ((r.infinite, "black", "infinite cache"), (r.sticky_lru, "C0", "sticky LRU")):
+            if value is not None:
+                ax.plot([value, value], [row - 0.4, row + 0.4], color=color, linewidth=2,
+                        label=None if row else label)
+    if any(r.infinite is not None for r in results):
+        ax.legend(loc="lower right", fontsize=8)

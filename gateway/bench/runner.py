@@ -2,12 +2,15 @@
 
 Owner: a :class:`BenchRunner` owns the processes it starts (pods, routers) and stops them all, by pid,
 whatever happens. Cache hits are read from the pods' own prefix-cache counters, latency on the client.
+Beside each measured hit ratio it puts the trace's references (:mod:`gateway.bench.oracle`), computed
+from the answers that run recorded, for the pods' block size and capacity as their metrics say them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import itertools
 import json
 import os
@@ -30,12 +33,13 @@ import orjson
 from tqdm import tqdm
 
 from gateway.backends.scraper import parse_engine_metrics
-from gateway.bench.workloads import Session, Trace
+from gateway.bench.oracle import ChatEncoder, Oracle, trace_oracle
+from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
 from gateway.metrics import prediction_checks
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
 Kind = Literal["direct", "gateway", "vllm-router", "sglang-router", "smg"]
 
@@ -82,6 +86,9 @@ class Outcome:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     cache_action: str = ""  # the gateway's x-gateway-cache-action
+    answer: str = ""  # the answer's text (empty when the request failed)
+    session: int = 0  # the request's session and step in the trace
+    step: int = 0
 
 
 @dataclass
@@ -104,6 +111,11 @@ class Result:
     # Requests each pod finished (its own counter) and the busiest pod's share of them.
     pod_requests: list[int] = field(default_factory=list)
     largest_share: float = 0.0
+    # The trace's references (gateway.bench.oracle) and how far below the sticky one the hit ratio is
+    # (negative: above it); none where they could not be computed (no local tokenizer, no cache size).
+    infinite: float | None = None
+    sticky_lru: float | None = None
+    distance: float | None = None
     skipped: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -145,7 +157,24 @@ def _binary(name: str) -> str:
     return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
 
 
-_BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.MULTILINE)
+_CACHE_CONFIG_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    block_size: int
+    num_blocks: int
+
+
+def cache_config(url: str) -> CacheConfig | None:
+    """A pod's block size and KV blocks, as its ``vllm:cache_config_info`` says (none: it does not)."""
+    with contextlib.suppress(OSError, http.client.HTTPException, ValueError, KeyError):
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            found = _CACHE_CONFIG_INFO.search(resp.read().decode())
+        if found:
+            labels = dict(_LABEL.findall(found.group(1)))
+            return CacheConfig(int(labels["block_size"]), int(labels["num_gpu_blocks"]))
+    return None
 
 
 class BenchRunner:
@@ -162,6 +191,10 @@ class BenchRunner:
         self.progress = progress
         self._procs: list[subprocess.Popen[bytes]] = []
         self._redis: subprocess.Popen[bytes] | None = None
+        self._encoder: ChatEncoder | None = None
+        # The last oracle computed: its trace, pods' cache configs and answers (contenders replaying a trace
+        # on the simulated pods get the same answers, so the same references).
+        self._last_oracle: tuple[Trace, object, Oracle] | None = None
         # The routers of the contender being served (their CPU is what some benchmarks measure).
         self.router_processes: list[subprocess.Popen[bytes]] = []
 
@@ -174,7 +207,11 @@ class BenchRunner:
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed,
                                             max_model_len=self.max_model_len), quiet=True)
-        return fleet, fleet.start()
+        try:
+            return fleet, fleet.start()
+        except BaseException:
+            fleet.stop()  # the pods it had spawned: none is the caller's to stop yet
+            raise
 
     def _reset_existing(self) -> None:
         """Start each contender from cold caches where the engine allows it."""
@@ -257,11 +294,8 @@ class BenchRunner:
     def _pods_block_size(self, pods: list[PodConfig]) -> int:
         """The engines' block size, as their ``vllm:cache_config_info`` says (else the configured one)."""
         for pod in pods:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(f"{pod.url}/metrics", timeout=5) as resp:
-                    found = _BLOCK_SIZE_LABEL.search(resp.read().decode())
-                if found:
-                    return int(found.group(1))
+            if config := cache_config(pod.url):
+                return config.block_size
         return pods[0].block_size or self.block_size
 
     def _stop_procs(self) -> None:
@@ -299,6 +333,7 @@ class BenchRunner:
                             if contender.redis_lost_at is not None else None)
         try:
             with self.serving(contender, speed) as (routers, pods):
+                caches = [cache_config(p.url) for p in pods]
                 before = [self._prefix_counters(p.url) for p in pods]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods],
                                                              contender.name, lose_redis_after))
@@ -324,7 +359,27 @@ class BenchRunner:
         result.ttft_p50_ms, result.ttft_p90_ms, result.ttft_p99_ms = (pct(ttft, q) for q in (0.5, 0.9, 0.99))
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
+        oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
+        if oracle:
+            result.infinite, result.sticky_lru = oracle.infinite, oracle.sticky_lru
+            result.distance = oracle.sticky_lru - result.hit_ratio
         return result
+
+    def _oracle(self, trace: Trace, caches: list[CacheConfig | None],
+                answers: dict[tuple[int, int], str]) -> Oracle | None:
+        """The trace's references for these pods and answers; none without a local tokenizer, or when a pod
+        does not say its cache size or the pods' block sizes differ."""
+        if not self.tokenizer or None in caches or len({c.block_size for c in caches if c}) != 1:
+            return None
+        key = (caches, answers)
+        if self._last_oracle and self._last_oracle[0] is trace and self._last_oracle[1] == key:
+            return self._last_oracle[2]
+        if self._encoder is None:
+            self._encoder = ChatEncoder(HfTokenizer(self.tokenizer))
+        known = [c for c in caches if c]
+        oracle = trace_oracle(trace, self._encoder, answers, known[0].block_size, [c.num_blocks for c in known])
+        self._last_oracle = (trace, key, oracle)
+        return oracle
 
     @staticmethod
     def _prediction_checks(routers: list[str]) -> dict[str, float]:
@@ -358,28 +413,29 @@ class BenchRunner:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
             t0 = time.monotonic()
 
-            async def run_session(session: Session) -> None:
+            async def run_session(index: int, session: Session) -> None:
                 await asyncio.sleep(max(0.0, t0 + session.start_s - time.monotonic()))
-                history: list[dict[str, object]] = []
+                history = History(session)
                 for i, step in enumerate(session.steps):
                     think = step.think_s if step.think_s is not None else session.think_s
                     if i and think:
                         await asyncio.sleep(think)
-                    history.extend(step.messages)
-                    outcome, answer = await self._send(http, next(targets), history, step.max_tokens, step.headers)
+                    outcome = await self._send(http, next(targets), history.prompt(step), step.max_tokens,
+                                               step.headers)
+                    outcome.session, outcome.step = index, i
                     outcomes.append(outcome)
                     if len(outcomes) == lose_redis_after:
                         self._stop_redis()
                     bar.update(1)
-                    history.append({"role": "assistant", "content": answer})
+                    history.answered(outcome.answer)
 
-            await asyncio.gather(*(run_session(s) for s in trace.sessions))
+            await asyncio.gather(*(run_session(i, s) for i, s in enumerate(trace.sessions)))
             seconds = time.monotonic() - t0
         bar.close()
         return outcomes, seconds
 
     async def _send(self, http: aiohttp.ClientSession, base: str, messages: list[dict[str, object]],
-                    max_tokens: int, headers: dict[str, str]) -> tuple[Outcome, str]:
+                    max_tokens: int, headers: dict[str, str]) -> Outcome:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         started = time.monotonic()
@@ -390,7 +446,7 @@ class BenchRunner:
                                  headers={"content-type": "application/json", **headers}) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return Outcome(resp.status), ""
+                    return Outcome(resp.status)
                 action = resp.headers.get("x-gateway-cache-action", "")
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
@@ -401,7 +457,7 @@ class BenchRunner:
                             first = first or time.monotonic()
                             parts.append(content)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return Outcome(599), ""
+            return Outcome(599)
         end = time.monotonic()
-        return Outcome(200, (first or end) - started, end - started, action), "".join(parts)
+        return Outcome(200, (first or end) - started, end - started, action, "".join(parts))
 

@@ -1,9 +1,13 @@
 """Seeded workload generators and their JSONL trace form.
 
+Owner: the trace types and how a session's prompts are built from them (:class:`History`, the one place
+the replay and the oracle both build them).
+
 A trace is a list of sessions. A session is a chain of requests sent one after another (a conversation,
 an agentic workflow; a single request for independent prompts): it starts at ``start_s``, each step waits
 for the previous answer and ``think_s``, and the previous answer joins the history as an assistant
-message, as a real agent's would.
+message, as a real agent's would. A replayed trace whose prompts already hold their context (Mooncake's)
+has sessions that do not carry their history: each step's messages are its whole prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +36,34 @@ class Session(msgspec.Struct):
     start_s: float
     steps: list[Step]
     think_s: float = 0.0
+    # False: each step's messages are its whole prompt (earlier steps and answers are not re-sent).
+    carry_history: bool = True
+
+    def send_times(self) -> list[float]:
+        """When each step is sent if answers took no time: the start, then the think times."""
+        t, out = self.start_s, []
+        for i, step in enumerate(self.steps):
+            if i:
+                t += step.think_s if step.think_s is not None else self.think_s
+            out.append(t)
+        return out
+
+
+class History:
+    """The messages a session sends, request by request. The replay and the oracle both build prompts here,
+    so that what the oracle tokenizes is what the pods were sent."""
+
+    def __init__(self, session: Session) -> None:
+        self._carry = session.carry_history
+        self._messages: list[dict[str, Any]] = []
+
+    def prompt(self, step: Step) -> list[dict[str, Any]]:
+        self._messages = [*self._messages, *step.messages] if self._carry else list(step.messages)
+        return self._messages
+
+    def answered(self, answer: str) -> None:
+        if self._carry:
+            self._messages = [*self._messages, {"role": "assistant", "content": answer}]
 
 
 class Trace(msgspec.Struct):
@@ -143,21 +175,51 @@ def agentic_shared(seed: int = 0, workflows: int = 32, min_stages: int = 4, max_
     return Trace("agentic-shared", seed, sessions)
 
 
+def long_context(seed: int = 0, sessions: int = 3, min_turns: int = 4, max_turns: int = 8, system_words: int = 4000,
+                 min_context_words: int = 16000, max_context_words: int = 63000, tool_words: int = 150,
+                 think_min_s: float = 1.0, think_max_s: float = 4.0, rate: float = 0.5,
+                 max_tokens: int = 32) -> Trace:
+    """A few long-running coding-agent sessions. Each starts with a large context, a system prompt all of
+    them share (the agent's instructions and tools) then the files of its own repository, of
+    ``min_context_words``-``max_context_words`` words in all (the simulated pods' tokenizer takes ~1.9
+    tokens a word: 30k-120k tokens; Llama 3's about one). Each later turn adds a tool call and its result
+    (~``tool_words``: a few hundred tokens) after a think time. No session header, as the agents that send
+    none: a router must recognise each conversation by its prompt. Sent anywhere but where its context is
+    cached, a turn prefills that whole context again."""
+    if not 1 <= min_turns <= max_turns or not 0 <= think_min_s <= think_max_s \
+            or not system_words < min_context_words <= max_context_words:
+        raise ValueError("need 1 <= min_turns <= max_turns, 0 <= think_min_s <= think_max_s and "
+                         "system_words < min_context_words <= max_context_words")
+    rng = random.Random(seed)
+    system = "You are a coding agent. Instructions and tools: " + text(rng, system_words)
+    out = []
+    for s, start in enumerate(poisson_starts(rng, sessions, rate)):
+        repository = f"Repository {s}, every file:\n" + text(rng, rng.randint(min_context_words, max_context_words)
+                                                                - system_words)
+        steps = [Step([{"role": "system", "content": system}, {"role": "user", "content": repository}], max_tokens)]
+        for turn in range(1, rng.randint(min_turns, max_turns)):
+            result = f"Tool call {turn}: read_file(src/part_{turn}.py)\nResult:\n" + text(rng, tool_words)
+            steps.append(Step([{"role": "user", "content": result}], max_tokens,
+                              think_s=round(rng.uniform(think_min_s, think_max_s), 3)))
+        out.append(Session(f"lc{s}", start, steps))
+    return Trace("long-context", seed, out)
+
+
 def working_set_tokens(trace: Trace, count_tokens: Any, answer_tokens: bool = True) -> int:
     """The trace's peak working set: the most context tokens its live sessions hold at one moment, on a
     timeline of start times and think times alone (service time left out). ``count_tokens`` maps a
     message list to its token count."""
     points: list[tuple[float, int]] = []  # (time, change in live tokens)
     for session in trace.sessions:
-        t, history, held = session.start_s, [], 0
-        for i, step in enumerate(session.steps):
-            if i:
-                t += step.think_s if step.think_s is not None else session.think_s
-            history = history + step.messages
+        history: list[dict[str, Any]] = []
+        held = 0
+        times = session.send_times()
+        for t, step in zip(times, session.steps, strict=True):
+            history = (history if session.carry_history else []) + step.messages
             tokens = count_tokens(history) + (step.max_tokens if answer_tokens else 0)
             points.append((t, tokens - held))
             held = tokens
-        points.append((t + 1e-6, -held))
+        points.append((times[-1] + 1e-6, -held))
     live = peak = 0
     for _, change in sorted(points):
         live += change
@@ -170,13 +232,12 @@ def longest_request_tokens(trace: Trace, count_tokens: Any) -> int:
     earlier answer at its full ``max_tokens`` (with its chat-template wrapping), and this step's answer."""
     longest = 0
     for session in trace.sessions:
-        history: list[dict[str, Any]] = []
+        history = History(session)
         answers = 0
         for step in session.steps:
-            history.extend(step.messages)
-            answers += step.max_tokens
-            longest = max(longest, count_tokens(history) + answers)
-            history.append({"role": "assistant", "content": ""})
+            answers = (answers if session.carry_history else 0) + step.max_tokens
+            longest = max(longest, count_tokens(history.prompt(step)) + answers)
+            history.answered("")
     return longest
 
 
@@ -196,7 +257,7 @@ def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, sec
 
 
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
-              "agentic-shared": agentic_shared, "overload": overload}
+              "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload}
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import os
 import signal
@@ -82,7 +83,8 @@ class MockPodFleet:
         while time.monotonic() < deadline:
             if member.process.poll() is not None:
                 raise PodExited(f"mock pod {member.pod.name} exited with {member.process.returncode}")
-            with contextlib.suppress(OSError):
+            # Not HTTP yet: until the pod binds its port, another process's socket may answer there.
+            with contextlib.suppress(OSError, http.client.HTTPException):
                 with urllib.request.urlopen(f"{member.pod.url}/health", timeout=1) as resp:
                     if resp.status == 200:
                         return

@@ -44,6 +44,10 @@ def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
     assert result.skipped is None, result.skipped
     assert result.errors == 0 and result.rejected == 0
     assert sum(result.pod_requests) == trace.requests
+    # The trace's oracle, for the block size and capacity the pods' cache_config_info says: no placement
+    # passes the infinite cache (up to requests overlapping in another order than the oracle's).
+    assert result.infinite is not None and result.sticky_lru is not None and result.sticky_lru <= result.infinite
+    assert result.hit_ratio <= result.infinite + 0.02
     return result
 
 
@@ -56,7 +60,8 @@ def results(small_vllm: VllmFleet, model_dir: str) -> Callable[[str], Result]:
 def test_kv_aware_spreads_workflows_and_beats_round_robin_on_real_pods(results: Callable[[str], Result]):
     round_robin, kv_aware = results("direct"), results("gateway-kv_aware")
     print(f"round robin: hit {round_robin.hit_ratio:.3f} pods {round_robin.pod_requests}; "
-          f"kv_aware: hit {kv_aware.hit_ratio:.3f} pods {kv_aware.pod_requests}")
+          f"kv_aware: hit {kv_aware.hit_ratio:.3f} pods {kv_aware.pod_requests}; "
+          f"sticky LRU {kv_aware.sticky_lru:.3f}, infinite {kv_aware.infinite:.3f}")
     assert min(kv_aware.pod_requests) > 0 and kv_aware.largest_share <= 0.75
     assert kv_aware.hit_ratio >= round_robin.hit_ratio + 0.05
 

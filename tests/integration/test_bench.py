@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+from pathlib import Path
 
 import pytest
 
-from gateway.bench.cli import cache_blocks_for, scaled_trace
+from gateway.bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
+from gateway.bench.mooncake import read_mooncake
 from gateway.bench.report import write_results
 from gateway.bench.runner import CONTENDERS, BenchRunner
 from gateway.bench.workloads import (
+    History,
     Session,
     Step,
     Trace,
@@ -23,6 +28,7 @@ from gateway.bench.workloads import (
     working_set_tokens,
     write_trace,
 )
+from gateway.mock.engine import MODEL_MAX_LEN
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
 
@@ -99,3 +105,145 @@ def test_agentic_shared_knobs_and_working_set():
     # as vLLM refuses to start with a cache shorter than its longest request.
     longest = longest_request_tokens(trace, lambda m: len(tokenizer.encode_chat(m)))
     assert cache_blocks_for(trace, 50.0, 2, 16) * 16 >= longest > blocks * 16 * 2 * 2 / 50
+
+
+def spaced_sessions(n: int, turns: int, words: int) -> Trace:
+    """Conversations 50 ms apart whose turns come 150 ms apart: at speed 0 no two requests overlap, so the
+    pods see them in the oracle's order."""
+    sessions = [Session(f"s{s}", 0.05 * s, [Step([{"role": "user", "content": f"Session {s}, turn {t}: " +
+                                                   " ".join(["cache prefix block"] * words)}], 4,
+                                                 think_s=None if t == 0 else 0.15) for t in range(turns)])
+                for s in range(n)]
+    return Trace("spaced", 0, sessions)
+
+
+def test_oracle_is_what_one_simulated_pod_counts_when_requests_do_not_overlap():
+    """On one pod, sticky LRU is that pod: the oracle must reproduce its counters exactly, answers
+    included (they are part of later prompts), with room for everything and when the sessions thrash."""
+    trace = spaced_sessions(3, 3, 40)
+    roomy = BenchRunner(pods=1, num_blocks=2000, speed=0.0, progress=False).run(CONTENDERS["direct"], trace)
+    assert roomy.errors == 0 and roomy.hit_ratio > 0.4
+    assert roomy.hit_ratio == roomy.infinite == roomy.sticky_lru and roomy.distance == 0
+    # 30 blocks of 16 tokens hold one session's context (~350 tokens), not three: LRU keeps less.
+    tight = BenchRunner(pods=1, num_blocks=30, speed=0.0, progress=False).run(CONTENDERS["direct"], trace)
+    assert tight.errors == 0 and tight.infinite == roomy.infinite
+    assert tight.hit_ratio == tight.sticky_lru < tight.infinite
+
+
+def mooncake_line(timestamp: int, hash_ids: list[int], input_length: int, output_length: int = 4) -> str:
+    return json.dumps({"timestamp": timestamp, "input_length": input_length, "output_length": output_length,
+                       "hash_ids": hash_ids})
+
+
+# Conversation A (0, 2, 5), B (1, 3; sharing A's first two blocks), and two one-off requests sharing a block
+# (4, 6). Last blocks are partial except r3's; r0's last block (id 3) is whole in r2.
+MOONCAKE_REQUESTS = [
+    (0, [1, 2, 3], 3 * 512 - 200), (100, [1, 2, 7], 2 * 512 + 300), (200, [1, 2, 3, 4, 5], 5 * 512 - 100),
+    (300, [1, 2, 7, 8], 4 * 512), (400, [9, 10], 2 * 512 - 50), (500, [1, 2, 3, 4, 5, 6, 11], 7 * 512 - 10),
+    (600, [9, 12], 1000),
+]
+MOONCAKE_SESSIONS = [[0, 2, 5], [1, 3], [4], [6]]
+
+
+def expected_infinite(tokenizer: HfTokenizer, prompts: dict[int, list[dict]], block_tokens: int, bs: int) -> float:
+    """The infinite-cache hit ratio from the trace's hash ids alone: a request shares with an earlier one the
+    chat header and their common leading blocks (a partial block: as far as both go, and no further)."""
+    header = len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": ""}], add_generation_prompt=False),
+                                  add_special_tokens=False)) - 1  # all but <|eot_id|>
+
+    def lengths(ids: list[int], input_length: int) -> list[int]:
+        last = round((input_length - 512 * (len(ids) - 1)) * block_tokens / 512)
+        return [block_tokens] * (len(ids) - 1) + [last]
+
+    hits = queries = 0
+    for i, (_, ids, input_length) in enumerate(MOONCAKE_REQUESTS):
+        n = len(tokenizer.encode_chat(prompts[i]))
+        shared = 0
+        for _, earlier, earlier_length in MOONCAKE_REQUESTS[:i]:
+            common = 0
+            for a, b, la, lb in zip(ids, earlier, lengths(ids, input_length), lengths(earlier, earlier_length),
+                                    strict=False):
+                if a != b:
+                    break
+                common += min(la, lb)
+                if la != lb or la < block_tokens:
+                    break
+            shared = max(shared, header + common)
+        hits += min(shared, n - 1) // bs * bs
+        queries += n
+    return hits / queries
+
+
+def test_mooncake_trace_groups_conversations_and_pods_see_its_blocks(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text("\n".join(mooncake_line(t, ids, n) for t, ids, n in MOONCAKE_REQUESTS) + "\n")
+    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    trace = read_mooncake(path, tokenizer, block_tokens=32, time_scale=2.0, session_header=True, max_output_tokens=3)
+    # Grouping: a request extending an earlier one's ids is its conversation's next turn.
+    assert [[st.headers["x-session-id"] for st in s.steps] for s in trace.sessions] == \
+        [[f"mc{members[0]}"] * len(members) for members in MOONCAKE_SESSIONS]
+    assert [s.start_s for s in trace.sessions] == [0.0, 0.2, 0.8, 1.2]  # arrival times, times --time-scale
+    assert [st.think_s for st in trace.sessions[0].steps] == [None, 0.4, 0.6]  # the gaps between turns
+    assert all(not s.carry_history and st.max_tokens == 3 for s in trace.sessions for st in s.steps)
+    # Blocks: each a chunk of 32 one-token words (the last scaled), and prompts share what their ids share.
+    first, second = (st.messages[0]["content"] for st in trace.sessions[0].steps[:2])
+    assert len(tokenizer.encode(first.lstrip(), add_special_tokens=False)) == 32 * 2 + round(312 * 32 / 512)
+    assert second.startswith(first) and len(tokenizer.encode(second.lstrip(), add_special_tokens=False)) == \
+        32 * 4 + round(412 * 32 / 512)
+    assert read_mooncake(path, tokenizer, block_tokens=32).sessions[0].steps[0].headers == {}
+
+    prompts = {i: step.messages for session, members in zip(trace.sessions, MOONCAKE_SESSIONS, strict=True)
+               for i, step in zip(members, session.steps, strict=True)}
+    infinite = expected_infinite(tokenizer, prompts, 32, 16)
+    # One pod with room for everything, requests one at a time: its own counters are the infinite cache.
+    one = BenchRunner(pods=1, num_blocks=1000, speed=0.0, progress=False).run(CONTENDERS["direct"], trace)
+    assert one.errors == 0 and sum(one.pod_requests) == 7
+    assert one.hit_ratio == pytest.approx(infinite) and one.infinite == pytest.approx(infinite)
+    # Two pods: following the shared blocks keeps them; round robin splits the conversations.
+    two = BenchRunner(pods=2, num_blocks=1000, speed=0.0, progress=False)
+    direct, kv_aware = (two.run(CONTENDERS[name], trace) for name in ("direct", "gateway-kv_aware"))
+    assert direct.errors == kv_aware.errors == 0 and direct.infinite == kv_aware.infinite == pytest.approx(infinite)
+    assert direct.hit_ratio < kv_aware.hit_ratio
+    assert kv_aware.hit_ratio >= kv_aware.sticky_lru - 0.02 and kv_aware.distance is not None
+
+
+SAMPLE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake-fast25-synthetic.jsonl"
+
+
+@pytest.mark.skipif(not SAMPLE.exists(), reason=f"no Mooncake sample at {SAMPLE}")
+def test_mooncake_sample_slice_replays_within_its_bounds():
+    # Its requests reuse prefixes set up earlier in it: near its end, even 40 of them share a third of their blocks.
+    trace = read_mooncake(SAMPLE, HfTokenizer(MOCK_TOKENIZER_DIR), block_tokens=16, start=3900, limit=40,
+                          time_scale=0.3)
+    assert trace.requests == 40 and trace.seed == 3900
+    runner = BenchRunner(pods=2, num_blocks=3000, speed=0.0, progress=False)
+    results = [runner.run(CONTENDERS[name], trace) for name in ("direct", "gateway-kv_aware")]
+    for result in results:
+        assert result.errors == 0 and sum(result.pod_requests) == 40
+        assert result.infinite is not None and result.sticky_lru is not None
+        assert result.sticky_lru <= result.infinite and result.hit_ratio <= result.infinite + 0.01
+        assert result.infinite > 0.2
+    assert results[1].hit_ratio >= results[0].hit_ratio
+
+
+def test_long_context_sessions_start_large_grow_little_and_size_the_pods():
+    trace = scaled_trace("long-context", 0, 1.0, None, ["sessions=2", "min_turns=3", "max_turns=3"])
+    count = mock_token_counter()
+    for session in trace.sessions:
+        history = History(session)
+        sizes = []
+        for step in session.steps:
+            sizes.append(count(history.prompt(step)))
+            history.answered("an answer")
+        assert 30_000 <= sizes[0] <= 125_000
+        assert all(100 <= b - a <= 600 for a, b in itertools.pairwise(sizes))
+    args = argparse.Namespace(working_set_ratio=None, num_blocks=600, pods=2)
+    runner = BenchRunner(pods=2, progress=False)
+    size_simulated_pods(runner, trace, args)
+    assert runner.num_blocks * 16 >= longest_request_tokens(trace, count) and runner.max_model_len is None
+    # Contexts past the model's 128k: the simulated pods take them (as a longer-context model would).
+    huge = scaled_trace("long-context", 0, 1.0, None, ["sessions=1", "max_turns=2", "min_turns=2",
+                                                       "min_context_words=70000", "max_context_words=70000"])
+    size_simulated_pods(runner, huge, args)
+    assert runner.max_model_len is not None and runner.max_model_len > MODEL_MAX_LEN
+    assert runner.num_blocks * 16 >= runner.max_model_len
