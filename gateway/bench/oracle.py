@@ -84,7 +84,7 @@ class ChatEncoder:
         self._segments.self_check()
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._segments.encode(self.tokenizer.render_chat(messages))
+        return self._segments.encode(self.tokenizer.render_chat(messages)).tolist()
 
     def text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
