@@ -50,7 +50,13 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import ContextPlacement, ContextResolution, PlacementLosses, RoutedPrefix
+from gateway.request.placement import (
+    ContextPlacement,
+    ContextResolution,
+    PlacementLosses,
+    RoomForNewContexts,
+    RoutedPrefix,
+)
 from gateway.request.steps import (
     LoadEstimation,
     PromptTokenization,
@@ -130,7 +136,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
-        admit=[admit],
+        admit=[admit, *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
+                         if config.placement.hold_new_s else [])],
         dispatch=[RoutingMetrics(metrics), RoutedPrefix(index, approximate), placement, planning],
         finish=[admit, planning, placement],
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),

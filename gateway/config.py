@@ -310,8 +310,14 @@ class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Memory bound (each context keeps its last prompt's block hashes): past it, the idle context that
     # finished longest ago is forgotten.
     max_contexts: int = 50_000
+    # A workflow or session that starts while every pod's resumable demand already fills its KV cache
+    # waits up to this long for room (a context lapsing, completing or moving on), rather than pushing
+    # out contexts due back; 0: it starts at once.
+    hold_new_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.hold_new_s < 0:
+            raise ValueError("hold_new_s must not be negative")
         if self.protect_margin <= 0 or not 0 < self.min_protect_s <= self.max_protect_s:
             raise ValueError("protect_margin must be > 0 and 0 < min_protect_s <= max_protect_s")
         if not 0 < self.smoothing <= 1 or self.default_stages < 1:

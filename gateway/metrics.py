@@ -160,13 +160,16 @@ class GatewayMetrics:
 
 def prediction_checks(metrics_text: str) -> dict[str, float]:
     """From a gateway's ``/metrics`` text: its checks of its predictions against the engines, summed by
-    outcome (``prediction_<outcome>``), and ``drift``, the highest drift gauge (present once a model has
-    a drift gauge)."""
+    outcome (``prediction_<outcome>``), ``drift``, the highest drift gauge (present once a model has a
+    drift gauge), and the prompt tokens its placement lost by cause (``lost_<cause>``)."""
     checks: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == "gateway_kv_prediction_exact_total":
                 key = "prediction_" + sample.labels["outcome"]
+                checks[key] = checks.get(key, 0.0) + sample.value
+            elif sample.name == "gateway_placement_lost_tokens_total":
+                key = "lost_" + sample.labels["cause"]
                 checks[key] = checks.get(key, 0.0) + sample.value
             elif sample.name == "gateway_kv_drift":
                 checks["drift"] = max(checks.get("drift", 0.0), sample.value)

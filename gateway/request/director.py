@@ -105,8 +105,9 @@ class RequestDirector:
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
         for admit in self._pipeline.admit:
-            if (admitting := admit.admit(request, policy, routing)) is not None:
-                run.admitted = await admitting
+            if (admitting := admit.admit(request, policy, routing)) is not None and (
+                    admitted := await admitting) is not None:
+                run.admitted = admitted
         plan = self._planner.plan(request, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)
         exclude: set[str] = set()

@@ -5,8 +5,8 @@ A request passes through them in this order (:class:`~gateway.request.director.R
 1. **prepare** ``(request, policy, routing)``: what routing needs, read from the request (validation, token ids,
    the context it continues, the load estimate per pod). A step fills the fields of the routing view it
    owns, or refuses the request by raising a :class:`~gateway.core.errors.GatewayError`.
-2. **admit** ``(request, policy, routing) -> Admitted``: whether the request may start now, later (it waits) or
-   never (it is refused).
+2. **admit** ``(request, policy, routing) -> Admitted | None``: whether the request may start now, later (it
+   waits) or never (it is refused); a step that decides the SLO says so.
 3. **plan**, then **route**: the workflow planner returns the request's plan (cache action, pin); the
    router returns the decision. Not extension points: one planner, one router.
 4. **dispatch** ``(attempt)``: the attempt is recorded in the in-flight ledger, then each step sees it.
@@ -39,7 +39,9 @@ class PrepareStep(Protocol):
 
 
 class AdmitStep(Protocol):
-    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted] | None: ...
+    def admit(
+        self, request: ClientRequest, policy: Policy, routing: RoutingRequest
+    ) -> Awaitable[Admitted | None] | None: ...
 
 
 class DispatchStep(Protocol):

@@ -8,8 +8,9 @@ None of them decides anything: the policy reads what they keep (:mod:`plugins.ro
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.backends.registry import PodRegistry
@@ -149,3 +150,44 @@ class RoutedPrefix:
                                confirmed_tokens=confirmed)
         elif match.text:
             self._approximate.record(match.text, pod)
+
+
+class RoomForNewContexts:
+    """admit: a workflow or session that *starts* while every candidate pod's resumable demand already fills
+    its KV cache waits, up to ``placement.hold_new_s``, for room (a context lapsing, completing or moving
+    on), rather than evicting contexts that are due back; one that continues never waits. It returns
+    nothing: it only delays, and the wait shows in the request's queueing time."""
+
+    POLL_S = 0.05
+
+    def __init__(self, pods: PodRegistry, working_set: ResumableWorkingSet, capacity_of: Callable[[str], float | None],
+                 hold_s: float, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._pods = pods
+        self._working_set = working_set
+        self._capacity_of = capacity_of
+        self._hold_s = hold_s
+        self._waited = metrics.admission.labels("held", "no_room_for_new_context")
+        self._clock = clock
+
+    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
+        key = routing.context_key
+        if not self._hold_s or not routing.context_keyed or key is None or self._working_set.context(key) is not None:
+            return None
+        return self._wait(routing) if not self._room(routing) else None
+
+    async def _wait(self, routing: RoutingRequest) -> None:
+        self._waited.inc()
+        # Polled: room opens when a context lapses, which is a clock passing, not an event anyone sends.
+        for _ in range(max(1, round(self._hold_s / self.POLL_S))):
+            await asyncio.sleep(self.POLL_S)
+            if self._room(routing):
+                return
+
+    def _room(self, routing: RoutingRequest) -> bool:
+        now = self._clock()
+        for pod in self._pods.candidates(routing.model):
+            capacity = self._capacity_of(pod.name)
+            prompt = len(routing.token_ids) if routing.token_ids else 0
+            if not capacity or self._working_set.demand_tokens(pod.name, now) + prompt < capacity:
+                return True
+        return False

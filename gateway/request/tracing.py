@@ -160,6 +160,8 @@ class TracedAdmit:
         self._step = step
         self._spanned = spanned
 
-    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted] | None:
+    def admit(
+        self, request: ClientRequest, policy: Policy, routing: RoutingRequest
+    ) -> Awaitable[Admitted | None] | None:
         waiting = self._step.admit(request, policy, routing)
         return None if waiting is None else self._spanned.run(type(self._step).__name__, request, waiting)

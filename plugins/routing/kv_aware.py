@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from gateway.plugin_registry import PluginSpec
 from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.placement import PlacementPlanner, PlacementScorer, ResumableLoadScorer
+from plugins.routing.placement import ContextBalance, PlacementPlanner, PlacementScorer, ResumableLoadScorer
 from plugins.routing.prefix_scoring import (
     CacheAwareOptions,
     CacheAwarePicker,
@@ -30,6 +30,9 @@ class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
     # A workflow or session thinking on a pod counts this much of a request in flight there.
     idle_weight: float = 0.5
     kv_usage_weight: float = 0.1
+    # Under pressure, a starting workflow or session goes to a pod with at most this many more contexts
+    # than the least loaded; none: no such balance (the cost in tokens alone decides).
+    balance_slack: int | None = 1
 
 
 def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
@@ -39,7 +42,9 @@ def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
     return Policy(
         name="kv_aware",
         picker=CacheAwarePicker(),
-        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio)],
+        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio),
+                 *([ContextBalance(context.working_set, context.capacity_of, options.balance_slack, context.clock)]
+                   if options.balance_slack is not None else [])],
         preparers=[matcher, planner],
         scorers=[WeightedScorer(PlacementScorer(prefix), options.prefix_weight),
                  WeightedScorer(ResumableLoadScorer(context.ledger, context.working_set, options.idle_weight),

@@ -78,6 +78,38 @@ class PlacementPlanner:
                 overflow = max(0.0, demand + footprint - hit - capacity) - max(0.0, demand - capacity)
             request.placement[pod.name] = PlacementCost(prompt - hit, overflow)
 
+
+class ContextBalance:
+    """Filter: under pressure (the best-cached candidate's resumable demand already fills its cache), a
+    workflow or session that *starts* goes only to pods holding at most ``slack`` more such contexts than
+    the least loaded; one that continues may go anywhere (its cache decides). When caches overflow, what
+    survives a context's think time depends on how much else its pod serves meanwhile, which the token
+    cost alone does not see: an even spread of contexts is what the sticky-placement oracle does."""
+
+    name = "context_balance"
+
+    def __init__(self, working_set: ResumableWorkingSet, capacity_of: CapacityOf, slack: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._working_set = working_set
+        self._capacity_of = capacity_of
+        self._slack = slack
+        self._clock = clock
+
+    def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+        key = request.context_key
+        if not request.context_keyed or key is None or self._working_set.context(key) is not None:
+            return pods
+        if not any(self._full(p.name) for p in pods):
+            return pods
+        keyed = {p.name: self._working_set.resumable(p.name)[0] for p in pods}
+        least = min(keyed.values())
+        return [p for p in pods if keyed[p.name] <= least + self._slack]
+
+    def _full(self, pod: str) -> bool:
+        capacity = self._capacity_of(pod)
+        return bool(capacity) and self._working_set.demand_tokens(pod, self._clock()) >= capacity
+
+
 class PlacementScorer:
     """``1 - cost / (P + max overflow)`` over the candidates; the plain prefix share when the planner had
     nothing to cost (no precise match)."""

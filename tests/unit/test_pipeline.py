@@ -3,6 +3,7 @@ table; then the director's stage order, retries and the one record it makes of a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -49,7 +50,13 @@ from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import ContextPlacement, ContextResolution, PlacementLosses, RoutedPrefix
+from gateway.request.placement import (
+    ContextPlacement,
+    ContextResolution,
+    PlacementLosses,
+    RoomForNewContexts,
+    RoutedPrefix,
+)
 from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, SloAdmission, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
@@ -248,6 +255,27 @@ async def test_admission_returns_the_slo_and_a_finished_attempt_wakes_a_waiter()
     off = SloAdmission(registry, AdmissionController(AdmissionConfig(enabled=False), load, GatewayMetrics()),
                        GatewayMetrics())
     assert off.admit(request, policy(needs_load=False), routing) is None
+
+
+async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
+    contexts = Contexts()
+    for n, pod in enumerate(("p0", "p1")):  # each pod's cache (100 tokens) is mostly held by a thinking session
+        blocks = list(range(10 * n, 10 * n + 6))  # 96 tokens
+        contexts.working_set.hold(f"session:{pod}", True, pod, BS, blocks, 96, now=time.monotonic())
+        contexts.working_set.idle(f"session:{pod}", now=time.monotonic())
+    metrics = GatewayMetrics()
+    step = RoomForNewContexts(contexts.pods, contexts.working_set, lambda pod: 100.0, 2.0, metrics)
+    continuing = contexts.resolve(list(range(48)), {"x-session-id": "p0"})
+    assert step.admit(client_request(chat()), policy(), continuing) is None  # a context that continues never waits
+    fresh = contexts.resolve(list(range(48)), {"x-session-id": "new"})
+    waiting = step.admit(client_request(chat()), policy(), fresh)
+    assert waiting is not None
+    started = time.monotonic()
+    asyncio.get_running_loop().call_later(0.2, contexts.working_set.release, "session:p1")
+    await waiting
+    assert 0.2 <= time.monotonic() - started < 1.0  # room opened on p1: it went on long before its 2 s
+    assert metrics.admission.labels("held", "no_room_for_new_context")._value.get() == 1
+    assert step.admit(client_request(chat()), policy(), fresh) is None  # now there is room
 
 
 # plan, dispatch, finish: WorkflowPlanning

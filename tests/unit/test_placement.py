@@ -21,7 +21,7 @@ ROLE = list(range(100, 132))  # 8 blocks every workflow starts with
 
 class Fleet:
     def __init__(self, capacity_tokens: dict[str, float], growth_per_stage: float = 0.0,
-                 load_weight: float = 0.3) -> None:
+                 load_weight: float = 0.3, **options: object) -> None:
         self.pods = PodRegistry([PodConfig(url=f"http://{n}:1", name=n, models=["m"]) for n in capacity_tokens],
                                 HealthConfig())
         for pod in self.pods.all():
@@ -35,7 +35,7 @@ class Fleet:
         context = PolicyContext.standalone(self.pods, index=self.index, working_set=self.ws, ledger=self.ledger,
                                            capacity_of=capacity_tokens.get)
         self.router = Router(self.pods, PluginRegistry("gateway.policies", "routing policy"), "kv_aware",
-                             {"kv_aware": {"kv_usage_weight": 0.0, "load_weight": load_weight}}, context)
+                             {"kv_aware": {"kv_usage_weight": 0.0, "load_weight": load_weight, **options}}, context)
         self.policy = self.router.resolve(None)
         self.dispatches: dict[str, Dispatch] = {}
         self._engine_hash = 0
@@ -132,6 +132,45 @@ def test_routing_holds_the_context_and_finishing_lets_it_think():
     # A pod with a thinking session is busier than an empty one: the next new session goes elsewhere.
     _, other = fleet.route(own(5000, 40), "session:t")
     assert other.pod.name != decision.pod.name
+
+
+def crowded(balance_slack: int | None) -> Fleet:
+    """Both pods' caches full of thinking workflows: three on p0 (which caches the role prompt), one on p1."""
+    fleet = Fleet({"p0": 200.0, "p1": 200.0}, load_weight=0.0, balance_slack=balance_slack)
+    fleet.cache("p0", ROLE)
+    for n, (pod, size) in enumerate([("p0", 40), ("p0", 40), ("p0", 40), ("p1", 220)]):
+        away = frozenset({"p1" if pod == "p0" else "p0"})
+        request, decision = fleet.route(ROLE + own(10_000 * (n + 1), size), f"workflow:{n}", exclude=away)
+        assert decision.pod.name == pod
+        fleet.finish(request)
+    assert fleet.ws.resumable("p0") == (3, 3) and fleet.ws.resumable("p1") == (1, 1)
+    return fleet
+
+
+def test_under_pressure_a_new_workflow_goes_where_fewer_contexts_wait():
+    # By tokens alone p0 is cheaper (its role prompt is a hit and both caches overflow by the rest) ...
+    _, alone = crowded(balance_slack=None).route(ROLE + own(2000, 8), "workflow:new")
+    assert alone.pod.name == "p0"
+    # ... but the three workflows thinking there would lose more meanwhile: with the balance it goes to p1.
+    _, balanced = crowded(balance_slack=1).route(ROLE + own(2000, 8), "workflow:new")
+    assert balanced.pod.name == "p1"
+
+
+def test_the_balance_lets_a_continuing_workflow_stay_with_its_cache():
+    fleet = crowded(balance_slack=1)
+    fleet.cache("p0", ROLE + own(10_000, 40))
+    _, decision = fleet.route(ROLE + own(10_000, 40) + own(3000, 8), "workflow:0")
+    assert decision.pod.name == "p0" and decision.reason == "cache_hit"
+
+
+def test_with_room_the_balance_leaves_the_choice_to_the_cache():
+    fleet = Fleet({"p0": 10_000.0, "p1": 10_000.0}, load_weight=0.0, balance_slack=0)
+    fleet.cache("p0", ROLE)
+    for n in range(3):
+        request, _ = fleet.route(ROLE + own(10_000 * (n + 1), 8), f"workflow:{n}", exclude=frozenset({"p1"}))
+        fleet.finish(request)
+    _, decision = fleet.route(ROLE + own(2000, 8), "workflow:new")
+    assert decision.pod.name == "p0" and decision.reason == "cache_hit"
 
 
 def test_vllm_and_sglang_metrics_say_the_capacity():
