@@ -48,6 +48,7 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.disaggregation import PrefillLegs
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.placement import ContextPlacement, ContextResolution, RoutedPrefix
@@ -123,12 +124,13 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     validation = RequestValidation(pods, auth, config.server)
     planning = WorkflowPlanning(workflows)
     placement = ContextPlacement(index, working_set)
+    routed = RoutedPrefix(index, approximate)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit],
-        dispatch=[RoutingMetrics(metrics), RoutedPrefix(index, approximate), placement, planning],
+        dispatch=[RoutingMetrics(metrics), routed, placement, planning],
         finish=[admit, planning, placement],
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
@@ -141,7 +143,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     directing = {"max_retries": config.routing.max_retries, "default_consumption": load.default_consumption,
                  "allow_strategy_header": config.routing.allow_strategy_header,
                  "max_body_bytes": config.server.max_body_bytes}
-    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, **directing)
+    prefill = PrefillLegs(config.disaggregation, pods, router, ledger, proxy, metrics, dispatched=[routed],
+                          default_consumption=load.default_consumption)
+    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
