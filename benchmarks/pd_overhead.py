@@ -12,8 +12,9 @@ every way alike):
 - ``direct`` and ``whole``: the request straight to the decode pod, and through a gateway that serves it
   whole there: what the gateway adds to a request it does not split, for comparison.
 
-The split's added latency is ``split - legs``, request by request (median and p90). Every process shares
-this machine: compare the numbers of one run.
+The split's added latency is ``split - legs``, request by request (median and p90), and what each
+gateway spent per request is its CPU time (steadier than latency on a shared machine: a hop's latency
+includes waiting for a core). Every process shares this machine: compare the numbers of one run.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ async def legs(http: aiohttp.ClientSession, prefill: str, decode: str, body: byt
     await post(http, f"{decode}/v1/chat/completions", body)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(args: argparse.Namespace, prefill: str, decode: str, split: str, whole: str) -> dict[str, list]:
     nixl = args.connector == "nixl"
     bodies = prompts()
@@ -131,14 +139,18 @@ def main() -> None:
                               kv_replay=decode.kv_replay)
         whole_proc, whole = start_gateway([whole_pod], args.policy, args.connector)
         procs.append(whole_proc)
+        cpu_before = [cpu_seconds(p.pid) for p in procs]
         times = asyncio.run(measure(args, prefill.url, decode.url, split, whole))
+        requests = args.requests + args.warmup
+        cpu = {f"{name}_gateway_cpu_us": round((cpu_seconds(p.pid) - before) / requests * 1e6)
+               for name, p, before in zip(("split", "whole"), procs, cpu_before, strict=True)}
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
         fleet.stop()
     print(json.dumps({"requests": args.requests, "connector": args.connector, "policy": args.policy,
-                      **summary(times)}, indent=2))
+                      **summary(times), **cpu}, indent=2))
 
 
 if __name__ == "__main__":
