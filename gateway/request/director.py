@@ -157,6 +157,7 @@ class RequestDirector:
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
         outcome: RelayOutcome | None = None
+        run.prefill = None
         try:
             if self._prefill is not None and attempt.routing.leg == "decode":
                 run.prefill = await self._prefill.run(attempt)

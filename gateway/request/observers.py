@@ -47,10 +47,9 @@ class PredictionCheck:
             # Split: the decode pod's cached tokens count what it was sent (or, with NIXL, what the prefill
             # pod had cached); the prefill leg is the one routed by its own cache.
             match, decision, usage = prefill.routing.prefix, prefill.decision, prefill.usage
-        reported = usage.cached_tokens if usage is not None else None
-        if reported is None or rr.token_ids is None or match is None or not match.precise or not _one_prompt(done):
+        if usage is None or (reported := usage.cached_tokens) is None or rr.token_ids is None or match is None \
+                or not match.precise or not _one_prompt(done):
             return
-        assert usage is not None
         pod = decision.pod.name
         confirmed = match.pods[pod].gpu_tokens - match.pods[pod].speculative_tokens if pod in match.pods else 0
         self._verifier.observe(rr.base_model, pod, confirmed, reported, len(rr.token_ids), usage.prompt_tokens)
