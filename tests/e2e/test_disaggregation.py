@@ -65,7 +65,7 @@ def pd(request: pytest.FixtureRequest, model_dir: str, tmp_path_factory: pytest.
        ) -> Iterator[tuple[str, VllmFleet]]:
     connector = request.param
     if connector == "nixl" and not nixl_installed():
-        pytest.skip("nixl is not installed in the vLLM environment (pip install --no-deps nixl nixl-cu12)")
+        pytest.skip("nixl is not installed in the vLLM environment (KVGW_E2E_NIXL=1 make e2e installs it)")
     storage = tmp_path_factory.mktemp(f"kv-{connector}")
     for fleet in running_pods(model_dir, pod_specs(connector, storage)):
         yield connector, fleet
