@@ -112,10 +112,11 @@ class Nixl:
     def produced(self, seq: Sequence) -> dict[str, Any]:
         """The finished prefill leg's ``kv_transfer_params``, its blocks kept for the consumer."""
         self._expire()
-        self._held[seq.request_id] = (seq, time.monotonic() + NIXL_LEASE_S)
+        request_id = f"{seq.request_id}-{uuid.uuid4().hex[:8]}"  # the engine's own id: unique, whatever clients send
+        self._held[request_id] = (seq, time.monotonic() + NIXL_LEASE_S)
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [[b.block_id for b in seq.blocks.blocks]], "remote_engine_id": self.engine_id,
-                "remote_request_id": seq.request_id, "remote_host": self.host, "remote_port": self.port,
+                "remote_request_id": request_id, "remote_host": self.host, "remote_port": self.port,
                 "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": seq.prompt_len,
                 "remote_blocks_expiry_time": None, "transfer_mode": "pull",
                 "remote_prefill_cached_tokens": seq.cached_tokens}
