@@ -62,9 +62,8 @@ _answer_decoder = msgspec.json.Decoder(_PrefillAnswer)
 class _Refused(Exception):
     """The prefill pod answered, but not with a prefill the decode pod can use."""
 
-    def __init__(self, outcome: Split, status: int) -> None:
+    def __init__(self, outcome: Split) -> None:
         self.outcome = outcome
-        self.status = status
 
 
 class PrefillLegs:
@@ -117,12 +116,13 @@ class PrefillLegs:
             except _Refused as exc:
                 outcome = exc.outcome
                 break
-            seconds = self._clock() - started
-            self._metrics.prefill_seconds.observe(seconds)
-            return PrefillLeg(Split.SPLIT, decision, routing, answer.usage, seconds, tries, decode_body)
-        if tries:
-            self._metrics.prefill_seconds.observe(self._clock() - started)
-        return PrefillLeg(outcome, None, routing, None, self._clock() - started, tries)
+            return PrefillLeg(Split.SPLIT, decision, routing, answer.usage, self._took(started), tries, decode_body)
+        return PrefillLeg(outcome, None, routing, None, self._took(started) if tries else 0.0, tries)
+
+    def _took(self, started: float) -> float:
+        seconds = self._clock() - started
+        self._metrics.prefill_seconds.observe(seconds)
+        return seconds
 
     def _skipped(self, attempt: Attempt) -> Split | None:
         """Why the request needs no prefill leg, if it needs none."""
@@ -159,15 +159,18 @@ class PrefillLegs:
             status = 504
             log.warning("request %s: prefill pod %s took longer than %g s", request.id, pod.name,
                         self._config.prefill_timeout_s)
-            raise _Refused(Split.PREFILL_FAILED, status) from None
+            raise _Refused(Split.PREFILL_FAILED) from None
         except GatewayError as err:  # timed out or failed mid-answer: not worth another try
             status = 504 if err.kind is ErrorKind.UPSTREAM_TIMEOUT else 502
-            raise _Refused(Split.PREFILL_FAILED, status) from None
+            raise _Refused(Split.PREFILL_FAILED) from None
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
         finally:
             self._ledger.finish(dispatch)
             self._metrics.prefill_legs.labels(pod.name, str(status)).inc()
         if status != 200:
-            raise _Refused(Split.PREFILL_REFUSED, status)
+            raise _Refused(Split.PREFILL_REFUSED)
         return self._accepted(request, pod.name, body, client_body, nixl)
 
     @staticmethod
@@ -182,7 +185,7 @@ class PrefillLegs:
         if not answer.kv_transfer_params:
             log.warning("request %s: prefill pod %s answered without kv_transfer_params (is it a NixlConnector "
                         "producer?)", request.id, pod)
-            raise _Refused(Split.PREFILL_FAILED, 200)
+            raise _Refused(Split.PREFILL_FAILED)
         return answer, orjson.dumps({**client_body, "kv_transfer_params": answer.kv_transfer_params})
 
 
