@@ -48,6 +48,7 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.disaggregation import PrefillLegs
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.placement import (
@@ -132,13 +133,14 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     planning = WorkflowPlanning(workflows)
     losses = PlacementLosses(metrics)
     placement = ContextPlacement(index, working_set, losses)
+    routed = RoutedPrefix(index, approximate)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit, *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
                          if config.placement.hold_new_s else [])],
-        dispatch=[RoutingMetrics(metrics), RoutedPrefix(index, approximate), placement, planning],
+        dispatch=[RoutingMetrics(metrics), routed, placement, planning],
         finish=[admit, planning, placement],
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
@@ -151,7 +153,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     directing = {"max_retries": config.routing.max_retries, "default_consumption": load.default_consumption,
                  "allow_strategy_header": config.routing.allow_strategy_header,
                  "max_body_bytes": config.server.max_body_bytes}
-    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, **directing)
+    prefill = PrefillLegs(config.disaggregation, pods, router, ledger, proxy, metrics, dispatched=[routed],
+                          default_consumption=load.default_consumption)
+    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),

@@ -18,6 +18,8 @@ import msgspec
 from gateway.background import run_loop
 from gateway.config import (
     ConfigError,
+    ConnectorConfig,
+    DisaggregationConfig,
     GatewayConfig,
     LoggingConfig,
     ModelTokenizerConfig,
@@ -32,11 +34,11 @@ log = logging.getLogger("gateway.cli")
 
 
 def parse_pod(spec: str) -> dict[str, Any]:
-    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang]``."""
+    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang][,role=prefill]``."""
     url, *options = spec.split(",")
     pod: dict[str, Any] = {"url": url}
     keys = {"events": "kv_events", "replay": "kv_replay", "name": "name", "flavor": "flavor",
-            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size"}
+            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size", "role": "role"}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or (key not in keys and key != "models"):
@@ -65,6 +67,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         mock: dict[str, Any] = {"count": args.mock_pods}
         if args.mock_speed is not None:
             mock["speed"] = args.mock_speed
+        if args.mock_prefill_pods:
+            mock["prefill_pods"] = args.mock_prefill_pods
+            mock["connector"] = args.mock_connector
         overrides["mock_pods"] = mock
     if args.log_json:
         overrides["logging"] = {"json": True}
@@ -86,6 +91,15 @@ def with_mock_tokenizer(config: GatewayConfig) -> TokenizationConfig:
     return msgspec.structs.replace(config.tokenization, models=models)
 
 
+def with_mock_connector(config: GatewayConfig) -> DisaggregationConfig:
+    """Simulated prefill and decode pods pass their KV over the connector they were started with."""
+    mock, disaggregation = config.mock_pods, config.disaggregation
+    if not mock.prefill_pods:
+        return disaggregation
+    models = {**disaggregation.models, mock.model: ConnectorConfig(mock.connector)}
+    return msgspec.structs.replace(disaggregation, models=models)
+
+
 async def serve(config: GatewayConfig) -> None:
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
@@ -100,7 +114,8 @@ async def serve(config: GatewayConfig) -> None:
             fleet.stop()
             raise
         config = msgspec.structs.replace(config, pods=[*config.pods, *pods],
-                                         tokenization=with_mock_tokenizer(config))
+                                         tokenization=with_mock_tokenizer(config),
+                                         disaggregation=with_mock_connector(config))
         log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
     workers = worker_count(config)
     try:
@@ -125,7 +140,7 @@ async def mock(args: argparse.Namespace) -> None:
         hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
     )
     pod = MockPod(config)
     await pod.start()
@@ -164,9 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes on the port (default: one per core this process may use)")
     s.add_argument("--policy", help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
     s.add_argument("--pod", action="append",
-                   help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b] (repeatable)")
+                   help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both] "
+                        "(repeatable)")
     s.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
     s.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
+    s.add_argument("--mock-prefill-pods", type=int, help="of the simulated pods, this many take the prefill leg and "
+                                                          "the others decode (prefill/decode disaggregation)")
+    s.add_argument("--mock-connector", choices=["shared_storage", "nixl"], default="shared_storage",
+                   help="how the simulated prefill pods pass their KV to the decode pods")
     s.add_argument("--log-json", action="store_true", help="one JSON object per log line")
     s.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
     s.add_argument("--shared-state-redis", help="Redis URL through which replicas share workflow state")
@@ -197,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-model-len", type=int, default=MODEL_MAX_LEN,
                    help="longest prompt plus answer in tokens (default: the simulated model's, 131072)")
     m.add_argument("--lora-adapter", action="append", help="adapter name to list as a model")
+    m.add_argument("--kv-transfer-config", help="vLLM's KV connector setting (JSON): ExampleConnector "
+                   "(kv_connector_extra_config.shared_storage_path) or NixlConnector (kv_role, "
+                   "kv_load_failure_policy), for prefill/decode disaggregation")
 
     from gateway.load.cli import add_profiles_parser
 

@@ -43,6 +43,9 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_capacity_tokens: int | None = None
     # The deployment whose GPU profile applies (Redis key aibrix:profile_<model>_<deployment>).
     deployment: str | None = None
+    # Prefill/decode disaggregation: the legs this pod serves (``disaggregation``). A model whose pods are
+    # all ``both`` is served whole by one pod.
+    role: Literal["prefill", "decode", "both"] = "both"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -52,6 +55,8 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
             self.name = self.url.split("://", 1)[1]
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
+        if self.role not in ("prefill", "decode", "both"):  # checked here too for configs built in code
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -354,6 +359,38 @@ class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True):
     access_log: bool = True
 
 
+class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # How a prefill pod's KV reaches the decode pod, as the pods' ``--kv-transfer-config`` says:
+    # shared_storage (vLLM's ExampleConnector, LMCache and the like: both legs send the client's request,
+    # the prefill leg cut to one token) or nixl (NixlConnector: the prefill leg's ``kv_transfer_params``
+    # go into the decode leg's body).
+    connector: Literal["shared_storage", "nixl"] = "shared_storage"
+
+
+class DisaggregationConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill/decode disaggregation for the models whose pods have roles (``pods[].role``): the decode
+    pod is chosen first, then a prefill pod, whose leg is skipped when the decode pod already holds all but
+    ``uncached_token_threshold`` tokens of the prompt."""
+
+    connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # Per model (a pool of prefill and decode pods), when its connector differs from ``connector``.
+    models: dict[str, ConnectorConfig] = {}
+    uncached_token_threshold: int = 256
+    # Prefill pods tried for one request before it is served whole by its decode pod.
+    prefill_attempts: int = 2
+    # A prefill leg still unanswered after this long is given up: the decode pod serves the request whole.
+    prefill_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.uncached_token_threshold < 0 or self.prefill_attempts < 1 or self.prefill_timeout_s <= 0:
+            raise ValueError("disaggregation needs uncached_token_threshold >= 0, prefill_attempts >= 1 and "
+                             "prefill_timeout_s > 0")
+
+    def connector_of(self, model: str) -> Literal["shared_storage", "nixl"]:
+        pool = self.models.get(model)
+        return pool.connector if pool is not None else self.connector
+
+
 class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Simulated pods started beside the gateway (``gateway serve --mock-pods N``)."""
 
@@ -366,12 +403,21 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     base_port: int = 0
     # Longest prompt plus answer in tokens; none: the simulated model's own.
     max_model_len: int | None = None
+    # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others
+    # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
+    prefill_pods: int = 0
+    connector: Literal["shared_storage", "nixl"] = "shared_storage"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefill_pods < max(1, self.count):
+            raise ValueError("mock_pods.prefill_pods must leave at least one decode pod")
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     pods: list[PodConfig] = []
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)

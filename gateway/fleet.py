@@ -41,6 +41,7 @@ class PodMembership:
         name, load = pod.name, self.load
         self.metrics.watch_pod(name, lambda: load.ledger.on_pod(name), lambda: load.load(name),
                                lambda: stats.kv_usage if (stats := load.engine.get(name)) else 0.0)
+        self.metrics.pod_role.labels(name, pod.config.role).set(1)
         self.kv.add_pod(pod)
         self.profiles.learn_models(pod.models)
 

@@ -90,6 +90,18 @@ class GatewayMetrics:
         self.pressure_mode = Gauge(
             "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
         )
+        self.pod_role = Gauge("gateway_pod_role", "1 for the role each pod plays: prefill, decode or both",
+                              ["pod", "role"], registry=r)
+        self.pd_requests = Counter(
+            "gateway_pd_requests",
+            "Requests of disaggregated models by what became of their prefill leg: split, cached, short, "
+            "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
+            ["model", "outcome"], registry=r,
+        )
+        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (502: failed, "
+                                    "504: timed out)", ["pod", "status"], registry=r)
+        self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
+                                         "included", buckets=LATENCY_BUCKETS, registry=r)
         self._per_request: dict[tuple[str, str, int], tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.kv_prediction_error = Histogram(

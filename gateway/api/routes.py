@@ -105,6 +105,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
             "name": p.name,
             "url": p.url,
             "models": sorted(p.models),
+            "role": p.config.role,
             "healthy": p.healthy,
             "ejected_for_s": round(max(0.0, p.ejected_until - now), 3),
             "ejections": p.ejections,

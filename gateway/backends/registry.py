@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gateway.config import HealthConfig, PodConfig
+
+# A leg of a request served by two pods (prefill/decode disaggregation).
+Leg = Literal["prefill", "decode"]
 
 
 @dataclass(eq=False, slots=True)
@@ -37,6 +40,10 @@ class Pod:
 
     def serves(self, model: str) -> bool:
         return model in self.models
+
+    def takes(self, leg: Leg | None) -> bool:
+        """Whether the pod serves this leg of a disaggregated request (None: a whole request: any pod)."""
+        return leg is None or self.config.role == "both" or self.config.role == leg
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
@@ -94,13 +101,17 @@ class PodRegistry:
                     return card["max_model_len"]
         return None
 
-    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Pod]:
-        """Pods serving ``model`` that are healthy, not ejected and not excluded."""
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset(), leg: Leg | None = None) -> list[Pod]:
+        """Pods serving ``model`` (``leg`` of it, when given) that are healthy, not ejected and not excluded."""
         now = self._clock()
         return [
             p for p in self._pods.values()
-            if p.serves(model) and p.available(now) and p.name not in exclude
+            if p.serves(model) and p.available(now) and p.name not in exclude and p.takes(leg)
         ]
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether ``model`` is served by pods with roles: its requests are split into prefill and decode."""
+        return any(p.config.role != "both" and p.serves(model) for p in self._pods.values())
 
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of all pods' models, one card per id (first pod's card wins)."""

@@ -56,6 +56,9 @@ class Contender(msgspec.Struct, frozen=True):
     share_state: bool = True
     redis_lost_at: float | None = None
     workers: int = 1  # per gateway replica (serve --workers)
+    # Prefill/decode disaggregation: this many of the simulated pods take the prefill leg, the others
+    # decode, their KV passed over NIXL (the connector every P/D router here speaks).
+    prefill_pods: int = 0
 
 
 CONTENDERS = {
@@ -76,6 +79,10 @@ CONTENDERS = {
         Contender("vllm-router-kv_aware", "vllm-router", "kv_aware"),
         Contender("sglang-router-cache_aware", "sglang-router", "cache_aware"),
         Contender("smg-cache_aware", "smg", "cache_aware"),
+        Contender("gateway-kv_aware-pd", "gateway", "kv_aware", prefill_pods=1),
+        Contender("vllm-router-pd-cache_aware", "vllm-router", "cache_aware", prefill_pods=1),
+        Contender("vllm-router-pd-round_robin", "vllm-router", "round_robin", prefill_pods=1),
+        Contender("smg-pd-cache_aware", "smg", "cache_aware", prefill_pods=1),
     ]
 }
 
@@ -153,6 +160,50 @@ def start_redis_server(binary: str, port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("redis-server did not start")
 
 
+def _workers(pods: list[PodConfig], pd_flag: str, aggregated_flag: str) -> list[str]:
+    """A peer router's pods: ``--prefill URL ... --decode URL ...`` in its P/D mode, else all of them."""
+    if all(p.role == "both" for p in pods):
+        return [aggregated_flag, *[p.url for p in pods]]
+    out = [pd_flag]
+    for p in pods:
+        out += ["--prefill", p.url] if p.role == "prefill" else ["--decode", p.url]
+    return out
+
+
+_LEG_METRICS = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+                "vllm:external_prefix_cache_hits_total": "loaded", "vllm:time_to_first_token_seconds_sum": "ttft_s",
+                "vllm:time_to_first_token_seconds_count": "firsts"}
+
+
+def _leg_counters(url: str) -> dict[str, float]:
+    """A simulated pod's own counters of what its leg did: prompt tokens looked up, found cached, loaded from
+    another pod, and its time to first token (sum and count)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(_LEG_METRICS.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in _LEG_METRICS:
+            out[_LEG_METRICS[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _per_leg(pods: list[PodConfig], before: list[dict[str, float]], after: list[dict[str, float]]
+             ) -> dict[str, float]:
+    """Hit ratio and mean time to first token of each leg, from its pods' own counters; for the decode
+    leg also the share of its prompt tokens loaded from a prefill pod."""
+    out: dict[str, float] = {}
+    for leg in ("prefill", "decode"):
+        rows = [(b, a) for p, b, a in zip(pods, before, after, strict=True)
+                if (p.role == "prefill") == (leg == "prefill")]
+        total = {k: sum(a[k] - b[k] for b, a in rows) for k in _LEG_METRICS.values()}
+        out[f"{leg}_hit_ratio"] = round(total["hits"] / total["queries"], 4) if total["queries"] else 0.0
+        out[f"{leg}_ttft_ms"] = round(1000 * total["ttft_s"] / total["firsts"], 2) if total["firsts"] else 0.0
+        if leg == "decode":
+            out["decode_loaded_share"] = round(total["loaded"] / total["queries"], 4) if total["queries"] else 0.0
+    return out
+
+
 def _binary(name: str) -> str:
     return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
 
@@ -200,13 +251,16 @@ class BenchRunner:
 
     # Pods
 
-    def _start_pods(self, speed: float) -> tuple[MockPodFleet | None, list[PodConfig]]:
+    def _start_pods(self, speed: float, prefill_pods: int = 0) -> tuple[MockPodFleet | None, list[PodConfig]]:
         if self.existing_pods:
+            if prefill_pods:
+                raise RuntimeError("prefill/decode contenders need simulated pods with roles")
             self._reset_existing()
             return None, self.existing_pods
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed,
-                                            max_model_len=self.max_model_len), quiet=True)
+                                            max_model_len=self.max_model_len, prefill_pods=prefill_pods,
+                                            connector="nixl"), quiet=True)
         try:
             return fleet, fleet.start()
         except BaseException:
@@ -252,7 +306,7 @@ class BenchRunner:
             cmd = self._vllm_router_command(contender, pods, port, env)
         else:  # sglang-router and smg share one command line
             cmd = [_binary(contender.kind), "launch", "--host", "127.0.0.1", "--port", str(port),
-                   "--policy", contender.policy, "--worker-urls", *[p.url for p in pods]]
+                   "--policy", contender.policy, *_workers(pods, "--pd-disaggregation", "--worker-urls")]
         if not os.path.exists(cmd[0]) and contender.kind != "gateway":
             raise FileNotFoundError(f"{contender.kind} is not installed (pip install '.[bench]')")
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -269,9 +323,10 @@ class BenchRunner:
                "--workers", str(contender.workers)]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
-                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name}"
+                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}"
             cmd += ["--pod", spec]
         env["GATEWAY_LOGGING__ACCESS_LOG"] = "false"
+        env["GATEWAY_DISAGGREGATION__CONNECTOR"] = "nixl"
         if self.tokenizer:  # else the gateway asks the pods' /tokenize
             env["GATEWAY_TOKENIZATION__MODELS"] = json.dumps({self.model: {"path": str(self.tokenizer)}})
         return cmd
@@ -279,7 +334,7 @@ class BenchRunner:
     def _vllm_router_command(self, contender: Contender, pods: list[PodConfig], port: int,
                              env: dict[str, str]) -> list[str]:
         cmd = [_binary("vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
-               "--worker-urls", *[p.url for p in pods], "--log-level", "warning"]
+               *_workers(pods, "--vllm-pd-disaggregation", "--worker-urls"), "--log-level", "warning"]
         if contender.policy == "kv_aware":
             for p in pods:
                 if p.kv_events:
@@ -320,7 +375,7 @@ class BenchRunner:
         them (``None``: requests go straight to the pods), all stopped on leaving."""
         fleet = None
         try:
-            fleet, pods = self._start_pods(self.speed if speed is None else speed)
+            fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods)
             yield self._start_routers(contender, pods), pods
         finally:
             self._stop_procs()
@@ -335,9 +390,13 @@ class BenchRunner:
             with self.serving(contender, speed) as (routers, pods):
                 caches = [cache_config(p.url) for p in pods]
                 before = [self._prefix_counters(p.url) for p in pods]
-                outcomes, seconds = asyncio.run(self._replay(trace, routers, [p.url for p in pods],
-                                                             contender.name, lose_redis_after))
+                legs_before = [_leg_counters(p.url) for p in pods] if contender.prefill_pods else []
+                decode_urls = [p.url for p in pods if p.role != "prefill"]
+                outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
+                                                             lose_redis_after))
                 after = [self._prefix_counters(p.url) for p in pods]
+                if contender.prefill_pods:
+                    result.extra.update(_per_leg(pods, legs_before, [_leg_counters(p.url) for p in pods]))
                 if contender.kind == "gateway" and routers:
                     result.extra.update(self._prediction_checks(routers))
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:

@@ -8,6 +8,11 @@ the rest of a token budget goes to prefill chunks (admitting waiting sequences f
 while slots and blocks allow). A step takes ``base + prefill_tokens * per_token + decode_seqs *
 per_seq`` seconds, times the speed factor. Cached prompt tokens are not prefilled, so TTFT falls with
 cache hits and rises with load, as on a real engine. The KV events of a step leave as one batch.
+
+With a KV connector (:mod:`gateway.mock.kv_transfer`), prompt tokens may also come from outside, as vLLM's
+connectors bring them: a sequence admitted with tokens the connector holds loads them (a small cost per
+token, not their prefill) and recomputes at least the last prompt token; a producer's finished sequence
+may keep its blocks until a consumer has pulled them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -30,12 +36,15 @@ class TimingModel(msgspec.Struct, frozen=True):
     step_base_s: float = 0.004
     prefill_per_token_s: float = 0.00008
     decode_per_seq_s: float = 0.0002
+    # Loading a token's KV from a connector (another pod's memory, shared storage): far less than its prefill.
+    kv_load_per_token_s: float = 0.000005
     # Multiplies every simulated duration: 1 is a mid-size GPU, 0.1 ten times faster, 0 no delay at all.
     speed: float = 1.0
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, loaded_tokens: int = 0) -> float:
         """Simulated duration of one step at speed 1 (the engine sleeps this times ``speed``)."""
-        return self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
+        return (self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
+                + loaded_tokens * self.kv_load_per_token_s)
 
 
 # The context length of the simulated model (a Llama-3.1-shaped one).
@@ -52,6 +61,18 @@ class PromptRejected(ValueError):
     """The prompt can never run on this engine (too long for the model or the cache)."""
 
 
+class EngineConnector(Protocol):
+    """What the engine asks a KV connector (:mod:`gateway.mock.kv_transfer`)."""
+
+    def loadable(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq``, from the first, that the connector can load."""
+        ...
+
+    def prefilled(self, seq: Sequence) -> None:
+        """``seq``'s prompt is computed (a producer may save it)."""
+        ...
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
@@ -62,6 +83,13 @@ class Sequence:
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     num_computed: int = 0
     cached_tokens: int = 0
+    # From a KV connector: tokens the sequence may load (beyond what the connector itself finds), those it
+    # loaded, the cached tokens to report instead of its own (vLLM's D node reports its P node's), and
+    # whether it keeps its blocks when it finishes, until a consumer pulls them.
+    pulled_tokens: int = 0
+    loaded_tokens: int = 0
+    reported_cached_tokens: int | None = None
+    hold_blocks: bool = False
     reserved_blocks: int = 0
     generated: int = 0
     first_token_at: float | None = None
@@ -80,6 +108,7 @@ class Sequence:
 class _Step:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    loaded_tokens: int = 0
 
     @property
     def prefill_tokens(self) -> int:
@@ -94,6 +123,7 @@ class MockEngine:
         publish: Callable[[list[KvEvent]], None],
         timing: TimingModel | None = None,
         limits: EngineLimits | None = None,
+        connector: EngineConnector | None = None,
     ) -> None:
         if not output_tokens:
             raise ValueError("output_tokens must not be empty")
@@ -102,6 +132,7 @@ class MockEngine:
         self.limits = limits or EngineLimits()
         self._output_tokens = output_tokens
         self._publish = publish
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._reserved = 0
@@ -112,6 +143,12 @@ class MockEngine:
         self.finished_requests = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # vLLM's external_prefix_cache_*: prompt tokens looked up through the connector, and those loaded.
+        self.external_queries = 0
+        self.external_hits = 0
+        # Time to first token of finished prefills (vLLM's time_to_first_token_seconds histogram).
+        self.ttft_sum_s = 0.0
+        self.ttft_count = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mock-engine")
@@ -119,7 +156,8 @@ class MockEngine:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Sequence:
+    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, pulled_tokens: int = 0,
+               reported_cached_tokens: int | None = None, hold_blocks: bool = False) -> Sequence:
         if not prompt:
             raise PromptRejected("The prompt is empty.")
         if max_tokens < 1:  # as vLLM's sampling parameters refuse it
@@ -134,7 +172,8 @@ class MockEngine:
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.num_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
-                       time.monotonic(), submitted_clock=self.clock)
+                       time.monotonic(), submitted_clock=self.clock, pulled_tokens=pulled_tokens,
+                       reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks)
         self.waiting.append(seq)
         self._wake.set()
         return seq
@@ -149,6 +188,11 @@ class MockEngine:
         elif seq in self.running:
             self._finish(seq)
 
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence that kept its blocks (for a consumer to pull) lets them go."""
+        if seq.finished and seq.blocks.blocks:
+            self.cache.free(seq.blocks)
+
     def reset_prefix_cache(self) -> bool:
         ok = self.cache.reset()
         self._flush_events()
@@ -162,7 +206,7 @@ class MockEngine:
                 self._wake.clear()
                 await self._wake.wait()
             step = self._schedule()
-            seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode))
+            seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode), step.loaded_tokens)
             self.clock += seconds
             # Even with no simulated delay, yield so HTTP handlers run between steps.
             await asyncio.sleep(seconds * self.timing.speed)
@@ -185,6 +229,7 @@ class MockEngine:
                 break  # first-come first-served: the head waits for blocks, the rest wait behind it
             self.waiting.popleft()
             self.running.append(seq)
+            step.loaded_tokens += seq.loaded_tokens
             chunk = min(budget, seq.prompt_len - seq.num_computed)
             step.prefill.append((seq, chunk))
             budget -= chunk
@@ -203,13 +248,26 @@ class MockEngine:
         cache.touch(hit)
         seq.blocks.blocks = hit + cache.allocate(prompt_blocks - len(hit))
         seq.blocks.num_cached = len(hit)
-        seq.num_computed = seq.cached_tokens = len(hit) * bs
+        local = len(hit) * bs
+        seq.loaded_tokens = max(0, self._loadable(seq) - local)
+        self.external_hits += seq.loaded_tokens
+        seq.cached_tokens = local + seq.loaded_tokens
+        # A whole prompt loaded still recomputes its last token, to sample the next one.
+        seq.num_computed = min(seq.cached_tokens, seq.prompt_len - 1)
+        if seq.reported_cached_tokens is not None:
+            seq.cached_tokens = seq.reported_cached_tokens
         seq.reserved_blocks = reserve
         self._reserved += reserve
         cache.stats.queries += seq.prompt_len
-        cache.stats.hits += seq.cached_tokens
+        cache.stats.hits += local
         self.prompt_tokens_total += seq.prompt_len
         return True
+
+    def _loadable(self, seq: Sequence) -> int:
+        if self.connector is None:
+            return 0
+        self.external_queries += seq.prompt_len
+        return max(seq.pulled_tokens, self.connector.loadable(seq))
 
     def _complete(self, step: _Step) -> None:
         for seq, chunk in step.prefill:
@@ -218,6 +276,8 @@ class MockEngine:
             seq.num_computed += chunk
             if seq.num_computed >= seq.prompt_len:
                 self.cache.cache_full_blocks(seq.blocks, seq.token_ids)
+                if self.connector is not None:
+                    self.connector.prefilled(seq)
                 self._emit(seq)
         for seq in step.decode:
             if not seq.finished:
@@ -232,6 +292,8 @@ class MockEngine:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             seq.simulated_ttft_s = self.clock - seq.submitted_clock
+            self.ttft_sum_s += seq.first_token_at - seq.arrived
+            self.ttft_count += 1
         seq.outputs.put_nowait(token)
         if seq.generated >= seq.max_tokens:
             self.finished_requests += 1
@@ -244,7 +306,8 @@ class MockEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.finished = True
         self.running.remove(seq)
-        self.cache.free(seq.blocks)
+        if not (seq.hold_blocks and seq.generated):  # an aborted producer's blocks are nobody's to pull
+            self.cache.free(seq.blocks)
         self._reserved -= seq.reserved_blocks
         seq.reserved_blocks = 0
         seq.outputs.put_nowait(None)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -41,6 +43,9 @@ class MockPodFleet:
         self.host = host
         self.quiet = quiet
         self.members: list[MockPodProcess] = []
+        # Prefill/decode pods sharing their prompts through a directory (vLLM's ExampleConnector).
+        self._storage = (tempfile.TemporaryDirectory(prefix="kvgw-kv-")
+                         if config.prefill_pods and config.connector == "shared_storage" else None)
 
     def start(self, timeout_s: float = 60.0, attempts: int = 3) -> list[PodConfig]:
         for i in range(self.config.count):
@@ -71,13 +76,24 @@ class MockPodFleet:
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        role = ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
+        if c.prefill_pods:
+            cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL if self.quiet else None)
         url = f"http://{self.host}:{port}"
         pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor, deployment="mock",
                         kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",
-                        block_size=c.block_size)
+                        block_size=c.block_size, role=role)  # type: ignore[arg-type]
         return MockPodProcess(process, pod)
+
+    def _kv_transfer_config(self, role: str) -> str:
+        """The pod's ``--kv-transfer-config``, as a vLLM pod of that role would be started."""
+        if self._storage is not None:
+            return json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                               "kv_connector_extra_config": {"shared_storage_path": self._storage.name}})
+        return json.dumps({"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
+                           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"})
 
     def _wait_ready(self, member: MockPodProcess, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -102,6 +118,8 @@ class MockPodFleet:
                 os.kill(member.process.pid, signal.SIGKILL)
                 member.process.wait()
         self.members.clear()
+        if self._storage is not None:
+            self._storage.cleanup()
 
     async def astart(self, timeout_s: float = 60.0) -> list[PodConfig]:
         return await asyncio.to_thread(self.start, timeout_s)

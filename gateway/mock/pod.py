@@ -28,6 +28,13 @@ from gateway.kv.hashing import namespace_root
 from gateway.mock import anthropic as anthropic_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
 from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from gateway.mock.kv_transfer import (
+    SIDE_CHANNEL_PATH,
+    KvLoadFailed,
+    Nixl,
+    SharedStorage,
+    parse_kv_transfer_config,
+)
 from gateway.mock.kvcache import PagedKvCache
 from gateway.mock.publisher import KvEventPublisher
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
@@ -66,6 +73,8 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: int = MODEL_MAX_LEN
     lora_adapters: list[str] = []
     timing: TimingModel | None = None
+    # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`gateway.mock.kv_transfer`).
+    kv_transfer_config: str | None = None
 
 
 class Faults(msgspec.Struct):
@@ -111,6 +120,15 @@ class MockPod:
         encoding = config.encoding or (Encoding.SGLANG if config.flavor == "sglang" else Encoding.CURRENT)
         self.publisher: KvEventPublisher | None = None
         self._encoding = encoding
+        self.shared_storage: SharedStorage | None = None
+        self.nixl: Nixl | None = None
+        if config.kv_transfer_config:
+            transfer = parse_kv_transfer_config(config.kv_transfer_config)
+            if transfer.kv_connector == "NixlConnector":
+                self.nixl = Nixl(transfer, config.host, lambda seq: self.engine.release(seq))
+            else:
+                self.shared_storage = SharedStorage(
+                    str(transfer.kv_connector_extra_config.get("shared_storage_path", "/tmp")), config.block_size)
         self.engine = self._new_engine()
         self._runner: web.AppRunner | None = None
         self.port = config.port
@@ -124,7 +142,7 @@ class MockPod:
         cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model))
         timing = c.timing or TimingModel(speed=c.speed)
         limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
-        return MockEngine(cache, self._output_tokens, self._publish, timing, limits)
+        return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)
 
     def _publish(self, events: list[KvEvent]) -> None:
         if self.publisher:
@@ -147,11 +165,15 @@ class MockPod:
         site = web.TCPSite(self._runner, c.host, c.port, backlog=2048)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        if self.nixl is not None:
+            self.nixl.port = self.port
 
     async def stop(self) -> None:
         if self._runner:
             await self._runner.cleanup()
         await self.engine.stop()
+        if self.nixl is not None:
+            await self.nixl.close()
         if self.publisher:
             await self.publisher.stop()
 
@@ -178,6 +200,8 @@ class MockPod:
         old = self.engine
         for seq in [*old.waiting, *old.running]:
             old.abort(seq)
+        if self.nixl is not None:
+            self.nixl.restarted()
         old.cache.reset(announce=False)
         old.cache.hasher.reseed()
         if self.publisher:
@@ -201,6 +225,8 @@ class MockPod:
         r.add_get("/metrics", self._metrics)
         r.add_get("/debug/blocks", self._debug_blocks)
         r.add_post("/debug/faults", self._set_faults)
+        if self.nixl is not None:
+            r.add_post(SIDE_CHANNEL_PATH, self._nixl_read)
         if self.config.flavor == "sglang":
             r.add_post("/flush_cache", self._flush_cache)
             r.add_get("/server_info", self._server_info)
@@ -276,9 +302,12 @@ class MockPod:
         body = await self._body(request)
         try:
             ids = anthropic_api.prompt_ids(self.tokenizer, body)
+            transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
             seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
-                                     request.headers.get("x-request-id") or uuid.uuid4().hex)
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer)
+        except KvLoadFailed:
+            return anthropic_api.error(500, "Internal server error")
         except (PromptRejected, ValueError, TypeError) as exc:
             return anthropic_api.error(400, str(exc))
         try:
@@ -286,7 +315,8 @@ class MockPod:
                 return await anthropic_api.stream(request, seq, self.config.model, self._token_text.__getitem__,
                                                   self.config.block_size)
             text = "".join([self._token_text[t] async for t in seq.tokens()])
-            return web.json_response(anthropic_api.message(seq, self.config.model, text, self.config.block_size))
+            answer = anthropic_api.message(seq, self.config.model, text, self.config.block_size)
+            return web.json_response(self._with_transfer_params(answer, seq))
         finally:
             if not seq.finished:
                 self.aborted_requests += 1
@@ -316,7 +346,9 @@ class MockPod:
         max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            seq = self.engine.submit(ids, int(max_tokens), request_id)
+            seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids))
+        except KvLoadFailed:
+            return await self._load_failed(request, bool(body.get("stream")))
         except (PromptRejected, ValueError, TypeError) as exc:
             return self._error(400, str(exc))
         try:
@@ -329,6 +361,50 @@ class MockPod:
             if not seq.finished:  # the client went away: free the engine's slot, as vLLM aborts
                 self.aborted_requests += 1
                 self.engine.abort(seq)
+
+    async def _transfer_in(self, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        """What a request's ``kv_transfer_params`` make of it (NIXL): a prefill leg keeps its blocks for a
+        decode pod; a decode leg pulls them first (raising :class:`KvLoadFailed` where vLLM fails it)."""
+        params = body.get("kv_transfer_params")
+        if self.nixl is None or not isinstance(params, dict):
+            return {}
+        if params.get("do_remote_decode"):
+            return {"hold_blocks": not body.get("stream")}
+        if not params.get("do_remote_prefill"):
+            return {}
+        cached = params.get("remote_prefill_cached_tokens")
+        reported = cached if isinstance(cached, int) else None
+        try:
+            return {"pulled_tokens": await self.nixl.pull(params, len(ids)), "reported_cached_tokens": reported}
+        except KvLoadFailed as exc:
+            log.warning("KV load failed: %s", exc)
+            if not self.nixl.recompute_on_failure:
+                raise
+            return {}
+
+    def _with_transfer_params(self, answer: dict[str, Any], seq: Sequence) -> dict[str, Any]:
+        """A finished prefill leg's answer carries the parameters to pull its blocks with."""
+        if self.nixl is not None and seq.hold_blocks and seq.generated:
+            answer["kv_transfer_params"] = self.nixl.produced(seq)
+        return answer
+
+    async def _load_failed(self, request: web.Request, stream: bool) -> web.StreamResponse:
+        """vLLM's answer to a request whose KV could not be loaded: a 500, or, streamed, an error event
+        after its 200."""
+        if not stream:
+            return self._error(500, "Internal server error", "InternalServerError")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                           "code": 500}}
+        await resp.write(_sse(error) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _nixl_read(self, request: web.Request) -> web.Response:
+        assert self.nixl is not None
+        status, answer = self.nixl.read(await self._body(request))
+        return web.json_response(answer, status=status)
 
     def _usage(self, seq: Sequence) -> dict[str, Any]:
         return {
@@ -353,7 +429,7 @@ class MockPod:
             "choices": [choice],
             "usage": self._usage(seq),
         }
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return web.Response(body=orjson.dumps(self._with_transfer_params(body, seq)), content_type="application/json")
 
     async def _stream(
         self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool
@@ -467,6 +543,12 @@ class MockPod:
             f"vllm:prefix_cache_hits_total{{{labels}}} {float(c.stats.hits)}\n",
             f"vllm:prompt_tokens_total{{{labels}}} {float(e.prompt_tokens_total)}\n",
             f"vllm:generation_tokens_total{{{labels}}} {float(e.generation_tokens_total)}\n",
+            f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(e.ttft_count)}\n',
+            f"vllm:time_to_first_token_seconds_count{{{labels}}} {float(e.ttft_count)}\n",
+            f"vllm:time_to_first_token_seconds_sum{{{labels}}} {e.ttft_sum_s}\n",
+            *([f"vllm:external_prefix_cache_queries_total{{{labels}}} {float(e.external_queries)}\n",
+               f"vllm:external_prefix_cache_hits_total{{{labels}}} {float(e.external_hits)}\n"]
+              if e.connector is not None else []),
             f"vllm:request_success_total{{{labels},finished_reason=\"length\"}} {float(e.finished_requests)}\n",
             f'vllm:cache_config_info{{block_size="{c.block_size}",enable_prefix_caching="True",'
             f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="{self.config.hash_algo}"}} 1.0\n',

@@ -3,7 +3,8 @@
 Owner: the proxy reports upstream outcomes to the pod registry (passive ejection) and owns nothing
 else. One shared ``aiohttp.ClientSession`` (the :class:`~gateway.http_client.HttpClient`) carries all
 upstream traffic. The client's body goes upstream as received and the pod's bytes (SSE chunks included)
-reach the client unchanged: nothing on this path re-encodes JSON. What happened comes back as a
+reach the client unchanged: nothing on this path re-encodes JSON (the one body the gateway writes itself is a
+disaggregated request's, :mod:`gateway.request.disaggregation`). What happened comes back as a
 :class:`~gateway.proxy.outcome.RelayOutcome`; everything else a request goes through is a step of the
 pipeline (:mod:`gateway.request.pipeline`).
 """
@@ -68,6 +69,22 @@ class Proxy:
                 return await self._relay.body(call, upstream)
             finally:
                 # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
+                upstream.close()
+        except RetryableFailure as exc:
+            self._metrics.retries.labels(pod.name, exc.cause).inc()
+            raise
+
+    async def exchange(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """A whole answer kept by the gateway, not relayed (a prefill leg): its status and body. Failures are
+        those of :meth:`forward`: :class:`RetryableFailure` when another pod may take it."""
+        try:
+            upstream = await self._send(pod, path, body, headers)
+            try:
+                if upstream.status >= 500:
+                    raise await self._upstream_5xx(pod, upstream)
+                self._pods.report_success(pod)
+                return upstream.status, await self._relay.read(pod.name, upstream)
+            finally:
                 upstream.close()
         except RetryableFailure as exc:
             self._metrics.retries.labels(pod.name, exc.cause).inc()

@@ -56,10 +56,10 @@ class Relay:
         headers.update(call.answer_headers)
         return headers
 
-    async def body(self, call: UpstreamCall, upstream: aiohttp.ClientResponse) -> tuple[web.Response, RelayOutcome]:
-        pod = call.pod.name
+    async def read(self, pod: str, upstream: aiohttp.ClientResponse) -> bytes:
+        """The whole body of an answer; one that fails to arrive raises (nothing reached the client)."""
         try:
-            data = await upstream.read()
+            return await upstream.read()
         except _UPSTREAM_READ_ERRORS as exc:
             self._metrics.upstream_errors.labels(pod, "body").inc()
             failed = upstream_failed(f"Pod {pod} failed while sending its answer: {exc}")
@@ -67,6 +67,10 @@ class Relay:
         except TimeoutError:
             self._metrics.upstream_errors.labels(pod, "idle_timeout").inc()
             raise upstream_timeout(f"Pod {pod} stalled while sending its answer.") from None
+
+    async def body(self, call: UpstreamCall, upstream: aiohttp.ClientResponse) -> tuple[web.Response, RelayOutcome]:
+        pod = call.pod.name
+        data = await self.read(pod, upstream)
         first_byte_at = time.monotonic()
         if upstream.status >= 400 and not upstream.headers.get("content-type", "").startswith("application/json"):
             # An engine's own errors are OpenAI JSON and pass as they are; anything else gets that shape.

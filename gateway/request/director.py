@@ -3,7 +3,9 @@
 Owner: the director alone builds the typed views the steps see (:mod:`gateway.request.types`), runs the
 retry loop, writes the in-flight ledger (dispatch before an attempt is sent, finish when it ends), and
 records how the request ended, once, from the proxy's returned outcome. Everything a feature does
-happens in a step (:mod:`gateway.request.pipeline`); the proxy only forwards and relays.
+happens in a step (:mod:`gateway.request.pipeline`); the proxy only forwards and relays. For a model
+whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a collaborator
+(:mod:`gateway.request.disaggregation`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from gateway.load.ledger import InFlightLedger
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.request.body import read_body
+from gateway.request.disaggregation import PrefillLegs
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest, PrefillLeg
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.router import Router
 from gateway.workflow.service import NO_PLAN, RequestPlan
@@ -55,7 +58,7 @@ class NoPlanner:
 class RequestDirector:
     def __init__(self, pipeline: RequestPipeline, router: Router, planner: RequestPlanner, ledger: InFlightLedger,
                  proxy: Proxy, pods: PodRegistry, *, max_retries: int, default_consumption: float,
-                 allow_strategy_header: bool, max_body_bytes: int,
+                 allow_strategy_header: bool, max_body_bytes: int, prefill: PrefillLegs | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
         self._router = router
@@ -63,6 +66,8 @@ class RequestDirector:
         self._ledger = ledger
         self._proxy = proxy
         self._pods = pods
+        # Disaggregated models' prefill legs (none: every request is served whole by one pod).
+        self._prefill = prefill
         self._max_retries = max_retries
         # What a request takes of a pod when nothing estimated it (no profile, no load-aware policy).
         self._default_consumption = default_consumption
@@ -93,7 +98,7 @@ class RequestDirector:
             raise
         finally:
             done = CompletedRequest(run.request, status, self._clock(), run.attempts, run.routing, run.admitted,
-                                    run.last, run.outcome)
+                                    run.last, run.outcome, run.prefill)
             for step in self._pipeline.complete:
                 step.completed(done)
 
@@ -125,11 +130,11 @@ class RequestDirector:
             dispatch = self._ledger.dispatch(
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
                 request.kind, context=routing.context_key, stage=plan.stage_owner)
-            run.last = Attempt(request, policy, routing, plan, decision, dispatch, number, started, dict(headers))
+            run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, number, started,
+                                         dict(headers))
             run.attempts = number + 1
             try:
-                response, run.outcome = await self._attempt(run.last)
-                return response
+                return await self._attempt(run, attempt)
             except RetryableFailure as exc:
                 failure = exc
                 exclude.add(decision.pod.name)
@@ -145,15 +150,21 @@ class RequestDirector:
         base = self._pods.base_model(request.model)
         return self._router.resolve(override), RoutingRequest(
             request.id, request.model, request.kind, request.parsed, base_model=base,
-            lora_name=request.model if base != request.model else None)
+            lora_name=request.model if base != request.model else None,
+            leg=self._prefill.leg_of(request.kind, request.model) if self._prefill is not None else None)
 
-    async def _attempt(self, attempt: Attempt) -> tuple[web.StreamResponse, RelayOutcome]:
+    async def _attempt(self, run: _Run, attempt: Attempt) -> web.StreamResponse:
+        """One attempt: dispatched, its prefill leg first when it is a decode leg, relayed, finished."""
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
         outcome: RelayOutcome | None = None
+        run.prefill = None
         try:
-            response, outcome = await self._proxy.forward(self._call(attempt))
-            return response, outcome
+            if self._prefill is not None and attempt.routing.leg == "decode":
+                run.prefill = await self._prefill.run(attempt)
+            response, outcome = await self._proxy.forward(self._call(attempt, run.prefill))
+            run.outcome = outcome
+            return response
         except RetryableFailure as exc:
             outcome = RelayOutcome.failed(status_of(exc.error))
             raise
@@ -170,21 +181,25 @@ class RequestDirector:
                 step.attempt_finished(attempt, ended)
 
     @staticmethod
-    def _call(attempt: Attempt) -> UpstreamCall:
+    def _call(attempt: Attempt, prefill: PrefillLeg | None) -> UpstreamCall:
         request, decision = attempt.request, attempt.decision
         answer_headers = {
             "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
             "x-gateway-prefix-tokens": str(decision.prefix_tokens),
             "x-gateway-cache-action": attempt.plan.header_for(decision),
         }
-        return UpstreamCall(decision.pod, request.http, request.body, attempt.upstream_headers, answer_headers,
+        body = request.body
+        if prefill is not None and (prefill_pod := prefill.pod) is not None:
+            answer_headers["x-gateway-prefill-pod"] = prefill_pod.name
+            body = prefill.decode_body or body
+        return UpstreamCall(decision.pod, request.http, body, attempt.upstream_headers, answer_headers,
                             request.id, anthropic=request.kind in ("messages", "count_tokens"))
 
 
 class _Run:
     """The director's own record of one request as it goes: what :class:`CompletedRequest` is built from."""
 
-    __slots__ = ("admitted", "attempts", "last", "outcome", "request", "routing")
+    __slots__ = ("admitted", "attempts", "last", "outcome", "prefill", "request", "routing")
 
     def __init__(self, request: ClientRequest) -> None:
         self.request = request
@@ -192,4 +207,5 @@ class _Run:
         self.admitted: Admitted | None = None
         self.last: Attempt | None = None
         self.outcome: RelayOutcome | None = None
+        self.prefill: PrefillLeg | None = None
         self.attempts = 0

@@ -41,11 +41,16 @@ class PredictionCheck:
         usage = outcome.usage
         if rr.probe_tokens is not None:
             self._verifier.probe(rr.base_model, rr.probe_tokens, usage.prompt_tokens)
-        reported = usage.cached_tokens
-        match = rr.prefix
-        if reported is None or rr.token_ids is None or match is None or not match.precise or not _one_prompt(done):
+        match, decision = rr.prefix, attempt.decision
+        prefill = done.prefill
+        if prefill is not None and prefill.decision is not None and prefill.routing is not None:
+            # Split: the decode pod's cached tokens count what it was sent (or, with NIXL, what the prefill
+            # pod had cached); the prefill leg is the one routed by its own cache.
+            match, decision, usage = prefill.routing.prefix, prefill.decision, prefill.usage
+        if usage is None or (reported := usage.cached_tokens) is None or rr.token_ids is None or match is None \
+                or not match.precise or not _one_prompt(done):
             return
-        pod = attempt.decision.pod.name
+        pod = decision.pod.name
         confirmed = match.pods[pod].gpu_tokens - match.pods[pod].speculative_tokens if pod in match.pods else 0
         self._verifier.observe(rr.base_model, pod, confirmed, reported, len(rr.token_ids), usage.prompt_tokens)
 
@@ -100,6 +105,8 @@ class RequestMetrics:
             done.model, decision.pod.name if decision else "-", done.status, done.finished - done.request.started,
             done.first_byte_s, (usage.prompt_tokens, usage.completion_tokens) if usage else None,
         )
+        if done.prefill is not None:
+            self._metrics.pd_requests.labels(done.model, done.prefill.outcome.value).inc()
 
 
 class AccessLog:
@@ -122,6 +129,10 @@ class AccessLog:
             "queued_ms": round(done.admitted.queued_s * 1000, 2) if done.admitted else 0.0,
             "ending": done.outcome.ending.value if done.outcome else None,
         }
+        if (prefill := done.prefill) is not None:
+            fields["prefill_pod"] = prefill.pod.name if prefill.pod is not None else None
+            fields["prefill"] = prefill.outcome.value
+            fields["prefill_ms"] = round(prefill.seconds * 1000, 2)
         access_log.info(
             "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s id=%s",
             request.method, request.path, done.status, done.model, pod, fields["policy"], fields["reason"],

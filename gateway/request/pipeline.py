@@ -11,7 +11,8 @@ A request passes through them in this order (:class:`~gateway.request.director.R
    router returns the decision. Not extension points: one planner, one router.
 4. **dispatch** ``(attempt)``: the attempt is recorded in the in-flight ledger, then each step sees it.
 5. **relay**: the proxy forwards the request and returns how the answer ended (no steps: bytes pass
-   unchanged).
+   unchanged). For a disaggregated model the attempt is the decode leg, and the director's collaborator
+   runs its prefill leg first (:mod:`gateway.request.disaggregation`).
 6. **finish** ``(attempt, outcome)``: the attempt ended, however it ended (the ledger first, then each
    step, with the proxy's outcome); a failure before the first byte may be retried on another pod, from 3.
 7. **complete** ``(completed)``: the client's request ended; observers record it (metrics, learning, the

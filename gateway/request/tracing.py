@@ -108,6 +108,10 @@ class RequestTracing:
             return
         spans.root.set_attribute("http.response.status_code", done.status)
         spans.root.set_attribute("gateway.attempts", done.attempts)
+        if done.prefill is not None:
+            spans.root.set_attribute("gateway.prefill", done.prefill.outcome.value)
+            if (prefill_pod := done.prefill.pod) is not None:
+                spans.root.set_attribute("gateway.prefill_pod", prefill_pod.name)
         usage = done.outcome.usage if done.outcome is not None else None
         if usage is not None:
             spans.root.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)

@@ -2,7 +2,8 @@
 
 - :class:`ClientRequest`: what the client sent (prepare, admit, plan);
 - :class:`Attempt`: one try on one pod (dispatch, finish);
-- :class:`CompletedRequest`: how the request ended (complete).
+- :class:`CompletedRequest`: how the request ended (complete), with its :class:`PrefillLeg` when its
+  model is disaggregated (prefill and decode on two pods).
 
 Owner: the director builds each of them once; steps read them and return their own results (token ids
 and load estimates go into the routing view, :class:`~gateway.routing.policy.RoutingRequest`, whose
@@ -11,6 +12,7 @@ fields each name their one writer).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -18,7 +20,9 @@ from multidict import CIMultiDictProxy
 
 from gateway.admission import Slo
 from gateway.auth import ApiKey
+from gateway.backends.registry import Pod
 from gateway.core.requests import InferenceRequest
+from gateway.core.usage import Usage
 from gateway.load.ledger import Dispatch
 from gateway.proxy.outcome import RelayOutcome
 from gateway.routing.policy import Decision, Policy, RoutingRequest
@@ -65,6 +69,37 @@ class Attempt:
     upstream_headers: dict[str, str]
 
 
+class Split(enum.Enum):
+    """What became of a disaggregated request's prefill leg (``gateway_pd_requests_total{outcome}``)."""
+
+    SPLIT = "split"  # a prefill pod prefilled it, the decode pod decoded it
+    CACHED = "cached"  # the decode pod holds all but a few of its tokens: it prefills them itself
+    SHORT = "short"  # a prompt that short is prefilled by the decode pod itself
+    NO_PREFILL_POD = "no_prefill_pod"  # no prefill pod could take it: served whole by the decode pod
+    PREFILL_FAILED = "prefill_failed"  # every prefill pod tried failed or timed out: served whole
+    PREFILL_REFUSED = "prefill_refused"  # the prefill pod refused it (4xx): the decode pod answers it whole
+    UNSUPPORTED = "unsupported"  # an API or shape not split (responses, several prompts): served whole
+
+
+@dataclass(eq=False, slots=True, frozen=True)
+class PrefillLeg:
+    """How a disaggregated request's prefill leg went, for one decode attempt."""
+
+    outcome: Split
+    decision: Decision | None = None  # where the prefill leg was served (split only)
+    # The prefill leg's own routing view (its prefix match over the prefill pods), when one was routed.
+    routing: RoutingRequest | None = None
+    usage: Usage | None = None  # of the prefill pod's answer (split only)
+    seconds: float = 0.0  # the leg's time, every try included
+    tries: int = 0
+    # NIXL: the client's body with the prefill pod's ``kv_transfer_params``, sent to the decode pod instead.
+    decode_body: bytes | None = None
+
+    @property
+    def pod(self) -> Pod | None:
+        return self.decision.pod if self.decision is not None else None
+
+
 @dataclass(eq=False, slots=True, frozen=True)
 class CompletedRequest:
     request: ClientRequest
@@ -75,6 +110,7 @@ class CompletedRequest:
     admitted: Admitted | None = None
     last: Attempt | None = None
     outcome: RelayOutcome | None = None  # of the last attempt, when it relayed anything
+    prefill: PrefillLeg | None = None  # the last attempt's prefill leg (disaggregated models only)
 
     @property
     def model(self) -> str:

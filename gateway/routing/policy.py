@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.backends.registry import Pod, PodRegistry
+from gateway.backends.registry import Leg, Pod, PodRegistry
 
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
@@ -63,6 +63,9 @@ class RoutingRequest:
     # The base model and LoRA adapter the prompt's KV blocks are namespaced by.
     base_model: str = ""
     lora_name: str | None = None
+    # The leg being routed when prefill and decode are served by two pods (None: the whole request): only
+    # pods taking that leg are candidates.
+    leg: Leg | None = None
     # Prompt tokenization: the token ids exactly as the engine will see them, and (for a model whose
     # predictions drift) the local tokenizer's count, as a probe.
     token_ids: Sequence[int] | None = None

@@ -60,7 +60,7 @@ class Router:
     ) -> Decision:
         """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
         (healthy, not excluded, not saturated), else the policy decides and the decision says so."""
-        pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude))
+        pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude, request.leg))
         for preparer in policy.preparers:
             preparer.prepare(request, pods)
         scores = [0.0] * len(pods)

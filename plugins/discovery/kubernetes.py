@@ -4,7 +4,8 @@ Plain HTTPS with the service account's token: no client library. Only ready pods
 condition true, an IP, not terminating) are routed to. Per pod, annotations say where things are:
 
     gateway.kv/http-port (default 8000), gateway.kv/kv-events-port, gateway.kv/kv-replay-port,
-    gateway.kv/model, gateway.kv/dp-size, gateway.kv/flavor (vllm|sglang), gateway.kv/topic
+    gateway.kv/model, gateway.kv/dp-size, gateway.kv/flavor (vllm|sglang), gateway.kv/topic,
+    gateway.kv/role (prefill|decode|both: the legs of a disaggregated request it serves; default both)
 
 Options: ``label_selector`` (required), ``namespace`` (default: the service account's),
 ``api_server`` (default https://kubernetes.default.svc), ``token_path``, ``ca_path``.
@@ -52,6 +53,7 @@ def pod_config(obj: dict[str, Any]) -> PodConfig | None:
             kv_replay=f"tcp://{ip}:{int(replay)}" if replay else None,
             kv_topic=notes.get("topic", ""),
             dp_size=int(notes.get("dp-size", 1)),
+            role=notes.get("role", "both"),  # type: ignore[arg-type]
         )
     except (ValueError, TypeError) as exc:
         log.warning("pod %s has unusable gateway.kv/ annotations: %s", meta.get("name"), exc)

@@ -38,9 +38,11 @@ class VllmPod:
     """One ``vllm.entrypoints.openai.api_server`` process with KV events, replay and dev mode on."""
 
     def __init__(self, name: str, python: str, model_dir: str, run_dir: Path, pidfile: Path,
-                 extra_args: tuple[str, ...] = (), cores: str = "auto") -> None:
+                 extra_args: tuple[str, ...] = (), cores: str = "auto", extra_env: dict[str, str] | None = None
+                 ) -> None:
         self.name = name
         self.extra_args = extra_args
+        self.extra_env = extra_env or {}
         self.cores = cores
         self.python = python
         self.model_dir = model_dir
@@ -65,7 +67,8 @@ class VllmPod:
                    "--max-model-len", "2048", "--enable-prefix-caching", "--enable-prompt-tokens-details",
                    "--kv-events-config", kv_events, *self.extra_args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cores}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cores,
+               **self.extra_env}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -147,6 +150,12 @@ def vllm(model_dir: str) -> Iterator[VllmFleet]:
 
 def running_fleet(prefix: str, model_dir: str, extra_args: tuple[str, ...] = ()) -> Iterator[VllmFleet]:
     """Two pods started together, stopped at teardown (and on SIGTERM)."""
+    yield from running_pods(model_dir, [(f"{prefix}{i}", extra_args, {}) for i in range(2)])
+
+
+def running_pods(model_dir: str, specs: list[tuple[str, tuple[str, ...], dict[str, str]]]) -> Iterator[VllmFleet]:
+    """Pods (name, extra arguments, extra environment) started together, stopped at teardown (and on
+    SIGTERM)."""
     python = _required_env("E2E_VLLM_PYTHON")
     run_dir = Path(_required_env("E2E_RUN_DIR"))
     pidfile = Path(_required_env("E2E_PIDFILE"))
@@ -154,8 +163,8 @@ def running_fleet(prefix: str, model_dir: str, extra_args: tuple[str, ...] = ())
     # Each pod's OpenMP threads on a core of its own: two engines spinning on the same cores slow each
     # other down tenfold, which would make spreading work look slower than piling it onto one pod.
     cpus = os.cpu_count() or 1
-    fleet = VllmFleet([VllmPod(f"{prefix}{i}", python, model_dir, run_dir, pidfile, extra_args, str(i % cpus))
-                       for i in range(2)])
+    fleet = VllmFleet([VllmPod(name, python, model_dir, run_dir, pidfile, args, str(i % cpus), env)
+                       for i, (name, args, env) in enumerate(specs)])
     try:
         for pod in fleet.pods:
             pod.start()

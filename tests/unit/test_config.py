@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser, parse_pod, serve_overrides
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, PodConfig, load_config
+from plugins.discovery.kubernetes import pod_config
 
 
 def test_defaults_are_valid():
@@ -44,6 +45,10 @@ def test_json_file(tmp_path):
         ({"auth": {"api_key_hashes": ["abc"]}}, {}, "SHA-256"),
         ({}, {"GATEWAY_ROUTING__MAX_RETRIES": "many"}, "$.routing.max_retries"),
         ({}, {"GATEWAY_NOPE": "1"}, "nope"),
+        ({"pods": [{"url": "http://x", "role": "primary"}]}, {}, "$.pods[0].role"),
+        ({"disaggregation": {"connector": "p2p"}}, {}, "$.disaggregation.connector"),
+        ({"disaggregation": {"prefill_attempts": 0}}, {}, "prefill_attempts"),
+        ({"mock_pods": {"count": 2, "prefill_pods": 2}}, {}, "decode pod"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, env, fragment):
@@ -66,6 +71,30 @@ def test_pod_flag_syntax():
     }
     with pytest.raises(ConfigError, match="unknown option"):
         parse_pod("http://h:8000,colour=red")
+
+
+def test_pod_roles_and_each_pools_connector():
+    config = load_config(overrides={
+        "pods": [parse_pod("http://p:8000,role=prefill"), parse_pod("http://d:8000,role=decode"), {"url": "http://b:1"}],
+        "disaggregation": {"connector": "nixl", "models": {"other": {"connector": "shared_storage"}}}}, environ={})
+    assert [p.role for p in config.pods] == ["prefill", "decode", "both"]
+    assert config.disaggregation.connector_of("m") == "nixl"
+    assert config.disaggregation.connector_of("other") == "shared_storage"
+    assert config.disaggregation.uncached_token_threshold == 256
+    with pytest.raises(ValueError, match="role"):
+        PodConfig(url="http://x", role="primary")  # type: ignore[arg-type]
+
+
+def test_kubernetes_annotation_says_the_role():
+    def pod(role: str | None) -> dict:
+        notes = {"gateway.kv/role": role} if role else {}
+        ready = [{"type": "Ready", "status": "True"}]
+        return {"metadata": {"name": "vllm-0", "annotations": notes},
+                "status": {"phase": "Running", "podIP": "10.0.0.5", "conditions": ready}}
+
+    assert pod_config(pod("prefill")).role == "prefill"
+    assert pod_config(pod(None)).role == "both"
+    assert pod_config(pod("primary")) is None  # unusable annotations: no traffic, a warning
 
 
 def test_serve_flags_become_overrides():
