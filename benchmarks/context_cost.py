@@ -15,13 +15,14 @@ vllm-router ``cache_aware`` and vllm-router ``kv_aware`` (``pip install '.[bench
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
 import statistics
 import sys
 import time
-import urllib.request
+import urllib.parse
 from typing import Any
 
 import msgspec
@@ -64,16 +65,30 @@ def words_for(tokenizer: HfTokenizer, tokens: int) -> int:
     return max(1, int(tokens / per_word))
 
 
-def post(url: str, body: dict[str, Any]) -> float:
-    """Send one chat request; its wall time."""
-    data = msgspec.json.encode(body)
-    started = time.perf_counter()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as resp:
-        resp.read()
-        assert resp.status == 200
-    return time.perf_counter() - started
+class Client:
+    """One kept-alive connection per server, as an agent's SDK keeps one: what is measured is each
+    request, not a TCP handshake per request."""
+
+    def __init__(self) -> None:
+        self._connections: dict[str, http.client.HTTPConnection] = {}
+
+    def post(self, url: str, body: dict[str, Any]) -> float:
+        """Send one chat request; its wall time."""
+        data = msgspec.json.encode(body)
+        connection = self._connections.get(url)
+        if connection is None:
+            host, port = urllib.parse.urlsplit(url).netloc.split(":")
+            connection = self._connections[url] = http.client.HTTPConnection(host, int(port), timeout=600)
+        started = time.perf_counter()
+        connection.request("POST", "/v1/chat/completions", body=data, headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200, response.status
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
 
 
 class Session:
@@ -96,15 +111,16 @@ class Session:
         return self.body()
 
     def body(self) -> dict[str, Any]:
-        return {"model": self.model, "messages": self.messages, "max_tokens": 1}
+        """This turn's request (its own copy of the messages: the session goes on growing)."""
+        return {"model": self.model, "messages": list(self.messages), "max_tokens": 1}
 
 
-def measure(router: str, pod: str, pid: int, bodies: list[dict[str, Any]]) -> dict[str, float]:
+def measure(client: Client, router: str, pod: str, pid: int, bodies: list[dict[str, Any]]) -> dict[str, float]:
     """Each body through the router, then straight to the pod: CPU per request, added latency."""
     cpu0 = tree_cpu_seconds(pid)
-    through = [post(router, b) for b in bodies]
+    through = [client.post(router, b) for b in bodies]
     cpu = tree_cpu_seconds(pid) - cpu0
-    direct = [post(pod, b) for b in bodies]
+    direct = [client.post(pod, b) for b in bodies]
     added = statistics.median(t - d for t, d in zip(through, direct, strict=True))
     return {"cpu_ms_per_req": round(cpu / len(bodies) * 1000, 2), "added_ms_p50": round(added * 1000, 2),
             "router_ms_p50": round(statistics.median(through) * 1000, 2)}
@@ -115,6 +131,7 @@ def run(contender_name: str, contexts: list[int], turns: int, tokenizer: HfToken
     longest = max(contexts) + 4096
     runner = BenchRunner(pods=2, num_blocks=2 * longest // 16, speed=0.0, progress=False, max_model_len=longest * 2)
     results: dict[str, dict[str, float] | str] = {}
+    client = Client()
     try:
         with runner.serving(CONTENDERS[contender_name]) as (routers, pods):
             assert routers
@@ -124,16 +141,18 @@ def run(contender_name: str, contexts: list[int], turns: int, tokenizer: HfToken
                 words = words_for(tokenizer, tokens)
                 session = Session(rng, runner.model, words)
                 for _ in range(warm):  # the context is seen (and cached) before it is measured
-                    post(router, session.turn())
-                results[f"{tokens} continuing"] = measure(router, pods[0].url, pid,
+                    client.post(router, session.turn())
+                results[f"{tokens} continuing"] = measure(client, router, pods[0].url, pid,
                                                           [session.turn() for _ in range(turns)])
                 new = [Session(random.Random(tokens * 1000 + i), runner.model, words).body()
                        for i in range(max(2, turns // 3))]
-                results[f"{tokens} new"] = measure(router, pods[0].url, pid, new)
+                results[f"{tokens} new"] = measure(client, router, pods[0].url, pid, new)
                 print(f"  {contender_name} {tokens}: {results[f'{tokens} continuing']} | {results[f'{tokens} new']}",
                       file=sys.stderr, flush=True)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
         return {"skipped": str(exc)}
+    finally:
+        client.close()
     return results
 
 

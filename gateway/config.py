@@ -182,7 +182,7 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Threads tokenizing long new text; none: one per core this process may use.
     threads: int | None = None
     # Token ids of earlier chat prompts kept so that a conversation's next turn tokenizes only what it
-    # adds (about 30 bytes a token).
+    # adds: each conversation's latest prompt, its ids and block hashes (about 7 bytes a token).
     reuse_tokens: int = 20_000_000
 
 

@@ -50,6 +50,10 @@ class GatewayMetrics:
             "gateway_tokenization", "Tokenization attempts for routing, by model, mode and outcome",
             ["model", "mode", "outcome"], registry=r,
         )
+        self.prompt_tokens_reused = Counter(
+            "gateway_prompt_tokens_reused", "Chat prompt tokens taken from the conversation's earlier turn "
+            "(reused) or rendered and tokenized for this request (new)", ["model", "source"], registry=r,
+        )
         self.tokenization_seconds = Histogram(
             "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=r,

@@ -24,14 +24,18 @@ def chain_hash(parent: int, block_tokens: list[int] | tuple[int, ...], extra: by
     return _hash(data + extra if extra else data, parent)
 
 
-def prefix_hashes(root: int, token_ids: list[int], block_size: int) -> list[int]:
-    """Hashes of every full block of ``token_ids``, each chained to the one before."""
+def prefix_hashes(root: int, token_ids: Sequence[int], block_size: int,
+                  extras: Sequence[bytes] | None = None) -> list[int]:
+    """Hashes of every full block of ``token_ids``, each chained to the one before (the first to
+    ``root``), block ``i`` with ``extras[i]`` (if any) after its tokens. Raises ``OverflowError`` or
+    ``TypeError`` if an id is not a uint32."""
     data = array("I", token_ids).tobytes()  # slicing bytes is cheaper than slicing a memoryview
     step = 4 * block_size
     out: list[int] = []
     parent = root
-    for offset in range(0, len(token_ids) // block_size * step, step):
-        parent = _hash(data[offset : offset + step], parent)
+    for i, offset in enumerate(range(0, len(token_ids) // block_size * step, step)):
+        block = data[offset : offset + step]
+        parent = _hash(block + extras[i] if extras is not None and i < len(extras) else block, parent)
         out.append(parent)
     return out
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
-from gateway.kv.hashing import PromptHashes, chain_hash, namespace_root
+from gateway.kv.hashing import PromptHashes, namespace_root, prefix_hashes
 
 log = logging.getLogger("gateway.kv.index")
 
@@ -39,7 +39,6 @@ _TIER_SHIFT = 24
 _GPU_ONE = 1
 _OFFLOAD_ONE = 1 << _TIER_SHIFT
 _GPU_MASK = _OFFLOAD_ONE - 1
-_TOKEN_LIMIT = 1 << 32  # token ids are hashed as uint32
 
 
 @dataclass(slots=True)
@@ -198,8 +197,7 @@ class PrefixIndex:
 
     def _store(self, view: EngineView, event: BlockStored) -> None:
         bs, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
-        if (event.lookahead_token_ids or bs <= 0 or len(tokens) != len(hashes) * bs
-                or not all(0 <= t < _TOKEN_LIMIT for t in tokens)):
+        if event.lookahead_token_ids or bs <= 0 or len(tokens) != len(hashes) * bs:
             self.stats.rejected += 1
             return
         if view.block_size != bs:
@@ -218,11 +216,14 @@ class PrefixIndex:
         one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
         tier = self._gpu if one == _GPU_ONE else self._offload
         bit = 1 << view.bit
-        extra = event.extra_keys
+        extras = [repr(key).encode() if key else b"" for key in event.extra_keys] if event.extra_keys else None
+        try:
+            owns = prefix_hashes(chained, tokens, bs, extras)
+        except (OverflowError, TypeError):  # a token id that is no uint32
+            self.stats.rejected += 1
+            return
         refs, e2o = view.refs, view.engine_to_own
-        for i, engine_hash in enumerate(hashes):
-            key = extra[i] if extra is not None and i < len(extra) else None
-            own = chain_hash(chained, tokens[i * bs : (i + 1) * bs], repr(key).encode() if key else b"")
+        for engine_hash, own in zip(hashes, owns, strict=True):
             e2o.pop(engine_hash, None)  # re-insert: most recently used last
             e2o[engine_hash] = own
             count = refs.pop(own, 0)
@@ -231,7 +232,7 @@ class PrefixIndex:
                 tier[own] = tier.get(own, 0) | bit
                 if one == _GPU_ONE:
                     self._gpu_held(view, own, parent)
-            parent = chained = own
+            parent = own
         self.stats.blocks_stored += len(hashes)
         if len(refs) > self.max_blocks_per_view or len(e2o) > self.max_blocks_per_view:
             self._shrink(view)

@@ -54,6 +54,7 @@ def fingerprints(messages: Sequence[dict[str, Any]], shape: Any) -> list[int]:
 class RememberedPrompt:
     """A conversation's prompt as its next turn may reuse it."""
 
+    fingerprint: int  # of its messages (its key in the memory)
     messages: int  # how many messages it rendered
     ids: array[int]  # the whole prompt that was routed: the messages' token ids, then the generation prompt
     length: int  # of those, the messages' (the ids a next turn begins with)
@@ -86,15 +87,23 @@ class ConversationMemory:
                 return found
         return None
 
-    def remember(self, fingerprint: int, prompt: RememberedPrompt) -> None:
-        old = self._prompts.pop(fingerprint, None)
-        if old is not None:
-            self._tokens -= old.tokens
-        self._prompts[fingerprint] = prompt
+    def remember(self, prompt: RememberedPrompt, supersedes: RememberedPrompt | None = None) -> None:
+        """Remember ``prompt``; the earlier prompt it was built on is forgotten: the conversation has moved
+        on (a retry or a fork of that earlier turn is tokenized whole once), and each conversation then
+        holds one prompt, not one per turn."""
+        if supersedes is not None and self._prompts.get(supersedes.fingerprint) is supersedes:
+            self._drop(supersedes.fingerprint)
+        self._drop(prompt.fingerprint)
+        self._prompts[prompt.fingerprint] = prompt
         self._tokens += prompt.tokens
         while self._tokens > self.max_tokens and len(self._prompts) > 1:
             _, evicted = self._prompts.popitem(last=False)
             self._tokens -= evicted.tokens
+
+    def _drop(self, fingerprint: int) -> None:
+        old = self._prompts.pop(fingerprint, None)
+        if old is not None:
+            self._tokens -= old.tokens
 
     def __len__(self) -> int:
         return len(self._prompts)

@@ -114,10 +114,22 @@ async def test_a_conversation_edited_in_the_middle_is_tokenized_whole(tokenizers
 def test_the_memory_is_bounded_by_tokens_and_finds_the_longest_earlier_prompt():
     memory = ConversationMemory(max_tokens=90)
     prints = fingerprints([{"role": "user", "content": str(i)} for i in range(4)], None)
-    memory.remember(prints[0], RememberedPrompt(1, array("I", [1] * 40), 35, PromptHashes(1, [])))
-    memory.remember(prints[1], RememberedPrompt(2, array("I", [1] * 50), 45, PromptHashes(1, [])))
+    memory.remember(RememberedPrompt(prints[0], 1, array("I", [1] * 40), 35, PromptHashes(1, [])))
+    memory.remember(RememberedPrompt(prints[1], 2, array("I", [1] * 50), 45, PromptHashes(1, [])))
     found = memory.longest(prints)
     assert found is not None and found.messages == 2
     assert memory.longest(prints[:2]) is not None and memory.longest(prints[:2]).messages == 1  # not itself
-    memory.remember(prints[2], RememberedPrompt(3, array("I", [1] * 60), 55, PromptHashes(1, [])))
+    memory.remember(RememberedPrompt(prints[2], 3, array("I", [1] * 60), 55, PromptHashes(1, [])))
     assert len(memory) == 1 and memory.longest(prints).messages == 3  # the least recently used went
+
+
+def test_a_conversation_holds_one_prompt_in_the_memory():
+    memory = ConversationMemory(max_tokens=10_000)
+    prints = fingerprints([{"role": "user", "content": str(i)} for i in range(3)], None)
+    first = RememberedPrompt(prints[0], 1, array("I", [1] * 40), 35, PromptHashes(1, []))
+    memory.remember(first)
+    other = RememberedPrompt(prints[1] + 1, 2, array("I", [2] * 40), 35, PromptHashes(1, []))
+    memory.remember(other)  # another conversation
+    memory.remember(RememberedPrompt(prints[1], 2, array("I", [1] * 50), 45, PromptHashes(1, [])), supersedes=first)
+    assert len(memory) == 2 and memory.longest(prints[:2]) is None  # the first turn was let go
+    assert memory.longest(prints).messages == 2

@@ -12,6 +12,7 @@ from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, TokenizationConfig
 from gateway.core.requests import InferenceRequest
 from gateway.http_client import HttpClient
+from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
@@ -77,6 +78,21 @@ async def test_service_local_chat_and_completions(tokenizer):
     responses = InferenceRequest(model="m", instructions="Be brief.", input="Hi")
     assert list((await service.tokenize("m", "responses", responses)).ids) == tokenizer.encode_chat(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+
+
+async def test_a_conversations_next_turn_counts_the_tokens_it_reused(tokenizer):
+    service = make_service(local_models())
+    messages = [{"role": "system", "content": "a system prompt " * 50}, {"role": "user", "content": "hi"}]
+    first = await service.tokenize("m", "chat", InferenceRequest(model="m", messages=messages))
+    service.remember("m", first, PromptHashes(1, first.ids))
+    grown = [*messages, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"}]
+    second = await service.tokenize("m", "chat", InferenceRequest(model="m", messages=grown))
+    assert list(second.ids) == tokenizer.encode_chat(grown) and second.earlier is not None
+    text = service._metrics.render().decode()
+    reused = second.earlier.length
+    assert f'gateway_prompt_tokens_reused_total{{model="m",source="reused"}} {float(reused)}' in text
+    new = len(first.ids) + len(second.ids) - reused
+    assert f'gateway_prompt_tokens_reused_total{{model="m",source="new"}} {float(new)}' in text
 
 
 async def test_long_new_text_is_tokenized_off_the_loop_with_the_same_result(tokenizer):
