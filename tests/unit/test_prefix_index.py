@@ -121,7 +121,9 @@ def test_malformed_stores_are_rejected(index):
     view = index.view("a", 0, "m", BS)
     index.apply(view, [stored([1, 2], None, PROMPT[:7])])  # token count does not fill the blocks
     index.apply(view, [stored([1], None, PROMPT[:4], lookahead_token_ids=[5])])
-    assert index.stats.rejected == 2 and match(index) == {"a": 0, "b": 0}
+    index.apply(view, [stored([1], None, [-1, *PROMPT[1:4]])])  # token ids are uint32
+    index.apply(view, [stored([1], None, [1 << 32, *PROMPT[1:4]])])
+    assert index.stats.rejected == 4 and match(index) == {"a": 0, "b": 0}
 
 
 def test_offload_tier_counts_separately(index):
