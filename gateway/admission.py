@@ -125,6 +125,8 @@ class AdmissionController:
                     await asyncio.wait_for(asyncio.shield(waiter.future), remaining)
                 except TimeoutError:
                     continue
+                if self._draining:  # woken by a release just before the drain: refused all the same
+                    raise _shutting_down()
                 if self._fits(meetable, kind, estimates):
                     ticket.waited_s = time.monotonic() - started
                     ticket.outcome = "admitted_after_queue"

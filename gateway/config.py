@@ -14,12 +14,17 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 import yaml
 
 ENV_PREFIX = "GATEWAY_"
+
+
+# What a pod does for a disaggregated model: prefill, decode, or whole requests.
+PodRole = Literal["prefill", "decode", "both"]
+POD_ROLES: tuple[str, ...] = get_args(PodRole)
 
 
 class ConfigError(ValueError):
@@ -45,7 +50,7 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
     deployment: str | None = None
     # Prefill/decode disaggregation: the legs this pod serves (``disaggregation``). A model whose pods are
     # all ``both`` is served whole by one pod.
-    role: Literal["prefill", "decode", "both"] = "both"
+    role: PodRole = "both"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -55,7 +60,7 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
             self.name = self.url.split("://", 1)[1]
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
-        if self.role not in ("prefill", "decode", "both"):  # checked here too for configs built in code
+        if self.role not in POD_ROLES:  # checked here too for configs built in code
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
 
 

@@ -60,6 +60,7 @@ class PodMembership:
         self.working_set.forget_pod(name)
         self.modes.forget_pod(name)
         self.ledger.forget_pod(name)
+        self.metrics.forget_pod(name)
 
 
 def health_changed(metrics: GatewayMetrics, kv: KvEventService, pod: Pod) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import POD_ROLES
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -102,8 +105,9 @@ class GatewayMetrics:
             "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
             ["model", "outcome"], registry=r,
         )
-        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (502: failed, "
-                                    "504: timed out)", ["pod", "status"], registry=r)
+        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (the pod's own; "
+                                    "502: unreachable or broke off; 504: timed out; 499: the "
+                                    "client left)", ["pod", "status"], registry=r)
         self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
                                          "included", buckets=LATENCY_BUCKETS, registry=r)
         self._per_request: dict[tuple[str, str, int], tuple] = {}
@@ -134,6 +138,13 @@ class GatewayMetrics:
         self.in_flight.labels(pod).set_function(in_flight)
         self.pending_load.labels(pod).set_function(pending_load)
         self.kv_usage.labels(pod).set_function(kv_usage)
+
+    def forget_pod(self, pod: str) -> None:
+        """The pod left the fleet: its per-pod gauges go (a pod that comes back is exported anew)."""
+        for gauge, labels in ((self.in_flight, (pod,)), (self.pending_load, (pod,)), (self.kv_usage, (pod,)),
+                              (self.pod_healthy, (pod,)), *((self.pod_role, (pod, role)) for role in POD_ROLES)):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
 
     def decision_made(self, policy: str, reason: str) -> None:
         child = self._decisions.get((policy, reason))

@@ -5,15 +5,24 @@ gateway's index the same answers. It is an oracle, never used by the gateway."""
 from __future__ import annotations
 
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 
+import xxhash
+
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
-from gateway.kv.hashing import PromptHashes, chain_hash, namespace_root
+from gateway.kv.hashing import PromptHashes, namespace_root
 from gateway.kv.index import EngineView, IndexStats, PodMatch
 
 _GPU = ("GPU", "gpu", None)
 
+
+
+def chain_hash(parent: int, block_tokens: list[int], extra: bytes = b"") -> int:
+    """One block's hash, written out as the index's docstring defines it (the index hashes a run at once)."""
+    data = array("I", block_tokens).tobytes()
+    return xxhash.xxh3_64_intdigest(data + extra if extra else data, parent)
 
 class ReferenceIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0) -> None:

@@ -50,6 +50,12 @@ async def _name_worker(name: str, request: web.Request, response: web.StreamResp
     response.headers["x-gateway-worker"] = name
 
 
+def _check_admin(gateway: Gateway, request: web.Request) -> None:
+    if not gateway.auth.debug_endpoints:
+        raise web.HTTPNotFound()  # answered exactly as a route that does not exist
+    gateway.auth.check_admin(request.headers)
+
+
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
     key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
     return await gateway.director.handle(request, kind, key)
@@ -83,7 +89,7 @@ async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
     """Every worker's metrics merged; ``?worker=self``: this worker's alone."""
     own_only = request.query.get("worker") == OWN_ONLY
     if not (own_only and _from_sibling(request)):
-        gateway.auth.check_admin(request.headers, request.path)
+        _check_admin(gateway, request)
     body = gateway.metrics.render()
     identity = gateway.identity
     if identity.count > 1 and not own_only:
@@ -98,7 +104,7 @@ def _from_sibling(request: web.Request) -> bool:
 
 
 async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request.headers, request.path)
+    _check_admin(gateway, request)
     now = time.monotonic()
     pods = [
         {
@@ -120,12 +126,12 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request.headers, request.path)
+    _check_admin(gateway, request)
     return web.json_response({**gateway.kv.debug(), "predictions": gateway.verifier.debug()})
 
 
 async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request.headers, request.path)
+    _check_admin(gateway, request)
     pods = [p.name for p in gateway.pods.all()]
     return web.json_response({**gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()),
                               "losses": gateway.losses.debug()})
@@ -142,7 +148,7 @@ async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Respons
 
 
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check_admin(request.headers, request.path)
+    _check_admin(gateway, request)
     tracker = gateway.workflows.tracker
     return web.json_response({
         "workflows": [gateway.workflows.describe(w) for w in list(tracker.workflows)],
@@ -154,7 +160,7 @@ async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Respon
 
 async def _debug_workers(gateway: Gateway, request: web.Request) -> web.Response:
     """Which worker answered, the load table the workers share, and who this one hears from."""
-    gateway.auth.check_admin(request.headers, request.path)
+    _check_admin(gateway, request)
     identity = gateway.identity
     pods = [p.name for p in gateway.pods.all()]
     return web.json_response({

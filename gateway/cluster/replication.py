@@ -77,6 +77,10 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
         bus.on((OwnersChanged, OwnersSnapshot), ledger.apply_remote)
         bus.heartbeat_with(ledger.snapshot)
         bus.on_peer_gone(ledger.forget_origin)
+        # The working set reads the shared counts: a context whose last request ended elsewhere (or in a
+        # process gone silent, or whose end was in a lost batch) idles at the next snapshot.
+        bus.on((OwnersSnapshot,), lambda origin, fact: working_set.settle(time.monotonic()))
+        bus.on_peer_gone(lambda origin: working_set.settle(time.monotonic()))
     if "workflows" in share:
         bus.on((StageBegan, StageDispatched, StageFinished, WorkflowCompleted, PreserveDropped),
                tracker.apply_remote)
@@ -84,8 +88,5 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
         bus.on((SessionPinned,), sessions.apply_remote)
     if "contexts" in share:
         bus.on((ContextHeld, ContextIdled, ContextReleased), working_set.apply_remote)
-        # A process gone silent, or a batch lost, leaves contexts whose requests no count holds any more.
-        bus.on((OwnersSnapshot,), lambda origin, fact: working_set.settle(time.monotonic()))
-        bus.on_peer_gone(lambda origin: working_set.settle(time.monotonic()))
     if "speculative" in share:
         bus.on((BlocksExpected,), index.apply_remote)

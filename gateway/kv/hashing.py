@@ -19,11 +19,6 @@ def namespace_root(model: str, lora_name: str | None = None) -> int:
     return _hash(f"{model}\x00{lora_name or ''}".encode())
 
 
-def chain_hash(parent: int, block_tokens: list[int] | tuple[int, ...], extra: bytes = b"") -> int:
-    data = array("I", block_tokens).tobytes()
-    return _hash(data + extra if extra else data, parent)
-
-
 def prefix_hashes(root: int, token_ids: Sequence[int], block_size: int,
                   extras: Sequence[bytes] | None = None) -> list[int]:
     """Hashes of every full block of ``token_ids``, each chained to the one before (the first to

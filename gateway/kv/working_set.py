@@ -203,10 +203,6 @@ class ResumableWorkingSet:
         """A new name for a conversation no live context continues."""
         return f"{self._anonymous_prefix}{next(self._anonymous)}"
 
-    def in_flight(self, context: Context) -> int:
-        """Its requests in flight anywhere (the ledger's count)."""
-        return self._ledger.of_context(context.key)
-
     def demand_tokens(self, pod: str, now: float, exclude: Context | None = None) -> float:
         """Tokens the resumable contexts on ``pod`` hold or are expected to grow to, ``exclude``'s own
         share left out (it is the request being placed)."""
@@ -353,9 +349,14 @@ class ResumableWorkingSet:
         while heap and heap[0][0] <= now:
             _, version, key = heapq.heappop(heap)
             ctx = self._contexts.get(key)
-            if ctx is not None and ctx.version == version and not self._ledger.of_context(key):
-                self._forget(key)
-                self.lapsed += 1
+            if ctx is None or ctx.version != version:
+                continue
+            if self._ledger.of_context(key):  # a request of it runs elsewhere: it is not done thinking
+                ctx.protected_until = now + self.forecast.protection_s(ctx)
+                heapq.heappush(heap, (ctx.protected_until, version, key))
+                continue
+            self._forget(key)
+            self.lapsed += 1
 
     # Bookkeeping
 

@@ -130,4 +130,4 @@ class Proxy:
         detail = f": {snippet.strip()}" if snippet.strip() else ""
         message = f"Pod {pod.name} answered HTTP {upstream.status}{detail}"
         self._pods.report_server_error(pod, message)
-        return RetryableFailure(upstream_failed(message), "status_5xx")
+        return RetryableFailure(upstream_failed(message), "status_5xx", upstream.status)

@@ -62,7 +62,8 @@ class RelayOutcome:
 class RetryableFailure(Exception):
     """The pod failed before anything reached the client: another pod may take the request."""
 
-    def __init__(self, error: GatewayError, cause: str) -> None:
+    def __init__(self, error: GatewayError, cause: str, status: int = 502) -> None:
         super().__init__(error.message)
         self.error = error
         self.cause = cause
+        self.status = status  # the pod's own 5xx, or 502 (unreachable, or it broke off)

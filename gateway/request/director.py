@@ -125,7 +125,6 @@ class RequestDirector:
                 if failure:  # every pod we could try has failed: say why, not just "none left"
                     raise failure.error from None
                 raise
-            decision.attempt = number
             estimate = routing.estimates.get(decision.pod.name)
             dispatch = self._ledger.dispatch(
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,

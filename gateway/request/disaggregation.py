@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import orjson
 
 from gateway.backends.registry import Leg, PodRegistry
 from gateway.config import DisaggregationConfig
@@ -91,6 +90,10 @@ class PrefillLegs:
         skipped = self._skipped(attempt)
         if skipped is not None:
             return PrefillLeg(skipped)
+        try:  # the client's body as a dict, to write the legs' own bodies from (its numbers kept exact)
+            client_body = msgspec.json.decode(attempt.request.body)
+        except msgspec.DecodeError:  # a number out of any float's range, in a field the gateway does not read
+            return PrefillLeg(Split.UNSUPPORTED)
         started = self._clock()
         routing = dataclasses.replace(attempt.routing, leg="prefill", filtered_out={}, prefix=None,
                                       prefix_tokens={}, placement={})
@@ -100,13 +103,13 @@ class PrefillLegs:
         for number in range(self._config.prefill_attempts):
             try:
                 decision = self._router.route(routing, attempt.policy, frozenset(exclude))
-            except GatewayError as err:
+            except GatewayError as err:  # no prefill pod can take it: the decode pod serves it whole
                 if err.kind is not ErrorKind.NO_POD:
-                    raise
+                    log.warning("request %s: no prefill pod (%s)", attempt.request.id, err.message)
                 break
             tries += 1
             try:
-                answer, decode_body = await self._send(attempt, routing, decision, number)
+                answer, decode_body = await self._send(attempt, routing, decision, number, client_body)
             except RetryableFailure as exc:
                 outcome = Split.PREFILL_FAILED
                 exclude.add(decision.pod.name)
@@ -135,12 +138,11 @@ class PrefillLegs:
             return None
         return Split.CACHED if cached else Split.SHORT
 
-    async def _send(self, attempt: Attempt, routing: RoutingRequest, decision: Decision, number: int
-                    ) -> tuple[_PrefillAnswer, bytes | None]:
+    async def _send(self, attempt: Attempt, routing: RoutingRequest, decision: Decision, number: int,
+                    client_body: dict[str, Any]) -> tuple[_PrefillAnswer, bytes | None]:
         """One try on one prefill pod, counted in the ledger while it runs."""
         request, pod = attempt.request, decision.pod
         nixl = self._config.connector_of(routing.base_model or request.model) == "nixl"
-        client_body = orjson.loads(request.body)
         estimate = routing.estimates.get(pod.name)
         dispatch = self._ledger.dispatch(request.id, pod.name,
                                          estimate.consumption if estimate else self._default_consumption,
@@ -163,6 +165,9 @@ class PrefillLegs:
         except GatewayError as err:  # timed out or failed mid-answer: not worth another try
             status = 504 if err.kind is ErrorKind.UPSTREAM_TIMEOUT else 502
             raise _Refused(Split.PREFILL_FAILED) from None
+        except RetryableFailure as exc:
+            status = exc.status
+            raise
         except asyncio.CancelledError:
             status = 499  # the client went away
             raise
@@ -179,14 +184,15 @@ class PrefillLegs:
         try:
             answer = _answer_decoder.decode(body)
         except msgspec.MsgspecError:
-            answer = _PrefillAnswer()
+            log.warning("request %s: prefill pod %s answered 200 with a body that is no completion", request.id, pod)
+            raise _Refused(Split.PREFILL_FAILED) from None
         if not nixl:
             return answer, None
         if not answer.kv_transfer_params:
             log.warning("request %s: prefill pod %s answered without kv_transfer_params (is it a NixlConnector "
                         "producer?)", request.id, pod)
             raise _Refused(Split.PREFILL_FAILED)
-        return answer, orjson.dumps({**client_body, "kv_transfer_params": answer.kv_transfer_params})
+        return answer, msgspec.json.encode({**client_body, "kv_transfer_params": answer.kv_transfer_params})
 
 
 def prefill_body(request: ClientRequest, client_body: dict[str, Any], nixl: bool) -> bytes:
@@ -198,7 +204,7 @@ def prefill_body(request: ClientRequest, client_body: dict[str, Any], nixl: bool
         body["max_completion_tokens"] = 1
     if nixl:
         body["kv_transfer_params"] = NIXL_PREFILL_PARAMS
-    return orjson.dumps(body)
+    return msgspec.json.encode(body)
 
 
 def _several_prompts(prompt: Any) -> bool:

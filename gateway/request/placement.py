@@ -44,8 +44,8 @@ class ContextResolution:
         hashes = routing.hashes
         if hashes is None:
             return
-        block_size = next((bs for p in self._pods.candidates(routing.model) if (bs := self._index.block_size(p.name))),
-                          None)
+        pods = self._pods.candidates(routing.model, leg=routing.leg)
+        block_size = next((bs for p in pods if (bs := self._index.block_size(p.name))), None)
         if block_size is None:  # no pod's events have said how they cut prompts: nothing can be held
             return
         blocks = hashes.first(block_size, hashes.token_count // block_size)
@@ -185,7 +185,7 @@ class RoomForNewContexts:
 
     def _room(self, routing: RoutingRequest) -> bool:
         now = self._clock()
-        for pod in self._pods.candidates(routing.model):
+        for pod in self._pods.candidates(routing.model, leg=routing.leg):
             capacity = self._capacity_of(pod.name)
             prompt = len(routing.token_ids) if routing.token_ids else 0
             if not capacity or self._working_set.demand_tokens(pod.name, now) + prompt < capacity:

@@ -116,7 +116,7 @@ class LoadEstimation:
         self._metrics.output_predicted.observe(routing.predicted_output_tokens)
         routing.estimates = {p.name: self._load.estimate(p.name, routing.base_model, routing.input_tokens,
                                                          routing.predicted_output_tokens)
-                             for p in self._pods.candidates(routing.model)}
+                             for p in self._pods.candidates(routing.model, leg=routing.leg)}
 
 
 class SloAdmission:
@@ -137,8 +137,8 @@ class SloAdmission:
         h = request.headers
         slo = self._admission.slo_for(routing.base_model, h.get("x-slo-ttft-ms"), h.get("x-slo-e2e-ms"),
                                       h.get("x-priority"))
-        ticket = await self._admission.admit(self._pods.candidates(routing.model), request.kind, routing.estimates,
-                                             slo)
+        pods = self._pods.candidates(routing.model, leg=routing.leg)
+        ticket = await self._admission.admit(pods, request.kind, routing.estimates, slo)
         if slo.ttft_s is not None:
             self._metrics.slo_slack.labels("dispatch").observe(slo.ttft_s - (time.monotonic() - request.started))
         return Admitted(slo, ticket.waited_s)

@@ -106,7 +106,6 @@ class Decision:
     detail: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     prefix_tokens: int = 0
-    attempt: int = 0
     # The pod the request was pinned to (its workflow's or session's) when the pin could not be kept.
     unpinned: str | None = None
 

@@ -36,9 +36,6 @@ from gateway.kv.hashing import PromptHashes
 _encode = msgspec.msgpack.Encoder().encode
 _hash = xxhash.xxh3_64_intdigest
 
-Render = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> text
-
-
 def fingerprints(messages: Sequence[dict[str, Any]], shape: Any) -> list[int]:
     """``out[k]``: a fingerprint of the first ``k + 1`` messages and of ``shape`` (whatever else changes the
     rendering), each chained onto the one before."""
@@ -74,8 +71,6 @@ class ConversationMemory:
         self.max_tokens = max_tokens
         self._prompts: OrderedDict[int, RememberedPrompt] = OrderedDict()
         self._tokens = 0
-        self.reused = 0
-        self.missed = 0
 
     def longest(self, prints: list[int]) -> RememberedPrompt | None:
         """The remembered prompt of the most leading messages, fewer than all of them (the request's own

@@ -90,11 +90,9 @@ class LocalTokenizer:
         if earlier is not None:
             tail = reuse.tail(messages[earlier.messages - 1], messages[earlier.messages:], **render)
             if tail is not None:
-                self.memory.reused += 1
                 ids = earlier.ids[: earlier.length]  # one copy, grown in place (a 100k-token prompt is 400 kB)
                 ids.extend(await self._encode(tail))
                 return Tokens(ids, earlier, prints[-1], len(messages))
-        self.memory.missed += 1
         return Tokens(await self._whole(messages, render), None, prints[-1], len(messages))
 
     def remember(self, tokens: Tokens, hashes: PromptHashes) -> None:

@@ -60,6 +60,7 @@ class PlacementPlanner:
 
     def prepare(self, request: RoutingRequest, pods: list[Pod]) -> None:
         request.placement = {}
+        request.context = None  # this decision's own (a retry or the prefill leg must not read a stale one)
         match = request.prefix
         if match is None or not match.precise or not request.token_ids:
             return

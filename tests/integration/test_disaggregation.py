@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import msgspec
-import orjson
 import pytest
 from aiohttp import web
 
@@ -211,7 +210,7 @@ async def test_the_ledger_counts_both_legs_on_their_pods(start_mock_pod, start_g
 def recording_pod(seen: list[tuple[dict[str, Any], dict[str, str], bytes]], nixl_params: dict[str, Any] | None):
     async def answer(request: web.Request) -> web.Response:
         raw = await request.read()
-        body = orjson.loads(raw)
+        body = json.loads(raw)  # exact: a 30-digit number stays one
         seen.append((body, {k.lower(): v for k, v in request.headers.items()}, raw))
         reply: dict[str, Any] = {"id": "x", "object": "chat.completion", "model": MODEL,
                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -240,7 +239,8 @@ async def test_each_leg_is_sent_what_vllm_expects(start_backend, start_gateway, 
                               {"url": decode_url, "name": "d", "role": "decode", "models": [MODEL]}],
                              disaggregation={"connector": connector})
     client_body = (b'{"model": "mock-llama", "stream": true, "stream_options": {"include_usage": true}, '
-                   b'"min_tokens": 2, "max_tokens": 50, "messages": [{"role": "user", "content": "'
+                   b'"min_tokens": 2, "max_tokens": 50, "x_trace": 123456789012345678901234567890, '
+                   b'"messages": [{"role": "user", "content": "'
                    + b"long text " * 200 + b'"}]}')
     async with http.post(f"{gw.url}/v1/chat/completions", data=client_body,
                          headers={"content-type": "application/json", "x-request-id": "req-42"}) as resp:
@@ -259,7 +259,7 @@ async def test_each_leg_is_sent_what_vllm_expects(start_backend, start_gateway, 
         assert prefill_body["kv_transfer_params"] == {
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        assert decode_body == {**orjson.loads(client_body), "kv_transfer_params": params}
+        assert decode_body == {**json.loads(client_body), "kv_transfer_params": params}  # numbers exact
 
 
 # The simulated pods' side of NIXL, as vLLM behaves.

@@ -44,6 +44,11 @@ async def test_file_discovery_adds_and_removes_pods(start_mock_pod, start_gatewa
     await eventually(lambda: [p.name for p in registry.all()] == ["pod1"])
     assert await served_by() == {"pod1"}
     assert {v.pod for v in gw.gateway.kv.index.views()} == {"pod1"}  # pod0's index and subscriber gone
+    metrics = gw.gateway.metrics.render().decode()  # its gauges went with it
+    for gauge in ("gateway_in_flight_requests", "gateway_pod_pending_load", "gateway_pod_kv_usage",
+                  "gateway_pod_healthy"):
+        assert f'{gauge}{{pod="pod1"}}' in metrics and f'{gauge}{{pod="pod0"}}' not in metrics
+    assert 'gateway_pod_role{pod="pod1",role="both"} 1.0' in metrics and 'gateway_pod_role{pod="pod0"' not in metrics
 
 
 class FakeKubeApi:

@@ -60,9 +60,12 @@ async def test_admin_endpoints_need_the_admin_key_or_are_gone(start_backend, sta
     async with http.get(f"{gw.url}/healthz") as resp:
         assert resp.status == 200  # probes stay open
     closed = await start_gateway([url], auth={"debug_endpoints": False})
-    async with http.get(f"{closed.url}/debug/pods") as resp:
-        assert resp.status == 404
-        assert_openai_error(await resp.json(), "not_found")
+    async with http.get(f"{closed.url}/debug/pods") as hidden, http.get(f"{closed.url}/debug/nothing") as missing:
+        assert hidden.status == missing.status == 404
+        assert_openai_error(await hidden.json(), "not_found")
+        # A hidden endpoint reads exactly as one that does not exist.
+        assert (await hidden.json())["error"]["type"] == (await missing.json())["error"]["type"] == "not_found_error"
+        assert (await hidden.json())["error"]["message"] == "No route for GET /debug/pods."
 
 
 def recorded(gw, caplog) -> tuple[dict[str, float], list[int], float]:

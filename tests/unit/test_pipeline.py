@@ -257,6 +257,25 @@ async def test_admission_returns_the_slo_and_a_finished_attempt_wakes_a_waiter()
     assert off.admit(request, policy(needs_load=False), routing) is None
 
 
+async def test_a_waiter_woken_just_before_the_drain_is_refused_not_left_waiting():
+    registry = pods()
+    ledger = InFlightLedger()
+    load = PendingLoad(ProfileStore(None), ledger, 4, str)
+    for pod in registry.all():
+        ledger.dispatch(f"busy-{pod.name}", pod.name, 1.0, "chat")  # every pod full
+    controller = AdmissionController(AdmissionConfig(enabled=True, max_queue_wait_s=30), load, GatewayMetrics())
+    estimates = {p.name: load.estimate(p.name, MODEL, 10, 10) for p in registry.all()}
+    waiting = asyncio.create_task(controller.admit(registry.all(), "chat", estimates, controller.slo_for(
+        MODEL, None, None, None)))
+    await asyncio.sleep(0.01)
+    assert controller.queued == 1
+    controller.release()  # a request ended: the waiter is woken to re-check ...
+    controller.drain()  # ... and the gateway starts shutting down before it ran
+    with pytest.raises(GatewayError) as refused:
+        await asyncio.wait_for(waiting, 1.0)
+    assert refused.value.code == "draining"
+
+
 async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
     contexts = Contexts()
     for n, pod in enumerate(("p0", "p1")):  # each pod's cache (100 tokens) is mostly held by a thinking session

@@ -159,7 +159,7 @@ def test_idle_contexts_oldest_first_and_the_bound():
         s.idle(s.hold(key, "p0", BS, [i], 16, now=float(i)), now=float(i) + 0.1)
     busy = s.hold("workflow:busy", "p0", BS, [7], 16, now=3.0)
     assert [c.key for c in s.idle_on("p0")] == ["workflow:new"]  # "old" went over the bound
-    assert s.size == 2 and s.in_flight(busy) == 1
+    assert s.size == 2 and s.ledger.of_context(busy.key) == 1
     # The newcomer is never the one forgotten, and the pod's counts follow what is live.
     assert s.context("workflow:busy") is busy and s.lapsed == 0 and s.evicted == 1
     assert s.resumable("p0") == (2, 1) and s.demand_tokens("p0", now=3.0) == 2 * BS
@@ -182,9 +182,9 @@ def test_the_ledger_is_the_one_count_a_context_runs_until_its_last_request_ends(
     first = s.hold("workflow:a", "p0", BS, [1], 16, now=0.0)
     s.hold("workflow:a", "p0", BS, [1, 2], 32, now=0.5)  # a second request of it, in parallel
     s.idle(first, now=1.0)
-    assert s.in_flight(first) == 1 and not first.thinking and s.resumable("p0") == (1, 0)
+    assert s.ledger.of_context(first.key) == 1 and not first.thinking and s.resumable("p0") == (1, 0)
     s.idle(first, now=2.0)
-    assert s.in_flight(first) == 0 and first.thinking and first.last_finish == 2.0
+    assert s.ledger.of_context(first.key) == 0 and first.thinking and first.last_finish == 2.0
     assert s.resumable("p0") == (1, 1)
 
 
@@ -199,3 +199,19 @@ def test_a_request_elsewhere_keeps_a_context_running_until_its_process_is_gone()
     s.ledger.forget_origin("replica-b/w0/1")  # it went silent: its requests no longer count
     s.settle(now=7.0)
     assert ctx.thinking and ctx.last_finish == 7.0 and s.resumable("p0") == (1, 1)
+
+
+def test_a_thinking_context_does_not_lapse_while_a_request_of_it_runs_elsewhere():
+    from gateway.core.facts import OwnersChanged
+
+    s = ws()
+    ctx = s.hold("workflow:a", "p0", BS, [1], 16, now=0.0)
+    s.idle(ctx, now=1.0)
+    assert ctx.thinking
+    # Another replica (whose contexts are not shared with this one) sends the workflow's next stage.
+    s.ledger.apply_remote("replica-b/w0/1", OwnersChanged([["context", "workflow:a"]], 1))
+    s.lapse(now=1000.0)
+    assert s.context("workflow:a") is ctx and s.lapsed == 0  # kept: it is not done
+    s.ledger.apply_remote("replica-b/w0/1", OwnersChanged([["context", "workflow:a"]], -1))
+    s.lapse(now=1000.0 + ctx.protected_until)
+    assert s.context("workflow:a") is None and s.lapsed == 1
