@@ -241,7 +241,11 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     idle_ttl_s: float = 600.0
     # Hard flushes go through the pod's cache controller (auto: by the pod's flavor; none: soft only).
     controller: str = "auto"
-    hard_flush: bool = True
+    # Also reset the engine's whole cache when a workflow completes, changes model or leaves a preserved
+    # pod (once nothing else is resumable there). Off: it never measured a gain, and it drops the shared
+    # prompts the next workflows would reuse. A stage that asks for a flush (x-stage-cache-policy: flush)
+    # is flushed hard either way.
+    hard_flush: bool = False
     flush_retries: int = 5
     flush_retry_base_s: float = 0.5
     # Requests without a workflow but with a session key (x-session-id, prompt_cache_key, user) stick to

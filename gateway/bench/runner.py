@@ -92,6 +92,7 @@ class Outcome:
     status: int
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    sent_at: float = 0.0  # monotonic, when it was sent
     cache_action: str = ""  # the gateway's x-gateway-cache-action
     answer: str = ""  # the answer's text (empty when the request failed)
     session: int = 0  # the request's session and step in the trace
@@ -114,6 +115,8 @@ class Result:
     e2e_p90_ms: float = 0.0
     e2e_p99_ms: float = 0.0
     req_per_s: float = 0.0
+    # A session's time from its start to its last answer (a workflow's completion time), median.
+    session_p50_ms: float = 0.0
     rejected: int = 0
     # Requests each pod finished (its own counter) and the busiest pod's share of them.
     pod_requests: list[int] = field(default_factory=list)
@@ -125,6 +128,15 @@ class Result:
     distance: float | None = None
     skipped: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
+
+
+def session_times(outcomes: list[Outcome]) -> list[float]:
+    """Each session's time in ms from its first request sent to its last answered."""
+    spans: dict[int, tuple[float, float]] = {}
+    for o in outcomes:
+        first, last = spans.get(o.session, (o.sent_at, o.sent_at + o.e2e_s))
+        spans[o.session] = (min(first, o.sent_at), max(last, o.sent_at + o.e2e_s))
+    return [(last - first) * 1000 for first, last in spans.values()]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -418,6 +430,7 @@ class BenchRunner:
         result.ttft_p50_ms, result.ttft_p90_ms, result.ttft_p99_ms = (pct(ttft, q) for q in (0.5, 0.9, 0.99))
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
+        result.session_p50_ms = pct(session_times(outcomes), 0.5)
         oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
         if oracle:
             result.infinite, result.sticky_lru = oracle.infinite, oracle.sticky_lru
@@ -505,7 +518,7 @@ class BenchRunner:
                                  headers={"content-type": "application/json", **headers}) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return Outcome(resp.status)
+                    return Outcome(resp.status, sent_at=started)
                 action = resp.headers.get("x-gateway-cache-action", "")
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
@@ -516,7 +529,7 @@ class BenchRunner:
                             first = first or time.monotonic()
                             parts.append(content)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return Outcome(599)
+            return Outcome(599, sent_at=started)
         end = time.monotonic()
-        return Outcome(200, (first or end) - started, end - started, action, "".join(parts))
+        return Outcome(200, (first or end) - started, end - started, started, action, "".join(parts))
 

@@ -41,7 +41,7 @@ class CacheActionExecutor:
     def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
                  metrics: GatewayMetrics,
                  controller_for: Callable[[Pod], CacheController | None], http: HttpClient, *,
-                 hard_flush: bool = True,
+                 hard_flush: bool = False,
                  retries: int = 5, retry_base_s: float = 0.5) -> None:
         self._tracker = tracker
         self._working_set = working_set
@@ -78,7 +78,8 @@ class CacheActionExecutor:
 
     def _maybe_hard_flush(self, action: CacheAction) -> None:
         pod = self._pods.get(action.pod or "")
-        if not self._hard_flush or pod is None or self._controller_for(pod) is None:
+        asked = action.reason == "override"  # the client's own x-stage-cache-policy: flush
+        if not (self._hard_flush or asked) or pod is None or self._controller_for(pod) is None:
             return
         if pod.name not in self._pending or self._pending[pod.name].done():
             self._pending[pod.name] = asyncio.create_task(self._hard(pod, action), name=f"flush-{pod.name}")

@@ -222,7 +222,7 @@ async def test_kv_aware_sends_a_shared_prefix_to_the_pod_holding_it(start_kv_gat
 
 async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_event(start_kv_gateway,
                                                                                     vllm: VllmFleet, http) -> None:
-    gw = await start_kv_gateway()
+    gw = await start_kv_gateway(workflow={"hard_flush": True})  # a completed workflow's pod is flushed
     messages = conversation(document("flush"), "Stage one.")
     headers = {"x-workflow-id": "wf-flush", "x-stage-id": "one"}
     _, resp_headers = await chat(http, gw.url, messages, headers)

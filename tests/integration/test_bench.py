@@ -12,7 +12,7 @@ import pytest
 from gateway.bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
 from gateway.bench.mooncake import read_mooncake
 from gateway.bench.report import write_results
-from gateway.bench.runner import CONTENDERS, BenchRunner
+from gateway.bench.runner import CONTENDERS, BenchRunner, Outcome, session_times
 from gateway.bench.workloads import (
     History,
     Session,
@@ -56,6 +56,7 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     # Same requests, same pods: sending each group where its prefix is cached must win on hits.
     assert gateway.hit_ratio > direct.hit_ratio and gateway.hit_ratio > 0.5
     assert gateway.ttft_p50_ms > 0 and gateway.req_per_s > 0
+    assert gateway.session_p50_ms == pytest.approx(gateway.e2e_p50_ms)  # one request a session
     # The gateway's own checks of its predictions come back with its result: all exact, no drift.
     assert gateway.extra.get("prediction_exact", 0) >= trace.requests - 2 and not gateway.extra.get("drift")
     assert not direct.extra
@@ -73,6 +74,14 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     assert "/".join(map(str, gateway.pod_requests)) in csv_row
     assert f"| {'/'.join(map(str, gateway.pod_requests))} | {gateway.largest_share:.2f} |" in paths["md"].read_text()
     assert "gateway-kv_aware" in paths["md"].read_text() and paths["plot-shared-prefix"].stat().st_size > 1000
+
+
+def test_a_session_lasts_from_its_first_request_sent_to_its_last_answer():
+    outcomes = [Outcome(200, 0.1, 0.5, sent_at=10.0, session=0, step=0),
+                Outcome(200, 0.1, 0.7, sent_at=12.0, session=0, step=1),  # think time between counts
+                Outcome(502, sent_at=11.0, session=1, step=0),
+                Outcome(200, 0.1, 0.2, sent_at=11.5, session=1, step=1)]
+    assert sorted(session_times(outcomes)) == pytest.approx([700.0, 2700.0])
 
 
 def test_agentic_shared_knobs_and_working_set():

@@ -20,7 +20,7 @@ async def fleet(start_mock_pod, start_gateway, n=4, flavor="vllm", **gateway_kw)
     pods = [await start_mock_pod(flavor=flavor, num_blocks=400) for _ in range(n)]
     gateway_kw.setdefault("routing", {"policy": "kv_aware"})
     gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
-    gateway_kw.setdefault("workflow", {"flush_retry_base_s": 0.05})
+    gateway_kw.setdefault("workflow", {"flush_retry_base_s": 0.05, "hard_flush": True})
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(pods)],
                              **gateway_kw)
     return pods, gw
@@ -165,3 +165,15 @@ async def test_session_affinity_sticks_and_moves_off_a_sick_pod(start_mock_pod, 
         assert resp.headers["x-gateway-pod"] != pod.name and resp.headers["x-gateway-cache-action"] == "session-moved"
     unknown = await http.post(f"{gw.url}/v1/workflows/nope/complete")
     assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "workflow_not_found"
+
+
+async def test_by_default_only_a_stage_that_asks_for_it_is_flushed_hard(start_mock_pod, start_gateway, http):
+    mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1, workflow={"flush_retry_base_s": 0.05})
+    history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "go"}]
+    executor = gw.gateway.workflows.executor
+    await stage(http, gw, "wf-done", "s1", history, **{"x-workflow-complete": "true"})
+    await asyncio.sleep(0.3)
+    assert executor.hard_flushes.get("pod0") is None and mock_pods[0].engine.cache.cached_blocks()  # soft only
+    await stage(http, gw, "wf-asks", "s1", history)
+    await stage(http, gw, "wf-asks", "s2", history, **{"x-stage-cache-policy": "flush"})
+    await eventually(lambda: executor.hard_flushes.get("pod0") == 1)
