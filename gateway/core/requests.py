@@ -1,8 +1,9 @@
 """The parts of OpenAI (and Anthropic Messages) request bodies the gateway reads.
 
-Bodies are decoded once into these structs to route; the bytes sent upstream are the client's own,
-never re-encoded. Unknown fields are ignored (engines accept many extensions), while the fields we read
-are checked strictly so a wrong type is a clear 400, not a surprise later.
+Bodies are decoded once into these structs to route; the bytes sent upstream are the client's own, never
+re-encoded (but for the bodies of a disaggregated request's two legs: :mod:`gateway.request.disaggregation`).
+Unknown fields are ignored (engines accept many extensions), while the fields we read are checked strictly so
+a wrong type is a clear 400, not a surprise later.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The prefix index: which token blocks each pod (and DP rank) holds, keyed by the gateway's own hash.
 
-Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply`) and by routing's
-speculative insertion; read by routing through :meth:`PrefixIndex.lookup`. Every process subscribes to
-the events itself; its speculative blocks go to the other workers and replicas through the sink it is built
-with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
+Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply`) and by the pipeline's
+speculative insertion (the ``RoutedPrefix`` dispatch step, through :meth:`PrefixIndex.expect`); read by
+routing through :meth:`PrefixIndex.lookup`. Every process subscribes to the events itself; its speculative
+blocks go to the other workers and replicas through the sink it is built with, and theirs come in through
+:meth:`PrefixIndex.apply_remote`.
 
 Layout, chosen for a small footprint and a lookup that costs the log of the matched length:
 

@@ -215,6 +215,15 @@ class ResumableWorkingSet:
             tokens -= exclusive_blocks(exclude.hashes, demand.refs) * exclude.block_size + exclude.expected_growth
         return max(0.0, tokens)
 
+    def starting(self, key: str | None, keyed: bool) -> bool:
+        """Whether a request of this context would start a workflow or session (none of that name is live)."""
+        return keyed and key is not None and key not in self._contexts
+
+    def fills(self, pod: str, capacity: float | None, now: float, extra_tokens: float = 0.0) -> bool:
+        """Whether the resumable demand on ``pod``, plus ``extra_tokens``, fills its ``capacity`` (unknown:
+        never)."""
+        return bool(capacity) and self.demand_tokens(pod, now) + extra_tokens >= capacity
+
     def others_on(self, pod: str, key: str, now: float) -> bool:
         """Whether a context other than ``key`` is resumable on ``pod`` (a global flush would hurt it)."""
         self.lapse(now)

@@ -1,17 +1,16 @@
 """The in-flight ledger: which requests are running on which pod, and what they consume there.
 
 Owner: the :class:`InFlightLedger` is the one record of "request R is in flight on pod P". The request
-pipeline alone writes it: :meth:`dispatch` as an attempt is sent, :meth:`finish` when that attempt ends
-however it ended, and the pod-removal path calls :meth:`forget_pod`. Everything else reads it: routing
-(requests per pod), pending load (consumption per pod), the working set (a context's requests: the one
-count of them), the workflow tracker (a workflow's or stage's requests), session affinity (a session with
-a request running is never forgotten) and hard flushes (whether anyone else is running on a pod).
-
+director and its prefill legs alone write it: :meth:`dispatch` as an attempt (or a prefill leg) is sent,
+:meth:`finish` when it ends however it ended; the pod-removal path calls :meth:`forget_pod`. Everything else
+reads it: routing (requests per pod), pending load (consumption per pod), the working set (a context's
+requests: the one count of them), the workflow tracker (a workflow's or stage's requests), session affinity (a
+session with a request running is never forgotten) and hard flushes (whether anyone else is running on a pod).
 With several workers (``serve --workers N``) the ledger also writes this worker's cell of the shared load
-table, and the per-pod reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`) sum
-every worker's. The per-owner counts (context, stage) of the other workers and replicas come over the
-state bus (:meth:`apply_remote`), one tally per origin so that a vanished one can be dropped
-(:meth:`forget_origin`); this ledger's own changes go out through the sink it is built with.
+table, and the per-pod reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`) sum every
+worker's. The per-owner counts (context, stage) of the other workers and replicas come over the state bus
+(:meth:`apply_remote`), one tally per origin so that a vanished one can be dropped (:meth:`forget_origin`);
+this ledger's own changes go out through the sink it is built with.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class PrefillLegs:
         request, routing = attempt.request, attempt.routing
         if request.kind not in SPLIT_KINDS or _several_prompts(request.parsed.prompt):
             return Split.UNSUPPORTED
-        prompt = len(routing.token_ids) if routing.token_ids else max(1, len(request.body) // 4)
+        prompt = request.prompt_tokens(routing.token_ids)
         cached = attempt.decision.prefix_tokens
         if prompt - cached > self._config.uncached_token_threshold:
             return None

@@ -14,7 +14,8 @@ A request passes through them in this order (:class:`~gateway.request.director.R
    unchanged). For a disaggregated model the attempt is the decode leg, and the director's collaborator
    runs its prefill leg first (:mod:`gateway.request.disaggregation`).
 6. **finish** ``(attempt, outcome)``: the attempt ended, however it ended (the ledger first, then each
-   step, with the proxy's outcome); a failure before the first byte may be retried on another pod, from 3.
+   step, with the proxy's outcome); a failure before the first byte may be retried on another pod, from
+   **route** (the plan stands).
 7. **complete** ``(completed)``: the client's request ended; observers record it (metrics, learning, the
    access log) from the one record the director made of it.
 

@@ -156,7 +156,8 @@ class RoomForNewContexts:
     """admit: a workflow or session that *starts* while every candidate pod's resumable demand already fills
     its KV cache waits, up to ``placement.hold_new_s``, for room (a context lapsing, completing or moving
     on), rather than evicting contexts that are due back; one that continues never waits. It returns
-    nothing: it only delays, and the wait shows in the request's queueing time."""
+    nothing: it only delays (the wait shows in the request's TTFT; each hold is counted in
+    ``gateway_admission_total{outcome="held"}``)."""
 
     POLL_S = 0.05
 
@@ -170,8 +171,7 @@ class RoomForNewContexts:
         self._clock = clock
 
     def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
-        key = routing.context_key
-        if not self._hold_s or not routing.context_keyed or key is None or self._working_set.context(key) is not None:
+        if not self._hold_s or not self._working_set.starting(routing.context_key, routing.context_keyed):
             return None
         return self._wait(routing) if not self._room(routing) else None
 
@@ -184,10 +184,6 @@ class RoomForNewContexts:
                 return
 
     def _room(self, routing: RoutingRequest) -> bool:
-        now = self._clock()
-        for pod in self._pods.candidates(routing.model, leg=routing.leg):
-            capacity = self._capacity_of(pod.name)
-            prompt = len(routing.token_ids) if routing.token_ids else 0
-            if not capacity or self._working_set.demand_tokens(pod.name, now) + prompt < capacity:
-                return True
-        return False
+        now, prompt = self._clock(), len(routing.token_ids) if routing.token_ids else 0
+        return any(not self._working_set.fills(pod.name, self._capacity_of(pod.name), now, prompt)
+                   for pod in self._pods.candidates(routing.model, leg=routing.leg))

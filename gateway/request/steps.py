@@ -110,7 +110,7 @@ class LoadEstimation:
         if not (self._admission_enabled or policy.needs_load):
             return
         parsed = request.parsed
-        routing.input_tokens = len(routing.token_ids) if routing.token_ids else max(1, len(request.body) // 4)
+        routing.input_tokens = request.prompt_tokens(routing.token_ids)
         routing.predicted_output_tokens = self._predictor.predict(
             routing.base_model, routing.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
         self._metrics.output_predicted.observe(routing.predicted_output_tokens)
@@ -156,8 +156,8 @@ class WorkflowPlanning:
         self._workflows = workflows
 
     def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan:
-        prompt_tokens = len(routing.token_ids) if routing.token_ids else len(request.body) // 4
-        return self._workflows.plan(request.headers, request.parsed, routing.base_model, prompt_tokens)
+        return self._workflows.plan(request.headers, request.parsed, routing.base_model,
+                                    request.prompt_tokens(routing.token_ids))
 
     def dispatched(self, attempt: Attempt) -> None:
         self._workflows.record_dispatch(attempt.plan, attempt.decision, attempt.routing.base_model)

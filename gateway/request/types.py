@@ -13,6 +13,7 @@ fields each name their one writer).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -46,6 +47,10 @@ class ClientRequest:
         object.__setattr__(self, "headers", self.http.headers)
         object.__setattr__(self, "model", self.parsed.model or "")
 
+    def prompt_tokens(self, token_ids: Sequence[int] | None) -> int:
+        """The prompt's length in tokens: exact once tokenized, else guessed from the body (4 bytes a token)."""
+        return len(token_ids) if token_ids else max(1, len(self.body) // 4)
+
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
@@ -64,7 +69,7 @@ class Attempt:
     decision: Decision
     dispatch: Dispatch  # the ledger's record of this attempt
     number: int  # 0 for the first try
-    routing_started: float  # monotonic, when the router began this decision
+    routing_started: float  # monotonic, when this attempt's routing began (a prefill leg: once routed)
     # Sent to the pod; a dispatch step may add to it (the trace context).
     upstream_headers: dict[str, str]
 

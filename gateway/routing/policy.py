@@ -57,7 +57,7 @@ class RoutingRequest:
 
     request_id: str
     model: str
-    # The API path family: "chat", "completions", "responses", "embeddings".
+    # The API path family: "chat", "completions", "responses", "messages", "count_tokens", "embeddings".
     kind: str
     body: Any = None
     # The base model and LoRA adapter the prompt's KV blocks are namespaced by.

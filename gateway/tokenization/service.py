@@ -126,8 +126,8 @@ class LocalTokenizer:
         return self.segments.encode(pieces)
 
     async def _encode_spread(self, texts: list[str]) -> list[list[int]]:
-        """Long new text split over the tokenization threads, by characters: one prompt is tokenized by
-        every core rather than one."""
+        """New segments grouped over the tokenization threads, about as many characters each: a prompt of
+        many new messages is tokenized by every core rather than one (one long segment stays on one)."""
         shares = self._threads
         size = -(-sum(map(len, texts)) // shares)
         groups: list[list[str]] = [[]]

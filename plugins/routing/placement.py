@@ -81,7 +81,7 @@ class PlacementPlanner:
 
 
 class ContextBalance:
-    """Filter: under pressure (the best-cached candidate's resumable demand already fills its cache), a
+    """Filter: under pressure (some candidate's resumable demand already fills its cache), a
     workflow or session that *starts* goes only to pods holding at most ``slack`` more such contexts than
     the least loaded; one that continues may go anywhere (its cache decides). When caches overflow, what
     survives a context's think time depends on how much else its pod serves meanwhile, which the token
@@ -97,18 +97,13 @@ class ContextBalance:
         self._clock = clock
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
-        key = request.context_key
-        if not request.context_keyed or key is None or self._working_set.context(key) is not None:
-            return pods
-        if not any(self._full(p.name) for p in pods):
+        now = self._clock()
+        if not self._working_set.starting(request.context_key, request.context_keyed) or not any(
+                self._working_set.fills(p.name, self._capacity_of(p.name), now) for p in pods):
             return pods
         keyed = {p.name: self._working_set.resumable(p.name)[0] for p in pods}
         least = min(keyed.values())
         return [p for p in pods if keyed[p.name] <= least + self._slack]
-
-    def _full(self, pod: str) -> bool:
-        capacity = self._capacity_of(pod)
-        return bool(capacity) and self._working_set.demand_tokens(pod, self._clock()) >= capacity
 
 
 class PlacementScorer:
