@@ -107,7 +107,7 @@ async def test_workers_weigh_each_others_contexts_and_speculative_blocks(start_m
     pod, _, _ = await post(http, first, history, **{"x-workflow-id": "wf-c"})
     working_set = second.gateway.working_set
     await eventually(lambda: (ctx := working_set.context("workflow:wf-c")) is not None and ctx.pod == pod
-                     and ctx.thinking and not working_set.in_flight(ctx))
+                     and ctx.thinking and not second.gateway.ledger.of_context(ctx.key))
     assert working_set.demand_tokens(pod, 0.0) > 0
     other = next(p["name"] for p in pods if p["name"] != pod)
     assert working_set.demand_tokens(other, 0.0) == 0
