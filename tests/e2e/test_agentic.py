@@ -73,9 +73,10 @@ def test_two_replicas_sharing_state_act_as_one_on_real_pods(results: Callable[[s
     unshared = results("gateway-kv_aware-2-replicas-unshared")
     print(f"one replica: hit {one.hit_ratio:.3f} {actions(one)}; two: hit {two.hit_ratio:.3f} {actions(two)}; "
           f"unshared: hit {unshared.hit_ratio:.3f} {actions(unshared)}")
-    assert actions(one) and actions(two).keys() == actions(one).keys()
-    assert all(abs(actions(two)[k] - share) <= 0.02 for k, share in actions(one).items())
+    kinds = actions(one).keys() | actions(two).keys()  # a rare fallback (a pod briefly busy) may show in one
+    assert actions(one) and all(abs(actions(two).get(k, 0.0) - actions(one).get(k, 0.0)) <= 0.02 for k in kinds)
     # Without shared state each replica sees half of every workflow and decides differently: the check
     # above is one that can fail.
-    assert any(abs(actions(unshared).get(k, 0.0) - share) > 0.02 for k, share in actions(one).items())
+    assert any(abs(actions(unshared).get(k, 0.0) - actions(one).get(k, 0.0)) > 0.02
+               for k in kinds | actions(unshared).keys())
     assert two.hit_ratio >= one.hit_ratio - 0.05
