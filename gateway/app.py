@@ -97,15 +97,16 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     sinks = Sinks.of(bus)
     ledger = InFlightLedger(shared_load, sinks.ledger)
     modes = PressureModes()
-    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s, sinks.index)
-    approximate = ApproximatePrefixIndex()
-    kv = KvEventService(index)
-    metrics.registry.register(KvMetricsCollector(kv))
-    tokens = TokenizationService(config.tokenization, pods, metrics, http, ledger)
     lc = config.load
     profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
     load = PendingLoad(profiles, ledger, lc.default_capacity, lambda name: deployment_of(pods, name),
                        lc.embedding_share, blocked=modes.in_emergency)
+    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s, sinks.index,
+                        reported_block_size=partial(reported_block_size, load))
+    approximate = ApproximatePrefixIndex()
+    kv = KvEventService(index)
+    metrics.registry.register(KvMetricsCollector(kv))
+    tokens = TokenizationService(config.tokenization, pods, metrics, http, ledger)
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
     admission = AdmissionController(config.admission, load, metrics)
@@ -193,6 +194,12 @@ def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float |
         return stats.kv_capacity_tokens if stats is not None and stats.kv_capacity_tokens > 0 else None
 
     return capacity_of
+
+
+def reported_block_size(load: PendingLoad, pod: str) -> int | None:
+    """The block size the pod's engine metrics say (vLLM's ``cache_config_info``), if they say one."""
+    stats = load.engine.get(pod)
+    return int(stats.block_size) if stats is not None and stats.block_size > 0 else None
 
 
 def cache_controllers(choice: str) -> Callable[[Pod], CacheController | None]:

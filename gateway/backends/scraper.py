@@ -39,7 +39,8 @@ METRIC_FIELDS = {
     "sglang:num_requests_total": "requests_finished",
     "sglang:max_total_num_tokens": "kv_capacity_tokens",
 }
-# vLLM says its cache size in the labels of an info metric: num_gpu_blocks x block_size.
+# vLLM says its cache size in the labels of an info metric: num_gpu_blocks x block_size (and so, before
+# its first KV event, how it cuts prompts into blocks).
 _CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -55,7 +56,10 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             continue
         name = line[:name_end]
         if name == _CACHE_CONFIG_INFO:
-            values["kv_capacity_tokens"] = values.get("kv_capacity_tokens", 0.0) + _cache_config_tokens(line)
+            blocks, block_size = _cache_config(line)
+            if block_size:
+                values["kv_capacity_tokens"] = values.get("kv_capacity_tokens", 0.0) + blocks * block_size
+                values["block_size"] = block_size
             continue
         field = METRIC_FIELDS.get(name)
         if field is None:
@@ -68,12 +72,13 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def _cache_config_tokens(line: str) -> float:
+def _cache_config(line: str) -> tuple[float, float]:
+    """``(num_gpu_blocks, block_size)`` of a ``cache_config_info`` line; zeros where it says neither."""
     labels = dict(_LABEL.findall(line))
     try:
-        return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        return float(labels["num_gpu_blocks"]), float(labels["block_size"])
     except (KeyError, ValueError):
-        return 0.0
+        return 0.0, 0.0
 
 
 class MetricsScraper:
@@ -86,7 +91,10 @@ class MetricsScraper:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """The first scrape before the gateway serves (each pod's bounded by the timeout): the first
+        requests already see each engine's capacity and block size."""
+        await self.scrape_all()
         self._task = asyncio.create_task(self._loop(), name="metrics-scraper")
 
     async def stop(self) -> None:
@@ -94,8 +102,8 @@ class MetricsScraper:
 
     async def _loop(self) -> None:
         while True:
-            await self.scrape_all()
             await asyncio.sleep(self._interval_s * random.uniform(0.8, 1.2))
+            await self.scrape_all()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(p) for p in self._pods.all()))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
@@ -91,9 +91,13 @@ class PodMatch:
 
 class PrefixIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
-                 publish: Publish = unshared) -> None:
+                 publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None
+                 ) -> None:
         self.max_blocks_per_view = max_blocks_per_view
         self.speculative_ttl_s = speculative_ttl_s
+        # A pod's block size as its engine's metrics report it: what a view uses until its events say it,
+        # so that a fresh pod's first requests are matched and counted as routed before its first event.
+        self._reported_block_size = reported_block_size
         self.stats = IndexStats()
         self._views: dict[tuple[str, int], EngineView] = {}
         self._free_bits: list[int] = []
@@ -295,9 +299,8 @@ class PrefixIndex:
         out: dict[str, PodMatch] = {}
         now = time.monotonic()
         for view in self._views.values():
-            if view.pod not in wanted or not view.block_size:
+            if view.pod not in wanted or not (bs := self._block_size_of(view)):
                 continue
-            bs = view.block_size
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
             bit = 1 << view.bit
@@ -363,10 +366,10 @@ class PrefixIndex:
         now = time.monotonic()
         self._expire_speculative(now)
         view = self._views.get((pod, 0))
-        if view is None or not view.block_size or self.speculative_ttl_s <= 0:
+        if view is None or not (bs := self._block_size_of(view)) or self.speculative_ttl_s <= 0:
             return
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
-        new = prompt.first(view.block_size, prompt.token_count)[confirmed_tokens // view.block_size:]
+        new = prompt.first(bs, prompt.token_count)[confirmed_tokens // bs:]
         if new:
             self._expect(view, new, now)
             self._publish(BlocksExpected(pod, new))
@@ -376,7 +379,7 @@ class PrefixIndex:
         now = time.monotonic()
         self._expire_speculative(now)
         view = self._views.get((fact.pod, 0))
-        if view is not None and view.block_size and self.speculative_ttl_s > 0:
+        if view is not None and self.speculative_ttl_s > 0:
             self._expect(view, fact.hashes, now)
 
     def _expect(self, view: EngineView, hashes: list[int], now: float) -> None:
@@ -403,9 +406,13 @@ class PrefixIndex:
         return set(view.refs) if view else set()
 
     def block_size(self, pod: str) -> int | None:
-        """The block size of the pod's engine (rank 0), once its events have said it."""
+        """The block size of the pod's engine (rank 0): as its events say it, else as its config or its
+        engine's metrics do; none while nothing has."""
         view = self._views.get((pod, 0))
-        return view.block_size if view else None
+        return self._block_size_of(view) if view else None
+
+    def _block_size_of(self, view: EngineView) -> int | None:
+        return view.block_size or self._reported_block_size(view.pod)
 
     def blocks_on(self, pod: str) -> int:
         """Blocks the index holds for ``pod`` (all ranks)."""

@@ -33,6 +33,7 @@ class EngineStats:
     prefix_hits: float = 0.0
     requests_finished: float = 0.0
     kv_capacity_tokens: float = 0.0  # 0: the engine does not say
+    block_size: float = 0.0  # tokens per KV block (vLLM's cache_config_info); 0: the engine does not say
     scraped_at: float = 0.0
     stale: bool = True
     failures: int = 0

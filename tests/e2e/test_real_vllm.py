@@ -108,10 +108,8 @@ async def settled(gw, pod: str, ids: list[int], http: aiohttp.ClientSession, pod
 
 def test_openai_sdk_through_a_gateway_process(vllm: VllmFleet, model_dir: str, tmp_path) -> None:
     config = tmp_path / "gateway.json"
-    # The block size declared: fresh pods have published no event yet, and until one says the block size
-    # the gateway cannot count the first request's blocks as routed (the second would race its events).
-    pods = [{**p, "block_size": BLOCK_SIZE} for p in vllm.gateway_pods()]
-    config.write_text(json.dumps({"pods": pods, "routing": {"policy": "kv_aware"},
+    # No block size declared: the pods are fresh, and before their first event only their metrics say it.
+    config.write_text(json.dumps({"pods": vllm.gateway_pods(), "routing": {"policy": "kv_aware"},
                                   "tokenization": {"models": {MODEL: {"path": model_dir}}}}))
     tokenizer = HfTokenizer(model_dir)
     messages = conversation(document("sdk"), "What is in the document?")

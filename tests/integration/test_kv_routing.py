@@ -79,6 +79,26 @@ async def test_burst_with_one_new_prefix_follows_the_first_request(start_mock_po
     assert len(chosen) == 1
 
 
+async def test_before_any_event_the_block_size_comes_from_the_engines_metrics(start_mock_pod, start_gateway, http):
+    """Pods that declare no block size and whose events are all lost in transit: their engines'
+    ``cache_config_info`` says how they cut prompts, so the first request's blocks count as routed and the
+    same prompt again goes where they are (without it nothing is matched or expected before an event)."""
+    pods = [await start_mock_pod() for _ in range(2)]
+    for pod in pods:
+        async with http.post(f"{pod.url}/debug/faults", json={"drop_event_fraction": 1.0}) as resp:
+            assert resp.status == 200
+    gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}", "block_size": None}
+                              for i, p in enumerate(pods)],
+                             tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                             routing={"policy": "kv_aware"})
+    index = gw.gateway.kv.index
+    assert [index.block_size(f"pod{i}") for i in range(2)] == [16, 16]
+    assert all(view.block_size is None and view.last_seq == -1 for view in index.views())  # no event said it
+    first_pod, _, _ = await ask(http, gw, 21, "Same question?")
+    pod, predicted, usage = await ask(http, gw, 21, "Same question?")
+    assert pod == first_pod and predicted == usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 async def test_hot_prefix_is_rebalanced_when_its_pod_is_overloaded(start_mock_pod, start_gateway, http):
     pods, gw = await fleet(start_mock_pod, start_gateway, pod_kw={"speed": 0.2},
                            routing={"policy": "kv_aware", "options": {"kv_aware": {"overload_slack": 2}}})

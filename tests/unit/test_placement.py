@@ -177,7 +177,8 @@ def test_vllm_and_sglang_metrics_say_the_capacity():
     vllm = ('vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
             'num_gpu_blocks="48",prefix_caching_hash_algo="sha256"} 1.0\n'
             'vllm:request_success_total{engine="0",finished_reason="length"} 7.0\n')
-    assert parse_engine_metrics(vllm) == {"kv_capacity_tokens": 48 * 128, "requests_finished": 7.0}
+    assert parse_engine_metrics(vllm) == {"kv_capacity_tokens": 48 * 128, "block_size": 128.0,
+                                          "requests_finished": 7.0}
     assert parse_engine_metrics('sglang:max_total_num_tokens{model_name="m"} 4096.0\n') == {
         "kv_capacity_tokens": 4096.0}
 
