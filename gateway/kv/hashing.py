@@ -8,7 +8,7 @@ process and version; these do not. Seeding with the parent avoids building a new
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -33,6 +33,20 @@ def prefix_hashes(root: int, token_ids: Sequence[int], block_size: int,
         parent = _hash(block + extras[i] if extras is not None and i < len(extras) else block, parent)
         out.append(parent)
     return out
+
+
+def leading_run(holds: Callable[[int], bool], end: int) -> int:
+    """The first position in ``[0, end)`` where ``holds`` is false (``end`` if none), for a ``holds`` that
+    is true on a prefix of them: what chained hashes give, since a block held, shared or equal implies every
+    block before it is too. Bisection: ``holds`` is asked about log2(end) positions."""
+    low, high = 0, end
+    while low < high:
+        mid = (low + high) // 2
+        if holds(mid):
+            low = mid + 1
+        else:
+            high = mid
+    return low
 
 
 class PromptHashes:

@@ -331,6 +331,7 @@ class PrefixIndex:
                 high = probe
                 break
         hashes = prompt.first(bs, high)
+        # hashing.leading_run, inlined: a call per probe costs a quarter of this, the lookup's hot loop.
         while low < high:
             mid = (low + high) // 2
             if gpu.get(hashes[mid], 0) & bit:

@@ -36,6 +36,7 @@ from typing import Any
 
 from gateway.config import PlacementConfig
 from gateway.core.facts import ContextHeld, ContextIdled, ContextReleased, Publish, unshared
+from gateway.kv.hashing import leading_run
 from gateway.load.ledger import InFlightLedger
 
 
@@ -80,29 +81,15 @@ class Context:
 
 def shared_blocks(old: list[int], new: list[int]) -> int:
     """How many leading blocks two prompts share. Block hashes are chained (each covers its parent), so
-    equal hashes at one position mean equal prefixes up to it, and a binary search finds the last one."""
-    low, high = 0, min(len(old), len(new))
-    while low < high:
-        mid = (low + high) // 2
-        if old[mid] == new[mid]:
-            low = mid + 1
-        else:
-            high = mid
-    return low
+    equal hashes at one position mean equal prefixes up to it."""
+    return leading_run(lambda i: old[i] == new[i], min(len(old), len(new)))
 
 
 def exclusive_blocks(hashes: list[int], refs: dict[int, int]) -> int:
     """How many of a placed context's blocks no other context on its pod holds. Another context holding
     block ``i`` holds every block before it (hashes are chained), so the counts never rise along the
-    prompt: the exclusive blocks are a tail, found by bisection."""
-    low, high = 0, len(hashes)
-    while low < high:
-        mid = (low + high) // 2
-        if refs.get(hashes[mid], 0) > 1:
-            low = mid + 1
-        else:
-            high = mid
-    return len(hashes) - low
+    prompt: the exclusive blocks are a tail."""
+    return len(hashes) - leading_run(lambda i: refs.get(hashes[i], 0) > 1, len(hashes))
 
 
 class ContextForecast:

@@ -36,6 +36,7 @@ from gateway.kv.hashing import PromptHashes
 _encode = msgspec.msgpack.Encoder().encode
 _hash = xxhash.xxh3_64_intdigest
 
+
 def fingerprints(messages: Sequence[dict[str, Any]], shape: Any) -> list[int]:
     """``out[k]``: a fingerprint of the first ``k + 1`` messages and of ``shape`` (whatever else changes the
     rendering), each chained onto the one before."""
