@@ -7,12 +7,15 @@ else reads. What is in flight on a pod is the in-flight ledger's (:mod:`gateway.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.config import HealthConfig, PodConfig
+
+log = logging.getLogger(__name__)
 
 # A leg of a request served by two pods (prefill/decode disaggregation).
 Leg = Literal["prefill", "decode"]
@@ -145,6 +148,7 @@ class PodRegistry:
         backoff = min(self._health.ejection_base_s * 2 ** (pod.ejections - 1), self._health.ejection_max_s)
         pod.ejected_at = now
         pod.ejected_until = now + backoff
+        log.warning("pod %s ejected for %.1f s: %s", pod.name, backoff, error)
 
     def report_success(self, pod: Pod) -> None:
         pod.consecutive_5xx = 0

@@ -82,6 +82,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=int, metavar="N", help="Mooncake: replay N requests")
     b.add_argument("--save-trace", help="write the generated trace here")
     b.add_argument("--out", default="bench-results")
+    b.add_argument("--router-logs", metavar="DIR", help="keep each router's output here (<contender>-<n>.log)")
     b.add_argument("--pod-url", action="append", help="benchmark these existing pods instead of simulated ones")
     b.add_argument("--events", action="append", help="URL=ENDPOINT: KV-event endpoint of an existing pod")
     b.add_argument("--replay", action="append", help="URL=ENDPOINT: KV-event replay endpoint of an existing pod")
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         existing = [PodConfig(url=u, name=f"pod{i}", kv_events=events.get(u), kv_replay=replay.get(u))
                     for i, u in enumerate(args.pod_url)]
     runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
-                         tokenizer=tokenizer, existing_pods=existing)
+                         tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs)
     results = []
     started = time.time()
     for scenario in [None] if args.trace else args.scenario or ["shared-prefix", "agentic"]:

@@ -25,7 +25,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import IO, Literal
 
 import aiohttp
 import msgspec
@@ -244,7 +244,7 @@ class BenchRunner:
     def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
                  model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, router_logs: str | None = None) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
         self.max_model_len = max_model_len
         self.model = model
@@ -252,6 +252,9 @@ class BenchRunner:
         self.tokenizer = tokenizer
         self.existing_pods = existing_pods
         self.progress = progress
+        # A directory for each router's output (<contender>-<n>.log); none: discarded.
+        self.router_logs = router_logs
+        self._logs_per_contender: Counter[str] = Counter()
         self._procs: list[subprocess.Popen[bytes]] = []
         self._redis: subprocess.Popen[bytes] | None = None
         self._encoder: ChatEncoder | None = None
@@ -321,13 +324,22 @@ class BenchRunner:
                    "--policy", contender.policy, *_workers(pods, "--pd-disaggregation", "--worker-urls")]
         if not os.path.exists(cmd[0]) and contender.kind != "gateway":
             raise FileNotFoundError(f"{contender.kind} is not installed (pip install '.[bench]')")
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        with self._router_log(contender) as log:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self._procs.append(proc)
         self.router_processes.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", 90, proc)
         return url
+
+    def _router_log(self, contender: Contender) -> contextlib.AbstractContextManager[IO[bytes] | int]:
+        """Where a router's stdout and stderr go: a new file under ``router_logs``, or nowhere."""
+        if self.router_logs is None:
+            return contextlib.nullcontext(subprocess.DEVNULL)
+        os.makedirs(self.router_logs, exist_ok=True)
+        n = self._logs_per_contender[contender.name]
+        self._logs_per_contender[contender.name] += 1
+        return open(os.path.join(self.router_logs, f"{contender.name}-{n}.log"), "wb")
 
     def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
                          env: dict[str, str]) -> list[str]:

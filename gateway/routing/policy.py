@@ -82,7 +82,9 @@ class RoutingRequest:
     input_tokens: int = 0
     predicted_output_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
-    # The router, per attempt: filter name → the pods it removed.
+    # The router, per attempt: the pod the request's workflow or session is pinned to (its filters see
+    # that the request continues a context there), and filter name → the pods it removed.
+    pin: str | None = None
     filtered_out: dict[str, list[str]] = field(default_factory=dict)
     # The prefix matcher: what each pod holds, and the predicted cached prompt tokens per pod.
     prefix: PrefixMatch | None = None
@@ -106,8 +108,11 @@ class Decision:
     detail: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     prefix_tokens: int = 0
-    # The pod the request was pinned to (its workflow's or session's) when the pin could not be kept.
+    # The pod the request was pinned to (its workflow's or session's) when the pin could not be kept, and
+    # why: the filter that dropped it ("overload_guard", ...), or "pod_unavailable" (unhealthy, ejected,
+    # or failed on an earlier attempt).
     unpinned: str | None = None
+    unpinned_by: str = ""
 
 
 class Filter(Protocol):

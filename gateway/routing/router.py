@@ -60,6 +60,7 @@ class Router:
     ) -> Decision:
         """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
         (healthy, not excluded, not saturated), else the policy decides and the decision says so."""
+        request.pin = pin
         pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude, request.leg))
         for preparer in policy.preparers:
             preparer.prepare(request, pods)
@@ -69,6 +70,7 @@ class Router:
                 scores[i] += ws.weight * s
         pinned = self._pinned(pods, pin, pin_reason)
         pick = pinned or policy.picker.pick(request, pods, scores)
+        unpinned = pin if pinned is None else None
         return Decision(
             pod=pick.pod,
             policy=policy.name,
@@ -76,8 +78,13 @@ class Router:
             detail=pick.detail,
             scores={p.name: s for p, s in zip(pods, scores, strict=True)} if policy.scorers else {},
             prefix_tokens=request.prefix_tokens.get(pick.pod.name, 0),
-            unpinned=pin if pin is not None and pinned is None else None,
+            unpinned=unpinned,
+            unpinned_by=self._dropped_by(request, unpinned) if unpinned is not None else "",
         )
+
+    @staticmethod
+    def _dropped_by(request: RoutingRequest, pod: str) -> str:
+        return next((name for name, pods in request.filtered_out.items() if pod in pods), "pod_unavailable")
 
     @staticmethod
     def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:

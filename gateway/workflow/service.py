@@ -50,7 +50,8 @@ class RequestPlan:
         if self is NO_PLAN:
             return "none"
         if self.pin and decision.unpinned == self.pin:
-            return f"{self.plan.action.kind.value}-fallback:pod_unavailable" if self.plan.workflow else "session-moved"
+            kind = self.plan.action.kind.value
+            return f"{kind}-fallback:{decision.unpinned_by}" if self.plan.workflow else "session-moved"
         return self.plan.action.header
 
 

@@ -83,7 +83,8 @@ class PlacementPlanner:
 class ContextBalance:
     """Filter: under pressure (some candidate's resumable demand already fills its cache), a
     workflow or session that *starts* goes only to pods holding at most ``slack`` more such contexts than
-    the least loaded; one that continues may go anywhere (its cache decides). When caches overflow, what
+    the least loaded; one that continues (or is pinned to its workflow's or session's pod) may go anywhere
+    (its cache decides). When caches overflow, what
     survives a context's think time depends on how much else its pod serves meanwhile, which the token
     cost alone does not see: an even spread of contexts is what the sticky-placement oracle does."""
 
@@ -98,12 +99,17 @@ class ContextBalance:
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
         now = self._clock()
-        if not self._working_set.starting(request.context_key, request.context_keyed) or not any(
+        if not self._starting(request) or not any(
                 self._working_set.fills(p.name, self._capacity_of(p.name), now) for p in pods):
             return pods
         keyed = {p.name: self._working_set.resumable(p.name)[0] for p in pods}
         least = min(keyed.values())
         return [p for p in pods if keyed[p.name] <= least + self._slack]
+
+    def _starting(self, request: RoutingRequest) -> bool:
+        # A pinned request continues its workflow or session on the pin's pod, even when the working set
+        # has let its context lapse (it thought for longer than predicted).
+        return request.pin is None and self._working_set.starting(request.context_key, request.context_keyed)
 
 
 class PlacementScorer:

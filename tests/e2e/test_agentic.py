@@ -31,10 +31,25 @@ def actions(result: Result) -> dict[str, float]:
     return {k: v for k, v in result.extra.items() if k.startswith("action_")}
 
 
+def decisions(result: Result) -> dict[str, float]:
+    """The share of each kind of cache action decided, whether or not its pod could take the request when
+    it was routed: "action_preserve-fallback:overload_guard" was decided as "preserve"."""
+    shares: dict[str, float] = {}
+    for key, share in actions(result).items():
+        kind = key.removeprefix("action_").split(":")[0].removesuffix("-fallback")
+        shares[kind] = shares.get(kind, 0.0) + share
+    return shares
+
+
+def fallbacks(result: Result) -> float:
+    return sum(share for key, share in actions(result).items() if "-fallback:" in key)
+
+
 def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
     pods = [PodConfig(url=p.url, name=p.name, kv_events=f"tcp://127.0.0.1:{p.events_port}",
                       kv_replay=f"tcp://127.0.0.1:{p.replay_port}") for p in fleet.pods]
-    runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=pods, progress=False)
+    runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=pods, progress=False,
+                         router_logs=str(fleet.pods[0].log_path.parent / "routers"))
     # Prompts stay under the pods' 2,048-token limit (~600 shared + 80 task + up to 4 tool results of
     # ~200); 30 workflows 1-4 s apart hold ~24k tokens at their peak: twice the two pods' 2 x 48 x 128.
     trace = agentic_shared(seed=3, workflows=30, min_stages=4, max_stages=5, roles=2, common_words=220,
@@ -73,10 +88,13 @@ def test_two_replicas_sharing_state_act_as_one_on_real_pods(results: Callable[[s
     unshared = results("gateway-kv_aware-2-replicas-unshared")
     print(f"one replica: hit {one.hit_ratio:.3f} {actions(one)}; two: hit {two.hit_ratio:.3f} {actions(two)}; "
           f"unshared: hit {unshared.hit_ratio:.3f} {actions(unshared)}")
-    kinds = actions(one).keys() | actions(two).keys()  # a rare fallback (a pod briefly busy) may show in one
-    assert actions(one) and all(abs(actions(two).get(k, 0.0) - actions(one).get(k, 0.0)) <= 0.02 for k in kinds)
+    # A pinned pod the overload guard drops for a moment (its single core busy with a burst of stages)
+    # changes where a request goes, not what was decided: the replicas must agree on the decisions.
+    assert decisions(one) and fallbacks(one) <= 0.1 and fallbacks(two) <= 0.1
+    kinds = decisions(one).keys() | decisions(two).keys()
+    assert all(abs(decisions(two).get(k, 0.0) - decisions(one).get(k, 0.0)) <= 0.02 for k in kinds)
     # Without shared state each replica sees half of every workflow and decides differently: the check
     # above is one that can fail.
-    assert any(abs(actions(unshared).get(k, 0.0) - actions(one).get(k, 0.0)) > 0.02
-               for k in kinds | actions(unshared).keys())
+    assert any(abs(decisions(unshared).get(k, 0.0) - decisions(one).get(k, 0.0)) > 0.02
+               for k in kinds | decisions(unshared).keys())
     assert two.hit_ratio >= one.hit_ratio - 0.05

@@ -54,6 +54,30 @@ async def test_small_increments_keep_one_pods_cache_stage_after_stage(start_mock
     assert [s["pod"] for s in state["stages"]] == pods and state["cache"][0]["preserved"] is True
 
 
+async def test_a_preserve_that_cannot_be_kept_says_why(start_mock_pod, start_gateway, http):
+    """The answer to a pinned stage routed elsewhere names what dropped its pod: the overload guard (its pod
+    far busier than the least busy one), or the pod's being unavailable (unhealthy here)."""
+    _, gw = await fleet(start_mock_pod, start_gateway, n=2, routing={
+        "policy": "kv_aware", "options": {"kv_aware": {"overload_slack": 2, "overload_ratio": 0.0}}})
+    history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "Step 0."}]
+    home, action, _ = await stage(http, gw, "wf-busy", "s0", history)
+    assert action == "noop"
+    history.append({"role": "user", "content": "Step 1."})
+    assert (await stage(http, gw, "wf-busy", "s1", history))[:2] == (home, "preserve:small_increment")
+    # Three requests of other clients in flight on the workflow's pod, none elsewhere: past the slack of 2.
+    ledger = gw.gateway.ledger
+    others = [ledger.dispatch(f"other-{i}", home, 1.0, "chat") for i in range(3)]
+    history.append({"role": "user", "content": "Step 2."})
+    pod, action, _ = await stage(http, gw, "wf-busy", "s2", history)
+    assert pod != home and action == "preserve-fallback:overload_guard"
+    for entry in others:
+        ledger.finish(entry)
+    gw.gateway.pods.get(pod).healthy = False  # the stage's new pod, which now holds its cache
+    history.append({"role": "user", "content": "Step 3."})
+    moved, action, _ = await stage(http, gw, "wf-busy", "s3", history)
+    assert moved == home and action == "preserve-fallback:pod_unavailable"
+
+
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
 async def test_flush_override_and_completion_reach_the_right_pod(start_mock_pod, start_gateway, http, flavor):
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=2, flavor=flavor)

@@ -49,12 +49,12 @@ class Fleet:
         self.index.apply(self.views[pod], [BlockStored(hashes, None, tokens, BS)])
 
     def route(self, tokens: list[int], key: str, exclude: frozenset[str] = frozenset(),
-              request: RoutingRequest | None = None):
+              request: RoutingRequest | None = None, pin: str | None = None):
         """Route a request of context ``key``, then dispatch it as the pipeline does: counted in the ledger,
         its context held on the chosen pod."""
         request = request or RoutingRequest("r", "m", "chat", token_ids=tokens, base_model="m", context_key=key,
                                             context_keyed=True, hashes=self.index.prompt_hashes("m", None, tokens))
-        decision = self.router.route(request, self.policy, exclude)
+        decision = self.router.route(request, self.policy, exclude, pin)
         pod, hashes = decision.pod.name, request.hashes
         self.dispatches[key] = self.ledger.dispatch("r", pod, 0.1, "chat", context=key)
         self.ws.hold(key, True, pod, BS, hashes.first(BS, hashes.token_count // BS), hashes.token_count,
@@ -161,6 +161,15 @@ def test_the_balance_lets_a_continuing_workflow_stay_with_its_cache():
     fleet.cache("p0", ROLE + own(10_000, 40))
     _, decision = fleet.route(ROLE + own(10_000, 40) + own(3000, 8), "workflow:0")
     assert decision.pod.name == "p0" and decision.reason == "cache_hit"
+
+
+def test_the_balance_lets_a_pinned_workflow_stay_even_after_its_context_lapsed():
+    # The working set no longer knows workflow:back (it thought longer than predicted), so it would count as
+    # starting; its workflow's pin to p0 (where its cache is) says it continues there.
+    _, unpinned = crowded(balance_slack=1).route(ROLE + own(2000, 8), "workflow:back")
+    assert unpinned.pod.name == "p1"
+    _, pinned = crowded(balance_slack=1).route(ROLE + own(2000, 8), "workflow:back", pin="p0")
+    assert pinned.pod.name == "p0" and pinned.unpinned is None
 
 
 def test_with_room_the_balance_leaves_the_choice_to_the_cache():
