@@ -83,10 +83,10 @@ class PlacementPlanner:
 class ContextBalance:
     """Filter: under pressure (some candidate's resumable demand already fills its cache), a
     workflow or session that *starts* goes only to pods holding at most ``slack`` more such contexts than
-    the least loaded; one that continues (or is pinned to its workflow's or session's pod) may go anywhere
-    (its cache decides). When caches overflow, what
-    survives a context's think time depends on how much else its pod serves meanwhile, which the token
-    cost alone does not see: an even spread of contexts is what the sticky-placement oracle does."""
+    the least loaded; one that continues (or is pinned to its workflow's or session's pod) may go
+    anywhere (its cache decides). When caches overflow, what survives a context's think time depends on
+    how much else its pod serves meanwhile, which the token cost alone does not see: an even spread of
+    contexts is what the sticky-placement oracle does."""
 
     name = "context_balance"
 
