@@ -18,9 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.mock.pod import free_port
 from tests.conftest import eventually
-from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, _required_env, running_pods
+from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, _required_env, ports_to_bind_later, running_pods
 from tests.e2e.test_real_vllm import (
     WAIT_S,
     confirmed_tokens,
@@ -54,8 +53,8 @@ def pod_specs(connector: str, storage: Path) -> list[tuple[str, tuple[str, ...],
         # The decode pod recomputes what it cannot pull (a prefill pod that died after answering).
         config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                              "kv_load_failure_policy": "recompute"})
-        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-               "UCX_TLS": "tcp,self,sm"}
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports_to_bind_later(1)[0]), "UCX_TLS": "tcp,self,sm"}
         specs.append((name, ("--kv-transfer-config", config), env))
     return specs
 
