@@ -89,10 +89,8 @@ class CacheActionExecutor:
         assert controller is not None
         delay = self._retry_base_s
         for attempt in range(self._retries + 1):
-            if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(
-                    pod.name, workflow_key(action.workflow_id or ""), time.monotonic()):
-                # The flush is global to the pod: wait until no other workflow runs or keeps a cache there.
-                self._metrics.cache_actions.labels("hard_flush_deferred", "others_on_pod", pod.name).inc()
+            if (waiting_for := self._flush_waits_for(pod, action)) is not None:
+                self._metrics.cache_actions.labels("hard_flush_deferred", waiting_for, pod.name).inc()
                 await asyncio.sleep(delay)
                 delay *= 2
                 continue
@@ -109,6 +107,18 @@ class CacheActionExecutor:
             await asyncio.sleep(delay)
             delay *= 2
         log.warning("pod %s kept refusing to flush; giving up after %d tries", pod.name, self._retries + 1)
+
+    def _flush_waits_for(self, pod: Pod, action: CacheAction) -> str | None:
+        """Why a hard flush of ``pod`` must wait, if it must. The flush is global to the pod: it waits until no
+        other workflow runs or keeps a cache there. It also waits for the workflow's own requests there (the
+        stage that asked for it, typically): the engine refuses a flush while requests run, and one sent
+        before such a request reached the engine would be undone by it."""
+        if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(
+                pod.name, workflow_key(action.workflow_id or ""), time.monotonic()):
+            return "others_on_pod"
+        if self._tracker.requests_on(pod.name):
+            return "own_requests_running"
+        return None
 
     async def stop(self) -> None:
         for task in self._pending.values():

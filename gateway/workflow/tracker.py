@@ -231,6 +231,10 @@ class WorkflowTracker:
         return self._ledger.others_on(pod, workflow_id) or any(
             wf.id != workflow_id and pod in wf.entries for wf in self.workflows.values())
 
+    def requests_on(self, pod: str) -> int:
+        """Requests in flight on ``pod``, of any workflow or none."""
+        return self._ledger.on_pod(pod)
+
     def idle_preserved(self, pod: str) -> list[Workflow]:
         """Workflows preserving a cache on ``pod`` with nothing in flight, least recently active first."""
         found = [wf for wf in self.workflows.values()

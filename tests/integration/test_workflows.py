@@ -86,10 +86,14 @@ async def test_flush_override_and_completion_reach_the_right_pod(start_mock_pod,
     index = int(pod[-1])
     holder, other = mock_pods[index], mock_pods[1 - index]
     assert holder.engine.cache.cached_blocks()
-    await stage(http, gw, "wf-2", "s2", history, **{"x-stage-cache-policy": "flush"})
+    # The stage that asks for the flush goes where its cache is; the flush waits for it to end there (sent
+    # before the stage reached the engine, it would have been undone by it).
+    assert (await stage(http, gw, "wf-2", "s2", history, **{"x-stage-cache-policy": "flush"}))[0] == pod
     executor = gw.gateway.workflows.executor
     await eventually(lambda: executor.hard_flushes.get(pod) == 1)
-    await eventually(lambda: not holder.engine.cache.cached_blocks())
+    assert gw.gateway.metrics.registry.get_sample_value("gateway_cache_actions_total", {
+        "action": "hard_flush_deferred", "reason": "own_requests_running", "pod": pod}) >= 1
+    assert not holder.engine.cache.cached_blocks()
     assert executor.hard_flushes.get(f"pod{1 - index}") is None
     # The index learns of it from the pod's own AllBlocksCleared event.
     await eventually(lambda: not gw.gateway.kv.index.own_hashes(pod))
