@@ -117,7 +117,7 @@ class VllmPod:
             if self.process.poll() is not None:
                 pytest.fail(f"vLLM pod {self.name} exited with {self.process.returncode}:\n{self.log_tail()}",
                             pytrace=False)
-            if ENGINE_FAILED in self.log_tail(lines=100_000):  # the API server may live on without its engine
+            if ENGINE_FAILED in self.log_text():  # the API server may live on without its engine
                 pytest.fail(f"vLLM pod {self.name}'s engine failed to start:\n{self.log_tail()}", pytrace=False)
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
@@ -153,11 +153,14 @@ class VllmPod:
             except ProcessLookupError:
                 pass
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
 
 class VllmFleet:
