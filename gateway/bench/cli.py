@@ -139,10 +139,11 @@ def longest_tokens_for(trace: Trace, count: TokenCounter) -> int:
 def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int, count: TokenCounter | None = None) -> int:
     """KV blocks per simulated pod such that the trace's peak working set is ``ratio`` times the fleet's,
     and never fewer than its longest request needs: vLLM refuses to start with a cache that cannot hold
-    one request of its longest length, so a pod that refuses a request for its size is no real fleet."""
+    one request of its longest length, so a pod that refuses a request for its size is no real fleet (one
+    block more: vLLM's null block)."""
     count = count or mock_token_counter()
     by_ratio = math.ceil(working_set_tokens(trace, count) / block_size / ratio / pods)
-    return max(16, by_ratio, math.ceil(longest_tokens_for(trace, count) / block_size))
+    return max(16, by_ratio, math.ceil(longest_tokens_for(trace, count) / block_size) + 1)
 
 
 def size_simulated_pods(runner: BenchRunner, trace: Trace, args: argparse.Namespace) -> None:
@@ -155,7 +156,7 @@ def size_simulated_pods(runner: BenchRunner, trace: Trace, args: argparse.Namesp
     if args.working_set_ratio:
         runner.num_blocks = cache_blocks_for(trace, args.working_set_ratio, args.pods, runner.block_size, count)
     else:
-        runner.num_blocks = max(args.num_blocks, math.ceil(longest / runner.block_size))
+        runner.num_blocks = max(args.num_blocks, math.ceil(longest / runner.block_size) + 1)  # + the null block
     runner.max_model_len = longest if longest > MODEL_MAX_LEN else None
 
 

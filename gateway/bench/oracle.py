@@ -107,10 +107,10 @@ def oracle_requests(trace: Trace, encoder: ChatEncoder, answers: Answers) -> lis
 
 def _admitted(requests: list[OracleRequest], block_size: int,
               capacity_blocks: int) -> Iterator[tuple[OracleRequest, list[int], int]]:
-    """The requests that fit ``capacity_blocks``, each with the chained hashes of its full blocks and how
-    many of them may hit."""
+    """The requests that fit a pod of ``capacity_blocks`` (as the engine reports them: vLLM keeps one as its
+    null block), each with the chained hashes of its full blocks and how many of them may hit."""
     for request in requests:
-        if request.blocks_needed(block_size) <= capacity_blocks:
+        if request.blocks_needed(block_size) <= capacity_blocks - 1:
             yield request, prefix_hashes(0, request.tokens, block_size), (request.prompt_len - 1) // block_size
 
 

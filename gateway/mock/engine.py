@@ -169,7 +169,7 @@ class MockEngine:
                 f"{max_tokens} in the completion)."
             )
         bs = self.cache.block_size
-        if -(-(len(prompt) + max_tokens) // bs) > self.cache.num_blocks:
+        if -(-(len(prompt) + max_tokens) // bs) > self.cache.usable_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
                        time.monotonic(), submitted_clock=self.clock, pulled_tokens=pulled_tokens,
@@ -220,9 +220,7 @@ class MockEngine:
             if budget <= 0:
                 break
             if seq.num_computed < seq.prompt_len:
-                chunk = min(budget, seq.prompt_len - seq.num_computed)
-                step.prefill.append((seq, chunk))
-                budget -= chunk
+                budget -= self._prefill_chunk(step, seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):
@@ -230,10 +228,16 @@ class MockEngine:
             self.waiting.popleft()
             self.running.append(seq)
             step.loaded_tokens += seq.loaded_tokens
-            chunk = min(budget, seq.prompt_len - seq.num_computed)
-            step.prefill.append((seq, chunk))
-            budget -= chunk
+            budget -= self._prefill_chunk(step, seq, budget)
         return step
+
+    def _prefill_chunk(self, step: _Step, seq: Sequence, budget: int) -> int:
+        """Schedule the next chunk of ``seq``'s prompt. As vLLM does, the blocks the chunk fills are cached
+        as it is scheduled, so a request admitted after it in the same step already finds them."""
+        chunk = min(budget, seq.prompt_len - seq.num_computed)
+        step.prefill.append((seq, chunk))
+        self.cache.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed + chunk)
+        return chunk
 
     def _admit(self, seq: Sequence) -> bool:
         cache, bs = self.cache, self.cache.block_size
@@ -275,7 +279,6 @@ class MockEngine:
                 continue
             seq.num_computed += chunk
             if seq.num_computed >= seq.prompt_len:
-                self.cache.cache_full_blocks(seq.blocks, seq.token_ids)
                 if self.connector is not None:
                     self.connector.prefilled(seq)
                 self._emit(seq)

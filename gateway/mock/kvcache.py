@@ -2,11 +2,15 @@
 
 Owner: one :class:`PagedKvCache` per simulated pod, driven only by that pod's engine.
 
-As in vLLM: blocks have a fixed size; a full block is cached under a chained hash of its tokens (vLLM's
-own, or a per-process seeded one: :mod:`gateway.mock.block_hashes`); blocks referenced by a running request
-are never evicted; free blocks wait in an LRU queue and a cached one is evicted (``BlockRemoved``) only
-when its slot is reused; the same hash may be cached twice (vLLM does not deduplicate physical blocks),
-and each copy is stored and removed with its own event.
+As in vLLM 0.32's ``BlockPool`` (checked event for event against a real pod: ``tests/e2e/test_mock_fidelity.py``):
+blocks have a fixed size, and block 0 is the null block, never handed out; a full block is cached under a
+chained hash of its tokens (vLLM's own, or a per-process seeded one: :mod:`gateway.mock.block_hashes`);
+blocks referenced by a running request are never evicted; a finished request frees its blocks tail first,
+those that cache nothing (a partial last block) to the *front* of the free queue, to be reused first, and
+cached ones to its back, so that cached blocks are evicted least recently freed first; a prefix hit takes
+its blocks out of the queue until its request ends; a cached block is evicted (``BlockRemoved``) only when
+its slot is reused; the same hash may be cached twice (vLLM does not deduplicate physical blocks), and
+each copy is stored and removed with its own event.
 """
 
 from __future__ import annotations
@@ -49,17 +53,20 @@ class SequenceBlocks:
 
 class PagedKvCache:
     def __init__(self, num_blocks: int, block_size: int, *, hasher: BlockHasher | None = None,
-                 medium: str | None = None, token_hash_root: int = 0) -> None:
+                 medium: str | None = None, token_hash_root: int = 0, null_block: bool = True) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ValueError("need at least 2 blocks of at least 1 token")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # as the engine reports it (vLLM's num_gpu_blocks: the null block included)
         self.block_size = block_size
         self.hasher = hasher or SeededBlockHasher()
         self.medium = medium
         self.token_hash_root = token_hash_root
         self._blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks, least recently used first. Cached free blocks stay here until their slot is reused.
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
+        # vLLM takes the first block out of the pool as its null block (SGLang has none).
+        self.usable_blocks = num_blocks - 1 if null_block else num_blocks
+        # Free blocks, the next to be reused first. Cached free blocks stay here until their slot is reused.
+        self._free: OrderedDict[int, Block] = OrderedDict(
+            (b.block_id, b) for b in self._blocks[num_blocks - self.usable_blocks:])
         self._cached: dict[Hash, dict[int, Block]] = {}
         self.events: list[KvEvent] = []
         self.stats = CacheStats()
@@ -82,7 +89,7 @@ class PagedKvCache:
         return len(self._free)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.usable_blocks
 
     def cached_prefix(self, hashes: list[Hash]) -> list[Block]:
         """Blocks holding the longest cached run of ``hashes`` from the first."""
@@ -133,10 +140,11 @@ class PagedKvCache:
         block.token_ids = ()
         block.token_hash = None
 
-    def cache_full_blocks(self, seq: SequenceBlocks, token_ids: list[int]) -> None:
-        """Hash and announce the sequence's blocks that became full since the last call."""
+    def cache_full_blocks(self, seq: SequenceBlocks, token_ids: list[int], num_tokens: int | None = None) -> None:
+        """Hash and announce the sequence's blocks that became full since the last call, counting the first
+        ``num_tokens`` of ``token_ids`` (all of them by default)."""
         bs = self.block_size
-        num_full = len(token_ids) // bs
+        num_full = (len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))) // bs
         if num_full <= seq.num_cached:
             return
         parent = seq.hashes[seq.num_cached - 1] if seq.num_cached else None
@@ -164,16 +172,25 @@ class PagedKvCache:
         seq.num_cached = num_full
 
     def free(self, seq: SequenceBlocks) -> None:
-        # Reverse order, as vLLM: the tail of a prefix is evicted before its head.
+        """A request ends: its blocks, tail first (the tail of a prefix is evicted before its head), go back
+        to the free queue: those caching nothing to its front (vLLM reuses them first, LIFO), cached ones to
+        its back (evicted least recently freed first)."""
+        uncached: list[Block] = []
         for block in reversed(seq.blocks):
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(uncached):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
         seq.blocks = []
 
     def reset(self, announce: bool = True) -> bool:
         """Drop every cached block; refused (False) while any block is in use, like vLLM."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.usable_blocks:
             return False
         for block in self._blocks:
             block.block_hash = None

@@ -139,7 +139,8 @@ class MockPod:
         c = self.config
         hasher = VllmBlockHasher(c.hash_algo, c.int_block_hashes) if self._encoding is Encoding.CURRENT \
             else SeededBlockHasher(signed=c.flavor == "sglang")
-        cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model))
+        cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model),
+                             null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
         limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
         return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)

@@ -87,7 +87,7 @@ async def test_split_prefills_on_one_pod_and_decodes_on_the_other(start_mock_pod
         assert cached == decode.engine.external_hits == (len(ids) - 2) // BLOCK * BLOCK
     else:  # pulled whole; cached as the prefill pod found it (vLLM 0.32's D node reports its P node's)
         assert decode.engine.external_hits == len(ids) and cached == 0
-        assert prefill.engine.cache.num_free == prefill.engine.cache.num_blocks  # freed once pulled
+        assert prefill.engine.cache.num_free == prefill.engine.cache.usable_blocks  # freed once pulled
     # The decode pod's own events credit it with the blocks it received.
     await eventually(lambda: confirmed(gw, "decode0", ids) == (len(ids) - 1) // BLOCK * BLOCK, within_s=5)
 

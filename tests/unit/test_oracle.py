@@ -41,17 +41,29 @@ def test_answer_blocks_are_cached_but_not_the_last_answer_token():
 
 
 def test_two_sessions_that_thrash_one_pod_keep_only_their_heads():
-    # Each 16-token prompt needs 5 blocks of 4 (with its answer); a pod holds 5. A's blocks are freed tail
-    # first, so B's take A's tail and A's first block survives at the LRU's far end, and the other way round.
+    # Each 16-token prompt needs 5 blocks of 4 (with its answer); a pod of 6 has 5 (one is vLLM's null block).
+    # A's blocks are freed tail first, so B's take A's tail and A's first block survives at the LRU's far end,
+    # and the other way round.
     a, b = seq(0, 16), seq(100, 16)
     requests = [req(0, a), req(1, b), req(0, a), req(1, b)]
-    assert sticky_lru_hit_ratio(requests, 4, [5]) == (4 + 4) / 64
+    assert sticky_lru_hit_ratio(requests, 4, [6]) == (4 + 4) / 64
     # Infinite: both repeats hit (16 - 1) // 4 = 3 blocks. Two such pods: each session on its own.
-    assert infinite_hit_ratio(requests, 4, 5) == (12 + 12) / 64
-    assert sticky_lru_hit_ratio(requests, 4, [5, 5]) == (12 + 12) / 64
-    # A request needing more blocks than the smallest pod has is refused there: it counts in neither.
-    assert sticky_lru_hit_ratio([*requests, req(2, seq(200, 40))], 4, [5, 50]) == (12 + 12) / 64
-    assert infinite_hit_ratio([*requests, req(2, seq(200, 40))], 4, 5) == (12 + 12) / 64
+    assert infinite_hit_ratio(requests, 4, 6) == (12 + 12) / 64
+    assert sticky_lru_hit_ratio(requests, 4, [6, 6]) == (12 + 12) / 64
+    # A request needing more blocks than the smallest pod has is refused there: it counts in neither; nor
+    # does one that would need the null block.
+    assert sticky_lru_hit_ratio([*requests, req(2, seq(200, 40))], 4, [6, 50]) == (12 + 12) / 64
+    assert infinite_hit_ratio([*requests, req(2, seq(200, 40))], 4, 6) == (12 + 12) / 64
+    assert sticky_lru_hit_ratio(requests, 4, [5]) == 0.0
+
+
+def test_blocks_caching_nothing_are_reused_before_cached_ones():
+    # A pod of 4 blocks (3 usable), blocks of 4. A and B (5 tokens) each leave one cached block and one partial
+    # one; C (3 tokens) needs one block: it takes B's partial block, freed to the front of the queue, not A's
+    # cached block, the least recently freed. So A, back with more, finds its first block.
+    a, b, c = seq(0, 5), seq(100, 5), seq(200, 3)
+    requests = [req(0, a), req(1, b), req(2, c), req(0, seq(0, 9))]
+    assert sticky_lru_hit_ratio(requests, 4, [4]) == 4 / (5 + 5 + 3 + 9)
 
 
 def test_sessions_sharing_a_prefix_follow_it_within_one_session_of_balance():
@@ -65,8 +77,9 @@ def test_sessions_sharing_a_prefix_follow_it_within_one_session_of_balance():
     assert compute_oracle([a, b, c], 4, [100, 100]).infinite == 16 / 48
 
 
-# An independent model of vLLM's block pool (and the mock's PagedKvCache): slots keyed by their whole token
-# prefix (no hashes), found by scanning, a free list in LRU order.
+# An independent model of vLLM 0.32's block pool (and the mock's PagedKvCache): slots keyed by their whole token
+# prefix (no hashes), found by scanning; one slot kept back as the null block; a free list where a finished
+# request's slots go tail first, those caching nothing to the front (reused first), cached ones to the back.
 
 
 @dataclass
@@ -94,11 +107,11 @@ class Pod:
 
 
 def brute_force_sticky(requests: list[OracleRequest], bs: int, capacities: list[int]) -> float:
-    pods = [Pod([Slot() for _ in range(c)], list(range(c))) for c in capacities]
+    pods = [Pod([Slot() for _ in range(c - 1)], list(range(c - 1))) for c in capacities]
     pod_of: dict[int, Pod] = {}
     clock = queries = hits = 0
     for r in requests:
-        if -(-(r.prompt_len + r.max_tokens) // bs) > min(capacities):  # the smallest pod would refuse it
+        if -(-(r.prompt_len + r.max_tokens) // bs) > min(capacities) - 1:  # the smallest pod would refuse it
             continue
         may_hit = (r.prompt_len - 1) // bs
         if r.session not in pod_of:
@@ -122,10 +135,12 @@ def brute_force_sticky(requests: list[OracleRequest], bs: int, capacities: list[
         for j in range(len(hit), len(r.tokens) // bs):
             clock += 1
             pod.slots[blocks[j]].key, pod.slots[blocks[j]].cached_at = tuple(r.tokens[: (j + 1) * bs]), clock
+        uncached = []
         for i in reversed(blocks):
             pod.slots[i].refs -= 1
             if not pod.slots[i].refs:
-                pod.free.append(i)
+                (uncached if pod.slots[i].key is None else pod.free).append(i)
+        pod.free[:0] = uncached
     return hits / queries if queries else 0.0
 
 

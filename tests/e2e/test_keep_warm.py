@@ -1,0 +1,159 @@
+"""What a real vLLM pod keeps in its prefix cache, and what the gateway does about it: the simulated pod's block
+pool checked event for event against vLLM's, and a prompt-only refresh keeping a context vLLM would evict.
+
+One pod of 48 blocks of 128 tokens (``--num-gpu-blocks-override``), so a few contexts overflow it. Requests go
+one at a time with token-id prompts, so the engine's behaviour is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.kv.events import (
+    END_OF_REPLAY_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    decode_batch,
+    encode_seq,
+)
+from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, VllmPod, running_pods
+from tests.e2e.test_real_vllm import pod_metric, post
+
+NUM_BLOCKS = 48
+VOCAB = range(100, 4000)  # the tiny model's vocabulary has 4,096 ids
+
+
+@pytest.fixture(scope="module")
+def small_pod(model_dir: str) -> Iterator[VllmPod]:
+    fleet: VllmFleet
+    for fleet in running_pods(model_dir, [("keepwarm", ("--num-gpu-blocks-override", str(NUM_BLOCKS)), {})]):
+        yield fleet[0]
+
+
+async def replayed_events(endpoint: str) -> list[KvEvent]:
+    """Every event the pod still buffers, in order, from its replay endpoint."""
+    ctx = zmq.asyncio.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    events: list[KvEvent] = []
+    try:
+        await dealer.send_multipart([b"", encode_seq(0)])
+        while True:
+            frames = await dealer.recv_multipart()
+            if frames[-2] == END_OF_REPLAY_SEQ or not frames[-1]:
+                return events
+            events += decode_batch(frames[-1]).events
+    finally:
+        dealer.close(linger=0)
+
+
+def since_last_clear(events: list[KvEvent]) -> list[KvEvent]:
+    cleared = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+    return events[cleared[-1] + 1:] if cleared else events
+
+
+def block_trace(events: list[KvEvent]) -> list[tuple[str, int]]:
+    """The events as ("stored" | "removed", block), each block numbered by the order in which a block of its
+    contents (its tokens and its parent's) was first stored. Engines hash blocks differently and generate
+    different answers, but the same cache behaviour gives the same trace."""
+    number: dict[tuple[Any, tuple[int, ...]], int] = {}
+    contents: dict[Any, tuple[Any, tuple[int, ...]]] = {}
+    trace: list[tuple[str, int]] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            parent = contents.get(event.parent_block_hash) if event.parent_block_hash is not None else None
+            for i, block_hash in enumerate(event.block_hashes):
+                key = (parent, tuple(event.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+                contents[block_hash] = key
+                trace.append(("stored", number.setdefault(key, len(number))))
+                parent = key
+        elif isinstance(event, BlockRemoved):
+            trace += [("removed", number[contents[h]]) for h in event.block_hashes]
+    return trace
+
+
+def request_sequence(seed: int) -> list[dict[str, Any]]:
+    """Prompts over a few shared prefixes and contexts, some block-aligned, some repeated, answers of 1 to 140
+    tokens (past a block), together several times the pod's 47 usable blocks."""
+    rng = random.Random(seed)
+    preamble = [rng.choice(VOCAB) for _ in range(4 * BLOCK_SIZE)]
+    contexts = [[rng.choice(VOCAB) for _ in range(rng.choice([300, 640, 900]))] for _ in range(12)]
+    out = []
+    for _ in range(40):
+        context = rng.choice(contexts)
+        prompt = preamble[: rng.choice([0, 2, 3, 4]) * BLOCK_SIZE] + context[: rng.randrange(100, len(context))]
+        out.append({"prompt": prompt, "max_tokens": rng.choice([1, 8, 140]), "ignore_eos": True,
+                    "temperature": 0.0})
+    return out
+
+
+async def replay_sequence(http: aiohttp.ClientSession, url: str, requests: list[dict[str, Any]]) -> list[int]:
+    """Send the requests one after the other; the cached tokens of each."""
+    cached = []
+    for body in requests:
+        answer, _ = await post(http, f"{url}/v1/completions", {"model": MODEL, **body})
+        assert answer["usage"]["completion_tokens"] == body["max_tokens"]
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return cached
+
+
+async def reset(http: aiohttp.ClientSession, url: str) -> None:
+    body, _ = await post(http, f"{url}/reset_prefix_cache", {})
+    assert body.get("success", True), body
+
+
+async def test_the_simulated_pod_stores_and_evicts_blocks_as_vllm_does(small_pod: VllmPod, start_mock_pod, http):
+    mock = await start_mock_pod(model=MODEL, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    pods = {"vllm": (small_pod.url, f"tcp://127.0.0.1:{small_pod.replay_port}"),
+            "mock": (mock.url, mock.pod_config().kv_replay)}
+    requests = request_sequence(seed=7)
+    cached, traces, hits = {}, {}, {}
+    for name, (url, replay) in pods.items():
+        await reset(http, url)
+        before = await pod_metric(http, url, "vllm:prefix_cache_hits_total")
+        cached[name] = await replay_sequence(http, url, requests)
+        hits[name] = await pod_metric(http, url, "vllm:prefix_cache_hits_total") - before
+        traces[name] = block_trace(since_last_clear(await replayed_events(replay)))
+    evictions = sum(1 for op, _ in traces["vllm"] if op == "removed")
+    assert evictions > 40, "the sequence must overflow the pod's cache to say anything about its LRU"
+    assert sum(cached["vllm"]) > 0
+    assert cached["mock"] == cached["vllm"] and hits["mock"] == hits["vllm"]
+    first_difference = next((i for i, (a, b) in enumerate(zip(traces["mock"], traces["vllm"], strict=False))
+                             if a != b), None)
+    assert first_difference is None and len(traces["mock"]) == len(traces["vllm"]), (
+        first_difference, traces["vllm"][first_difference or 0:][:12], traces["mock"][first_difference or 0:][:12])
+
+
+def fillers(seed: int, n: int, length: int = 8 * BLOCK_SIZE) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"prompt": [rng.choice(VOCAB) for _ in range(length)], "max_tokens": 1} for _ in range(n)]
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+async def test_a_prompt_only_refresh_keeps_a_context_vllm_would_evict(small_pod: VllmPod, http, refresh: bool):
+    # A context of 8 full blocks, then 6 others of 8 blocks each: the pod's 47 blocks cannot hold all 7, and
+    # its LRU evicts the first. A refresh halfway (the context's blocks plus one token, one token answered)
+    # hits all 8 blocks, computes one token, and puts the context at the most recently used end.
+    rng = random.Random(11)
+    context = [rng.choice(VOCAB) for _ in range(8 * BLOCK_SIZE + 40)]
+    await reset(http, small_pod.url)
+    await replay_sequence(http, small_pod.url, [{"prompt": context, "max_tokens": 1}])
+    others = fillers(seed=12, n=6)
+    await replay_sequence(http, small_pod.url, others[:3])
+    if refresh:
+        cached = await replay_sequence(http, small_pod.url,
+                                       [{"prompt": context[: 8 * BLOCK_SIZE + 1], "max_tokens": 1}])
+        assert cached == [8 * BLOCK_SIZE]  # every block hit: the refresh computed one token
+    await replay_sequence(http, small_pod.url, others[3:])
+    [back] = await replay_sequence(http, small_pod.url, [{"prompt": context, "max_tokens": 1}])
+    assert back == (8 * BLOCK_SIZE if refresh else 0)
