@@ -221,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
             if result.skipped:
                 print(f"  {name}: skipped ({result.skipped})", file=sys.stderr)
             else:
-                print(f"  {name}: hit ratio {result.hit_ratio:.3f} (sticky LRU {ratio(result.sticky_lru)}, infinite "
-                      f"{ratio(result.infinite)}), TTFT p90 {result.ttft_p90_ms:.0f} ms, per pod "
+                print(f"  {name}: hit ratio {result.hit_ratio:.3f} (sticky LRU {ratio(result.sticky_lru)}, keep-warm "
+                      f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p90 "
+                      f"{result.ttft_p90_ms:.0f} ms, per pod "
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
     meta = {"seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks, "speed": args.speed,
             "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,

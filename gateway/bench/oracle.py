@@ -9,8 +9,13 @@ and KV capacity to hit ratios.
   it starts, and all its requests with it: among the pods assigned at most one session more than the least
   loaded (sessions assigned so far), the one holding the longest cached prefix of its first prompt (ties:
   the least loaded, then the first). Each pod is the simulated pod's own cache
-  (:class:`~gateway.mock.kvcache.PagedKvCache`: LRU over free blocks, a finished request's blocks freed
-  tail first, ``num_blocks`` of them).
+  (:class:`~gateway.mock.kvcache.PagedKvCache`, vLLM's block pool: LRU over free blocks, a finished
+  request's blocks freed tail first, ``num_blocks`` of them with one kept as the null block).
+- ``keep_warm``: the same placement, each pod evicting the free cached block whose next use on it is the
+  farthest (Belady's MIN; one never used again first). It is what refreshes could reach if they cost
+  nothing and knew the future: a prompt-only request over a context moves its blocks to the LRU's far end,
+  so enough of them order the free queue as this does. Between ``sticky_lru`` and it lies what keep-warm
+  can win at this placement.
 
 Hits are counted as the pods count them (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, and
 :meth:`gateway.mock.engine.MockEngine._admit`): each prompt token of an admitted request is a query, the
@@ -35,6 +40,10 @@ for such reordering).
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +52,7 @@ import msgspec
 
 from gateway.bench.workloads import History, Trace
 from gateway.kv.hashing import prefix_hashes
-from gateway.mock.kvcache import PagedKvCache, SequenceBlocks
+from gateway.mock.kvcache import Block, PagedKvCache, SequenceBlocks
 from gateway.tokenization.hf import HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder
 
@@ -71,6 +80,7 @@ class OracleRequest:
 class Oracle(msgspec.Struct, frozen=True):
     infinite: float
     sticky_lru: float
+    keep_warm: float
 
 
 class ChatEncoder:
@@ -131,9 +141,17 @@ def infinite_hit_ratio(requests: list[OracleRequest], block_size: int, capacity_
 
 def sticky_lru_hit_ratio(requests: list[OracleRequest], block_size: int, capacities: list[int]) -> float:
     """Hit ratio of the sticky, balanced placement over pods of ``capacities`` blocks, each its own LRU."""
+    return _sticky(requests, block_size, capacities)[0]
+
+
+def _sticky(requests: list[OracleRequest], block_size: int,
+            capacities: list[int]) -> tuple[float, list[tuple[int, OracleRequest, list[int], int]]]:
+    """The sticky placement's hit ratio under LRU, and its admitted requests in order, each with its pod, the
+    chained hashes of its full blocks and how many of them may hit."""
     caches = [PagedKvCache(blocks, block_size) for blocks in capacities]
     sessions_on = [0] * len(caches)
     pod_of: dict[int, int] = {}
+    placed = []
     queries = hits = 0
     for request, hashes, may_hit in _admitted(requests, block_size, min(capacities)):
         if request.session not in pod_of:
@@ -142,7 +160,67 @@ def sticky_lru_hit_ratio(requests: list[OracleRequest], block_size: int, capacit
             sessions_on[pod] += 1
         queries += request.prompt_len
         hits += _serve(caches[pod_of[request.session]], request, hashes, may_hit) * block_size
+        placed.append((pod_of[request.session], request, hashes, may_hit))
+    return (hits / queries if queries else 0.0), placed
+
+
+def keep_warm_hit_ratio(requests: list[OracleRequest], block_size: int, capacities: list[int]) -> float:
+    """Hit ratio of the sticky placement with each pod evicting farthest next use first (free, clairvoyant
+    refreshes)."""
+    _, placed = _sticky(requests, block_size, capacities)
+    uses: list[dict[int, list[int]]] = [{} for _ in capacities]  # per pod: block hash -> positions hitting it
+    for position, (pod, _, hashes, may_hit) in enumerate(placed):
+        for h in hashes[:may_hit]:
+            uses[pod].setdefault(h, []).append(position)
+    caches = [ClairvoyantKvCache(blocks, block_size, pod_uses) for blocks, pod_uses in zip(capacities, uses,
+                                                                                          strict=True)]
+    queries = hits = 0
+    for position, (pod, request, hashes, may_hit) in enumerate(placed):
+        caches[pod].now = position
+        queries += request.prompt_len
+        hits += _serve(caches[pod], request, hashes, may_hit) * block_size
     return hits / queries if queries else 0.0
+
+
+class ClairvoyantKvCache(PagedKvCache):
+    """A pod's block pool that reuses a free block caching nothing first, as vLLM does, and then the cached
+    one whose next use (by the request at that position of the trace) is the farthest (Belady's MIN)."""
+
+    def __init__(self, num_blocks: int, block_size: int, uses: dict[int, list[int]]) -> None:
+        super().__init__(num_blocks, block_size)
+        self.now = 0  # the position of the request being served
+        self._uses = uses
+        # Free cached blocks by next use, farthest first: (-next use, -depth, block id, when freed); stale
+        # entries (the block was hit, or freed again since) are skipped.
+        self._by_next_use: list[tuple[float, int, int, int]] = []
+        self._freed_at: dict[int, int] = {}
+        self._frees = itertools.count()
+
+    def free(self, seq: SequenceBlocks) -> None:
+        blocks = seq.blocks
+        super().free(seq)
+        for depth, block in enumerate(blocks):
+            if block.ref_count == 0 and block.block_hash is not None:
+                self._freed_at[block.block_id] = freed = next(self._frees)
+                # Ties go deepest first: a block is no use once its parent is gone.
+                heapq.heappush(self._by_next_use, (-self._next_use(block), -depth, block.block_id, freed))
+
+    def _next_use(self, block: Block) -> float:
+        """When the block will be hit next: never for a second copy of a hash (lookups find the first)."""
+        if not isinstance(block.block_hash, int) or self.copy_rank(block) > 0:
+            return math.inf
+        positions = self._uses.get(block.block_hash, [])
+        i = bisect.bisect_right(positions, self.now)
+        return positions[i] if i < len(positions) else math.inf
+
+    def _next_free(self) -> Block:
+        front = next(iter(self._free.values()))
+        if front.block_hash is None:
+            return self._free.popitem(last=False)[1]
+        while True:
+            *_, block_id, freed = heapq.heappop(self._by_next_use)
+            if block_id in self._free and self._freed_at.get(block_id) == freed:
+                return self._free.pop(block_id)
 
 
 def _place(caches: list[PagedKvCache], sessions_on: list[int], lookup: list[int]) -> int:
@@ -164,7 +242,8 @@ def _serve(cache: PagedKvCache, request: OracleRequest, hashes: list[int], may_h
 
 def compute_oracle(requests: list[OracleRequest], block_size: int, capacities: list[int]) -> Oracle:
     return Oracle(infinite=infinite_hit_ratio(requests, block_size, min(capacities)),
-                  sticky_lru=sticky_lru_hit_ratio(requests, block_size, capacities))
+                  sticky_lru=sticky_lru_hit_ratio(requests, block_size, capacities),
+                  keep_warm=keep_warm_hit_ratio(requests, block_size, capacities))
 
 
 def trace_oracle(trace: Trace, encoder: ChatEncoder, answers: Answers, block_size: int,

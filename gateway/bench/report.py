@@ -1,7 +1,8 @@
 """Bench output: ``latest.json``, a CSV of every figure, a Markdown table and PNG plots.
 
 Owner: nothing with a lifetime: results to files. Beside each hit ratio stand the trace's references
-(``infinite``, ``sticky_lru``: :mod:`gateway.bench.oracle`) and the ``distance`` to the sticky one.
+(``infinite``, ``sticky_lru``, ``keep_warm``: :mod:`gateway.bench.oracle`) and the ``distance`` to the sticky
+one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gateway.bench.runner import Result
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
            "e2e_p90_ms", "e2e_p99_ms", "session_p50_ms", "req_per_s", "errors", "rejected", "requests",
-           "pod_requests", "largest_share", "infinite", "sticky_lru", "distance"]
+           "pod_requests", "largest_share", "infinite", "sticky_lru", "keep_warm", "distance"]
 
 
 def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> dict[str, Path]:
@@ -33,15 +34,17 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| scenario | contender | hit ratio | infinite | sticky LRU | distance | TTFT p50 ms | TTFT p90 ms "
-             "| TTFT p99 ms | E2E p90 ms | session p50 s | req/s | errors | requests per pod | largest share |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| scenario | contender | hit ratio | infinite | sticky LRU | keep-warm bound | distance | TTFT p50 ms "
+             "| TTFT p90 ms | TTFT p99 ms | E2E p90 ms | session p50 s | req/s | errors | requests per pod "
+             "| largest share |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} |" + " |" * 12)
+            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} |" + " |" * 13)
             continue
         lines.append(f"| {r.scenario} | {r.name} | {r.hit_ratio:.3f} | {ratio(r.infinite)} | {ratio(r.sticky_lru)} | "
-                     f"{ratio(r.distance, signed=True)} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
+                     f"{ratio(r.keep_warm)} | {ratio(r.distance, signed=True)} | {r.ttft_p50_ms:.0f} | "
+                     f"{r.ttft_p90_ms:.0f} | "
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.session_p50_ms / 1000:.1f} | "
                      f"{r.req_per_s:.2f} | {r.errors} | "
                      f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
@@ -101,9 +104,11 @@ def _pod_shares(ax, results: list[Result]) -> None:
 
 
 def _references(ax, results: list[Result]) -> None:
-    """The trace's references on each contender's hit-ratio bar: infinite cache (black), sticky LRU (blue)."""
+    """The trace's references on each contender's hit-ratio bar: infinite cache (black), sticky LRU (blue),
+    keep-warm bound (green)."""
     for row, r in enumerate(results):
-        for value, color, label in ((r.infinite, "black", "infinite cache"), (r.sticky_lru, "C0", "sticky LRU")):
+        for value, color, label in ((r.infinite, "black", "infinite cache"), (r.sticky_lru, "C0", "sticky LRU"),
+                                    (r.keep_warm, "C2", "keep-warm bound")):
             if value is not None:
                 ax.plot([value, value], [row - 0.4, row + 0.4], color=color, linewidth=2,
                         label=None if row else label)

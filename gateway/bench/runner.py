@@ -125,6 +125,7 @@ class Result:
     # (negative: above it); none where they could not be computed (no local tokenizer, no cache size).
     infinite: float | None = None
     sticky_lru: float | None = None
+    keep_warm: float | None = None  # the sticky placement with free, clairvoyant refreshes
     distance: float | None = None
     skipped: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
@@ -445,7 +446,7 @@ class BenchRunner:
         result.session_p50_ms = pct(session_times(outcomes), 0.5)
         oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
         if oracle:
-            result.infinite, result.sticky_lru = oracle.infinite, oracle.sticky_lru
+            result.infinite, result.sticky_lru, result.keep_warm = oracle.infinite, oracle.sticky_lru, oracle.keep_warm
             result.distance = oracle.sticky_lru - result.hit_ratio
         return result
 

@@ -101,6 +101,11 @@ class PagedKvCache:
             found.append(next(iter(copies.values())))
         return found
 
+    def copy_rank(self, block: Block) -> int:
+        """0 for the copy of its hash that lookups find (the first cached), 1 and up for later copies."""
+        assert block.block_hash is not None
+        return list(self._cached[block.block_hash]).index(block.block_id)
+
     def free_blocks_excluding(self, blocks: list[Block]) -> int:
         """Free blocks left if ``blocks`` were taken out of the free queue (touched by a hit)."""
         return len(self._free) - sum(1 for b in blocks if b.ref_count == 0)
@@ -121,11 +126,16 @@ class PagedKvCache:
             raise MemoryError(f"need {n} blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._next_free()
             self._evict(block)
             block.ref_count = 1
             out.append(block)
         return out
+
+    def _next_free(self) -> Block:
+        """Takes the free block to reuse: the front of the queue (a block caching nothing, else the least
+        recently freed cached one)."""
+        return self._free.popitem(last=False)[1]
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:

@@ -137,6 +137,9 @@ def test_oracle_is_what_one_simulated_pod_counts_when_requests_do_not_overlap():
     tight = BenchRunner(pods=1, num_blocks=30, speed=0.0, progress=False).run(CONTENDERS["direct"], trace)
     assert tight.errors == 0 and tight.infinite == roomy.infinite
     assert tight.hit_ratio == tight.sticky_lru < tight.infinite
+    # Free refreshes that knew which session comes back next would keep more of it, never more than fits.
+    assert tight.keep_warm is not None and tight.sticky_lru < tight.keep_warm <= tight.infinite
+    assert roomy.keep_warm == roomy.infinite
 
 
 def mooncake_line(timestamp: int, hash_ids: list[int], input_length: int, output_length: int = 4) -> str:

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.bench.oracle import OracleRequest, compute_oracle, infinite_hit_ratio, sticky_lru_hit_ratio
+from gateway.bench.oracle import (
+    OracleRequest,
+    compute_oracle,
+    infinite_hit_ratio,
+    keep_warm_hit_ratio,
+    sticky_lru_hit_ratio,
+)
 
 
 def req(session: int, prompt: list[int], max_tokens: int = 1, answer: list[int] | None = None) -> OracleRequest:
@@ -64,6 +70,16 @@ def test_blocks_caching_nothing_are_reused_before_cached_ones():
     a, b, c = seq(0, 5), seq(100, 5), seq(200, 3)
     requests = [req(0, a), req(1, b), req(2, c), req(0, seq(0, 9))]
     assert sticky_lru_hit_ratio(requests, 4, [4]) == 4 / (5 + 5 + 3 + 9)
+
+
+def test_free_refreshes_keep_what_comes_back_and_let_go_what_does_not():
+    # A pod of 4 usable blocks; A, B and C hold 2 each. Under LRU, C evicts A (freed longest ago), which comes
+    # back; refreshed at no cost, the pod would evict B, which never comes back, and A hits its 2 blocks.
+    a, b, c = seq(0, 8), seq(100, 8), seq(200, 8)
+    requests = [req(0, a), req(1, b), req(2, c), req(0, seq(0, 9))]
+    assert sticky_lru_hit_ratio(requests, 4, [5]) == 0.0
+    assert keep_warm_hit_ratio(requests, 4, [5]) == 8 / 33
+    assert compute_oracle(requests, 4, [5]).keep_warm == 8 / 33
 
 
 def test_sessions_sharing_a_prefix_follow_it_within_one_session_of_balance():
@@ -169,4 +185,7 @@ def test_sticky_lru_is_the_brute_force_model_and_never_beats_the_infinite_cache(
     requests, bs, capacities = case
     sticky = sticky_lru_hit_ratio(requests, bs, capacities)
     assert sticky == brute_force_sticky(requests, bs, capacities)
-    assert sticky <= infinite_hit_ratio(requests, bs, min(capacities)) + 1e-12
+    infinite = infinite_hit_ratio(requests, bs, min(capacities))
+    assert sticky <= infinite + 1e-12
+    # Evicting farthest next use first never hits less than LRU at the same placement, nor more than infinite.
+    assert sticky - 1e-12 <= keep_warm_hit_ratio(requests, bs, capacities) <= infinite + 1e-12
