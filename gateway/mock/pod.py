@@ -95,16 +95,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports (held open together while chosen, so none is handed out twice)."""
-    sockets = [socket.socket() for _ in range(n)]
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> list[int]:
+    """``n`` distinct ports free now, chosen outside the kernel's ephemeral range. Whoever asked binds
+    them later; meanwhile a port from the ephemeral range can become the local end of any outgoing
+    connection (seen in CI: "Address already in use" on a simulated pod's KV-event replay port), a port
+    outside it only another listener's."""
+    rng = rng or random.SystemRandom()
+    low, high = _ephemeral_range()
+    first, last = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535) if high < 64_000 else (1024, 65_535)
+    chosen: list[int] = []
+    while len(chosen) < n:
+        port = rng.randint(first, last)
+        if port in chosen:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen
 
 
 class MockPod:
@@ -152,8 +171,9 @@ class MockPod:
     async def start(self) -> None:
         c = self.config
         if c.events_port is not None:
-            events_port = c.events_port or free_port(c.host)
-            replay_port = None if c.replay_port is None else (c.replay_port or free_port(c.host))
+            any_events, any_replay = free_ports(2, c.host)
+            events_port = c.events_port or any_events
+            replay_port = None if c.replay_port is None else (c.replay_port or any_replay)
             self.publisher = KvEventPublisher(
                 f"tcp://{c.host}:{events_port}",
                 f"tcp://{c.host}:{replay_port}" if replay_port else None,

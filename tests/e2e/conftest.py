@@ -9,9 +9,7 @@ script's timeout) is turned into an exception so that the teardown runs.
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -21,18 +19,12 @@ from typing import Any
 
 import pytest
 
+from gateway.mock.pod import free_ports
+
 MODEL = "tiny"
 BLOCK_SIZE = 128  # vLLM's CPU backend
 READY_TIMEOUT_S = 420.0
 ENGINE_FAILED = "EngineCore failed to start"
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
 
 
 # Ports handed out to pods in this session (a pod may not have bound its own yet).
@@ -40,24 +32,12 @@ _handed_out: set[int] = set()
 
 
 def ports_to_bind_later(n: int) -> list[int]:
-    """``n`` free ports, distinct from any handed out before, below the kernel's ephemeral range. A vLLM pod
-    binds its ports tens of seconds after they are chosen (after loading its model); meanwhile a port from
-    the ephemeral range can become the local end of any outgoing connection (seen: "Address already in
-    use" on a pod's KV-event replay port), but none outside it."""
-    low, high = _ephemeral_range()
-    first, last = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535) if high < 64_000 else (1024, 65_535)
+    """``n`` free ports outside the ephemeral range (see ``free_ports``), distinct from any handed out
+    before: a vLLM pod binds its ports tens of seconds after they are chosen (after loading its model)."""
     chosen: list[int] = []
     while len(chosen) < n:
-        port = random.randint(first, last)
-        if port in _handed_out:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))  # vLLM binds tcp://*:port
-            except OSError:
-                continue
-        _handed_out.add(port)
-        chosen.append(port)
+        chosen += [p for p in free_ports(n - len(chosen), "0.0.0.0") if p not in _handed_out]  # vLLM binds *
+        _handed_out.update(chosen)
     return chosen
 
 
