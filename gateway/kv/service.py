@@ -114,7 +114,7 @@ class KvMetricsCollector(Collector):
             pod, rank, s = sub.view.pod, str(sub.view.rank), sub.stats
             for outcome in ("batches", "applied", "duplicates", "malformed"):
                 events.add_metric([pod, rank, outcome], getattr(s, outcome))
-            for kind in ("gaps", "replays", "replay_failures", "restarts", "unrecoverable"):
+            for kind in ("gaps", "replays", "replay_failures", "replay_holes", "restarts", "unrecoverable"):
                 recovery.add_metric([pod, rank, kind], getattr(s, kind))
             approximate.add_metric([pod, rank], 1.0 if sub.view.approximate else 0.0)
             blocks.add_metric([pod, rank], len(sub.view.refs))

@@ -34,6 +34,8 @@ from gateway.kv.index import EngineView, PrefixIndex
 
 log = logging.getLogger("gateway.kv.subscriber")
 
+REPLAY_PASSES = 3  # requests for one replay with holes in it
+
 
 @dataclass(slots=True)
 class SubscriberStats:
@@ -47,6 +49,7 @@ class SubscriberStats:
     replay_failures: int = 0
     restarts: int = 0
     unrecoverable: int = 0
+    replay_holes: int = 0  # replays that lost batches on the way (asked again from the hole)
 
 
 class KvEventSubscriber:
@@ -221,7 +224,26 @@ class KvEventSubscriber:
         self.index.mark_approximate(self.view)
 
     async def _replay(self, start: int) -> int | None:
-        """Ask for every buffered batch from ``start``; apply them; the first seq received, if any."""
+        """Ask for every buffered batch from ``start`` and apply them; the first seq received, if any.
+
+        A replay endpoint drops what its peer does not take in time (a ROUTER socket past its send
+        high-water mark: a warm pod sends thousands of batches at once), so a replay with a hole in it
+        is asked again from the hole, a few times; what is still missing is a gap the next live batch
+        finds."""
+        first: int | None = None
+        for _ in range(REPLAY_PASSES):
+            received, hole = await self._replay_pass(start, first is None)
+            first = received if first is None else first
+            if hole is None:
+                break
+            self.stats.replay_holes += 1
+            log.info("pod %s rank %d: replay lost batches from %d; asking again", self.view.pod, self.view.rank,
+                     hole)
+            start = hole
+        return first
+
+    async def _replay_pass(self, start: int, first_pass: bool) -> tuple[int | None, int | None]:
+        """One replay request: the first seq received (if any) and where a hole in the stream began."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -229,11 +251,12 @@ class KvEventSubscriber:
         try:
             await dealer.send_multipart([b"", encode_seq(start)])
             with self._loop_share.turn() as turn:
-                return await self._apply_replayed(dealer, start, turn)
+                return await self._apply_replayed(dealer, start, turn, first_pass)
         finally:
             dealer.close(linger=0)
 
-    async def _apply_replayed(self, dealer: zmq.asyncio.Socket, start: int, turn: Turn) -> int | None:
+    async def _apply_replayed(self, dealer: zmq.asyncio.Socket, start: int, turn: Turn,
+                              first_pass: bool) -> tuple[int | None, int | None]:
         first: int | None = None
         try:
             while True:
@@ -246,16 +269,21 @@ class KvEventSubscriber:
                     continue
                 seq_frame, payload = frames[-2], frames[-1]
                 if seq_frame == END_OF_REPLAY_SEQ or not payload:
-                    return first if first is not None else start
+                    return (first if first is not None else start), None
                 seq = decode_seq(seq_frame)
                 if first is None:
-                    first = seq
-                    self._replayed_from = seq
+                    first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
+                    if first_pass:
+                        self._replayed_from = seq
+                    elif seq > start:
+                        self._lost(start, seq)  # gone from the pod's buffer since the first pass
+                elif seq > self.view.last_seq + 1:
+                    return first, self.view.last_seq + 1
                 if seq > self.view.last_seq:
                     self._apply(seq, payload)
         except TimeoutError:
             log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
-            return first
+            return first, None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from gateway.background import LoopShare
-from gateway.kv.events import BlockStored, Encoding, encode_seq
+from gateway.kv.events import BlockStored, Encoding, decode_seq, encode_seq
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
@@ -255,3 +255,40 @@ async def test_catching_up_on_a_warm_pod_gives_the_loop_back(rig_factory):
     assert share.yields > 0
     assert any(0 < seq < 2_999 for seq in seen)  # other work ran in the middle of the catch-up
     assert rig.held() == chain_hashes(3_000)
+
+
+async def test_a_replay_that_lost_batches_on_the_way_is_asked_again_from_the_hole(rig_factory):
+    """A ROUTER past its send high-water mark drops what its peer has not taken (a warm pod replays
+    thousands of batches at once): the subscriber asks again from the first missing batch."""
+    import time
+
+    import zmq
+
+    from gateway.kv.events import EventBatch, encode_batch, replay_end, replay_message
+
+    payloads = [encode_batch(EventBatch(ts=time.time(), events=[block(i, 1000 + i - 1 if i else None)]),
+                             Encoding.CURRENT) for i in range(4)]
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    asked: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            identity, *_, start = await router.recv_multipart()
+            asked.append(decode_seq(start))
+            sent = [0, 1, 3] if len(asked) == 1 else range(asked[-1], 4)  # the first answer lost batch 2
+            for seq in sent:
+                await router.send_multipart([identity, *replay_message(b"kv", seq, payloads[seq], Encoding.CURRENT)])
+            await router.send_multipart([identity, *replay_end(Encoding.CURRENT)])
+
+    rig = rig_factory()
+    rig.sub.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    server = asyncio.create_task(serve())
+    try:
+        await connected(rig)
+        await eventually(lambda: rig.view.last_seq == 3)
+        assert asked == [0, 2]
+        assert rig.held() == chain_hashes(4) and rig.sub.stats.replay_holes == 1 and not rig.view.approximate
+    finally:
+        server.cancel()
+        router.close(linger=0)
