@@ -33,6 +33,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet import PodMembership, health_changed
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
@@ -52,6 +53,7 @@ from gateway.request.disaggregation import PrefillLegs
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.placement import (
+    CacheRecency,
     ContextPlacement,
     ContextResolution,
     PlacementLosses,
@@ -70,6 +72,8 @@ from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
 from gateway.workflow.context import ContextSignals
+from gateway.workflow.keep_warm import KeepWarm
+from gateway.workflow.refresh import Refresher
 from gateway.workflow.service import WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
@@ -101,8 +105,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
     load = PendingLoad(profiles, ledger, lc.default_capacity, lambda name: deployment_of(pods, name),
                        lc.embedding_share, blocked=modes.in_emergency)
+    keeping_warm = config.workflow.enabled and config.workflow.keep_warm.enabled
+    queues = FreeQueues() if keeping_warm else None
     index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s, sinks.index,
-                        reported_block_size=partial(reported_block_size, load))
+                        reported_block_size=partial(reported_block_size, load), evictions=queues)
     approximate = ApproximatePrefixIndex()
     kv = KvEventService(index)
     metrics.registry.register(KvMetricsCollector(kv))
@@ -135,14 +141,20 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     losses = PlacementLosses(metrics)
     placement = ContextPlacement(index, working_set, losses)
     routed = RoutedPrefix(index, approximate)
+    keep_warm = recency = None
+    if queues is not None:
+        keep_warm = KeepWarm(wc.keep_warm, pods, working_set, queues, index, load, ledger, capacity_of,
+                             Refresher(pods, config.auth, http, metrics), metrics)
+        recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         admit=[admit, *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
                          if config.placement.hold_new_s else [])],
-        dispatch=[RoutingMetrics(metrics), routed, placement, planning],
-        finish=[admit, planning, placement],
+        # Cache recency reads a context as it was before this request: before placement holds it anew.
+        dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning],
+        finish=[admit, planning, placement, *([recency] if recency else [])],
         complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
     )
@@ -177,7 +189,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
+        membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
         shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
@@ -288,6 +300,8 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
     out += [lifecycle(gw.admission.start, gw.admission.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
+    if gw.keep_warm is not None:
+        out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
     if gw.pressure is not None:
         out.append(lifecycle(gw.pressure.start, gw.pressure.stop))
     if gw.tracer_provider is not None:  # flush the spans still batched

@@ -38,6 +38,7 @@ from gateway.request.director import RequestDirector
 from gateway.request.placement import PlacementLosses
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
+from gateway.workflow.keep_warm import KeepWarm
 from gateway.workflow.service import WorkflowService
 
 
@@ -68,6 +69,7 @@ class Gateway:
     identity: WorkerIdentity  # which worker of which replica this is
     bus: StateBus
     losses: PlacementLosses  # where cache hits were lost (/debug/placement)
+    keep_warm: KeepWarm | None  # workflow.keep_warm on
     shared_load: SharedLoadTable | None  # with several workers
     # Present only when their config turns them on.
     pressure: PressureMonitor | None

@@ -234,6 +234,40 @@ class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True):
     typical_e2e_s: float = 2.0
 
 
+class KeepWarmConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Refreshing thinking contexts that the pod's LRU would evict before they come back
+    (``gateway/workflow/keep_warm.py``): a prompt-only request over the context's cached blocks, one token
+    computed, puts them at the most recently used end of the pod's free queue."""
+
+    enabled: bool = True
+    # At most this many refreshes per request routed to the pod (a budget that refills as requests come).
+    max_share: float = 0.5
+    # Refresh only while the pod has at most this many of the gateway's requests in flight (and none
+    # waiting inside it, by its metrics). 0: only idle pods, right where a refresh's engine step delays
+    # what arrives meanwhile (CPU pods, small models); a GPU batching hundreds of requests takes one more
+    # token at no cost, and may take refreshes beside them.
+    max_in_flight: int = 0
+    # A refresh must be worth at least this many prompt tokens (a miss's re-prefill, times the chance the
+    # context comes back).
+    min_tokens: int = 256
+    # How often each pod is looked at, and how far ahead: a context whose blocks the pod would evict within
+    # ``lead_s`` (at its current eviction rate), before the context is due back, is refreshed.
+    interval_s: float = 0.1
+    lead_s: float = 0.6
+    # Of a pod's free blocks, the share that thinking contexts may be kept in; the rest takes the pod's new
+    # blocks, so that refreshes never merely turn over what the pod cannot hold anyway.
+    capacity_share: float = 0.8
+    # Token ids kept to build refreshes (4 bytes each): past it, the contexts refreshed least recently go.
+    max_prompt_tokens: int = 16_000_000
+
+    def __post_init__(self) -> None:
+        if min(self.max_share, self.min_tokens, self.lead_s, self.max_in_flight) < 0 or self.interval_s <= 0:
+            raise ValueError("max_share, max_in_flight, min_tokens and lead_s must not be negative, interval_s "
+                             "must be positive")
+        if not 0 < self.capacity_share <= 1:
+            raise ValueError("capacity_share must be in (0, 1]")
+
+
 class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool = True
     # A stage whose prompt grew by at most this many tokens stays on the pod holding the workflow's cache.
@@ -255,6 +289,7 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Headers that name a session besides the built-in ones (x-session-id, the agent tools' own: see
     # docs/architecture.md), read after them; the value is the session, matched exactly.
     session_headers: list[str] = []
+    keep_warm: KeepWarmConfig = msgspec.field(default_factory=KeepWarmConfig)
 
 
 class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -131,6 +132,15 @@ class GatewayMetrics:
             "thought, moved from its cache, a new context placed off the best prefix)", ["cause"], registry=r)
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
+        self.keep_warm_requests = Counter(
+            "gateway_keep_warm_requests", "Keep-warm refreshes sent, by pod and outcome (ok, failed)",
+            ["pod", "outcome"], registry=r)
+        self.keep_warm_tokens = Counter(
+            "gateway_keep_warm_tokens", "Prompt tokens of keep-warm refreshes as the pod counted them (prompt), "
+            "and of those found cached (cached)", ["pod", "kind"], registry=r)
+        self.keep_warm_returns = Counter(
+            "gateway_keep_warm_returns", "Refreshed contexts that came back and found their blocks (kept) or "
+            "did not (lost)", ["outcome"], registry=r)
 
     def watch_pod(self, pod: str, in_flight: Callable[[], float], pending_load: Callable[[], float],
                   kv_usage: Callable[[], float]) -> None:
@@ -200,5 +210,30 @@ def prediction_checks(metrics_text: str) -> dict[str, float]:
                 checks[key] = checks.get(key, 0.0) + sample.value
             elif sample.name == "gateway_kv_drift":
                 checks["drift"] = max(checks.get("drift", 0.0), sample.value)
+            elif sample.name == "gateway_keep_warm_returns_total":
+                key = "keep_warm_" + sample.labels["outcome"]
+                checks[key] = checks.get(key, 0.0) + sample.value
     return checks
+
+
+class KeepWarmSpent(NamedTuple):
+    """What a pod spent on keep-warm refreshes, as its own counters see them."""
+
+    requests: float = 0.0
+    prompt_tokens: float = 0.0
+    cached_tokens: float = 0.0
+
+
+def keep_warm_spent(metrics_text: str) -> dict[str, KeepWarmSpent]:
+    """From a gateway's ``/metrics`` text: per pod, the keep-warm refreshes it answered and their prompt
+    tokens (those found cached among them), which its prefix-cache counters include."""
+    spent: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] == "ok":
+                spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[0] += sample.value
+            elif sample.name == "gateway_keep_warm_tokens_total":
+                i = 1 if sample.labels["kind"] == "prompt" else 2
+                spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[i] += sample.value
+    return {pod: KeepWarmSpent(*values) for pod, values in spent.items()}
 

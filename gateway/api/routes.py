@@ -133,8 +133,9 @@ async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:
 async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Response:
     _check_admin(gateway, request)
     pods = [p.name for p in gateway.pods.all()]
+    keep_warm = gateway.keep_warm.debug() if gateway.keep_warm is not None else {"enabled": False}
     return web.json_response({**gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()),
-                              "losses": gateway.losses.debug()})
+                              "losses": gateway.losses.debug(), "keep_warm": keep_warm})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 import aiohttp
 import msgspec
@@ -36,7 +36,7 @@ from gateway.backends.scraper import parse_engine_metrics
 from gateway.bench.oracle import ChatEncoder, Oracle, trace_oracle
 from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
-from gateway.metrics import prediction_checks
+from gateway.metrics import KeepWarmSpent, keep_warm_spent, prediction_checks
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
@@ -97,6 +97,9 @@ class Outcome:
     answer: str = ""  # the answer's text (empty when the request failed)
     session: int = 0  # the request's session and step in the trace
     step: int = 0
+    # The answer's own usage: prompt tokens, and of those found cached (None where it does not say).
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -419,7 +422,7 @@ class BenchRunner:
                 decode_urls = [p.url for p in pods if p.role != "prefill"]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
-                after = [self._prefix_counters(p.url) for p in pods]
+                after, spent = self._counters_after(pods, routers if contender.kind == "gateway" else None)
                 if contender.prefill_pods:
                     result.extra.update(_per_leg(pods, legs_before, [_leg_counters(p.url) for p in pods]))
                 if contender.kind == "gateway" and routers:
@@ -427,12 +430,21 @@ class BenchRunner:
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
             return result
-        queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-        hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-        result.pod_requests = [round(a[2] - b[2]) for a, b in zip(after, before, strict=True)]
+        # The pods' counters count the gateway's keep-warm refreshes too: they are no client's requests.
+        refreshes = [spent.get(p.name or "", KeepWarmSpent()) for p in pods]
+        queries = sum(a[0] - b[0] - r.prompt_tokens for a, b, r in zip(after, before, refreshes, strict=True))
+        hits = sum(a[1] - b[1] - r.cached_tokens for a, b, r in zip(after, before, refreshes, strict=True))
+        result.pod_requests = [round(a[2] - b[2] - r.requests) for a, b, r in zip(after, before, refreshes,
+                                                                                     strict=True)]
+        self._keep_warm_cost(result, refreshes)
         served = sum(result.pod_requests)
         result.largest_share = max(result.pod_requests) / served if served else 0.0
         ok = [o for o in outcomes if o.status == 200]
+        # The same ratio from the answers' own usage, where every answer says it (a check on the counters).
+        if ok and all(o.cached_tokens is not None for o in ok):
+            prompted = sum(o.prompt_tokens for o in ok)
+            result.extra["client_hit_ratio"] = round(sum(o.cached_tokens or 0 for o in ok) / prompted, 4) \
+                if prompted else 0.0
         result.hit_ratio = hits / queries if queries else 0.0
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
         # The gateway's workflow cache actions, as shares of the answered requests.
@@ -479,6 +491,37 @@ class BenchRunner:
                     else:
                         checks[key] = checks.get(key, 0.0) + value
         return checks
+
+    def _counters_after(self, pods: list[PodConfig], routers: list[str] | None
+                        ) -> tuple[list[tuple[float, float, float]], dict[str, KeepWarmSpent]]:
+        """The pods' counters after a run, and what the gateway's keep-warm spent on each pod, read so that
+        both agree: a refresh may still be answered as a run ends (contexts think after their last request)."""
+        for _ in range(50):
+            first = [self._prefix_counters(p.url) for p in pods]
+            spent = self._keep_warm_spent(routers) if routers else {}
+            if [self._prefix_counters(p.url) for p in pods] == first:
+                return first, spent
+            time.sleep(0.1)
+        raise RuntimeError("the pods' counters kept moving after the run")
+
+    @staticmethod
+    def _keep_warm_spent(routers: list[str]) -> dict[str, KeepWarmSpent]:
+        total: dict[str, KeepWarmSpent] = {}
+        for url in routers:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+                for pod, spent in keep_warm_spent(resp.read().decode()).items():
+                    was = total.get(pod, KeepWarmSpent())
+                    total[pod] = KeepWarmSpent(*(a + b for a, b in zip(was, spent, strict=True)))
+        return total
+
+    @staticmethod
+    def _keep_warm_cost(result: Result, refreshes: list[KeepWarmSpent]) -> None:
+        """What keep-warm spent: refreshes, and the prompt tokens the pods computed for them (the rest hit)."""
+        sent = sum(r.requests for r in refreshes)
+        if sent:
+            result.extra["keep_warm_refreshes"] = sent
+            result.extra["keep_warm_computed_tokens"] = sum(r.prompt_tokens - r.cached_tokens for r in refreshes)
+            result.extra["keep_warm_cached_tokens"] = sum(r.cached_tokens for r in refreshes)
 
     @staticmethod
     def _prefix_counters(url: str) -> tuple[float, float, float]:
@@ -533,10 +576,13 @@ class BenchRunner:
                     await resp.read()
                     return Outcome(resp.status, sent_at=started)
                 action = resp.headers.get("x-gateway-cache-action", "")
+                usage: dict[str, Any] = {}
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
                         continue
-                    for choice in orjson.loads(line[6:]).get("choices") or []:
+                    chunk = orjson.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
                         content = (choice.get("delta") or {}).get("content")
                         if content:
                             first = first or time.monotonic()
@@ -544,5 +590,7 @@ class BenchRunner:
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
             return Outcome(599, sent_at=started)
         end = time.monotonic()
-        return Outcome(200, (first or end) - started, end - started, started, action, "".join(parts))
+        details = usage.get("prompt_tokens_details") or {}
+        return Outcome(200, (first or end) - started, end - started, started, action, "".join(parts),
+                       prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=details.get("cached_tokens"))
 

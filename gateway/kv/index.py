@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
@@ -73,6 +74,7 @@ class EngineView:
     parents: dict[int, int] = field(default_factory=dict)
     held_children: dict[int, int] = field(default_factory=dict)
     orphans: int = 0
+    gpu_blocks: int = 0  # distinct blocks held in the GPU tier
 
     @property
     def key(self) -> tuple[str, int]:
@@ -89,10 +91,20 @@ class PodMatch:
     approximate: bool = False
 
 
+class EvictionListener(Protocol):
+    """Told what the pods' events say their LRU did (:class:`~gateway.kv.free_queue.FreeQueues`)."""
+
+    def evicted(self, pod: str, blocks: Iterable[int]) -> None: ...
+
+    def cleared(self, pod: str) -> None: ...
+
+
 class PrefixIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
-                 publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None
-                 ) -> None:
+                 publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None,
+                 evictions: EvictionListener | None = None) -> None:
+        # Told of each block a pod's GPU tier no longer holds, and of each pod whose cache is gone.
+        self._evictions = evictions
         self.max_blocks_per_view = max_blocks_per_view
         self.speculative_ttl_s = speculative_ttl_s
         # A pod's block size as its engine's metrics report it: what a view uses until its events say it,
@@ -132,6 +144,8 @@ class PrefixIndex:
         self._drop_refs(view)
         view.engine_to_own.clear()
         view.approximate = False
+        if self._evictions is not None:
+            self._evictions.cleared(view.pod)
 
     def mark_approximate(self, view: EngineView) -> None:
         """Events of the view were lost for good: trust it less until :meth:`reset_view`."""
@@ -147,6 +161,8 @@ class PrefixIndex:
             view = self._views.pop(key)
             self._drop_refs(view)
             self._free_bits.append(view.bit)
+        if self._evictions is not None:
+            self._evictions.cleared(pod)
 
     def _drop_refs(self, view: EngineView) -> None:
         clear = ~(1 << view.bit)
@@ -163,10 +179,12 @@ class PrefixIndex:
         view.parents.clear()
         view.held_children.clear()
         view.orphans = 0
+        view.gpu_blocks = 0
 
     @staticmethod
     def _gpu_held(view: EngineView, own: int, parent: int | None) -> None:
         """``own`` (child of ``parent``; None: a first block) is now in the view's GPU tier."""
+        view.gpu_blocks += 1
         if parent is not None:
             view.parents[own] = parent
             view.held_children[parent] = view.held_children.get(parent, 0) + 1
@@ -177,6 +195,7 @@ class PrefixIndex:
     @staticmethod
     def _gpu_released(view: EngineView, own: int) -> None:
         """``own`` is no longer in the view's GPU tier (its refs already say so)."""
+        view.gpu_blocks -= 1
         view.orphans += view.held_children.get(own, 0)
         parent = view.parents.pop(own, None)
         if parent is not None:
@@ -245,6 +264,7 @@ class PrefixIndex:
     def _remove(self, view: EngineView, event: BlockRemoved) -> None:
         one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
         tier = self._gpu if one == _GPU_ONE else self._offload
+        evicted: list[int] = []
         for engine_hash in event.block_hashes:
             # Kept in the map: a duplicate copy or a child may still refer to this engine hash.
             own = view.engine_to_own.get(engine_hash)
@@ -261,8 +281,11 @@ class PrefixIndex:
                 self._clear_bit(tier, own, view.bit)
                 if one == _GPU_ONE:
                     self._gpu_released(view, own)
+                    evicted.append(own)
             self.stats.blocks_removed += 1
             view.evictions += 1
+        if evicted and self._evictions is not None:
+            self._evictions.evicted(view.pod, evicted)
 
     @staticmethod
     def _clear_bit(tier: dict[int, int], own: int, bit: int) -> None:
@@ -405,6 +428,10 @@ class PrefixIndex:
     def own_hashes(self, pod: str, rank: int = 0) -> set[int]:
         view = self._views.get((pod, rank))
         return set(view.refs) if view else set()
+
+    def gpu_blocks(self, pod: str) -> int:
+        """Distinct blocks the pod's GPU tier holds, over its ranks."""
+        return sum(v.gpu_blocks for v in self._views.values() if v.pod == pod)
 
     def block_size(self, pod: str) -> int | None:
         """The block size of the pod's engine (rank 0): as its events say it, else as its config or its

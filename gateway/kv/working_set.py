@@ -96,11 +96,17 @@ class ContextForecast:
     """What contexts have shown so far, per context and over all: the think time between their requests,
     the prompt tokens each stage adds, how many stages a completed workflow had. Owned by the working set."""
 
+    # How slowly the share of thinking contexts that come back moves (a rate, not one context's habit).
+    RETURN_SMOOTHING = 0.05
+
     def __init__(self, config: PlacementConfig) -> None:
         self.config = config
         self.think = RunningMean(config.smoothing)
         self.growth = RunningMean(config.smoothing)  # keyed contexts only
         self.stages = RunningMean(config.smoothing)
+        # Of the contexts that stopped to think, the share that came back (1) rather than completed or
+        # lapsed (0): keyed ones, and conversations recognised by their prompt.
+        self.returns = {True: RunningMean(self.RETURN_SMOOTHING), False: RunningMean(self.RETURN_SMOOTHING)}
 
     def new_means(self) -> tuple[RunningMean, RunningMean]:
         return RunningMean(self.config.smoothing), RunningMean(self.config.smoothing)
@@ -111,6 +117,7 @@ class ContextForecast:
             gap = max(0.0, now - ctx.last_finish)
             ctx.think.add(gap)
             self.think.add(gap)
+            self.returns[ctx.keyed].add(1.0)
         if prompt_tokens > ctx.prompt_tokens:
             ctx.growth.add(prompt_tokens - ctx.prompt_tokens)
             if ctx.keyed:
@@ -118,12 +125,27 @@ class ContextForecast:
 
     def completed(self, ctx: Context) -> None:
         self.stages.add(ctx.stages)
+        if ctx.thinking:  # it was waiting to come back (completed through the API or its TTL): it did not
+            self.returns[ctx.keyed].add(0.0)
+
+    def lapsed(self, ctx: Context) -> None:
+        """``ctx`` thought past its window and was forgotten: it did not come back (in time)."""
+        self.returns[ctx.keyed].add(0.0)
+
+    def return_chance(self, ctx: Context) -> float:
+        """The chance a thinking context comes back, as contexts of its kind did (before any did: that of a
+        workflow with the default number of stages, or one in two for a recognised conversation)."""
+        prior = 1.0 - 1.0 / self.config.default_stages if ctx.keyed else 0.5
+        return self.returns[ctx.keyed].get(prior)
+
+    def think_s(self, ctx: Context) -> float:
+        """Its predicted think time: its own average gap, or everyone's, or the default."""
+        return ctx.think.get(self.think.get(self.config.default_think_s))
 
     def protection_s(self, ctx: Context) -> float:
         """How long an idle context stays resumable: margin x its predicted think time, within bounds."""
         c = self.config
-        think = ctx.think.get(self.think.get(c.default_think_s))
-        return min(c.max_protect_s, max(c.min_protect_s, c.protect_margin * think))
+        return min(c.max_protect_s, max(c.min_protect_s, c.protect_margin * self.think_s(ctx)))
 
     def expected_growth(self, context: Context | None, keyed: bool, stages_done: int) -> float:
         """Tokens a keyed context (a new one when ``None``) is still expected to add once ``stages_done``
@@ -220,6 +242,19 @@ class ResumableWorkingSet:
         own = self._contexts.get(key)
         return demand.contexts > (1 if own is not None and own.pod == pod else 0)
 
+    def expected_return(self, ctx: Context) -> float:
+        """When a thinking context is expected back (monotonic): its last request's end plus its predicted
+        think time."""
+        return (ctx.last_finish or 0.0) + self.forecast.think_s(ctx) if ctx.thinking else math.inf
+
+    def return_chance(self, ctx: Context) -> float:
+        return self.forecast.return_chance(ctx)
+
+    def exclusive_blocks_of(self, ctx: Context) -> int:
+        """Blocks of the context's last prompt that no other resumable context on its pod holds."""
+        demand = self._pods.get(ctx.pod)
+        return exclusive_blocks(ctx.hashes, demand.refs) if demand is not None else len(ctx.hashes)
+
     def resumable(self, pod: str) -> tuple[int, int]:
         """Keyed contexts resumable on ``pod``: (all, those between requests)."""
         demand = self._pods.get(pod)
@@ -243,7 +278,9 @@ class ResumableWorkingSet:
                 "evicted": self.evicted,
                 "forecast": {"think_s": self.forecast.think.value,
                              "growth_tokens_per_stage": self.forecast.growth.value,
-                             "stages": self.forecast.stages.value}}
+                             "stages": self.forecast.stages.value,
+                             "return_chance": {"keyed": self.forecast.returns[True].value,
+                                               "recognised": self.forecast.returns[False].value}}}
 
     @property
     def size(self) -> int:
@@ -352,6 +389,7 @@ class ResumableWorkingSet:
                 heapq.heappush(heap, (ctx.protected_until, version, key))
                 continue
             self._forget(key)
+            self.forecast.lapsed(ctx)
             self.lapsed += 1
 
     # Bookkeeping

@@ -68,7 +68,7 @@ class KvEventPublisher:
         self.sending = True
         self.batches_sent = 0
         self.batches_dropped = 0
-        self._rng = random.Random()
+        self.rng = random.Random()  # which batches drop_fraction drops (tests seed it)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -98,7 +98,7 @@ class KvEventPublisher:
         payload = encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank),
                                self.encoding)
         self.buffer.append((seq, payload))
-        if not self.sending or (self.drop_fraction and self._rng.random() < self.drop_fraction):
+        if not self.sending or (self.drop_fraction and self.rng.random() < self.drop_fraction):
             self.batches_dropped += 1
             return
         assert self._pub is not None

@@ -45,13 +45,13 @@ _UNREAD = InferenceRequest()
 class RequestPlanner(Protocol):
     """Plans a request before it is routed: its workflow cache action and the pod it is pinned to."""
 
-    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan: ...
+    def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan: ...
 
 
 class NoPlanner:
     """For requests that belong to no workflow (Anthropic's count_tokens)."""
 
-    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan:
+    def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan:
         return NO_PLAN
 
 
@@ -113,14 +113,15 @@ class RequestDirector:
             if (admitting := admit.admit(request, policy, routing)) is not None and (
                     admitted := await admitting) is not None:
                 run.admitted = admitted
-        plan = self._planner.plan(request, routing)
+        plan = self._planner.plan(request, policy, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)
         exclude: set[str] = set()
         failure: RetryableFailure | None = None
         for number in range(self._max_retries + 1):
             started = self._clock()
             try:
-                decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason)
+                decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
+                                              binding=plan.pin_binding)
             except GatewayError:
                 if failure:  # every pod we could try has failed: say why, not just "none left"
                     raise failure.error from None

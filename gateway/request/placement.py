@@ -15,13 +15,15 @@ from typing import Any
 
 from gateway.backends.registry import PodRegistry
 from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import Context, ResumableWorkingSet
+from gateway.kv.working_set import Context, ResumableWorkingSet, shared_blocks
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.workflow.context import ContextSignals
+from gateway.workflow.keep_warm import KeepWarm
 
 
 class ContextResolution:
@@ -129,6 +131,57 @@ class ContextPlacement:
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         if attempt.routing.context_key is not None:
             self._working_set.idle(attempt.routing.context_key, self._clock())
+
+
+class CacheRecency:
+    """dispatch and finish: what keep-warm needs to know of every request (:mod:`gateway.workflow.keep_warm`).
+    A request takes its prompt's blocks out of its pod's free queue while it runs and returns them when it
+    ends (:mod:`gateway.kv.free_queue`); a context's prompt is kept to refresh it from; each request adds to
+    its pod's refresh budget; and a refreshed context that comes back is checked for its blocks."""
+
+    def __init__(self, index: PrefixIndex, queues: FreeQueues, keep_warm: KeepWarm,
+                 working_set: ResumableWorkingSet) -> None:
+        self._index = index
+        self._queues = queues
+        self._keep_warm = keep_warm
+        self._working_set = working_set
+
+    def dispatched(self, attempt: Attempt) -> None:
+        routing, pod = attempt.routing, attempt.decision.pod.name
+        blocks = self._blocks(routing, pod)
+        if blocks is None:
+            self._keep_warm.routed(pod, 0)
+            return
+        held = routing.prefix.pods.get(pod) if routing.prefix is not None else None
+        found = held.gpu_tokens - held.speculative_tokens if held is not None else 0
+        self._keep_warm.routed(pod, len(blocks) - found // (self._index.block_size(pod) or 1))
+        self._queues.taken(pod, blocks)
+        key = routing.context_key
+        if key is None or routing.token_ids is None:
+            return
+        context = self._working_set.context(key)
+        if context is not None and context.pod == pod:  # what it left there that this prompt could use
+            self._keep_warm.came_back(key, pod, found, shared_blocks(context.hashes, blocks) * context.block_size)
+        self._keep_warm.dispatched(key, pod, routing.model, routing.token_ids)
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        routing, pod = attempt.routing, attempt.decision.pod.name
+        blocks = self._blocks(routing, pod)
+        if blocks is None or routing.hashes is None:
+            return
+        held = self._index.lookup(routing.base_model or routing.model, routing.lora_name, routing.hashes, [pod])[pod]
+        block_size = self._index.block_size(pod) or 1
+        usable = (routing.hashes.token_count - 1) // block_size
+        cached = held.gpu_tokens // block_size
+        self._queues.returned(pod, blocks, len(blocks) if cached >= usable else cached)
+
+    def _blocks(self, routing: RoutingRequest, pod: str) -> list[int] | None:
+        """The request's prompt's full blocks as the pod cuts them (None: not tokenized, or no block size)."""
+        block_size = self._index.block_size(pod)
+        hashes = routing.hashes
+        if hashes is None or not block_size:
+            return None
+        return hashes.first(block_size, hashes.token_count // block_size)
 
 
 class RoutedPrefix:

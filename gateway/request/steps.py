@@ -155,9 +155,9 @@ class WorkflowPlanning:
     def __init__(self, workflows: WorkflowService) -> None:
         self._workflows = workflows
 
-    def plan(self, request: ClientRequest, routing: RoutingRequest) -> RequestPlan:
+    def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan:
         return self._workflows.plan(request.headers, request.parsed, routing.base_model,
-                                    request.prompt_tokens(routing.token_ids))
+                                    request.prompt_tokens(routing.token_ids), policy.places_contexts)
 
     def dispatched(self, attempt: Attempt) -> None:
         self._workflows.record_dispatch(attempt.plan, attempt.decision, attempt.routing.base_model)

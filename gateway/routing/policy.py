@@ -164,6 +164,9 @@ class Policy:
     # Whether the pipeline must tokenize the prompt, or estimate its load per pod, before routing.
     needs_tokens: bool = False
     needs_load: bool = False
+    # Whether its own placement keeps a continuing context with its cache (weighing load as it does): a
+    # workflow's preserve is then a hint its filters see, not a pin that overrides it.
+    places_contexts: bool = False
 
 
 @dataclass(slots=True)

@@ -56,10 +56,11 @@ class Router:
 
     def route(
         self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset(),
-        pin: str | None = None, pin_reason: str = "pinned",
+        pin: str | None = None, pin_reason: str = "pinned", binding: bool = True,
     ) -> Decision:
         """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
-        (healthy, not excluded, not saturated), else the policy decides and the decision says so."""
+        (healthy, not excluded, not saturated), else the policy decides and the decision says so. A pin that
+        is not ``binding`` only tells the filters that the request continues a context on that pod."""
         request.pin = pin
         pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude, request.leg))
         for preparer in policy.preparers:
@@ -68,9 +69,9 @@ class Router:
         for ws in policy.scorers:
             for i, s in enumerate(ws.scorer.score(request, pods)):
                 scores[i] += ws.weight * s
-        pinned = self._pinned(pods, pin, pin_reason)
+        pinned = self._pinned(pods, pin, pin_reason) if binding else None
         pick = pinned or policy.picker.pick(request, pods, scores)
-        unpinned = pin if pinned is None else None
+        unpinned = pin if pin != pick.pod.name else None
         return Decision(
             pod=pick.pod,
             policy=policy.name,
@@ -79,12 +80,17 @@ class Router:
             scores={p.name: s for p, s in zip(pods, scores, strict=True)} if policy.scorers else {},
             prefix_tokens=request.prefix_tokens.get(pick.pod.name, 0),
             unpinned=unpinned,
-            unpinned_by=self._dropped_by(request, unpinned) if unpinned is not None else "",
+            unpinned_by=self._unpinned_by(request, unpinned, pods) if unpinned is not None else "",
         )
 
     @staticmethod
-    def _dropped_by(request: RoutingRequest, pod: str) -> str:
-        return next((name for name, pods in request.filtered_out.items() if pod in pods), "pod_unavailable")
+    def _unpinned_by(request: RoutingRequest, pin: str, pods: list[Pod]) -> str:
+        """Why the request went elsewhere than its pin: the filter that dropped the pin, "pod_unavailable"
+        (unhealthy, ejected, or failed on an earlier attempt), or "placement" (the pin was only a hint, and
+        the policy placed the request elsewhere)."""
+        if any(p.name == pin for p in pods):
+            return "placement"
+        return next((name for name, dropped in request.filtered_out.items() if pin in dropped), "pod_unavailable")
 
     @staticmethod
     def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:

@@ -35,6 +35,8 @@ class RequestPlan:
     plan: Plan
     pin: str | None = None
     pin_reason: str = ""
+    # False: the pin is the pod holding the context, a hint to a policy that places contexts itself.
+    pin_binding: bool = True
     # The session key, when session affinity applies (a request outside any workflow).
     session: str | None = None
 
@@ -85,8 +87,10 @@ class WorkflowService:
     # The workflow lifecycle
 
     def plan(self, headers: CIMultiDictProxy[str], body: InferenceRequest, model: str,
-             prompt_tokens: int) -> RequestPlan:
-        """The cache action and the pin of a request about to be routed."""
+             prompt_tokens: int, placed_by_policy: bool = False) -> RequestPlan:
+        """The cache action and the pin of a request about to be routed. Where the policy places contexts
+        itself (``placed_by_policy``), preserving a small increment is its job: the workflow's pod is then a
+        hint; a stage that asks to be preserved (``x-stage-cache-policy``) is pinned whatever the policy."""
         if not self.config.enabled:
             return NO_PLAN
         ctx = self.signals.parse(headers, body)
@@ -95,7 +99,9 @@ class WorkflowService:
         action = plan.action
         # In a KV-memory emergency a pod takes no new pinned work.
         if action.kind is ActionKind.PRESERVE and action.pod and not self._modes.in_emergency(action.pod):
-            return RequestPlan(ctx, plan, action.pod, "workflow_preserve", session=session or None)
+            binding = not placed_by_policy or action.reason == "override"
+            return RequestPlan(ctx, plan, action.pod, "workflow_preserve", session=session or None,
+                               pin_binding=binding)
         if session and (pod := self.sessions.pod_of(session)) and not self._modes.in_emergency(pod):
             return RequestPlan(ctx, plan, pod, "session_affinity", session=session)
         return RequestPlan(ctx, plan, session=session or None)

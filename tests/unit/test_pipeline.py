@@ -100,6 +100,11 @@ def policy(needs_tokens: bool = True, needs_load: bool = False) -> Policy:
     return Policy("test", picker=None, needs_tokens=needs_tokens, needs_load=needs_load)  # type: ignore[arg-type]
 
 
+# A policy that places nothing itself (round robin's kind), and one whose placement keeps contexts (kv_aware's).
+ROUND_ROBIN = Policy("round_robin", picker=None)  # type: ignore[arg-type]
+PLACES_CONTEXTS = Policy("kv_aware", picker=None, needs_tokens=True, places_contexts=True)  # type: ignore[arg-type]
+
+
 def attempt_of(request: ClientRequest, routing: RoutingRequest, pod: str = "p0", registry: PodRegistry | None = None,
                ledger: InFlightLedger | None = None, plan: Any = NO_PLAN, reason: str = "cache_hit") -> Attempt:
     registry = registry or pods()
@@ -310,7 +315,7 @@ def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_wi
                                             PressureModes(), ContextSignals()))
     first = client_request(chat("stage one"), headers={"x-workflow-id": "wf", "x-stage-id": "s1"})
     routing = routing_of(first, token_ids=list(range(1000)), context_key="workflow:wf")
-    plan = step.plan(first, routing)
+    plan = step.plan(first, ROUND_ROBIN, routing)
     assert plan.stage_owner == ("wf", "s1") and plan.pin is None
     attempt = attempt_of(first, routing, "p1", registry, ledger, plan)
     step.dispatched(attempt)
@@ -318,9 +323,38 @@ def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_wi
     step.attempt_finished(attempt, RelayOutcome(200, Ending.COMPLETE, usage=Usage(prompt_tokens=1000)))
     assert tracker.workflows["wf"].stages["s1"].pod == "p1"
     second = client_request(chat("stage two"), headers={"x-workflow-id": "wf", "x-stage-id": "s2"})
-    plan = step.plan(second, routing_of(second, token_ids=list(range(1050))))
+    plan = step.plan(second, ROUND_ROBIN, routing_of(second, token_ids=list(range(1050))))
     assert (plan.pin, plan.pin_reason) == ("p1", "workflow_preserve")  # a small increment stays with its cache
-    assert plan.header_for(Decision(registry.get("p1"), "kv_aware", "pinned")) == "preserve:small_increment"
+    assert plan.pin_binding
+    assert plan.header_for(Decision(registry.get("p1"), "round_robin", "pinned")) == "preserve:small_increment"
+
+
+def test_a_policy_placing_contexts_itself_takes_the_workflows_pod_as_a_hint():
+    ledger = InFlightLedger()
+    tracker = WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100), ledger)
+    registry = pods()
+    executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry, GatewayMetrics(),
+                                   lambda pod: None, HttpClient(), hard_flush=False)
+    step = WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
+                                            PressureModes(), ContextSignals()))
+    first = client_request(chat("stage one"), headers={"x-workflow-id": "wf", "x-stage-id": "s1"})
+    routing = routing_of(first, token_ids=list(range(1000)), context_key="workflow:wf")
+    attempt = attempt_of(first, routing, "p1", registry, ledger, step.plan(first, PLACES_CONTEXTS, routing))
+    step.dispatched(attempt)
+    ledger.finish(attempt.dispatch)
+    step.attempt_finished(attempt, RelayOutcome(200, Ending.COMPLETE, usage=Usage(prompt_tokens=1000)))
+    # kv_aware keeps a continuing stage with its cache, weighing load as it does: the workflow's pod is a hint
+    # its filters see, and the answer says when placement chose another pod.
+    second = client_request(chat("stage two"), headers={"x-workflow-id": "wf", "x-stage-id": "s2"})
+    hinted = step.plan(second, PLACES_CONTEXTS, routing_of(second, token_ids=list(range(1050))))
+    assert (hinted.pin, hinted.pin_binding) == ("p1", False)
+    moved = Decision(registry.get("p0"), "kv_aware", "cache_hit", unpinned="p1", unpinned_by="placement")
+    assert hinted.header_for(moved) == "preserve-fallback:placement"
+    assert hinted.header_for(Decision(registry.get("p1"), "kv_aware", "cache_hit")) == "preserve:small_increment"
+    # A stage that asks to be preserved is pinned whatever the policy.
+    asked = client_request(chat("stage three"), headers={"x-workflow-id": "wf", "x-stage-id": "s3",
+                                                         "x-stage-cache-policy": "preserve"})
+    assert step.plan(asked, PLACES_CONTEXTS, routing_of(asked, token_ids=list(range(1100)))).pin_binding
 
 
 # dispatch, finish: ContextPlacement; dispatch: RoutedPrefix
@@ -426,7 +460,7 @@ class Recorder:
         self.log.append("admit")
         return None
 
-    def plan(self, request: ClientRequest, routing: RoutingRequest) -> Any:
+    def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Any:
         self.log.append("plan")
         return NO_PLAN
 
@@ -510,7 +544,7 @@ async def test_the_director_records_a_refusal_before_routing_and_after_every_pod
         await failing.handle(http_request(chat()), "chat", None)
     assert info.value.kind is ErrorKind.UPSTREAM_FAILED and "pod 1" in info.value.message  # the last pod's cause
     assert log[-1] == "complete 502 attempts=2" and log.count("finish p0 502 failed") == 1
-    assert NoPlanner().plan(recorder.done.request, routing_of(recorder.done.request)) is NO_PLAN
+    assert NoPlanner().plan(recorder.done.request, ROUND_ROBIN, routing_of(recorder.done.request)) is NO_PLAN
 
 
 @pytest.mark.parametrize(("held_on", "held_blocks", "hits", "chosen", "lost"), [
