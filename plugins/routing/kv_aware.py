@@ -51,6 +51,7 @@ def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
                                 options.load_weight),
                  WeightedScorer(KvUsageScorer(context.index), options.kv_usage_weight)],
         needs_tokens=True,
+        places_contexts=True,
     )
 
 
