@@ -50,6 +50,7 @@ class ContextHeld(Fact):
     block_size: int
     hashes: list[int]
     prompt_tokens: int
+    retention_s: float | None = None
 
 
 class ContextIdled(Fact):

@@ -38,6 +38,7 @@ class InferenceRequest(msgspec.Struct):
     max_completion_tokens: int | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # checked by gateway.core.retention
     metadata: Metadata | None = None
     # What changes the engine's rendering of a chat prompt, passed through to tokenization.
     tools: list[dict[str, Any]] | None = None

@@ -72,11 +72,19 @@ class Context:
     protected_until: float = math.inf
     expected_growth: float = 0.0  # tokens it is still expected to add (counted in its pod's demand)
     version: int = 0  # bumped whenever ``protected_until`` changes, so stale heap entries are skipped
+    # How long its client declared it will reuse its prompt after each request (gateway.core.retention).
+    retention_s: float | None = None
 
     @property
     def thinking(self) -> bool:
         """Between requests: its last one ended and its think window runs."""
         return self.protected_until != math.inf
+
+    def retained(self, now: float) -> bool:
+        """Within the retention its client declared: in use, or since its last request for the TTL."""
+        if self.retention_s is None:
+            return False
+        return not self.thinking or (self.last_finish is not None and now < self.last_finish + self.retention_s)
 
 
 def shared_blocks(old: list[int], new: list[int]) -> int:
@@ -290,14 +298,15 @@ class ResumableWorkingSet:
     # Writes
 
     def hold(self, key: str, keyed: bool, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
-             now: float) -> Context:
-        """One of the context's requests was dispatched to ``pod`` with a prompt of these blocks."""
+             now: float, retention_s: float | None = None) -> Context:
+        """One of the context's requests was dispatched to ``pod`` with a prompt of these blocks (and its
+        client declared it will reuse them for ``retention_s``)."""
         self.lapse(now)
-        self._publish(ContextHeld(key, keyed, pod, block_size, hashes, prompt_tokens))
-        return self._hold(key, keyed, pod, block_size, hashes, prompt_tokens, now)
+        self._publish(ContextHeld(key, keyed, pod, block_size, hashes, prompt_tokens, retention_s))
+        return self._hold(key, keyed, pod, block_size, hashes, prompt_tokens, now, retention_s)
 
     def _hold(self, key: str, keyed: bool, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
-              now: float) -> Context:
+              now: float, retention_s: float | None = None) -> Context:
         kept = 0  # leading blocks still counted for this context: its prompt usually grew on the same pod
         ctx = self._contexts.get(key)
         if ctx is None:
@@ -311,6 +320,7 @@ class ResumableWorkingSet:
             self._unplace(ctx, kept)
         ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
         ctx.hashes = hashes
+        ctx.retention_s = retention_s
         ctx.stages += 1
         ctx.protected_until = math.inf
         ctx.version += 1
@@ -332,7 +342,7 @@ class ResumableWorkingSet:
             return  # another of its requests still runs (here or elsewhere): it idles when that one ends
         self._running.discard(context.key)
         context.last_finish = now
-        context.protected_until = now + self.forecast.protection_s(context)
+        context.protected_until = now + self._resumable_s(context)
         context.version += 1
         heapq.heappush(self._expiry, (context.protected_until, context.version, context.key))
         if context.keyed:
@@ -359,7 +369,8 @@ class ResumableWorkingSet:
         now = time.monotonic()
         self.lapse(now)
         if isinstance(fact, ContextHeld):
-            self._hold(fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes, fact.prompt_tokens, now)
+            self._hold(fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes, fact.prompt_tokens, now,
+                       fact.retention_s)
         elif isinstance(fact, ContextIdled):
             if fact.key in self._running:
                 self._idle(self._contexts[fact.key], now)
@@ -376,6 +387,11 @@ class ResumableWorkingSet:
             self._forget(key)
         self._pods.pop(pod, None)
 
+    def _resumable_s(self, ctx: Context) -> float:
+        """How long a context that stopped stays resumable: its predicted think time's protection, or the
+        retention its client declared if longer."""
+        return max(self.forecast.protection_s(ctx), ctx.retention_s or 0.0)
+
     def lapse(self, now: float) -> None:
         """Drop the contexts whose protection ran out."""
         heap = self._expiry
@@ -385,7 +401,7 @@ class ResumableWorkingSet:
             if ctx is None or ctx.version != version:
                 continue
             if self._ledger.of_context(key):  # a request of it runs elsewhere: it is not done thinking
-                ctx.protected_until = now + self.forecast.protection_s(ctx)
+                ctx.protected_until = now + self._resumable_s(ctx)
                 heapq.heappush(heap, (ctx.protected_until, version, key))
                 continue
             self._forget(key)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.backends.registry import PodRegistry
+from gateway.core.retention import declared_retention_s
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
@@ -39,6 +40,7 @@ class ContextResolution:
         self._signals = signals
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+        routing.retention_s = declared_retention_s(request.parsed)
         keyed = self._signals.context_key(request.headers, request.parsed)
         if keyed is not None:
             routing.context_key, routing.context_keyed = keyed, True
@@ -126,7 +128,7 @@ class ContextPlacement:
             self._losses.record(attempt, self._working_set.context(routing.context_key), block_size)
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
                                hashes.first(block_size, hashes.token_count // block_size), hashes.token_count,
-                               self._clock())
+                               self._clock(), routing.retention_s)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         if attempt.routing.context_key is not None:

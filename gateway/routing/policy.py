@@ -78,6 +78,8 @@ class RoutingRequest:
     # recognised by its prompt; None: it cannot be told), and whether the client named it.
     context_key: str | None = None
     context_keyed: bool = False
+    # Context resolution, too: how long the client declared it will reuse the prompt (gateway.core.retention).
+    retention_s: float | None = None
     # Load estimation: the request's size, and per pod its predicted cost there.
     input_tokens: int = 0
     predicted_output_tokens: int = 0

@@ -73,8 +73,13 @@ class CacheActionExecutor:
             return
         key = workflow_key(action.workflow_id)
         context = self._working_set.context(key)
-        if context is not None and context.pod == action.pod:
-            self._working_set.release(key, completed=action.reason == "workflow_complete")
+        if context is None or context.pod != action.pod:
+            return
+        if context.retained(time.monotonic()) and action.reason != "override":
+            # Its client declared it will reuse the prompt: it stays resumable until that lapses.
+            log.debug("workflow %s declared a retention: not released on %s", action.workflow_id, action.reason)
+            return
+        self._working_set.release(key, completed=action.reason == "workflow_complete")
 
     def _maybe_hard_flush(self, action: CacheAction) -> None:
         pod = self._pods.get(action.pod or "")
@@ -112,10 +117,15 @@ class CacheActionExecutor:
         """Why a hard flush of ``pod`` must wait, if it must. The flush is global to the pod: it waits until no
         other workflow runs or keeps a cache there. It also waits for the workflow's own requests there (the
         stage that asked for it, typically): the engine refuses a flush while requests run, and one sent
-        before such a request reached the engine would be undone by it."""
-        if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(
-                pod.name, workflow_key(action.workflow_id or ""), time.monotonic()):
+        before such a request reached the engine would be undone by it. Nor does it empty the cache of a
+        workflow whose client declared a retention still running, unless that client asked for the flush."""
+        now = time.monotonic()
+        key = workflow_key(action.workflow_id or "")
+        if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(pod.name, key, now):
             return "others_on_pod"
+        own = self._working_set.context(key)
+        if action.reason != "override" and own is not None and own.pod == pod.name and own.retained(now):
+            return "declared_retention"
         if self._tracker.requests_on(pod.name):
             return "own_requests_running"
         return None

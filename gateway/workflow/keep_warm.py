@@ -294,7 +294,7 @@ class KeepWarm:
             warmth.refreshes += 1
         except RefreshFailed as exc:
             warmth.failures += 1
-            log.debug("keep-warm: refresh on %s failed: %s", pod, exc)
+            log.info("keep-warm: refresh on %s failed: %s", pod, exc)
         except Exception:  # a bug here must fail this refresh only
             warmth.failures += 1
             log.exception("keep-warm: refresh on %s failed", pod)

@@ -4,6 +4,9 @@ byte, errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import anthropic
 import pytest
 
@@ -103,3 +106,32 @@ async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_m
     assert "wf-count" not in gw.gateway.workflows.tracker.workflows  # counting is not a stage
     with pytest.raises(anthropic.NotFoundError):
         await client(gw).messages.count_tokens(model="nope", messages=messages)
+
+
+async def test_a_declared_cache_ttl_keeps_the_session_resumable_and_a_bad_one_is_refused(start_mock_pod,
+                                                                                         start_gateway, http):
+    """Claude Code marks its prefix with cache_control on every turn: the session's context stays resumable
+    for the TTL it declares, long past its think window (1 s here); the body reaches the engine as sent."""
+    _, gw = await fleet(start_mock_pod, start_gateway, n=2, placement={"default_think_s": 0.5, "max_protect_s": 1.0})
+    sdk = client(gw)
+    session = {"X-Claude-Code-Session-Id": "cc-1"}
+    system = [{"type": "text", "text": system_prompt(1), "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    raw = await sdk.messages.with_raw_response.create(
+        model=MODEL, max_tokens=4, system=system, messages=[{"role": "user", "content": "Plan it."}],
+        extra_headers=session)
+    assert (await raw.parse()).content[0].text
+    await sdk.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Plan it."}],
+                              extra_headers={"X-Claude-Code-Session-Id": "cc-2"})  # declares nothing
+    working_set = gw.gateway.working_set
+    declared, undeclared = working_set.context("session:cc-1"), working_set.context("session:cc-2")
+    assert declared.retention_s == 3600.0 and declared.pod == raw.headers["x-gateway-pod"]
+    assert undeclared is not None and undeclared.retention_s is None
+    await asyncio.sleep(1.5)  # past the think window of both
+    working_set.lapse(time.monotonic())
+    assert working_set.context("session:cc-1") is declared and working_set.context("session:cc-2") is None
+    bad = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]}
+    async with http.post(f"{gw.url}/v1/messages", json=bad) as resp:
+        body = await resp.json()
+    assert resp.status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0].cache_control.ttl must be '5m' or '1h'" in body["error"]["message"]

@@ -205,3 +205,38 @@ async def test_by_default_only_a_stage_that_asks_for_it_is_flushed_hard(start_mo
     await stage(http, gw, "wf-asks", "s1", history)
     await stage(http, gw, "wf-asks", "s2", history, **{"x-stage-cache-policy": "flush"})
     await eventually(lambda: executor.hard_flushes.get("pod0") == 1)
+
+
+async def test_a_declared_retention_is_never_flushed_inside_its_ttl(start_mock_pod, start_gateway, http):
+    """A workflow whose client declared prompt_cache_retention completes: its context stays resumable and
+    the pod keeps its cache (the hard flush waits, saying why). A flush the client asks for itself wins."""
+    mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1,
+                                workflow={"flush_retry_base_s": 0.05, "flush_retries": 2, "hard_flush": True})
+    cache, executor, metrics = mock_pods[0].engine.cache, gw.gateway.workflows.executor, gw.gateway.metrics.registry
+
+    async def stage_declaring(workflow: str, stage_id: str, retention: str | None = "24h", **headers: str) -> int:
+        body = {"model": MODEL, "messages": [{"role": "system", "content": CONTEXT},
+                                             {"role": "user", "content": f"{workflow} {stage_id}"}],
+                "max_tokens": 8} | ({"prompt_cache_retention": retention} if retention else {})
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body,
+                             headers={"x-workflow-id": workflow, "x-stage-id": stage_id, **headers}) as resp:
+            return resp.status
+
+    # A client that declared a retention and then asks for a flush itself gets it.
+    assert await stage_declaring("wf-asks", "s1") == 200
+    assert await stage_declaring("wf-asks", "s2", retention=None, **{"x-stage-cache-policy": "flush"}) == 200
+    await eventually(lambda: executor.hard_flushes.get("pod0") == 1)
+    async with http.post(f"{gw.url}/v1/workflows/wf-asks/complete") as resp:
+        assert resp.status == 200
+    await eventually(lambda: executor.hard_flushes.get("pod0") == 2)
+    assert not cache.cached_blocks()
+    # One that declared it and completes keeps its cache: the flush waits, and gives up.
+    assert await stage_declaring("wf-r", "s1") == 200
+    async with http.post(f"{gw.url}/v1/workflows/wf-r/complete") as resp:
+        assert resp.status == 200
+    await eventually(lambda: (metrics.get_sample_value("gateway_cache_actions_total", {
+        "action": "hard_flush_deferred", "reason": "declared_retention", "pod": "pod0"}) or 0) >= 2)
+    await asyncio.sleep(0.5)  # past its retries
+    assert executor.hard_flushes.get("pod0") == 2 and cache.cached_blocks()
+    assert gw.gateway.working_set.context("workflow:wf-r").retention_s == 86_400.0
+    assert await stage_declaring("wf-r", "s2", retention="1w") == 400
