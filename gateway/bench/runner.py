@@ -446,6 +446,7 @@ class BenchRunner:
             result.extra["client_hit_ratio"] = round(sum(o.cached_tokens or 0 for o in ok) / prompted, 4) \
                 if prompted else 0.0
         result.hit_ratio = hits / queries if queries else 0.0
+        result.extra["prompt_tokens"] = round(queries)  # the clients' (what a hit ratio's gain is a share of)
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
         # The gateway's workflow cache actions, as shares of the answered requests.
         for action, n in Counter(o.cache_action for o in ok if o.cache_action).items():

@@ -60,7 +60,9 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     # The gateway's own checks of its predictions come back with its result: all exact, no drift.
     assert gateway.extra.get("prediction_exact", 0) >= trace.requests - 2 and not gateway.extra.get("drift")
     # Only the gateway says more of itself; the answers' own usage says what the pods' counters say.
-    assert direct.extra == {"client_hit_ratio": pytest.approx(direct.hit_ratio, abs=1e-3)}
+    assert direct.extra == {"client_hit_ratio": pytest.approx(direct.hit_ratio, abs=1e-3),
+                            "prompt_tokens": gateway.extra["prompt_tokens"]}
+    assert direct.extra["prompt_tokens"] >= trace.requests * 300  # what the clients sent, as the pods counted
     paths = write_results(results, tmp_path, {"seed": 0})
     saved = json.loads(paths["json"].read_text())
     assert [c["name"] for c in saved["contenders"]] == ["direct", "gateway-kv_aware"]
