@@ -69,6 +69,8 @@ CONTENDERS = {
         Contender("gateway-prefix_cache", "gateway", "prefix_cache"),
         Contender("gateway-kv_aware", "gateway", "kv_aware"),
         Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
+        Contender("gateway-kv_aware-no-keep-warm", "gateway", "kv_aware",
+                  {"GATEWAY_WORKFLOW__KEEP_WARM__ENABLED": "false"}),
         Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
         Contender("gateway-kv_aware-2-replicas-unshared", "gateway", "kv_aware", replicas=2, share_state=False),
         Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
