@@ -251,13 +251,13 @@ class KeepWarmConfig(msgspec.Struct, forbid_unknown_fields=True):
     # context comes back).
     min_tokens: int = 256
     # How often each pod is looked at, and how far ahead: a context whose blocks the pod would evict within
-    # ``lead_s`` (at its current eviction rate), before the context is due back, is refreshed.
+    # ``lead_s`` (at the rate it takes new blocks), before the context is due back, is refreshed.
     interval_s: float = 0.1
     lead_s: float = 0.6
     # Of a pod's free blocks, the share that thinking contexts may be kept in; the rest takes the pod's new
     # blocks, so that refreshes never merely turn over what the pod cannot hold anyway.
     capacity_share: float = 0.8
-    # Token ids kept to build refreshes (4 bytes each): past it, the contexts refreshed least recently go.
+    # Token ids kept to build refreshes (4 bytes each): past it, the prompts kept least recently go.
     max_prompt_tokens: int = 16_000_000
 
     def __post_init__(self) -> None:

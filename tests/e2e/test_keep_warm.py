@@ -193,7 +193,7 @@ async def test_the_gateway_keeps_a_thinking_workflow_warm_on_a_real_pod(small_po
     left = (first["prompt_tokens"] - 16) // BLOCK_SIZE * BLOCK_SIZE  # its blocks the next prompt shares
     if keep_warm:
         # Seen in the pod's own answer: the refreshed context was still cached when its next stage came.
-        assert second["prompt_tokens_details"]["cached_tokens"] >= left
+        assert second["prompt_tokens_details"]["cached_tokens"] >= left, (await debug_placement(http, gw.url))
     else:
         assert second["prompt_tokens_details"]["cached_tokens"] < 2 * BLOCK_SIZE
 

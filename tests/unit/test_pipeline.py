@@ -305,14 +305,17 @@ async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
 # plan, dispatch, finish: WorkflowPlanning
 
 
-def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_with():
-    ledger = InFlightLedger()
+def workflow_planning(ledger: InFlightLedger, registry: PodRegistry) -> tuple[WorkflowTracker, WorkflowPlanning]:
     tracker = WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100), ledger)
-    registry = pods()
     executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry, GatewayMetrics(),
                                    lambda pod: None, HttpClient(), hard_flush=False)
-    step = WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
-                                            PressureModes(), ContextSignals()))
+    return tracker, WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
+                                                     PressureModes(), ContextSignals()))
+
+
+def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_with():
+    ledger, registry = InFlightLedger(), pods()
+    tracker, step = workflow_planning(ledger, registry)
     first = client_request(chat("stage one"), headers={"x-workflow-id": "wf", "x-stage-id": "s1"})
     routing = routing_of(first, token_ids=list(range(1000)), context_key="workflow:wf")
     plan = step.plan(first, ROUND_ROBIN, routing)
@@ -330,13 +333,8 @@ def test_workflow_planning_plans_records_where_a_stage_went_and_what_it_ended_wi
 
 
 def test_a_policy_placing_contexts_itself_takes_the_workflows_pod_as_a_hint():
-    ledger = InFlightLedger()
-    tracker = WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100), ledger)
-    registry = pods()
-    executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry, GatewayMetrics(),
-                                   lambda pod: None, HttpClient(), hard_flush=False)
-    step = WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
-                                            PressureModes(), ContextSignals()))
+    ledger, registry = InFlightLedger(), pods()
+    _, step = workflow_planning(ledger, registry)
     first = client_request(chat("stage one"), headers={"x-workflow-id": "wf", "x-stage-id": "s1"})
     routing = routing_of(first, token_ids=list(range(1000)), context_key="workflow:wf")
     attempt = attempt_of(first, routing, "p1", registry, ledger, step.plan(first, PLACES_CONTEXTS, routing))
