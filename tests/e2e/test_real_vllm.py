@@ -145,7 +145,10 @@ def test_openai_sdk_through_a_gateway_process(vllm: VllmFleet, model_dir: str, t
                                                   stream_options={"include_usage": True}, extra_body=extra))
         assert streamed[-1].usage.prompt_tokens == completion.usage.prompt_tokens
         text = "".join(c.choices[0].text for c in streamed if c.choices)
-        assert isinstance(text, str) and len([c for c in streamed if c.choices]) == 3
+        # vLLM merges a stream's deltas when its reader lags behind the engine (RequestOutputCollector): one
+        # to three chunks carry the three tokens, and the final usage counts them.
+        assert isinstance(text, str) and 1 <= len([c for c in streamed if c.choices]) <= 3
+        assert streamed[-1].usage.completion_tokens == 3
     assert gw.proc.returncode == 0
 
 
