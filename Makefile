@@ -39,9 +39,9 @@ test-fast: install
 e2e: install
 	tests/e2e/run.sh
 
-# The side-by-side router benchmark (peers from the package index); results in bench-results/.
+# The side-by-side router benchmark; results in bench-results/. The first run installs each peer router
+# (pinned, from the package index) into its own environment under ~/.cache/kv-gateway/peers.
 bench: install
-	$(PY) -m pip install -q -e '.[test,bench]'
 	$(VENV)/bin/gateway bench --speed 1 --out bench-results
 	$(VENV)/bin/gateway bench --scenario agentic-shared --pods 2 --working-set-ratio 2 --speed 1 \
 		--out bench-results/agentic-shared

@@ -9,7 +9,7 @@ more requests, each adding a ~300-token tool result, one at a time over one conn
 at speed 0 answer at once with one token, so what is measured is the router: its own CPU time per request
 (from ``/proc``, steadier than wall time on a shared machine) and its median latency above the same
 requests sent straight to a pod. Contenders: the gateway's ``kv_aware`` and, with ``--peers``, smg and
-vllm-router ``cache_aware`` and vllm-router ``kv_aware`` (``pip install '.[bench]'``).
+vllm-router ``cache_aware`` and vllm-router ``kv_aware`` (each installed into its own environment on first use).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.bench.runner import CONTENDERS, BenchRunner
+from gateway.bench.runner import CONTENDERS, BenchRunner, prepare_peers
 from gateway.bench.workloads import WORDS
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
@@ -129,10 +129,11 @@ def measure(client: Client, router: str, pod: str, pid: int, bodies: list[dict[s
 def run(contender_name: str, contexts: list[int], turns: int, tokenizer: HfTokenizer, warm: int
         ) -> dict[str, dict[str, float] | str]:
     longest = max(contexts) + 4096
-    runner = BenchRunner(pods=2, num_blocks=2 * longest // 16, speed=0.0, progress=False, max_model_len=longest * 2)
     results: dict[str, dict[str, float] | str] = {}
     client = Client()
     try:
+        runner = BenchRunner(pods=2, num_blocks=2 * longest // 16, speed=0.0, progress=False,
+                             max_model_len=longest * 2, peers=prepare_peers([CONTENDERS[contender_name]], True))
         with runner.serving(CONTENDERS[contender_name]) as (routers, pods):
             assert routers
             router, pid = routers[0], runner.router_processes[0].pid

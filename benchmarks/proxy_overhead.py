@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gateway.bench.peers import PEERS, install_peer
 from gateway.bench.runner import wait_http
 from gateway.mock.pod import free_ports
 
@@ -86,7 +87,8 @@ def main() -> int:
                         help="gateway worker counts to measure, each in the same run (default 1)")
     parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
     parser.add_argument("--peers", action="store_true",
-                        help="also measure vllm-router round_robin and cache_aware (pip install '.[bench]')")
+                        help="also measure vllm-router round_robin and cache_aware (installed into its own "
+                             "environment on first use)")
     args = parser.parse_args()
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
@@ -104,7 +106,7 @@ def main() -> int:
     wait_http(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
     peers: dict[str, str] = {}
     if args.peers:
-        router = str(Path(sys.executable).parent / "vllm-router")
+        router = install_peer(PEERS["vllm-router"]).path
         for policy, port, metrics_port in zip(("round_robin", "cache_aware"), peer_ports[:2], peer_ports[2:],
                                               strict=True):
             procs.append(subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,

@@ -10,9 +10,9 @@ Simulated pods at speed 0 (they answer at once) behind each router; wrk sends ~2
 - ``new``: every prompt new from its first word (everything must be tokenized or hashed afresh).
 
 Contenders: the gateway's ``kv_aware`` at each ``--workers`` count and, with ``--peers``, smg and
-vllm-router ``cache_aware`` and vllm-router ``kv_aware`` (``pip install '.[bench]'``). The pods, the load
-generator and the router share this machine: compare the contenders of one run, and give the router most
-of the cores on a machine with many (``taskset``).
+vllm-router ``cache_aware`` and vllm-router ``kv_aware`` (each installed into its own environment on first use).
+The pods, the load generator and the router share this machine: compare the contenders of one run, and give the
+router most of the cores on a machine with many (``taskset``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 import msgspec
 from proxy_overhead import run_wrk  # this folder is on the path when a benchmark runs
 
-from gateway.bench.runner import CONTENDERS, BenchRunner, Contender
+from gateway.bench.peers import PeerMissing, PeerRefused
+from gateway.bench.runner import CONTENDERS, BenchRunner, Contender, prepare_peers
 from gateway.bench.workloads import WORDS
 
 SYSTEM_PROMPTS = 16
@@ -80,10 +81,16 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
         return 2
-    runner = BenchRunner(pods=args.pods, num_blocks=8000, speed=0.0, progress=False)
+    chosen = contenders(args.workers, args.peers)
+    try:
+        peers = prepare_peers(chosen, install=True)
+    except (PeerMissing, PeerRefused) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    runner = BenchRunner(pods=args.pods, num_blocks=8000, speed=0.0, progress=False, peers=peers)
     results: dict[str, dict[str, float | str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for contender in contenders(args.workers, args.peers):
+        for contender in chosen:
             try:
                 with runner.serving(contender) as (routers, _pods):
                     assert routers

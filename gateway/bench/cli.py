@@ -82,6 +82,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=int, metavar="N", help="Mooncake: replay N requests")
     b.add_argument("--save-trace", help="write the generated trace here")
     b.add_argument("--out", default="bench-results")
+    b.add_argument("--no-install-peers", dest="install_peers", action="store_false",
+                   help="refuse to run when a peer router is not installed yet (default: install each peer its "
+                        "row names, pinned, into its own environment under ~/.cache/kv-gateway/peers, once)")
     b.add_argument("--router-logs", metavar="DIR", help="keep each router's output here (<contender>-<n>.log)")
     b.add_argument("--pod-url", action="append", help="benchmark these existing pods instead of simulated ones")
     b.add_argument("--events", action="append", help="URL=ENDPOINT: KV-event endpoint of an existing pod")
@@ -177,8 +180,9 @@ def load_trace(args: argparse.Namespace, scenario: str | None, tokenizer: str | 
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.bench.peers import PeerMissing, PeerRefused
     from gateway.bench.report import ratio, write_results
-    from gateway.bench.runner import CONTENDERS, BenchRunner
+    from gateway.bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
     from gateway.config import PodConfig
     from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 
@@ -193,25 +197,35 @@ def run(args: argparse.Namespace) -> int:
         replay = dict(e.split("=", 1) for e in (args.replay or []))
         existing = [PodConfig(url=u, name=f"pod{i}", kv_events=events.get(u), kv_replay=replay.get(u))
                     for i, u in enumerate(args.pod_url)]
-    runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
-                         tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs)
-    results = []
-    started = time.time()
+    runs: list[tuple[Trace, list[str]]] = []
     for scenario in [None] if args.trace else args.scenario or ["shared-prefix", "agentic"]:
         try:
             trace = load_trace(args, scenario, tokenizer)
         except (ValueError, OSError) as exc:
             print(f"gateway bench: {exc}", file=sys.stderr)
             return 2
+        runs.append((trace, args.contender or DEFAULT_CONTENDERS[trace.scenario]))
+    unknown = sorted({n for _, names in runs for n in names if n not in CONTENDERS})
+    if unknown:
+        print(f"gateway bench: unknown contender(s) {unknown}; known: {sorted(CONTENDERS)}", file=sys.stderr)
+        return 2
+    try:  # before any run: a wrong peer binary must not cost a whole bench first
+        peers = prepare_peers([CONTENDERS[n] for _, names in runs for n in names], args.install_peers)
+    except (PeerMissing, PeerRefused) as exc:
+        print(f"gateway bench: {exc}", file=sys.stderr)
+        return 2
+    for peer in peers.values():
+        print(f"peer {peer.package} {peer.version}: {peer.path} ({peer.reported or 'no --version'})",
+              file=sys.stderr)
+    runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
+                         tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs, peers=peers)
+    results = []
+    started = time.time()
+    for trace, names in runs:
         if args.save_trace:
             write_trace(trace, args.save_trace)
         if not existing:
             size_simulated_pods(runner, trace, args)
-        names = args.contender or DEFAULT_CONTENDERS[trace.scenario]
-        unknown = [n for n in names if n not in CONTENDERS]
-        if unknown:
-            print(f"gateway bench: unknown contender(s) {unknown}; known: {sorted(CONTENDERS)}", file=sys.stderr)
-            return 2
         conversations = sum(1 for s in trace.sessions if len(s.steps) > 1)
         print(f"{trace.scenario}: {trace.requests} requests in {len(trace.sessions)} sessions ({conversations} of "
               f"several requests), seed {trace.seed}, {runner.num_blocks} KV blocks per pod", file=sys.stderr)
@@ -225,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                       f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p90 "
                       f"{result.ttft_p90_ms:.0f} ms, per pod "
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
-    meta = {"seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks, "speed": args.speed,
+    meta = {"gateway": gateway_version(), "seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks,
+            "speed": args.speed,
             "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,
             "trace_format": args.trace_format, **{f: getattr(args, f) for f in MOONCAKE_FLAGS},
             "seconds": round(time.time() - started, 1)}

@@ -2,7 +2,7 @@
 
 Owner: nothing with a lifetime: results to files. Beside each hit ratio stand the trace's references
 (``infinite``, ``sticky_lru``, ``keep_warm``: :mod:`gateway.bench.oracle`) and the ``distance`` to the sticky
-one.
+one; beside each contender, what served it: package, version (the gateway's: its commit) and command line.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 from gateway.bench.runner import Result
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
            "e2e_p90_ms", "e2e_p99_ms", "session_p50_ms", "req_per_s", "errors", "rejected", "requests",
-           "pod_requests", "largest_share", "infinite", "sticky_lru", "keep_warm", "distance"]
+           "pod_requests", "largest_share", "infinite", "sticky_lru", "keep_warm", "distance", "package", "version",
+           "reported_version", "command"]
 
 
 def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> dict[str, Path]:
@@ -27,27 +29,46 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "skipped"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"]))} for row in rows)
-    paths["md"].write_text(markdown_table(results))
+        writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"])),
+                          "command": shlex.join(row["command"])} for row in rows)
+    paths["md"].write_text(markdown_table(results) + routers_served(results, str(meta.get("gateway", ""))))
     paths.update(plots(results, out))
     return paths
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| scenario | contender | hit ratio | infinite | sticky LRU | keep-warm bound | distance | TTFT p50 ms "
-             "| TTFT p90 ms | TTFT p99 ms | E2E p90 ms | session p50 s | req/s | errors | requests per pod "
-             "| largest share |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| scenario | contender | router | hit ratio | infinite | sticky LRU | keep-warm bound | distance "
+             "| TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p90 ms | session p50 s | req/s | errors "
+             "| requests per pod | largest share |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.scenario} | {r.name} | skipped: {r.skipped} |" + " |" * 13)
+            lines.append(f"| {r.scenario} | {r.name} | {router(r)} | skipped: {r.skipped} |" + " |" * 13)
             continue
-        lines.append(f"| {r.scenario} | {r.name} | {r.hit_ratio:.3f} | {ratio(r.infinite)} | {ratio(r.sticky_lru)} | "
-                     f"{ratio(r.keep_warm)} | {ratio(r.distance, signed=True)} | {r.ttft_p50_ms:.0f} | "
-                     f"{r.ttft_p90_ms:.0f} | "
+        lines.append(f"| {r.scenario} | {r.name} | {router(r)} | {r.hit_ratio:.3f} | {ratio(r.infinite)} | "
+                     f"{ratio(r.sticky_lru)} | {ratio(r.keep_warm)} | {ratio(r.distance, signed=True)} | "
+                     f"{r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.session_p50_ms / 1000:.1f} | "
                      f"{r.req_per_s:.2f} | {r.errors} | "
                      f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def router(result: Result) -> str:
+    """What served a row, as the tables print it: ``smg 1.13.0``; ``-`` for requests straight to the pods."""
+    return f"{result.package} {result.version}" if result.package else "-"
+
+
+def routers_served(results: list[Result], gateway: str) -> str:
+    """Below the table: the gateway's commit, and each contender's package, version, what its binary said of
+    its version, and its command line (the first router's, where it ran several)."""
+    lines = ["", f"Gateway: kv-gateway {gateway}.", ""]
+    seen: set[str] = set()
+    for r in results:
+        if r.package and r.name not in seen:
+            seen.add(r.name)
+            said = f" (`--version`: {r.reported_version})" if r.reported_version else ""
+            lines.append(f"- {r.name}: {r.package} {r.version}{said}: `{shlex.join(r.command)}`")
     return "\n".join(lines) + "\n"
 
 
@@ -80,13 +101,19 @@ def plots(results: list[Result], out: Path) -> dict[str, Path]:
         ax2.set_xlabel("TTFT p90 (ms)")
         ax2.set_yticks([])
         _pod_shares(ax3, rs)
-        fig.suptitle(f"{scenario}: gateway (red) vs direct and peers (grey)")
+        fig.suptitle(plot_title(scenario, rs))
         fig.tight_layout()
         path = out / f"{scenario}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths[f"plot-{scenario}"] = path
     return paths
+
+
+def plot_title(scenario: str, results: list[Result]) -> str:
+    """A plot's title: the scenario, and each router that served it with its package and version."""
+    served = ", ".join(dict.fromkeys(router(r) for r in results if r.package))
+    return f"{scenario}: gateway (red) vs direct and peers (grey)\n{served}"
 
 
 def _pod_shares(ax, results: list[Result]) -> None:

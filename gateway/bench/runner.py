@@ -23,9 +23,9 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, NamedTuple
 
 import aiohttp
 import msgspec
@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from gateway.backends.scraper import parse_engine_metrics
 from gateway.bench.oracle import ChatEncoder, Oracle, trace_oracle
+from gateway.bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
 from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
 from gateway.metrics import KeepWarmSpent, keep_warm_spent, prediction_checks
@@ -46,7 +47,7 @@ Kind = Literal["direct", "gateway", "vllm-router", "sglang-router", "smg"]
 
 class Contender(msgspec.Struct, frozen=True):
     name: str
-    kind: Kind
+    kind: Kind  # a peer's kind is its package's key in gateway.bench.peers.PEERS
     policy: str = "round_robin"
     env: dict[str, str] = {}
     # Gateway replicas, each with its own index; the client spreads requests over them round-robin,
@@ -87,6 +88,26 @@ CONTENDERS = {
         Contender("smg-pd-cache_aware", "smg", "cache_aware", prefill_pods=1),
     ]
 }
+
+
+class ServedBy(NamedTuple):
+    """What served a contender: its package ("kv-gateway": the gateway, its version the checkout's commit),
+    the version its binary said of itself (peers with ``--version``), and its first router's command line."""
+
+    package: str | None = None
+    version: str | None = None
+    reported_version: str | None = None
+    command: list[str] = []
+
+
+NOBODY = ServedBy()  # requests straight to the pods
+
+
+def prepare_peers(contenders: Iterable[Contender], install: bool) -> dict[str, PeerBinary]:
+    """The peer routers these contenders name, each checked to be its package at its pinned version (and
+    installed first where missing, if ``install``); PeerMissing or PeerRefused with the reason."""
+    kinds = sorted({c.kind for c in contenders} & PEERS.keys())
+    return {kind: (install_peer if install else resolve_peer)(PEERS[kind]) for kind in kinds}
 
 
 @dataclass
@@ -134,6 +155,11 @@ class Result:
     distance: float | None = None
     skipped: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    # What served the row (ServedBy; none: direct).
+    package: str | None = None
+    version: str | None = None
+    reported_version: str | None = None
+    command: list[str] = field(default_factory=list)
 
 
 def session_times(outcomes: list[Outcome]) -> list[float]:
@@ -222,8 +248,17 @@ def _per_leg(pods: list[PodConfig], before: list[dict[str, float]], after: list[
     return out
 
 
-def _binary(name: str) -> str:
-    return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+def gateway_version() -> str:
+    """The gateway's checkout as ``git describe`` says it (``-dirty``: with uncommitted changes), else the
+    installed package's version."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True,
+                              text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip()
+    from importlib.metadata import version
+
+    return version("kv-gateway")
 
 
 _CACHE_CONFIG_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
@@ -250,7 +285,8 @@ class BenchRunner:
     def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
                  model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
-                 max_model_len: int | None = None, router_logs: str | None = None) -> None:
+                 max_model_len: int | None = None, router_logs: str | None = None,
+                 peers: dict[str, PeerBinary] | None = None) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
         self.max_model_len = max_model_len
         self.model = model
@@ -262,6 +298,9 @@ class BenchRunner:
         self.router_logs = router_logs
         self._logs_per_contender: Counter[str] = Counter()
         self._procs: list[subprocess.Popen[bytes]] = []
+        # Each peer's checked binary, by kind: as given, else resolved (and checked) when first served.
+        self._peers: dict[str, PeerBinary] = dict(peers or {})
+        self.served_by = NOBODY  # the contender being served
         self._redis: subprocess.Popen[bytes] | None = None
         self._encoder: ChatEncoder | None = None
         # The last oracle computed: its trace, pods' cache configs and answers (contenders replaying a trace
@@ -323,13 +362,15 @@ class BenchRunner:
         env = {**os.environ, **extra_env}
         if contender.kind == "gateway":
             cmd = self._gateway_command(contender, pods, port, env)
-        elif contender.kind == "vllm-router":
-            cmd = self._vllm_router_command(contender, pods, port, env)
-        else:  # sglang-router and smg share one command line
-            cmd = [_binary(contender.kind), "launch", "--host", "127.0.0.1", "--port", str(port),
-                   "--policy", contender.policy, *_workers(pods, "--pd-disaggregation", "--worker-urls")]
-        if not os.path.exists(cmd[0]) and contender.kind != "gateway":
-            raise FileNotFoundError(f"{contender.kind} is not installed (pip install '.[bench]')")
+            self.served_by = ServedBy("kv-gateway", gateway_version(), None, cmd)
+        else:
+            peer = self.peer(contender.kind)
+            if contender.kind == "vllm-router":
+                cmd = self._vllm_router_command(peer.path, contender, pods, port, env)
+            else:  # sglang-router and smg share one command line
+                cmd = [peer.path, "launch", "--host", "127.0.0.1", "--port", str(port),
+                       "--policy", contender.policy, *_workers(pods, "--pd-disaggregation", "--worker-urls")]
+            self.served_by = ServedBy(peer.package, peer.version, peer.reported, cmd)
         with self._router_log(contender) as log:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self._procs.append(proc)
@@ -337,6 +378,12 @@ class BenchRunner:
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", 90, proc)
         return url
+
+    def peer(self, kind: str) -> PeerBinary:
+        """The peer's binary from its own environment, checked once per runner (PeerMissing, PeerRefused)."""
+        if kind not in self._peers:
+            self._peers[kind] = resolve_peer(PEERS[kind])
+        return self._peers[kind]
 
     def _router_log(self, contender: Contender) -> contextlib.AbstractContextManager[IO[bytes] | int]:
         """Where a router's stdout and stderr go: a new file under ``router_logs``, or nowhere."""
@@ -361,9 +408,9 @@ class BenchRunner:
             env["GATEWAY_TOKENIZATION__MODELS"] = json.dumps({self.model: {"path": str(self.tokenizer)}})
         return cmd
 
-    def _vllm_router_command(self, contender: Contender, pods: list[PodConfig], port: int,
+    def _vllm_router_command(self, binary: str, contender: Contender, pods: list[PodConfig], port: int,
                              env: dict[str, str]) -> list[str]:
-        cmd = [_binary("vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
+        cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", contender.policy,
                *_workers(pods, "--vllm-pd-disaggregation", "--worker-urls"), "--log-level", "warning"]
         if contender.policy == "kv_aware":
             for p in pods:
@@ -404,6 +451,7 @@ class BenchRunner:
         """The pods (simulated ones started, existing ones reset) and the contender's routers in front of
         them (``None``: requests go straight to the pods), all stopped on leaving."""
         fleet = None
+        self.served_by = NOBODY
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods)
             yield self._start_routers(contender, pods), pods
@@ -432,6 +480,9 @@ class BenchRunner:
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
             return result
+        finally:
+            result.package, result.version, result.reported_version, command = self.served_by
+            result.command = list(command)
         # The pods' counters count the gateway's keep-warm refreshes too: they are no client's requests.
         refreshes = [spent.get(p.name or "", KeepWarmSpent()) for p in pods]
         queries = sum(a[0] - b[0] - r.prompt_tokens for a, b, r in zip(after, before, refreshes, strict=True))

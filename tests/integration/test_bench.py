@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -11,8 +12,9 @@ import pytest
 
 from gateway.bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
 from gateway.bench.mooncake import read_mooncake
-from gateway.bench.report import write_results
-from gateway.bench.runner import CONTENDERS, BenchRunner, Outcome, session_times
+from gateway.bench.peers import PEERS, env_dir
+from gateway.bench.report import plot_title, write_results
+from gateway.bench.runner import CONTENDERS, BenchRunner, Outcome, Result, gateway_version, session_times
 from gateway.bench.workloads import (
     History,
     Session,
@@ -28,8 +30,10 @@ from gateway.bench.workloads import (
     working_set_tokens,
     write_trace,
 )
+from gateway.cli import main as gateway_main
 from gateway.mock.engine import MODEL_MAX_LEN
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from tests.unit.test_bench_peers import fake_env
 
 
 def test_generators_are_seeded_and_traces_round_trip(tmp_path):
@@ -77,6 +81,72 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     assert "/".join(map(str, gateway.pod_requests)) in csv_row
     assert f"| {'/'.join(map(str, gateway.pod_requests))} | {gateway.largest_share:.2f} |" in paths["md"].read_text()
     assert "gateway-kv_aware" in paths["md"].read_text() and paths["plot-shared-prefix"].stat().st_size > 1000
+    # What served each row: nothing for direct, the gateway's package at this checkout's commit.
+    assert (direct.package, direct.version, direct.command) == (None, None, [])
+    assert (gateway.package, gateway.version) == ("kv-gateway", gateway_version())
+    assert gateway.command[1:5] == ["-m", "gateway", "serve", "--port"] and "kv_aware" in gateway.command
+    assert saved["contenders"][1]["package"] == "kv-gateway" and saved["contenders"][1]["command"] == gateway.command
+    assert f"| gateway-kv_aware | kv-gateway {gateway.version} |" in paths["md"].read_text()
+
+
+def test_every_output_says_which_package_and_version_served_each_row(tmp_path):
+    smg = Result("smg-cache_aware", "cache_aware", "agentic-shared", 0, requests=4, pod_requests=[4, 0],
+                 package="smg", version="1.13.0", reported_version="smg 1.13.0",
+                 command=["/c/peers/smg-1.13.0-py3.11/bin/smg", "launch", "--policy", "cache_aware"])
+    sglang = Result("sglang-router-cache_aware", "cache_aware", "agentic-shared", 0, requests=4, pod_requests=[0, 4],
+                    package="sglang-router", version="0.3.2", reported_version="sgl-model-gateway 0.3.2",
+                    command=["/c/peers/sglang-router-0.3.2-py3.11/bin/smg", "launch"])
+    direct = Result("direct", "round_robin", "agentic-shared", 0, requests=4, pod_requests=[2, 2])
+    paths = write_results([direct, smg, sglang], tmp_path, {"gateway": "c424e7d"})
+    saved = json.loads(paths["json"].read_text())
+    assert saved["gateway"] == "c424e7d"
+    assert [(c["package"], c["version"], c["reported_version"]) for c in saved["contenders"]] == [
+        (None, None, None), ("smg", "1.13.0", "smg 1.13.0"), ("sglang-router", "0.3.2", "sgl-model-gateway 0.3.2")]
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert [(r["package"], r["version"]) for r in rows] == [("", ""), ("smg", "1.13.0"), ("sglang-router", "0.3.2")]
+    assert rows[1]["command"] == "/c/peers/smg-1.13.0-py3.11/bin/smg launch --policy cache_aware"
+    md = paths["md"].read_text()
+    assert "| agentic-shared | smg-cache_aware | smg 1.13.0 |" in md and "| agentic-shared | direct | - |" in md
+    assert "- sglang-router-cache_aware: sglang-router 0.3.2 (`--version`: sgl-model-gateway 0.3.2): " \
+        "`/c/peers/sglang-router-0.3.2-py3.11/bin/smg launch`" in md and "Gateway: kv-gateway c424e7d." in md
+    assert plot_title("agentic-shared", [direct, smg, sglang]).endswith("\nsmg 1.13.0, sglang-router 0.3.2")
+
+
+def test_a_peer_that_is_not_what_its_row_claims_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """The issue's case: the smg row's script is sglang-router's. The command refuses before any run, with
+    or without installing (a complete environment is checked, never silently replaced); the runner,
+    given the row on its own, skips it with the same reason."""
+    monkeypatch.setenv("KVGW_CACHE_DIR", str(tmp_path / "cache"))
+    fake_env(tmp_path / "cache", PEERS["smg"], [("smg", "1.13.0")], says="sgl-model-gateway 0.3.2")
+    for flags in ([], ["--no-install-peers"]):
+        code = gateway_main(["bench", "--scenario", "shared-prefix", "--contender", "direct", "--contender",
+                             "smg-cache_aware", "--out", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and "refused to run" in err and "prints 'sgl-model-gateway 0.3.2'" in err, err
+        assert not (tmp_path / "out").exists()
+    # Not installed and not to be installed: refused too, saying how to get it.
+    code = gateway_main(["bench", "--scenario", "shared-prefix", "--contender", "vllm-router-cache_aware",
+                         "--out", str(tmp_path / "out"), "--no-install-peers"])
+    assert code == 2 and "vllm-router 0.1.17 is not installed for the bench" in capsys.readouterr().err
+    trace = shared_prefix(seed=0, groups=1, per_group=2, shared_words=50, question_words=5, rate=20)
+    result = BenchRunner(pods=1, num_blocks=100, speed=0.0, progress=False).run(CONTENDERS["smg-cache_aware"], trace)
+    assert result.skipped and result.skipped.startswith(f"refused to run {env_dir(PEERS['smg'])}/bin/smg as smg")
+    assert result.package is None and result.requests == trace.requests and not result.pod_requests
+
+
+@pytest.mark.parametrize("name", ["smg-cache_aware", "sglang-router-cache_aware", "vllm-router-cache_aware"])
+def test_installed_peers_start_and_route(name):
+    """Each peer from its own environment serves a small trace on simulated pods, and its row says which
+    package and version it was (where this machine has them installed: `make bench` installs them)."""
+    peer = PEERS[CONTENDERS[name].kind]
+    if not (env_dir(peer) / ".complete").exists():
+        pytest.skip(f"{peer.label} is not installed here")
+    trace = shared_prefix(seed=0, groups=2, per_group=3, shared_words=200, question_words=10, rate=20)
+    result = BenchRunner(pods=2, num_blocks=400, speed=0.0, progress=False).run(CONTENDERS[name], trace)
+    assert result.skipped is None and result.errors == 0 and sum(result.pod_requests) == trace.requests
+    assert (result.package, result.version) == (peer.package, peer.version)
+    assert result.command[0] == str(env_dir(peer) / "bin" / peer.script)
+    assert result.reported_version == (f"{peer.banner} {peer.version}" if peer.banner else None)
 
 
 def test_a_session_lasts_from_its_first_request_sent_to_its_last_answer():
