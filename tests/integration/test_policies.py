@@ -189,3 +189,48 @@ async def test_a_restarted_pod_is_back_within_two_health_intervals(start_backend
             await asyncio.sleep(0.02)
     finally:
         await revived.cleanup()
+
+
+async def test_prefix_cache_sends_each_shared_prefix_back_to_its_pod(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    urls = [await start_backend(counting_backend(f"p{i}", hits)) for i in range(3)]
+    gw = await start_gateway(urls, routing={"policy": "prefix_cache"})
+    chosen: dict[str, list[str]] = {}
+    for group in ("reviewer", "planner"):
+        system = f"{group}: you work on a large Python codebase and answer with diffs only. " * 20
+        for i in range(4):
+            body = {"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": system},
+                                                                {"role": "user", "content": f"question {i}"}]}
+            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["x-gateway-policy"] == "prefix_cache"
+                chosen.setdefault(group, []).append((await resp.json())["pod"])
+    # Each group's later prompts follow its first to the pod the gateway sent it to.
+    assert all(pods == pods[:1] * 4 for pods in chosen.values()), chosen
+    made = await decisions(http, gw)
+    assert made[("prefix_cache", "approximate")] == 8.0 and sum(made.values()) == 8.0, made
+
+
+async def test_throughput_sends_requests_where_the_most_headroom_is_left(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    hold = asyncio.Event()
+    busy = await start_backend(counting_backend("busy", hits, hold=hold))
+    idle = await start_backend(counting_backend("idle", hits))
+    gw = await start_gateway([busy, idle], routing={"policy": "throughput"}, timeouts={"first_byte_s": 20})
+    held = []
+    for _ in range(12):
+        busy_before, total_before = hits["busy"], sum(hits.values())
+        task = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")))
+        while sum(hits.values()) == total_before:
+            await asyncio.sleep(0.005)
+        if hits["busy"] > busy_before:
+            held.append(task)
+        else:
+            resp = await task
+            assert resp.status == 200 and resp.headers["x-gateway-policy"] == "throughput"
+            assert (await resp.json())["pod"] == "idle"
+    # A request in flight on the busy pod takes a share of its capacity: every later one goes to the other.
+    assert hits["busy"] <= 1 and hits["idle"] >= 11
+    assert await decisions(http, gw) == {("throughput", "most_headroom"): 12.0}
+    hold.set()
+    for task in held:
+        assert (await task).status == 200

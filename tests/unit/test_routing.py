@@ -9,9 +9,11 @@ from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.http_client import HttpClient
+from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import Estimate
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
-from gateway.routing.policy import PolicyContext, RoutingRequest
+from gateway.routing.policy import PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
 
 
@@ -160,3 +162,52 @@ def test_model_union_keeps_lora_adapters():
     pods.get("p1").set_models([{"id": "base"}, {"id": "lora-b", "parent": "base"}])
     assert [c["id"] for c in pods.model_cards()] == ["base", "lora-a", "lora-b"]
     assert pods.knows_model("lora-b") and not pods.knows_model("m")
+
+
+def test_prefix_cache_follows_the_gateways_own_routing_history_unless_the_pod_is_overloaded():
+    pods, ledger, approximate = registry(3), InFlightLedger(), ApproximatePrefixIndex()
+    router = Router(pods, policies(), "prefix_cache", {},
+                    PolicyContext.standalone(pods, ledger=ledger, approximate=approximate))
+    policy = router.resolve(None)
+    shared = "\x1esystem\x1fYou review pull requests for a large Python codebase. " * 12
+
+    def asking(question: str) -> RoutingRequest:
+        return RoutingRequest("r", "m", "chat", prefix=PrefixMatch(False, text=f"{shared}\x1euser\x1f{question}"))
+
+    ledger.dispatch("elsewhere", "p0", 0.0, "chat")
+    first = router.route(asking("first"), policy)  # nothing sent yet: the least loaded of the idle pods
+    assert first.pod.name in {"p1", "p2"} and first.scores[first.pod.name] > first.scores["p0"]
+    approximate.record(f"{shared}\x1euser\x1ffirst", "p2")  # what the pipeline records once it is routed
+    second = router.route(asking("second"), policy)
+    assert (second.pod.name, second.reason) == ("p2", "approximate")
+    assert second.scores["p2"] > max(second.scores["p0"], second.scores["p1"])
+    for i in range(10):  # p2 past the overload guard (slack 8 over the least loaded): the prefix loses it
+        ledger.dispatch(f"busy-{i}", "p2", 0.0, "chat")
+    request = asking("third")
+    third = router.route(request, policy)
+    assert third.pod.name == "p1" and third.reason == "rebalanced"
+    assert request.filtered_out == {"overload_guard": ["p2"]}
+
+
+def test_throughput_takes_the_pod_with_the_most_requests_per_second_left_that_fits():
+    pods, ledger = registry(3), InFlightLedger()
+    ledger.dispatch("half", "p1", 0.5, "chat")
+    router = make_router(pods, "throughput", ledger=ledger)
+    policy = router.resolve(None)
+
+    def sized(**estimates: Estimate) -> RoutingRequest:
+        return RoutingRequest("r", "m", "chat", estimates=estimates)
+
+    # requests/s left: p0 (1/0.25)/1.0 = 4, p1 4 x (1 - 0.5) = 2, p2 (1/0.6)/1.0 = 1.67
+    estimates = {"p0": Estimate(0.25, e2e_s=1.0), "p1": Estimate(0.25, e2e_s=1.0), "p2": Estimate(0.6, e2e_s=1.0)}
+    first = router.route(sized(**estimates), policy)
+    assert (first.pod.name, first.reason) == ("p0", "most_headroom")
+    assert first.scores == pytest.approx({"p0": 1.0, "p1": 0.5, "p2": 0.4167}, abs=1e-3)
+    ledger.dispatch("full", "p0", 0.9, "chat")  # p0 cannot take 0.25 more: the capacity filter drops it
+    request = sized(**estimates)
+    second = router.route(request, policy)
+    assert second.pod.name == "p1" and request.filtered_out == {"capacity": ["p0"]}
+    # No pod fits: all stay candidates (the request was admitted), the most headroom still wins.
+    too_big = {name: Estimate(1.5, e2e_s=1.0) for name in ("p0", "p1", "p2")}
+    request = sized(**too_big)
+    assert router.route(request, policy).pod.name == "p2" and request.filtered_out == {}
