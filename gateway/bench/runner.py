@@ -362,7 +362,7 @@ class BenchRunner:
         env = {**os.environ, **extra_env}
         if contender.kind == "gateway":
             cmd = self._gateway_command(contender, pods, port, env)
-            self.served_by = ServedBy("kv-gateway", gateway_version(), None, cmd)
+            served = ServedBy("kv-gateway", gateway_version(), None, cmd)
         else:
             peer = self.peer(contender.kind)
             if contender.kind == "vllm-router":
@@ -370,7 +370,9 @@ class BenchRunner:
             else:  # sglang-router and smg share one command line
                 cmd = [peer.path, "launch", "--host", "127.0.0.1", "--port", str(port),
                        "--policy", contender.policy, *_workers(pods, "--pd-disaggregation", "--worker-urls")]
-            self.served_by = ServedBy(peer.package, peer.version, peer.reported, cmd)
+            served = ServedBy(peer.package, peer.version, peer.reported, cmd)
+        if self.served_by is NOBODY:  # the first of its routers
+            self.served_by = served
         with self._router_log(contender) as log:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self._procs.append(proc)

@@ -54,14 +54,17 @@ async def test_round_robin_spreads_evenly(start_backend, start_gateway, http):
     assert await decisions(http, gw) == {("round_robin", "rotation"): 40.0}
 
 
-async def test_least_request_prefers_the_idle_pod(start_backend, start_gateway, http):
+async def one_by_one_beside_a_busy_pod(start_backend, start_gateway, http, policy: str, n: int) -> dict:
+    """``n`` requests one after another to a gateway with ``policy`` over two pods, one of which ("busy")
+    holds every request it gets until the end; each request that went to the other ("idle") answered with
+    the policy's header. Returns the gateway's decisions."""
     hits: Counter = Counter()
     hold = asyncio.Event()
     busy = await start_backend(counting_backend("busy", hits, hold=hold))
     idle = await start_backend(counting_backend("idle", hits))
-    gw = await start_gateway([busy, idle], routing={"policy": "least_request"}, timeouts={"first_byte_s": 20})
+    gw = await start_gateway([busy, idle], routing={"policy": policy}, timeouts={"first_byte_s": 20})
     held = []
-    for _ in range(20):
+    for _ in range(n):
         busy_before, total_before = hits["busy"], sum(hits.values())
         task = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")))
         while sum(hits.values()) == total_before:  # wait until a pod has received it
@@ -70,13 +73,20 @@ async def test_least_request_prefers_the_idle_pod(start_backend, start_gateway, 
             held.append(task)  # stays in flight on the busy pod
         else:
             resp = await task
-            assert resp.status == 200 and (await resp.json())["pod"] == "idle"
+            assert resp.status == 200 and resp.headers["x-gateway-policy"] == policy
+            assert (await resp.json())["pod"] == "idle"
     # Once the busy pod holds one request, every later one goes to the idle pod.
-    assert hits["busy"] <= 1 and hits["idle"] >= 19
-    assert (await decisions(http, gw))[("least_request", "least_in_flight")] == 20.0
+    assert hits["busy"] <= 1 and hits["idle"] >= n - 1
+    made = await decisions(http, gw)
     hold.set()
     for task in held:
         assert (await task).status == 200
+    return made
+
+
+async def test_least_request_prefers_the_idle_pod(start_backend, start_gateway, http):
+    made = await one_by_one_beside_a_busy_pod(start_backend, start_gateway, http, "least_request", 20)
+    assert made[("least_request", "least_in_flight")] == 20.0
 
 
 async def test_least_request_splits_a_burst_evenly(start_backend, start_gateway, http):
@@ -211,26 +221,6 @@ async def test_prefix_cache_sends_each_shared_prefix_back_to_its_pod(start_backe
 
 
 async def test_throughput_sends_requests_where_the_most_headroom_is_left(start_backend, start_gateway, http):
-    hits: Counter = Counter()
-    hold = asyncio.Event()
-    busy = await start_backend(counting_backend("busy", hits, hold=hold))
-    idle = await start_backend(counting_backend("idle", hits))
-    gw = await start_gateway([busy, idle], routing={"policy": "throughput"}, timeouts={"first_byte_s": 20})
-    held = []
-    for _ in range(12):
-        busy_before, total_before = hits["busy"], sum(hits.values())
-        task = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")))
-        while sum(hits.values()) == total_before:
-            await asyncio.sleep(0.005)
-        if hits["busy"] > busy_before:
-            held.append(task)
-        else:
-            resp = await task
-            assert resp.status == 200 and resp.headers["x-gateway-policy"] == "throughput"
-            assert (await resp.json())["pod"] == "idle"
     # A request in flight on the busy pod takes a share of its capacity: every later one goes to the other.
-    assert hits["busy"] <= 1 and hits["idle"] >= 11
-    assert await decisions(http, gw) == {("throughput", "most_headroom"): 12.0}
-    hold.set()
-    for task in held:
-        assert (await task).status == 200
+    made = await one_by_one_beside_a_busy_pod(start_backend, start_gateway, http, "throughput", 12)
+    assert made == {("throughput", "most_headroom"): 12.0}
