@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway.bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
+from gateway.bench.cli import run as run_bench
 from gateway.bench.mooncake import read_mooncake
 from gateway.bench.peers import PEERS, env_dir
 from gateway.bench.report import plot_title, write_results
@@ -30,7 +31,7 @@ from gateway.bench.workloads import (
     working_set_tokens,
     write_trace,
 )
-from gateway.cli import main as gateway_main
+from gateway.cli import build_parser
 from gateway.mock.engine import MODEL_MAX_LEN
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 from tests.unit.test_bench_peers import fake_env
@@ -112,6 +113,11 @@ def test_every_output_says_which_package_and_version_served_each_row(tmp_path):
     assert plot_title("agentic-shared", [direct, smg, sglang]).endswith("\nsmg 1.13.0, sglang-router 0.3.2")
 
 
+def bench_command(argv: list[str]) -> int:
+    """``gateway bench`` with these arguments, in this process (without the command's logging set-up)."""
+    return run_bench(build_parser().parse_args(argv))
+
+
 def test_a_peer_that_is_not_what_its_row_claims_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     """The issue's case: the smg row's script is sglang-router's. The command refuses before any run, with
     or without installing (a complete environment is checked, never silently replaced); the runner,
@@ -119,13 +125,13 @@ def test_a_peer_that_is_not_what_its_row_claims_is_refused_before_anything_runs(
     monkeypatch.setenv("KVGW_CACHE_DIR", str(tmp_path / "cache"))
     fake_env(tmp_path / "cache", PEERS["smg"], [("smg", "1.13.0")], says="sgl-model-gateway 0.3.2")
     for flags in ([], ["--no-install-peers"]):
-        code = gateway_main(["bench", "--scenario", "shared-prefix", "--contender", "direct", "--contender",
+        code = bench_command(["bench", "--scenario", "shared-prefix", "--contender", "direct", "--contender",
                              "smg-cache_aware", "--out", str(tmp_path / "out"), *flags])
         err = capsys.readouterr().err
         assert code == 2 and "refused to run" in err and "prints 'sgl-model-gateway 0.3.2'" in err, err
         assert not (tmp_path / "out").exists()
     # Not installed and not to be installed: refused too, saying how to get it.
-    code = gateway_main(["bench", "--scenario", "shared-prefix", "--contender", "vllm-router-cache_aware",
+    code = bench_command(["bench", "--scenario", "shared-prefix", "--contender", "vllm-router-cache_aware",
                          "--out", str(tmp_path / "out"), "--no-install-peers"])
     assert code == 2 and "vllm-router 0.1.17 is not installed for the bench" in capsys.readouterr().err
     trace = shared_prefix(seed=0, groups=1, per_group=2, shared_words=50, question_words=5, rate=20)
