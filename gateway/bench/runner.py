@@ -261,6 +261,21 @@ def gateway_version() -> str:
     return version("kv-gateway")
 
 
+def _added_ttft(ok: list[Outcome], before: list[dict[str, float]], after: list[dict[str, float]]
+                ) -> dict[str, float]:
+    """The clients' mean time to first token, the pods' own (their histograms' sum over count) and the
+    difference: what the router and the hops add before the first token (``direct``: the hops alone). The
+    pods' histograms count keep-warm refreshes too (one-token prompts, mostly cached: they pull the pods'
+    mean down a little)."""
+    firsts = sum(a["firsts"] - b["firsts"] for b, a in zip(before, after, strict=True))
+    if not ok or not firsts:
+        return {}
+    pod_ms = 1000 * sum(a["ttft_s"] - b["ttft_s"] for b, a in zip(before, after, strict=True)) / firsts
+    client_ms = 1000 * sum(o.ttft_s for o in ok) / len(ok)
+    return {"client_ttft_ms_mean": round(client_ms, 2), "pod_ttft_ms_mean": round(pod_ms, 2),
+            "added_ttft_ms_mean": round(client_ms - pod_ms, 2)}
+
+
 _CACHE_CONFIG_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -470,13 +485,14 @@ class BenchRunner:
             with self.serving(contender, speed) as (routers, pods):
                 caches = [cache_config(p.url) for p in pods]
                 before = [self._prefix_counters(p.url) for p in pods]
-                legs_before = [_leg_counters(p.url) for p in pods] if contender.prefill_pods else []
+                legs_before = [_leg_counters(p.url) for p in pods]
                 decode_urls = [p.url for p in pods if p.role != "prefill"]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
                 after, spent = self._counters_after(pods, routers if contender.kind == "gateway" else None)
+                legs_after = [_leg_counters(p.url) for p in pods]
                 if contender.prefill_pods:
-                    result.extra.update(_per_leg(pods, legs_before, [_leg_counters(p.url) for p in pods]))
+                    result.extra.update(_per_leg(pods, legs_before, legs_after))
                 if contender.kind == "gateway" and routers:
                     result.extra.update(self._prediction_checks(routers))
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
@@ -501,6 +517,8 @@ class BenchRunner:
             result.extra["client_hit_ratio"] = round(sum(o.cached_tokens or 0 for o in ok) / prompted, 4) \
                 if prompted else 0.0
         result.hit_ratio = hits / queries if queries else 0.0
+        if not contender.prefill_pods:
+            result.extra.update(_added_ttft(ok, legs_before, legs_after))
         result.extra["prompt_tokens"] = round(queries)  # the clients' (what a hit ratio's gain is a share of)
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
         # The gateway's workflow cache actions, as shares of the answered requests.
