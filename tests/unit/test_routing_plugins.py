@@ -139,6 +139,9 @@ def test_load_scorer(pods, running, scores):
 @pytest.mark.parametrize(("blocks", "scores"), [
     ({}, [1.0, 1.0, 1.0]),
     ({"p0": 4, "p1": 2}, [0.0, 0.5, 1.0]),
+    # Full caches a few blocks apart: all full (a tie the picker breaks at random, not towards p1)
+    ({"p0": 1000, "p1": 985, "p2": 990}, [0.0, 0.0, 0.0]),
+    ({"p0": 1000, "p1": 970, "p2": 990}, [0.0, pytest.approx(0.03), 0.0]),
 ])
 def test_kv_usage_scorer(pods, blocks, scores):
     index = PrefixIndex()
