@@ -1,0 +1,343 @@
+"""The flow controller: holds requests at the gateway while the fleet is saturated, and dispatches them fairly.
+
+A request whose candidate pods all lack room (:mod:`gateway.flow.saturation`), or that finds others already
+waiting, waits here in its flow's queue instead of in a pod's. As room frees up (an answer begins, an attempt
+ends: the ledger rings the doorbell; engine metrics and the other workers' requests are re-read every
+``TICK_S``) the controller releases, one at a time, the head of the highest band's least-served flow
+(:mod:`gateway.flow.service`; ties: the flow released least recently), within a flow the request with the
+earliest deadline (its SLO, else its arrival: first come, first served). The released request is routed
+then, among the pods that had room: a held request goes to the best pod when it leaves, not when it came.
+The next one is released once it has been dispatched. An idle fleet holds nothing: a request that finds
+room and nobody waiting goes on at once.
+
+A request waits at most its flow's limit, or its SLO allows less; then it is refused (429 with a
+Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
+that leaves while held leaves nothing behind: it was never dispatched, charged or counted as served.
+
+Owner: the :class:`FlowController` owns the requests held in this process, their queues, and the one
+request released and not yet dispatched. Each worker holds its own; what they share is the pods' state
+(the load table, the engines' metrics) and the flows' service counters (the state bus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backends.registry import PodRegistry
+from gateway.background import Doorbell, cancel_and_wait
+from gateway.config import FlowControlConfig
+from gateway.core.errors import ErrorKind, GatewayError
+from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey
+from gateway.flow.metrics import FlowMetrics
+from gateway.flow.saturation import SaturationDetector
+from gateway.flow.service import ServiceCounters
+from gateway.load.pending import Estimate
+
+log = logging.getLogger("gateway.flow")
+
+# How often held requests re-check for room without a ring (engine metrics, the other workers' requests).
+TICK_S = 0.05
+# A released request not dispatched by then (a bug, a stalled step) no longer blocks the next release.
+TRANSIT_LIMIT_S = 1.0
+# Dispatches remembered for the rate that Retry-After is estimated from.
+RATE_WINDOW_S = 30.0
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    """One request waiting here; the future is resolved with the pods that had room when it was released."""
+
+    flow: Flow
+    key: FlowKey  # the flow's key as counted here (past max_flows: its band's overflow flow)
+    model: str
+    leg: str | None
+    kind: str
+    estimates: dict[str, Estimate]
+    arrived: float
+    give_up_at: float
+    seq: int
+    future: asyncio.Future[frozenset[str]]
+    timer: asyncio.TimerHandle | None = None
+    queued: bool = True
+
+    def __lt__(self, other: Held) -> bool:  # within a flow: the earliest deadline, then the first to come
+        return (self.give_up_at, self.seq) < (other.give_up_at, other.seq)
+
+
+@dataclass(eq=False, slots=True)
+class _FlowQueue:
+    key: FlowKey
+    heap: list[Held] = field(default_factory=list)
+    size: int = 0
+    released_at: float = -math.inf  # when this flow last had a request released (ties go to the older)
+
+    def head(self) -> Held | None:
+        heap = self.heap
+        while heap and not heap[0].queued:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A held request's release: the pods that had room for it, and how long it waited."""
+
+    room: frozenset[str]
+    waited_s: float
+    held: Held | None = None  # None: it never waited
+
+
+class FlowController:
+    def __init__(self, config: FlowControlConfig, pods: PodRegistry, detector: SaturationDetector,
+                 counters: ServiceCounters, doorbell: Doorbell, metrics: FlowMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._pods = pods
+        self.detector = detector
+        self.counters = counters
+        self._doorbell = doorbell
+        self._metrics = metrics
+        self._clock = clock
+        self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
+        self._queued = 0
+        self._seq = itertools.count()
+        self._transit: Held | None = None
+        self._transit_since = 0.0
+        self._dispatches: deque[float] = deque()
+        self._flows_seen: set[FlowKey] = set()
+        self._has_queued: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._draining = False
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    # Admission
+
+    def room_now(self, flow: Flow, model: str, leg: str | None, kind: str,
+                 estimates: dict[str, Estimate]) -> frozenset[str] | None:
+        """The pods with room for the request when nothing waits ahead of it (it goes on at once), else None."""
+        if self._queued or self._transit is not None:
+            return None
+        return self._room(model, leg, kind, estimates)
+
+    async def hold(self, flow: Flow, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate],
+                   wait_allowed_s: float) -> Release:
+        """Wait until released (the pods with room then), or raise: 429 when it waited too long or too many
+        wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""
+        if self._draining:
+            raise _shutting_down()
+        if self._queued >= self.config.max_queued:
+            self._metrics.rejected(self.key_of(flow.key), "queue_full")
+            raise self._refusal("The gateway's queue is full.", "queue_full")
+        now = self._clock()
+        loop = asyncio.get_running_loop()
+        held = Held(flow, self.key_of(flow.key), model, leg, kind, estimates, now, now + wait_allowed_s,
+                    next(self._seq), loop.create_future())
+        held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
+        self._enqueue(held)
+        try:
+            room = await held.future
+        except asyncio.CancelledError:
+            if held.queued:
+                self._dequeue(held)
+                self._metrics.left(held.key)
+            self.landed(held)  # released, but gone before it was dispatched
+            raise
+        finally:
+            if held.timer is not None:
+                held.timer.cancel()
+        return Release(room, self._clock() - held.arrived, held)
+
+    def landed(self, held: Held | None) -> None:
+        """The released request was dispatched (or ended without): the next may be released."""
+        if held is not None and self._transit is held:
+            self._transit = None
+            if self._queued:
+                self._pump()
+
+    def dispatched(self) -> None:
+        """A request was sent to a pod (for the rate Retry-After is estimated from)."""
+        now = self._clock()
+        self._dispatches.append(now)
+        if len(self._dispatches) > 4096 or self._dispatches[0] < now - RATE_WINDOW_S:
+            while self._dispatches and self._dispatches[0] < now - RATE_WINDOW_S:
+                self._dispatches.popleft()
+
+    # Queues
+
+    def _enqueue(self, held: Held) -> None:
+        key = held.key
+        band = self._bands.setdefault(key.priority, {})
+        queue = band.get(key)
+        if queue is None:
+            # The flow starts to wait: no service banked while it did not (the VTC's counter lift).
+            floor = min((self.counters.get(k) for k in band), default=None)
+            if floor is not None:
+                self.counters.lift(key, floor)
+            queue = band[key] = _FlowQueue(key)
+        heapq.heappush(queue.heap, held)
+        queue.size += 1
+        self._queued += 1
+        self._metrics.queued(key, 1)
+        if self._has_queued is not None:
+            self._has_queued.set()
+        self._pump()
+
+    def key_of(self, key: FlowKey) -> FlowKey:
+        """The flow's key as counted here: itself, or its band's overflow flow past ``max_flows`` distinct ones."""
+        if key in self._flows_seen:
+            return key
+        if len(self._flows_seen) >= self.config.max_flows:
+            return FlowKey(OVERFLOW_FAIRNESS_ID, key.priority)
+        self._flows_seen.add(key)
+        return key
+
+    def _dequeue(self, held: Held) -> None:
+        held.queued = False
+        key = held.key
+        band = self._bands.get(key.priority, {})
+        queue = band.get(key)
+        self._queued -= 1
+        self._metrics.queued(key, -1)
+        if queue is not None:
+            queue.size -= 1
+            if not queue.size:
+                del band[key]
+                if not band:
+                    del self._bands[key.priority]
+
+    def _pump(self) -> None:
+        """Release the next request that has room, if none is in transit."""
+        if self._transit is not None:
+            if self._clock() - self._transit_since < TRANSIT_LIMIT_S:
+                return
+            log.warning("flow control: a released request was not dispatched within %g s", TRANSIT_LIMIT_S)
+            self._transit = None
+        for priority in sorted(self._bands, reverse=True):
+            band = self._bands[priority]
+            for queue in sorted(band.values(), key=lambda q: (self.counters.get(q.key), q.released_at)):
+                held = queue.head()
+                if held is None:
+                    continue
+                room = self._room(held.model, held.leg, held.kind, held.estimates)
+                if room is None:
+                    continue
+                self._release(queue, held, room)
+                return
+
+    def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
+        self._dequeue(held)
+        now = self._clock()
+        queue.released_at = now
+        self._transit, self._transit_since = held, now
+        self._metrics.waited(queue.key, now - held.arrived)
+        held.future.set_result(room)
+
+    def _room(self, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
+        pods = self._pods.candidates(model, leg=leg)  # type: ignore[arg-type]
+        if not pods:
+            return frozenset()  # nothing to wait for: routing says there is no pod
+        detector = self.detector
+        room = frozenset(p.name for p in pods if detector.saturated_by(p.name, estimates.get(p.name), kind) is None)
+        return room or None
+
+    def _expire(self, held: Held) -> None:
+        held.timer = None
+        if not held.queued or held.future.done():
+            return
+        self._dequeue(held)
+        self._metrics.rejected(held.key, "queue_timeout")
+        held.future.set_exception(self._refusal(
+            f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
+            "queue_timeout"))
+
+    def _refusal(self, reason: str, code: str) -> GatewayError:
+        retry = self.retry_after_s()
+        return GatewayError(ErrorKind.RATE_LIMITED, f"{reason} Retry after {retry} s.", code=code, retry_after_s=retry)
+
+    def retry_after_s(self) -> int:
+        """When a request sent again would likely be served: the requests waiting over the recent rate."""
+        now = self._clock()
+        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
+        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
+        rate = recent / span if span > 0 else 0.0
+        return max(1, min(3600, math.ceil((self._queued + 1) / rate))) if rate > 0 else 1
+
+    # Lifetime
+
+    def start(self) -> None:
+        self._has_queued = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="flow-control")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        for held in self._all_held():
+            if not held.future.done():
+                held.future.cancel()
+
+    def drain(self) -> None:
+        """Shutting down: what waits is refused at once (503: another replica can take it)."""
+        self._draining = True
+        for held in self._all_held():
+            if not held.future.done():
+                self._dequeue(held)
+                held.future.set_exception(_shutting_down())
+
+    def reconfigure(self, config: FlowControlConfig) -> None:
+        """A reloaded config: limits, weights and thresholds apply from the next decision on."""
+        self.config = config
+        self.detector.config = config.saturation
+        if self._queued:
+            self._pump()
+
+    async def _run(self) -> None:
+        assert self._has_queued is not None
+        forget_every = 0
+        while True:
+            if not self._queued:
+                self._has_queued.clear()
+                await self._has_queued.wait()
+            await self._doorbell.wait(TICK_S)
+            self._pump()
+            forget_every = (forget_every + 1) % 1200
+            if not forget_every:
+                self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        waiting = {k for band in self._bands.values() for k in band}
+        self.counters.forget_idle(lambda k: k in waiting)
+        self._flows_seen = {k for k in self._flows_seen if k in waiting or self.counters.get(k)}
+
+    def _all_held(self) -> list[Held]:
+        return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
+
+    def debug(self) -> dict[str, Any]:
+        now = self._clock()
+        served = self.counters.snapshot()
+        waiting = {k: q for band in self._bands.values() for k, q in band.items()}
+        flows = []
+        for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
+            queue = waiting.get(key)
+            head = queue.head() if queue is not None else None
+            flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
+                          "service": round(served.get(key, 0.0), 1), "queued": queue.size if queue else 0,
+                          "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
+        pods = {p.name: self.detector.saturated_by(p.name) or "room" for p in self._pods.all()}
+        return {"queued": self._queued, "in_transit": self._transit is not None, "flows": flows, "pods": pods,
+                "retry_after_s": self.retry_after_s()}
+
+
+def _shutting_down() -> GatewayError:
+    return GatewayError(ErrorKind.NO_POD, "The gateway is shutting down; retry the request.", code="draining")
+

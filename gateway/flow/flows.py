@@ -1,0 +1,111 @@
+"""Flows: which tenant and priority band a request belongs to, as the config says to tell them.
+
+A request's *flow* is its fairness id and its priority band (the Gateway API Inference Extension's
+model): the fairness id from ``x-gateway-inference-fairness-id``, else its workflow's (a stage inherits
+the flow its workflow began with), else its API key's tenant (``flow_control.keys``; a named key is its
+own tenant), else ``default``. The band from ``x-gateway-inference-objective`` (a named objective of the
+config: band, TTFT target, weight), else ``x-priority``, else its workflow's, else 0. Higher bands are
+served first. An objective the config does not name counts as none, as the Inference Extension treats an
+unknown ``InferenceObjective``.
+
+Owner: the :class:`FlowPolicy` owns nothing that changes: it is the config's reading, replaced whole when the
+config is reloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.config import FlowControlConfig
+from gateway.core.errors import bad_request
+
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+PRIORITY_HEADER = "x-priority"
+DEFAULT_FAIRNESS_ID = "default"
+# The fairness id of flows beyond ``flow_control.max_flows``: they share one.
+OVERFLOW_FAIRNESS_ID = "overflow"
+MAX_FAIRNESS_ID_CHARS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class FlowKey:
+    """A flow: a fairness id within a priority band."""
+
+    fairness_id: str
+    priority: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.fairness_id}@{self.priority}"
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """A request's flow and what the config says of it when the request arrived."""
+
+    key: FlowKey
+    objective: str | None = None
+    weight: float = 1.0  # the tenant's weight times the objective's
+    max_wait_s: float = 120.0  # how long it may wait at the gateway
+    ttft_s: float | None = None  # the objective's TTFT target
+
+    @property
+    def engine_priority(self) -> int:
+        """The band in vLLM's terms: lower values are scheduled first."""
+        return -self.key.priority
+
+
+class FlowPolicy:
+    def __init__(self, config: FlowControlConfig) -> None:
+        self.config = config
+
+    def resolve(self, headers: Mapping[str, str], key_name: str | None, inherited: FlowKey | None) -> Flow:
+        """The flow of a request with these headers, sent with the API key named ``key_name`` (none: no key,
+        or keys off), continuing a workflow whose flow is ``inherited`` (none: it starts one, or has none)."""
+        config = self.config
+        fairness_id = _fairness_id(headers.get(FAIRNESS_HEADER))
+        if fairness_id is None:
+            if inherited is not None:
+                fairness_id = inherited.fairness_id
+            elif key_name:
+                fairness_id = config.keys.get(key_name, key_name)
+            else:
+                fairness_id = DEFAULT_FAIRNESS_ID
+        name = headers.get(OBJECTIVE_HEADER)
+        objective = config.objectives.get(name) if name else None
+        if objective is not None:
+            priority = objective.priority
+        elif (raw := headers.get(PRIORITY_HEADER)) is not None:
+            priority = _priority(raw)
+        else:
+            priority = inherited.priority if inherited is not None else 0
+        tenant = config.tenants.get(fairness_id)
+        weight = (tenant.weight if tenant else 1.0) * (objective.weight if objective else 1.0)
+        limits = [w for w in (objective.max_wait_s if objective else None, tenant.max_wait_s if tenant else None)
+                  if w is not None]
+        return Flow(FlowKey(fairness_id, priority), name if objective is not None else None, weight,
+                    min(limits) if limits else config.max_wait_s,
+                    objective.ttft_ms / 1000 if objective is not None and objective.ttft_ms else None)
+
+    def weight(self, key: FlowKey) -> float:
+        """A flow's weight by its tenant alone (for service counted after its requests' objectives are gone)."""
+        tenant = self.config.tenants.get(key.fairness_id)
+        return tenant.weight if tenant else 1.0
+
+
+def _fairness_id(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    value = raw.strip()
+    if not value or len(value) > MAX_FAIRNESS_ID_CHARS or not value.isprintable():
+        raise bad_request(f"{FAIRNESS_HEADER} must be 1 to {MAX_FAIRNESS_ID_CHARS} printable characters.",
+                          param=FAIRNESS_HEADER, code="invalid_fairness_id")
+    return value
+
+
+def _priority(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request("x-priority must be an integer.", param=PRIORITY_HEADER, code="invalid_slo_header") from None

@@ -1,0 +1,60 @@
+"""Saturation: whether a pod has room for one more request now.
+
+A pod is saturated while any of these holds (``flow_control.saturation``):
+
+- ``prefill``: the prompt tokens sent to it (by every worker of this gateway) that it has not begun to
+  answer reach ``prefill_tokens``. A pod that prefills first-come first-served makes the next request wait
+  for all of them; keeping this queue to about one prompt is what lets a later, more urgent request start
+  soon, while the pod never runs out of prefill work (the gateway's in-flight ledger counts it);
+- ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
+  it has no room in its running batch (other gateways' requests count there too);
+- ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
+- ``in_flight``: the gateway's requests in flight on it reach ``in_flight`` (when set);
+- ``load``: with SLO admission on, the request's predicted load (GPU profiles) would take it past full.
+
+Engine metrics older than ``stale_after_s`` (a scrape failing, or scraping off) are not read: the
+gateway's own counts decide. The Gateway API Inference Extension's utilization detector reads the same
+engine signals (queue depth 5, KV usage 0.8 by default); its concurrency detector the gateway's own counts.
+
+Owner: nothing of its own: it reads the ledger, the engine stats the scraper writes and the pending load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.config import SaturationConfig
+from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import Estimate, PendingLoad
+
+
+class SaturationDetector:
+    def __init__(self, config: SaturationConfig, ledger: InFlightLedger, load: PendingLoad, slo_admission: bool,
+                 flow_control: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._ledger = ledger
+        self._load = load
+        self._slo_admission = slo_admission
+        # Off (SLO admission alone): only the predicted load says a pod is full.
+        self._flow_control = flow_control
+        self._clock = clock
+
+    def saturated_by(self, pod: str, estimate: Estimate | None = None, kind: str = "chat") -> str | None:
+        """Why ``pod`` has no room for a request (of this estimate and kind), or None when it has."""
+        config = self.config
+        if not self._flow_control:
+            return "load" if estimate is not None and not self._load.fits(pod, estimate, kind) else None
+        if self._ledger.prefill_backlog(pod) >= config.prefill_tokens:
+            return "prefill"
+        stats = self._load.engine.get(pod)
+        if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
+            if stats.waiting >= config.engine_waiting:
+                return "engine_waiting"
+            if stats.kv_usage >= config.kv_usage:
+                return "kv_usage"
+        if config.in_flight is not None and self._ledger.on_pod(pod) >= config.in_flight:
+            return "in_flight"
+        if self._slo_admission and estimate is not None and not self._load.fits(pod, estimate, kind):
+            return "load"
+        return None

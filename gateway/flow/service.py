@@ -1,0 +1,100 @@
+"""The service each flow has received, as the Virtual Token Counter counts it (Sheng et al., OSDI '24).
+
+A flow's counter grows by the weighted tokens its requests are served, divided by the flow's weight:
+prompt tokens (those the engine found cached at a discount) when a request is dispatched, then its output
+tokens; the counter is corrected to what the engine reported when the request ends. While the fleet is
+saturated the least-served flow of the highest band goes next. A flow that was not waiting and starts to
+(it was idle, or kept up) has its counter *lifted* to the least counter among the flows waiting in its
+band, so that it cannot bank service it did not ask for and then starve the others; this is what makes the
+scheduler fair and work-conserving at once (the paper's bound: two backlogged flows' service differs by at
+most about twice a request's worth).
+
+Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
+controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
+bus (:meth:`ServiceCounters.apply_remote`). Counters of flows unheard of for ``idle_s`` are forgotten (a
+flow that comes back is lifted when it has to wait). :class:`WorkflowFlows` remembers the flow each
+workflow began with, for its later stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.core.facts import Publish, ServiceCharged, ServiceLifted, WorkflowFlow, unshared
+from gateway.flow.flows import FlowKey
+from gateway.lru import LruCache
+
+
+class ServiceCounters:
+    def __init__(self, publish: Publish = unshared, idle_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._served: dict[FlowKey, float] = {}
+        self._seen: dict[FlowKey, float] = {}
+        self._publish = publish
+        self._idle_s = idle_s
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._served)
+
+    def get(self, key: FlowKey) -> float:
+        return self._served.get(key, 0.0)
+
+    def charge(self, key: FlowKey, amount: float) -> None:
+        """``amount`` more weighted service (negative: a correction once the engine said what it served)."""
+        if amount:
+            self._add(key, amount)
+            self._publish(ServiceCharged(key.fairness_id, key.priority, amount))
+
+    def lift(self, key: FlowKey, floor: float) -> None:
+        """The flow starts to wait: its counter becomes at least ``floor``."""
+        if self._served.get(key, 0.0) < floor:
+            self._served[key] = floor
+            self._seen[key] = self._clock()
+            self._publish(ServiceLifted(key.fairness_id, key.priority, floor))
+
+    def apply_remote(self, origin: str, fact: ServiceCharged | ServiceLifted) -> None:
+        key = FlowKey(fact.fairness_id, fact.priority)
+        if isinstance(fact, ServiceCharged):
+            self._add(key, fact.amount)
+        elif self._served.get(key, 0.0) < fact.floor:
+            self._served[key] = fact.floor
+            self._seen[key] = self._clock()
+
+    def forget_idle(self, keep: Callable[[FlowKey], bool]) -> int:
+        """Forget the counters of flows unheard of for ``idle_s``, except those ``keep`` names; how many."""
+        cutoff = self._clock() - self._idle_s
+        gone = [k for k, seen in self._seen.items() if seen < cutoff and not keep(k)]
+        for key in gone:
+            del self._served[key], self._seen[key]
+        return len(gone)
+
+    def snapshot(self) -> dict[FlowKey, float]:
+        return dict(self._served)
+
+    def _add(self, key: FlowKey, amount: float) -> None:
+        self._served[key] = self._served.get(key, 0.0) + amount
+        self._seen[key] = self._clock()
+
+
+class WorkflowFlows:
+    """The flow each workflow began with, which its later stages inherit (bounded: the least recently used
+    workflows are forgotten first). Owner: the flow-control step, and the bus for other processes' ones."""
+
+    def __init__(self, capacity: int = 100_000, publish: Publish = unshared) -> None:
+        self._flows: LruCache[str, FlowKey] = LruCache(capacity)
+        self._publish = publish
+
+    def get(self, workflow: str) -> FlowKey | None:
+        return self._flows.touch(workflow)
+
+    def began(self, workflow: str, key: FlowKey) -> None:
+        """The workflow's first request was of flow ``key`` (a later one does not change it)."""
+        if workflow not in self._flows:
+            self._flows.put(workflow, key)
+            self._publish(WorkflowFlow(workflow, key.fairness_id, key.priority))
+
+    def apply_remote(self, origin: str, fact: WorkflowFlow) -> None:
+        if fact.workflow not in self._flows:
+            self._flows.put(fact.workflow, FlowKey(fact.fairness_id, fact.priority))

@@ -1,0 +1,138 @@
+"""The flow-control step: which flow a request is, whether it goes now or waits, and what its flow is charged.
+
+- admit: the request's flow (:mod:`gateway.flow.flows`) and SLO (:mod:`gateway.admission`); a request no pod
+  can serve within its SLO is refused; one that finds room and nobody waiting goes on at once, else it
+  waits in the flow controller (:mod:`gateway.flow.controller`). Returns :class:`Admitted`: the flow, the
+  SLO, how long it waited, and the priority a pod that schedules by priority is to give it. The pods that
+  had room are written to ``routing.room``: the router keeps to them;
+- dispatch: the attempt's expected service is charged to its flow (prompt tokens, those predicted cached at
+  a discount, and the predicted output), and the controller may release the next request;
+- finish: the charge is corrected to what the engine reported serving (its usage), and the tokens counted
+  per flow; an attempt that failed before anything was relayed is refunded;
+- complete: a request released but never dispatched lets the next one go.
+
+Owner: for each request in flight, its flow and what each of its attempts was charged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from gateway.admission import SloPolicy
+from gateway.backends.registry import PodRegistry
+from gateway.core.contexts import workflow_id_of
+from gateway.core.errors import GatewayError
+from gateway.flow.controller import FlowController, Held
+from gateway.flow.flows import FlowKey, FlowPolicy
+from gateway.flow.metrics import FlowMetrics
+from gateway.flow.service import WorkflowFlows
+from gateway.proxy.outcome import Ending, RelayOutcome
+from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.routing.policy import Policy, RoutingRequest
+
+
+@dataclass(slots=True)
+class _Charge:
+    """What an attempt was charged at dispatch, in tokens (the counter gets their weighted sum)."""
+
+    prefilled: int
+    cached: int
+    output: int
+    amount: float
+
+
+@dataclass(eq=False, slots=True)
+class _InFlight:
+    key: FlowKey
+    weight: float
+    released: Held | None  # released from waiting and not yet dispatched
+
+
+class FlowControl:
+    def __init__(self, controller: FlowController, flows: FlowPolicy, slo: SloPolicy, workflows: WorkflowFlows,
+                 pods: PodRegistry, metrics: FlowMetrics) -> None:
+        self._controller = controller
+        self._flows = flows
+        self._slo = slo
+        self._workflows = workflows
+        self._pods = pods
+        self._metrics = metrics
+        self._requests: dict[ClientRequest, _InFlight] = {}
+        self._charges: dict[Attempt, _Charge] = {}
+
+    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted]:
+        return self._admit(request, routing)
+
+    async def _admit(self, request: ClientRequest, routing: RoutingRequest) -> Admitted:
+        workflow = workflow_id_of(routing.context_key) if routing.context_key else None
+        inherited = self._workflows.get(workflow) if workflow is not None else None
+        key_name = request.key.config.name if request.key is not None else None
+        flow = self._flows.resolve(request.headers, key_name, inherited)
+        headers = request.headers
+        slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
+                                flow.ttft_s)
+        controller = self._controller
+        key = controller.key_of(flow.key)
+        pods = self._pods.candidates(routing.model, leg=routing.leg)
+        try:
+            self._slo.check(pods, routing.estimates, slo)
+        except GatewayError:
+            self._metrics.rejected(key, "slo_unreachable")
+            raise
+        if workflow is not None:
+            self._workflows.began(workflow, flow.key)
+        room = controller.room_now(flow, routing.model, routing.leg, request.kind, routing.estimates)
+        held, waited = None, 0.0
+        if room is None:
+            allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
+            release = await controller.hold(flow, routing.model, routing.leg, request.kind, routing.estimates,
+                                            flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s))
+            room, held, waited = release.room, release.held, release.waited_s
+        else:
+            self._metrics.at_once(key)
+        routing.room = room
+        self._requests[request] = _InFlight(key, flow.weight, held)
+        return Admitted(slo, waited, key, flow.objective, flow.engine_priority)
+
+    def dispatched(self, attempt: Attempt) -> None:
+        state = self._requests.get(attempt.request)
+        if state is None:
+            return
+        routing, decision = attempt.routing, attempt.decision
+        prompt = attempt.request.prompt_tokens(routing.token_ids)
+        cached = min(prompt, decision.prefix_tokens)
+        charge = self._charge(prompt - cached, cached, routing.predicted_output_tokens, state.weight)
+        self._charges[attempt] = charge
+        self._controller.counters.charge(state.key, charge.amount)
+        self._controller.dispatched()
+        if state.released is not None:
+            held, state.released = state.released, None
+            self._controller.landed(held)
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        charged = self._charges.pop(attempt, None)
+        state = self._requests.get(attempt.request)
+        if charged is None or state is None:
+            return
+        usage = outcome.usage
+        if usage is not None:
+            reported = usage.cached_tokens
+            cached = min(usage.prompt_tokens, reported if reported is not None else charged.cached)
+            served = self._charge(usage.prompt_tokens - cached, cached, usage.completion_tokens, state.weight)
+        elif outcome.ending is Ending.FAILED:
+            served = _Charge(0, 0, 0, 0.0)  # nothing relayed: the pod served nothing we can count
+        else:  # no usage asked for: the prompt as predicted, about one token an event (less role and [DONE])
+            served = self._charge(charged.prefilled, charged.cached, max(0, outcome.streamed_events - 2), state.weight)
+        self._controller.counters.charge(state.key, served.amount - charged.amount)
+        self._metrics.served(state.key, served.prefilled, served.cached, served.output)
+
+    def completed(self, done: CompletedRequest) -> None:
+        state = self._requests.pop(done.request, None)
+        if state is not None and state.released is not None:
+            self._controller.landed(state.released)  # released, then refused or gone before any dispatch
+
+    def _charge(self, prefilled: int, cached: int, output: int, weight: float) -> _Charge:
+        tokens = self._controller.config.tokens
+        amount = (prefilled * tokens.input + cached * tokens.cached_input + output * tokens.output) / weight
+        return _Charge(prefilled, cached, output, amount)
