@@ -41,6 +41,8 @@ DEFAULT_CONTENDERS = {
                      "smg-cache_aware"],
     "mooncake": ["direct", "gateway-round_robin", "gateway-kv_aware", "vllm-router-cache_aware", "smg-cache_aware"],
     "overload": ["direct", "gateway-least_request", "gateway-slo"],
+    "noisy-neighbor": ["gateway-kv_aware", "gateway-kv_aware-no-flow-control"],
+    "priority": ["gateway-kv_aware", "gateway-kv_aware-no-flow-control"],
 }
 # Flags that only a Mooncake trace takes (their defaults are None: given or not).
 MOONCAKE_FLAGS = ("block_tokens", "time_scale", "session_header", "max_output_tokens", "start", "limit")
@@ -239,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
                       f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p90 "
                       f"{result.ttft_p90_ms:.0f} ms, per pod "
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
+                for tenant, s in result.tenants.items():
+                    print(f"    tenant {tenant}: TTFT p90 {s['ttft_p90_ms']:.0f} ms, {s['answered_in_window']:.0f} "
+                          f"answered in the window, token share {s['token_share']:.3f}", file=sys.stderr)
     meta = {"gateway": gateway_version(), "seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks,
             "speed": args.speed,
             "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,

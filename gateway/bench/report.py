@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 
 from gateway.bench.runner import Result
+from gateway.bench.tenants import tenant_table
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
            "e2e_p90_ms", "e2e_p99_ms", "session_p50_ms", "req_per_s", "errors", "rejected", "requests",
@@ -31,7 +32,9 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
         writer.writeheader()
         writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"])),
                           "command": shlex.join(row["command"])} for row in rows)
-    paths["md"].write_text(markdown_table(results) + routers_served(results, str(meta.get("gateway", ""))))
+    tenants = [(r.scenario, r.name, r.tenants) for r in results if r.tenants]
+    paths["md"].write_text(markdown_table(results) + routers_served(results, str(meta.get("gateway", "")))
+                           + (f"\nPer tenant:\n\n{tenant_table(tenants)}" if tenants else ""))
     paths.update(plots(results, out))
     return paths
 

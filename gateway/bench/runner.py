@@ -35,6 +35,7 @@ from tqdm import tqdm
 from gateway.backends.scraper import parse_engine_metrics
 from gateway.bench.oracle import ChatEncoder, Oracle, trace_oracle
 from gateway.bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
+from gateway.bench.tenants import tenant_stats
 from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
 from gateway.metrics import KeepWarmSpent, keep_warm_spent, prediction_checks
@@ -72,6 +73,8 @@ CONTENDERS = {
         Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
         Contender("gateway-kv_aware-no-keep-warm", "gateway", "kv_aware",
                   {"GATEWAY_WORKFLOW__KEEP_WARM__ENABLED": "false"}),
+        Contender("gateway-kv_aware-no-flow-control", "gateway", "kv_aware",
+                  {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}),
         Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
         Contender("gateway-kv_aware-2-replicas-unshared", "gateway", "kv_aware", replicas=2, share_state=False),
         Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
@@ -120,9 +123,10 @@ class Outcome:
     answer: str = ""  # the answer's text (empty when the request failed)
     session: int = 0  # the request's session and step in the trace
     step: int = 0
-    # The answer's own usage: prompt tokens, and of those found cached (None where it does not say).
+    # The answer's own usage: prompt tokens, of those found cached (None where it does not say), output tokens.
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -160,6 +164,8 @@ class Result:
     version: str | None = None
     reported_version: str | None = None
     command: list[str] = field(default_factory=list)
+    # Per tenant (the fairness id its requests named), for traces with tenants (gateway.bench.tenants).
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def session_times(outcomes: list[Outcome]) -> list[float]:
@@ -530,6 +536,7 @@ class BenchRunner:
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
         result.session_p50_ms = pct(session_times(outcomes), 0.5)
+        result.tenants = tenant_stats(trace, outcomes, trace.duration_s or seconds)
         oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
         if oracle:
             result.infinite, result.sticky_lru, result.keep_warm = oracle.infinite, oracle.sticky_lru, oracle.keep_warm
@@ -615,6 +622,8 @@ class BenchRunner:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
             t0 = time.monotonic()
 
+            ends = t0 + trace.duration_s if trace.duration_s is not None else None
+
             async def run_session(index: int, session: Session) -> None:
                 await asyncio.sleep(max(0.0, t0 + session.start_s - time.monotonic()))
                 history = History(session)
@@ -622,6 +631,8 @@ class BenchRunner:
                     think = step.think_s if step.think_s is not None else session.think_s
                     if i and think:
                         await asyncio.sleep(think)
+                    if ends is not None and time.monotonic() >= ends:
+                        break
                     outcome = await self._send(http, next(targets), history.prompt(step), step.max_tokens,
                                                step.headers)
                     outcome.session, outcome.step = index, i
@@ -643,6 +654,7 @@ class BenchRunner:
         started = time.monotonic()
         first: float | None = None
         parts: list[str] = []
+        usage: dict[str, object] = {}
         try:
             async with http.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
                                  headers={"content-type": "application/json", **headers}) as resp:
@@ -666,5 +678,6 @@ class BenchRunner:
         end = time.monotonic()
         details = usage.get("prompt_tokens_details") or {}
         return Outcome(200, (first or end) - started, end - started, started, action, "".join(parts),
-                       prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=details.get("cached_tokens"))
+                       prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=details.get("cached_tokens"),
+                       completion_tokens=int(usage.get("completion_tokens") or 0))
 

@@ -70,6 +70,8 @@ class Trace(msgspec.Struct):
     scenario: str
     seed: int
     sessions: list[Session]
+    # No request is sent after this many seconds of the replay (none: every step of every session is).
+    duration_s: float | None = None
 
     @property
     def requests(self) -> int:
@@ -256,13 +258,61 @@ def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, sec
     return Trace("overload", seed, sessions)
 
 
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+
+
+def tenant_of(step: Step) -> str:
+    """The tenant a request is sent as (its fairness id), or "" when it names none."""
+    return step.headers.get(FAIRNESS_HEADER, "")
+
+
+def _flood(rng: random.Random, name: str, sessions: int, steps: int, words: int, max_tokens: int,
+           headers: dict[str, str]) -> list[Session]:
+    """``sessions`` clients sending one request after another, each a prompt of its own: the request's id
+    comes first, so no prompt shares a cached block with another; the words after it are one text."""
+    body = text(rng, words)
+    return [Session(f"{name}{s}", 0.0, [Step([{"role": "user", "content": f"{name} request {s}-{i}: {body}"}],
+                                             max_tokens, dict(headers)) for i in range(steps)],
+                    carry_history=False)
+            for s in range(sessions)]
+
+
+def noisy_neighbor(seed: int = 0, a_sessions: int = 64, a_steps: int = 4, a_words: int = 3000, a_max_tokens: int = 32,
+                   b_sessions: int = 2, b_steps: int = 400, b_words: int = 100, b_max_tokens: int = 32,
+                   duration_s: float = 15.0) -> Trace:
+    """Two tenants share the fleet: A floods it (``a_sessions`` clients, each sending long prompts one after
+    another), B chats (``b_sessions`` clients, short prompts one after another). Each request names its
+    tenant in ``x-gateway-inference-fairness-id``. No request is sent after ``duration_s``. With either
+    side's sessions at 0: the other alone."""
+    rng = random.Random(seed)
+    sessions = (_flood(rng, "A", a_sessions, a_steps, a_words, a_max_tokens, {FAIRNESS_HEADER: "A"})
+                + _flood(rng, "B", b_sessions, b_steps, b_words, b_max_tokens, {FAIRNESS_HEADER: "B"}))
+    return Trace("noisy-neighbor", seed, sessions, duration_s)
+
+
+def priority_bands(seed: int = 0, batch_sessions: int = 64, batch_steps: int = 4, batch_words: int = 3000,
+                   batch_max_tokens: int = 32, interactive_sessions: int = 2, interactive_steps: int = 400,
+                   interactive_words: int = 100, interactive_max_tokens: int = 32, interactive_priority: int = 10,
+                   duration_s: float = 15.0) -> Trace:
+    """One tenant, two bands: a batch flow floods the fleet at priority 0 while an interactive flow chats at
+    ``interactive_priority`` (``x-priority``); the same shapes as ``noisy-neighbor``."""
+    rng = random.Random(seed)
+    sessions = (_flood(rng, "batch", batch_sessions, batch_steps, batch_words, batch_max_tokens,
+                       {FAIRNESS_HEADER: "team", "x-priority": "0"})
+                + _flood(rng, "interactive", interactive_sessions, interactive_steps, interactive_words,
+                         interactive_max_tokens, {FAIRNESS_HEADER: "team", "x-priority": str(interactive_priority)}))
+    return Trace("priority", seed, sessions, duration_s)
+
+
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
-              "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload}
+              "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload,
+              "noisy-neighbor": noisy_neighbor, "priority": priority_bands}
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
     with open(path, "wb") as f:
-        f.write(msgspec.json.encode({"scenario": trace.scenario, "seed": trace.seed}) + b"\n")
+        f.write(msgspec.json.encode({"scenario": trace.scenario, "seed": trace.seed,
+                                     "duration_s": trace.duration_s}) + b"\n")
         for session in trace.sessions:
             f.write(msgspec.json.encode(session) + b"\n")
 
@@ -271,4 +321,4 @@ def read_trace(path: str | Path) -> Trace:
     lines = Path(path).read_bytes().splitlines()
     head = msgspec.json.decode(lines[0])
     sessions = [msgspec.json.decode(line, type=Session) for line in lines[1:] if line.strip()]
-    return Trace(head["scenario"], head["seed"], sessions)
+    return Trace(head["scenario"], head["seed"], sessions, head.get("duration_s"))

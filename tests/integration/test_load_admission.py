@@ -91,7 +91,8 @@ async def test_admission_rejects_the_excess_with_retry_after(start_mock_pod, sta
     pods = [await start_mock_pod(speed=1.0) for _ in range(2)]
     gw = await start_gateway([p.url for p in pods], routing={"policy": "least_request"},
                              load={"default_capacity": 2, "scrape_interval_s": 0},
-                             admission={"enabled": True, "queue_size": 2, "max_queue_wait_s": 0.2})
+                             admission={"enabled": True},
+                             flow_control={"enabled": False, "max_queued": 2, "max_wait_s": 0.2})
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "slow " * 50}], "max_tokens": 100}
 
     async def one():
@@ -107,19 +108,19 @@ async def test_admission_rejects_the_excess_with_retry_after(start_mock_pod, sta
             assert payload["error"]["type"] == "rate_limit_error"
             assert payload["error"]["code"] in {"queue_full", "queue_timeout"}
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
-    assert 'gateway_admission_total{outcome="admitted",reason="capacity"} 4.0' in metrics
-    assert gw.gateway.admission.queued == 0 and all(gw.gateway.load.load(p.name) == 0 for p in gw.gateway.pods.all())
+    assert 'gateway_flow_requests_total{fairness_id="default",outcome="at_once",priority="0"} 4.0' in metrics
+    assert gw.gateway.flow.queued == 0 and all(gw.gateway.load.load(p.name) == 0 for p in gw.gateway.pods.all())
 
 
 async def test_queued_requests_start_when_capacity_frees(start_mock_pod, start_gateway, http):
     pod = await start_mock_pod(speed=0.2)
     gw = await start_gateway([pod.url], load={"default_capacity": 1, "scrape_interval_s": 0},
-                             admission={"enabled": True, "queue_size": 8, "max_queue_wait_s": 30})
+                             admission={"enabled": True}, flow_control={"enabled": False, "max_wait_s": 30})
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "q"}], "max_tokens": 20}
     results = await asyncio.gather(*(http.post(f"{gw.url}/v1/chat/completions", json=body) for _ in range(4)))
     assert [r.status for r in results] == [200] * 4
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
-    assert 'gateway_admission_total{outcome="admitted",reason="after_queue"} 3.0' in metrics
+    assert 'gateway_flow_requests_total{fairness_id="default",outcome="after_wait",priority="0"} 3.0' in metrics
 
 
 async def test_bad_slo_headers_are_400(start_mock_pod, start_gateway, http):
@@ -166,12 +167,12 @@ async def test_shutting_down_refuses_what_waits_for_capacity_and_keeps_what_runs
     pod = await start_mock_pod(speed=1.0)
     gw = await start_gateway([pod.url], routing={"policy": "least_request"},
                              load={"default_capacity": 1, "scrape_interval_s": 0},
-                             admission={"enabled": True, "queue_size": 8, "max_queue_wait_s": 60})
+                             admission={"enabled": True}, flow_control={"enabled": False, "max_wait_s": 60})
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "slow " * 50}], "max_tokens": 60}
     running = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
     await eventually(lambda: gw.gateway.ledger.total() == 1)
     queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
-    await eventually(lambda: gw.gateway.admission.queued == 1)
+    await eventually(lambda: gw.gateway.flow.queued == 1)
     stopping = asyncio.create_task(gw.runner.cleanup())  # SIGTERM's drain
     refused = await asyncio.wait_for(queued, timeout=5)  # at once, not after its 60 s of queueing
     assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"

@@ -18,13 +18,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
       "gateway.metrics", "gateway.plugin_registry")),
     ("state: pods, load, what each pod caches, tokens",
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization")),
-    ("decisions: who may ask, admission, routing, workflows, pressure, and the plugins that decide",
-     ("gateway.auth", "gateway.admission", "gateway.routing", "gateway.workflow", "gateway.pressure", "plugins")),
+    ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
+     "decide", ("gateway.auth", "gateway.admission", "gateway.flow", "gateway.routing", "gateway.workflow",
+                "gateway.pressure", "plugins")),
     ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
     ("request path: domain errors as HTTP, forwarding, the pipeline",
      ("gateway.api.errors", "gateway.proxy", "gateway.request")),
     ("assembly: the fleet's membership, the components, the routes, the wiring",
-     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app")),
+     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.reload")),
     ("processes: the server, its supervisor, simulated pods, the benchmark, the command line",
      ("gateway.server", "gateway.supervisor", "gateway.mock", "gateway.bench", "gateway.cli", "gateway.__main__")),
 ]

@@ -14,11 +14,9 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
-from gateway.admission import AdmissionController
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import (
-    AdmissionConfig,
     AuthConfig,
     HealthConfig,
     ModelTokenizerConfig,
@@ -57,7 +55,7 @@ from gateway.request.placement import (
     RoomForNewContexts,
     RoutedPrefix,
 )
-from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, SloAdmission, WorkflowPlanning
+from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
@@ -227,7 +225,7 @@ def test_context_resolution_recognises_a_continued_conversation_and_nothing_with
     assert untokenized.context_key is None and untokenized.hashes is None
 
 
-# prepare: LoadEstimation; admit: SloAdmission
+# prepare: LoadEstimation (admit: FlowControl, in test_flow_control.py)
 
 
 @pytest.mark.parametrize(("admission", "needs_load", "estimated"), [
@@ -246,39 +244,6 @@ def test_load_estimation_runs_when_admission_or_the_policy_needs_it(admission, n
         return
     assert routing.input_tokens == 40 and routing.predicted_output_tokens > 0
     assert set(routing.estimates) == {"p0", "p1", "p2"}
-
-
-async def test_admission_returns_the_slo_and_a_finished_attempt_wakes_a_waiter():
-    registry = pods()
-    load = PendingLoad(ProfileStore(None), InFlightLedger(), 4, str)
-    controller = AdmissionController(AdmissionConfig(enabled=True), load, GatewayMetrics())
-    step = SloAdmission(registry, controller, GatewayMetrics())
-    request = client_request(chat(), headers={"x-slo-ttft-ms": "250", "x-priority": "2"})
-    routing = routing_of(request, estimates={p.name: load.estimate(p.name, MODEL, 10, 10) for p in registry.all()})
-    admitted = await step.admit(request, policy(), routing)
-    assert admitted.slo.ttft_s == 0.25 and admitted.slo.priority == 2 and admitted.queued_s == 0.0
-    off = SloAdmission(registry, AdmissionController(AdmissionConfig(enabled=False), load, GatewayMetrics()),
-                       GatewayMetrics())
-    assert off.admit(request, policy(needs_load=False), routing) is None
-
-
-async def test_a_waiter_woken_just_before_the_drain_is_refused_not_left_waiting():
-    registry = pods()
-    ledger = InFlightLedger()
-    load = PendingLoad(ProfileStore(None), ledger, 4, str)
-    for pod in registry.all():
-        ledger.dispatch(f"busy-{pod.name}", pod.name, 1.0, "chat")  # every pod full
-    controller = AdmissionController(AdmissionConfig(enabled=True, max_queue_wait_s=30), load, GatewayMetrics())
-    estimates = {p.name: load.estimate(p.name, MODEL, 10, 10) for p in registry.all()}
-    waiting = asyncio.create_task(controller.admit(registry.all(), "chat", estimates, controller.slo_for(
-        MODEL, None, None, None)))
-    await asyncio.sleep(0.01)
-    assert controller.queued == 1
-    controller.release()  # a request ended: the waiter is woken to re-check ...
-    controller.drain()  # ... and the gateway starts shutting down before it ran
-    with pytest.raises(GatewayError) as refused:
-        await asyncio.wait_for(waiting, 1.0)
-    assert refused.value.code == "draining"
 
 
 async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
