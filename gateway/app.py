@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway.admission import AdmissionController
+from gateway.admission import SloPolicy
 from gateway.api.middleware import openai_errors
 from gateway.api.routes import add_routes
 from gateway.auth import ApiKeyAuth
@@ -25,12 +25,18 @@ from gateway.backends.discovery import DiscoveryContext, PodSetApplier
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
+from gateway.background import Doorbell
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import GatewayConfig
 from gateway.fleet import PodMembership, health_changed
+from gateway.flow.controller import FlowController
+from gateway.flow.flows import FlowPolicy
+from gateway.flow.metrics import FlowMetrics
+from gateway.flow.saturation import SaturationDetector
+from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
@@ -50,6 +56,7 @@ from gateway.pressure import PressureContext, PressureMonitor, PressureSource, P
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
+from gateway.request.flow import FlowControl
 from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.placement import (
@@ -64,7 +71,6 @@ from gateway.request.steps import (
     LoadEstimation,
     PromptTokenization,
     RequestValidation,
-    SloAdmission,
     WorkflowPlanning,
 )
 from gateway.routing.policy import PolicyContext
@@ -99,7 +105,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                    if identity.count > 1 else None)
     bus = StateBus(config.shared_state, identity, metrics.registry)
     sinks = Sinks.of(bus)
-    ledger = InFlightLedger(shared_load, sinks.ledger)
+    room_freed = Doorbell()  # the ledger rings it as pods free up; flow control answers
+    ledger = InFlightLedger(shared_load, sinks.ledger, freed=room_freed.ring)
     modes = PressureModes()
     lc = config.load
     profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
@@ -115,7 +122,6 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     tokens = TokenizationService(config.tokenization, pods, metrics, http, ledger)
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
-    admission = AdmissionController(config.admission, load, metrics)
     working_set = ResumableWorkingSet(config.placement, ledger, sinks.working_set,
                                       anonymous_prefix=f"anon-{identity.origin}-")
     capacity_of = kv_capacity(pods, load)
@@ -129,12 +135,20 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
-    replicate(bus, ledger, tracker, sessions, working_set, index)
+    fc = config.flow_control
+    service = ServiceCounters(sinks.flows)
+    workflow_flows = WorkflowFlows(publish=sinks.flows)
+    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows)
+    flow_metrics = FlowMetrics(metrics.registry)
+    detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled)
+    flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics)
     signals = ContextSignals(wc.session_headers)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
-    admit = SloAdmission(pods, admission, metrics)
+    # SLO admission and flow control hold requests in one queue, the flow controller's.
+    admit = (FlowControl(flow, FlowPolicy(fc), SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
+             if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server)
     planning = WorkflowPlanning(workflows)
@@ -150,12 +164,14 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
-        admit=[admit, *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
-                         if config.placement.hold_new_s else [])],
+        # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
+        admit=[*([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
+                 if config.placement.hold_new_s else []), *([admit] if admit else [])],
         # Cache recency reads a context as it was before this request: before placement holds it anew.
-        dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning],
-        finish=[admit, planning, placement, *([recency] if recency else [])],
-        complete=[*([PredictionCheck(verifier)] if config.verification.enabled else []),
+        dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning,
+                  *([admit] if admit else [])],
+        finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else [])],
+        complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
     )
     if config.tracing.enabled:
@@ -187,7 +203,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, director=director,
         counting=counting,
-        auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, admission=admission,
+        auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
         shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
@@ -299,7 +315,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
-    out += [lifecycle(gw.admission.start, gw.admission.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
+    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
     if gw.keep_warm is not None:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
     if gw.pressure is not None:
@@ -324,4 +340,4 @@ def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: Work
 async def _drain(gateway: Gateway, app: web.Application) -> None:
     """Shutting down: not ready any more, and nothing new waits for capacity."""
     gateway.draining = True
-    gateway.admission.drain()
+    gateway.flow.drain()

@@ -62,3 +62,30 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main)
     else:
         uvloop.run(main)
+
+
+class Doorbell:
+    """A wake-up call: whoever frees something rings it, and the one task waiting on it (if any) wakes. A
+    ring with nobody waiting costs a test (the request path rings it on every answer). Made before the event
+    loop runs (it is a collaborator given at construction); its event is made inside the loop."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+        self._waiting = False
+
+    def ring(self) -> None:
+        if self._waiting:
+            assert self._event is not None
+            self._event.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the bell rings or ``timeout_s`` passes."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        self._event.clear()
+        self._waiting = True
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout_s)
+        finally:
+            self._waiting = False

@@ -12,7 +12,6 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admission import AdmissionController
 from gateway.auth import ApiKeyAuth
 from gateway.backends.discovery import PodSetApplier
 from gateway.backends.health import HealthChecker
@@ -22,6 +21,7 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig
 from gateway.fleet import PodMembership
+from gateway.flow.controller import FlowController
 from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
 from gateway.kv.verification import PredictionVerifier
@@ -58,7 +58,7 @@ class Gateway:
     tokens: TokenizationService
     profiles: ProfileStore
     load: PendingLoad
-    admission: AdmissionController
+    flow: FlowController  # flow control's held requests (SLO admission's too)
     workflows: WorkflowService
     working_set: ResumableWorkingSet
     capacity_of: Callable[[str], float | None]

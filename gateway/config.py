@@ -51,6 +51,9 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Prefill/decode disaggregation: the legs this pod serves (``disaggregation``). A model whose pods are
     # all ``both`` is served whole by one pod.
     role: PodRole = "both"
+    # How the engine orders its own waiting requests: fcfs, or priority (vLLM ``--scheduling-policy
+    # priority``): then each request carries its flow's priority to it (``flow_control``).
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -62,6 +65,8 @@ class PodConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("dp_size must be >= 1")
         if self.role not in POD_ROLES:  # checked here too for configs built in code
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.scheduling == "priority" and self.flavor != "vllm":
+            raise ValueError("scheduling: priority is supported for vllm pods only")
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -78,6 +83,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     client_stall_s: float = 30.0
     # How long SIGTERM waits for in-flight requests before closing them.
     shutdown_grace_s: float = 30.0
+    # How often the config file is checked for changes to apply (what reloads: ``flow_control``'s weights,
+    # objectives and tenants); 0: only on SIGHUP.
+    config_watch_s: float = 2.0
     tls_cert: str | None = None
     tls_key: str | None = None
     # Worker processes sharing the port (SO_REUSEPORT), each with its own event loop; none: one per core
@@ -225,9 +233,11 @@ class SloTargets(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """SLO admission: with ``enabled``, the pods' predicted load (GPU profiles, Little's law) is one more
+    saturation signal of flow control, and a request whose SLO no pod can meet is refused at once. Its
+    requests wait in flow control's one queue (``flow_control.max_queued``, ``max_wait_s``)."""
+
     enabled: bool = False
-    queue_size: int = 256
-    max_queue_wait_s: float = 5.0
     # Per model, the SLO of requests that send no x-slo-* headers.
     slo_defaults: dict[str, SloTargets] = {}
     # Request latency assumed for Retry-After when no profile gives one.
@@ -266,6 +276,98 @@ class KeepWarmConfig(msgspec.Struct, forbid_unknown_fields=True):
                              "must be positive")
         if not 0 < self.capacity_share <= 1:
             raise ValueError("capacity_share must be in (0, 1]")
+class ObjectiveConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A named objective (``x-gateway-inference-objective``): its priority band, SLO and weight."""
+
+    # Higher bands are dispatched first while the fleet is saturated.
+    priority: int = 0
+    # Held longer than this (less the predicted TTFT, with profiles) the request is refused (429).
+    ttft_ms: float | None = None
+    # Share of capacity against other flows of its band (multiplies the tenant's weight).
+    weight: float = 1.0
+    # How long its requests may wait at the gateway; none: ``flow_control.max_wait_s``.
+    max_wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_flow_limits(self.weight, self.max_wait_s)
+        if self.ttft_ms is not None and self.ttft_ms <= 0:
+            raise ValueError("ttft_ms must be positive")
+
+
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """One fairness id's share of the fleet, and how long its requests may wait."""
+
+    weight: float = 1.0
+    max_wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_flow_limits(self.weight, self.max_wait_s)
+
+
+def _check_flow_limits(weight: float, max_wait_s: float | None) -> None:
+    if not weight > 0 or (max_wait_s is not None and max_wait_s < 0):
+        raise ValueError("weight must be positive and max_wait_s not negative")
+
+
+class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """When a pod has room for one more request (flow control holds requests while no candidate pod has).
+    A pod is saturated while any of these holds."""
+
+    # Prompt tokens (less those predicted cached) sent to the pod that it has not begun answering, from every
+    # worker: the prefill queued in front of the next request. One long prompt may pass it; the next waits.
+    prefill_tokens: int = 2048
+    # Requests waiting in the engine's own queue (vLLM's num_requests_waiting, SGLang's num_queue_reqs).
+    engine_waiting: int = 5
+    # KV-cache usage the engine reports (running requests' blocks, 0-1).
+    kv_usage: float = 0.9
+    # Requests in flight on the pod through the gateway (every worker); none: no limit of its own.
+    in_flight: int | None = None
+    # Engine metrics older than this are not read (the gateway's own counts decide alone).
+    stale_after_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens < 1 or self.engine_waiting < 1 or not 0 < self.kv_usage <= 1 \
+                or (self.in_flight is not None and self.in_flight < 1) or self.stale_after_s <= 0:
+            raise ValueError("saturation needs prefill_tokens >= 1, engine_waiting >= 1, kv_usage in (0, 1], "
+                             "in_flight >= 1 and stale_after_s > 0")
+
+
+class TokenWeightsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """What a served token costs a flow's service counter (the Virtual Token Counter's weights)."""
+
+    input: float = 1.0
+    # Prompt tokens the engine found cached: their prefill is skipped.
+    cached_input: float = 0.1
+    output: float = 2.0
+
+    def __post_init__(self) -> None:
+        if min(self.input, self.cached_input, self.output) < 0:
+            raise ValueError("token weights must not be negative")
+
+
+class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Flows (a fairness id and a priority band) share the fleet: while every candidate pod is saturated,
+    new requests wait at the gateway and are dispatched band by band, the flow with the least weighted
+    service first. Reloadable: ``objectives``, ``tenants``, ``keys``, ``tokens``, ``max_wait_s``."""
+
+    enabled: bool = True
+    saturation: SaturationConfig = msgspec.field(default_factory=SaturationConfig)
+    # Requests held at the gateway, all flows together; past it a new one is refused (429).
+    max_queued: int = 4096
+    # How long a request may wait at the gateway (a flow's tenant or objective may say otherwise).
+    max_wait_s: float = 120.0
+    tokens: TokenWeightsConfig = msgspec.field(default_factory=TokenWeightsConfig)
+    objectives: dict[str, ObjectiveConfig] = {}
+    # By fairness id; flows of ids not listed have weight 1.
+    tenants: dict[str, TenantConfig] = {}
+    # API key name (``auth.keys[].name``) → fairness id; a named key not listed is its own tenant.
+    keys: dict[str, str] = {}
+    # Flows kept at once (each with its service counter); a new fairness id beyond it joins ``overflow``.
+    max_flows: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_queued < 1 or self.max_wait_s < 0 or self.max_flows < 1:
+            raise ValueError("flow_control needs max_queued >= 1, max_wait_s >= 0 and max_flows >= 1")
 
 
 class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -294,16 +396,17 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):
     """What the workers of one gateway, and (through Redis) its replicas, tell each other: workflows and
-    their stages, session pins, the contexts of the placement model, just-routed blocks, and which
-    workflows and sessions have requests in flight. Eventually consistent: each change reaches the others
-    ``flush_ms`` plus a network hop later; nothing on the request path ever waits for it."""
+    their stages, session pins, the contexts of the placement model, just-routed blocks, which workflows
+    and sessions have requests in flight, and the service flow control counts per flow (``flows``).
+    Eventually consistent: each change reaches the others ``flush_ms`` plus a network hop later; nothing on
+    the request path ever waits for it."""
 
     # Redis whose pub/sub channel the replicas share; none: only the workers of one replica share.
     redis_url: str | None = None
     channel: str = "gateway:shared-state"
     # What to share; leave one out to keep it local (each costs every other worker CPU to apply).
-    share: list[Literal["workflows", "sessions", "contexts", "speculative"]] = msgspec.field(
-        default_factory=lambda: ["workflows", "sessions", "contexts", "speculative"])
+    share: list[Literal["workflows", "sessions", "contexts", "speculative", "flows"]] = msgspec.field(
+        default_factory=lambda: ["workflows", "sessions", "contexts", "speculative", "flows"])
     flush_ms: float = 2.0
     heartbeat_s: float = 1.0
     # A worker or replica not heard from for this long is gone: its requests are no longer in flight.
@@ -469,6 +572,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_index: KvIndexConfig = msgspec.field(default_factory=KvIndexConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
     workflow: WorkflowConfig = msgspec.field(default_factory=WorkflowConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     verification: VerificationConfig = msgspec.field(default_factory=VerificationConfig)
@@ -522,6 +626,17 @@ def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, A
     return merged
 
 
+# Settings that moved: a file naming the old place gets told the new one.
+_MOVED = {("admission", "queue_size"): "flow_control.max_queued",
+          ("admission", "max_queue_wait_s"): "flow_control.max_wait_s"}
+
+
+def _check_moved(data: Mapping[str, Any]) -> None:
+    for (section, key), now in _MOVED.items():
+        if isinstance(data.get(section), Mapping) and key in data[section]:
+            raise ConfigError(f"{section}.{key} is now {now} (flow control's queue is the one queue)")
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -531,6 +646,7 @@ def load_config(
     data: dict[str, Any] = read_config_file(path) if path else {}
     data = deep_merge(data, env_overrides(os.environ if environ is None else environ))
     data = deep_merge(data, overrides or {})
+    _check_moved(data)
     try:
         return msgspec.convert(data, GatewayConfig, strict=False)
     except msgspec.ValidationError as exc:

@@ -37,6 +37,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
     app.router.add_get("/debug/placement", partial(_debug_placement, gateway))
+    app.router.add_get("/debug/flows", partial(_debug_flows, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -136,6 +137,12 @@ async def _debug_placement(gateway: Gateway, request: web.Request) -> web.Respon
     keep_warm = gateway.keep_warm.debug() if gateway.keep_warm is not None else {"enabled": False}
     return web.json_response({**gateway.working_set.debug(pods, gateway.capacity_of, time.monotonic()),
                               "losses": gateway.losses.debug(), "keep_warm": keep_warm})
+
+
+async def _debug_flows(gateway: Gateway, request: web.Request) -> web.Response:
+    """Flow control in this process: each flow's service and what it holds, and why each pod has no room."""
+    _check_admin(gateway, request)
+    return web.json_response({"enabled": gateway.config.flow_control.enabled, **gateway.flow.debug()})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

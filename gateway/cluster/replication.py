@@ -8,6 +8,7 @@ What is shared (``shared_state.share``):
 - ``sessions``: session pins;
 - ``contexts``: the resumable working set's holds, idles and releases (what placement weighs);
 - ``speculative``: the prefix index's just-routed blocks;
+- ``flows``: flow control's service counters (charges and lifts) and the flow each workflow began with;
 - with any of the first three, the in-flight ledger's per-context and per-stage counts, the one count of
   requests in flight that the tracker, the session map and the working set all read.
 
@@ -29,13 +30,17 @@ from gateway.core.facts import (
     OwnersSnapshot,
     PreserveDropped,
     Publish,
+    ServiceCharged,
+    ServiceLifted,
     SessionPinned,
     StageBegan,
     StageDispatched,
     StageFinished,
     WorkflowCompleted,
+    WorkflowFlow,
     unshared,
 )
+from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
@@ -54,6 +59,7 @@ class Sinks:
     sessions: Publish = unshared
     working_set: Publish = unshared
     index: Publish = unshared
+    flows: Publish = unshared
 
     @classmethod
     def of(cls, bus: StateBus) -> Sinks:
@@ -64,11 +70,12 @@ class Sinks:
 
         return cls(ledger=sink(bool(share & _COUNTED)), tracker=sink("workflows" in share),
                    sessions=sink("sessions" in share), working_set=sink("contexts" in share),
-                   index=sink("speculative" in share))
+                   index=sink("speculative" in share), flows=sink("flows" in share))
 
 
 def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, sessions: SessionAffinity,
-              working_set: ResumableWorkingSet, index: PrefixIndex) -> None:
+              working_set: ResumableWorkingSet, index: PrefixIndex, service: ServiceCounters,
+              workflow_flows: WorkflowFlows) -> None:
     """Apply the facts of the other processes to the owners whose state is shared."""
     if not bus.active:
         return
@@ -90,3 +97,6 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
         bus.on((ContextHeld, ContextIdled, ContextReleased), working_set.apply_remote)
     if "speculative" in share:
         bus.on((BlocksExpected,), index.apply_remote)
+    if "flows" in share:
+        bus.on((ServiceCharged, ServiceLifted), service.apply_remote)
+        bus.on((WorkflowFlow,), workflow_flows.apply_remote)

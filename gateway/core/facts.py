@@ -96,8 +96,29 @@ class PreserveDropped(Fact):
     workflow: str | None
 
 
+# Flow control: the weighted service a flow received (tokens its requests were served), a flow's service
+# raised to a floor (it became backlogged behind others), and the flow a workflow's stages inherit.
+class ServiceCharged(Fact):
+    fairness_id: str
+    priority: int
+    amount: float
+
+
+class ServiceLifted(Fact):
+    fairness_id: str
+    priority: int
+    floor: float
+
+
+class WorkflowFlow(Fact):
+    workflow: str
+    fairness_id: str
+    priority: int
+
+
 AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | ContextHeld | ContextIdled
-           | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped)
+           | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped
+           | ServiceCharged | ServiceLifted | WorkflowFlow)
 
 
 # Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.

@@ -2,21 +2,25 @@
 
 Owner: the :class:`InFlightLedger` is the one record of "request R is in flight on pod P". The request
 director and its prefill legs alone write it: :meth:`dispatch` as an attempt (or a prefill leg) is sent,
-:meth:`finish` when it ends however it ended; the pod-removal path calls :meth:`forget_pod`. Everything else
-reads it: routing (requests per pod), pending load (consumption per pod), the working set (a context's
-requests: the one count of them), the workflow tracker (a workflow's or stage's requests), session affinity (a
-session with a request running is never forgotten) and hard flushes (whether anyone else is running on a pod).
-With several workers (``serve --workers N``) the ledger also writes this worker's cell of the shared load
-table, and the per-pod reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`) sum every
-worker's. The per-owner counts (context, stage) of the other workers and replicas come over the state bus
-(:meth:`apply_remote`), one tally per origin so that a vanished one can be dropped (:meth:`forget_origin`);
-this ledger's own changes go out through the sink it is built with.
+:meth:`answering` when the pod's answer begins (its prompt is prefilled), :meth:`finish` when it ends
+however it ended; the pod-removal path calls :meth:`forget_pod`. Everything else reads it: routing
+(requests per pod), pending load (consumption per pod), flow control (the prompt tokens each pod has yet
+to prefill: :meth:`prefill_backlog`), the working set (a context's requests: the one count of them), the
+workflow tracker (a workflow's or stage's requests), session affinity (a session with a request running is
+never forgotten) and hard flushes (whether anyone else is running on a pod). With several workers
+(``serve --workers N``) the ledger also writes this worker's cell of the shared load table, and the per-pod
+reads (:meth:`on_pod`, :meth:`consumption`, :meth:`embedding_consumption`, :meth:`prefill_backlog`) sum
+every worker's. Whatever frees a pod (an answer begins, an attempt ends) rings the ``freed`` bell it is
+built with (flow control listens). The per-owner counts (context, stage) of the other workers and
+replicas come over the state bus (:meth:`apply_remote`), one tally per origin so that a vanished one can
+be dropped (:meth:`forget_origin`); this ledger's own changes go out through the sink it is built with.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.core.contexts import session_key, workflow_key
@@ -34,6 +38,8 @@ class Dispatch:
     kind: str
     context: str | None = None  # the workflow, session or conversation it continues
     stage: tuple[str, str] | None = None  # (workflow id, stage id)
+    # Prompt tokens the pod has to prefill (less those predicted cached), until its answer begins.
+    prefill_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -41,13 +47,15 @@ class PodTally:
     running: dict[Dispatch, None] = field(default_factory=dict)  # an ordered set
     consumption: float = 0.0
     embedding_consumption: float = 0.0
+    prefill_tokens: int = 0
 
 
 OwnerKey = tuple[str, ...]
 
 
 class InFlightLedger:
-    def __init__(self, shared: SharedLoadTable | None = None, publish: Publish = unshared) -> None:
+    def __init__(self, shared: SharedLoadTable | None = None, publish: Publish = unshared,
+                 freed: Callable[[], None] = lambda: None) -> None:
         self._pods: dict[str, PodTally] = {}
         # ("context", key) and ("stage", workflow, stage) → requests in flight, here and (``_remote``, per
         # origin) on the other workers and replicas.
@@ -55,17 +63,20 @@ class InFlightLedger:
         self._remote: dict[str, Counter[OwnerKey]] = {}
         self._shared = shared
         self._publish = publish
+        self._freed = freed
 
     # Writes (the request pipeline only)
 
     def dispatch(self, request_id: str, pod: str, consumption: float, kind: str, *, context: str | None = None,
-                 stage: tuple[str, str] | None = None) -> Dispatch:
-        entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind, context, stage)
+                 stage: tuple[str, str] | None = None, prefill_tokens: int = 0) -> Dispatch:
+        entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind, context, stage,
+                         max(0, prefill_tokens))
         tally = self._pods.get(pod)
         if tally is None:
             tally = self._pods[pod] = PodTally()
         tally.running[entry] = None
         tally.consumption += entry.consumption
+        tally.prefill_tokens += entry.prefill_tokens
         if kind == "embeddings":
             tally.embedding_consumption += entry.consumption
         if context is not None or stage is not None:
@@ -73,9 +84,18 @@ class InFlightLedger:
             for owner in owners:
                 self._owners[owner] += 1
             self._publish(OwnersChanged([list(o) for o in owners], 1))
-        if self._shared is not None:
-            self._shared.write(pod, len(tally.running), tally.consumption, tally.embedding_consumption)
+        self._share(pod, tally)
         return entry
+
+    def answering(self, entry: Dispatch) -> None:
+        """The pod began answering ``entry``: its prompt is prefilled."""
+        tally = self._pods.get(entry.pod)
+        if not entry.prefill_tokens or tally is None or entry not in tally.running:
+            return
+        tally.prefill_tokens = max(0, tally.prefill_tokens - entry.prefill_tokens)
+        entry.prefill_tokens = 0
+        self._share(entry.pod, tally)
+        self._freed()
 
     def finish(self, entry: Dispatch) -> None:
         if entry.context is not None or entry.stage is not None:
@@ -86,13 +106,19 @@ class InFlightLedger:
         if tally is None or entry not in tally.running:
             return  # the pod was forgotten while the request ran
         del tally.running[entry]
+        tally.prefill_tokens = max(0, tally.prefill_tokens - entry.prefill_tokens) if tally.running else 0
         # Clamp: float sums drift, and a pod with nothing in flight has no pending load.
         tally.consumption = max(0.0, tally.consumption - entry.consumption) if tally.running else 0.0
         if entry.kind == "embeddings":
             tally.embedding_consumption = (max(0.0, tally.embedding_consumption - entry.consumption)
                                            if tally.running else 0.0)
+        self._share(entry.pod, tally)
+        self._freed()
+
+    def _share(self, pod: str, tally: PodTally) -> None:
         if self._shared is not None:
-            self._shared.write(entry.pod, len(tally.running), tally.consumption, tally.embedding_consumption)
+            self._shared.write(pod, len(tally.running), tally.consumption, tally.embedding_consumption,
+                               tally.prefill_tokens)
 
     def forget_pod(self, pod: str) -> None:
         """The pod left the fleet: its counts go (requests still running there finish quietly)."""
@@ -134,6 +160,13 @@ class InFlightLedger:
             return max(0.0, shared)
         tally = self._pods.get(pod)
         return tally.consumption if tally else 0.0
+
+    def prefill_backlog(self, pod: str) -> int:
+        """Prompt tokens sent to ``pod`` (by every worker) that it has not begun answering."""
+        if self._shared is not None and (shared := self._shared.prefill(pod)) is not None:
+            return max(0, shared)
+        tally = self._pods.get(pod)
+        return tally.prefill_tokens if tally else 0
 
     def embedding_consumption(self, pod: str) -> float:
         if self._shared is not None and (shared := self._shared.embedding(pod)) is not None:

@@ -14,6 +14,7 @@ contiguous run)::
     in_flight   slots x workers x int64   requests the worker has in flight on the pod
     consumption slots x workers x float64 their pending load
     embedding   slots x workers x float64 the embedding requests' part of it
+    prefill     slots x workers x int64   prompt tokens of its requests the pod has not begun answering
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class SharedLoadTable:
         self._in_flight = memoryview(self._map)[counts_at:counts_at + 8 * cells].cast("q")
         self._consumption = memoryview(self._map)[counts_at + 8 * cells:counts_at + 16 * cells].cast("d")
         self._embedding = memoryview(self._map)[counts_at + 16 * cells:counts_at + 24 * cells].cast("d")
+        self._prefill = memoryview(self._map)[counts_at + 24 * cells:counts_at + 32 * cells].cast("q")
         self._rows: dict[str, int] = {}
         self._unplaced: dict[str, float] = {}  # pods that found the table full → when to try again
         self._full_warned = False
@@ -65,7 +67,7 @@ class SharedLoadTable:
     @staticmethod
     def size(workers: int, slots: int) -> int:
         cells = slots * workers
-        return _align(8 * slots + cells) + 24 * cells
+        return _align(8 * slots + cells) + 32 * cells
 
     @classmethod
     def create(cls, path: str, workers: int, slots: int = DEFAULT_SLOTS) -> SharedLoadTable:
@@ -74,7 +76,7 @@ class SharedLoadTable:
         return cls(path, -1, workers, slots)
 
     def close(self) -> None:
-        for view in (self._keys, self._users, self._in_flight, self._consumption, self._embedding):
+        for view in (self._keys, self._users, self._in_flight, self._consumption, self._embedding, self._prefill):
             view.release()
         self._map.close()
         os.close(self._fd)
@@ -118,17 +120,21 @@ class SharedLoadTable:
                     return -1
                 keys[row] = key
                 for cell in range(row * n, (row + 1) * n):
-                    self._in_flight[cell], self._consumption[cell], self._embedding[cell] = 0, 0.0, 0.0
+                    self._zero(cell)
             self._users[row * n + w] = 1
         return row
 
     # This worker's cells (the ledger writes them)
 
-    def write(self, pod: str, in_flight: int, consumption: float, embedding: float) -> None:
+    def write(self, pod: str, in_flight: int, consumption: float, embedding: float, prefill: int = 0) -> None:
         row = self._row(pod)
         if row >= 0:
             cell = row * self.workers + self.worker
             self._in_flight[cell], self._consumption[cell], self._embedding[cell] = in_flight, consumption, embedding
+            self._prefill[cell] = prefill
+
+    def _zero(self, cell: int) -> None:
+        self._in_flight[cell], self._consumption[cell], self._embedding[cell], self._prefill[cell] = 0, 0.0, 0.0, 0
 
     def release(self, pod: str) -> None:
         """This worker forgets the pod: its cells go to zero and the row is free once nobody uses it."""
@@ -137,7 +143,7 @@ class SharedLoadTable:
         if row >= 0:
             cell = row * self.workers + self.worker
             with self._locked():
-                self._in_flight[cell], self._consumption[cell], self._embedding[cell] = 0, 0.0, 0.0
+                self._zero(cell)
                 self._users[cell] = 0
 
     def clear_worker(self, worker: int) -> None:
@@ -146,7 +152,7 @@ class SharedLoadTable:
         with self._locked():
             for row in range(self.slots):
                 cell = row * n + worker
-                self._in_flight[cell], self._consumption[cell], self._embedding[cell] = 0, 0.0, 0.0
+                self._zero(cell)
                 self._users[cell] = 0
 
     # Reads: every worker's cells summed
@@ -159,6 +165,9 @@ class SharedLoadTable:
 
     def embedding(self, pod: str) -> float | None:
         return self._sum(self._embedding, pod)
+
+    def prefill(self, pod: str) -> int | None:
+        return self._sum(self._prefill, pod)
 
     def _sum(self, cells: memoryview, pod: str) -> Any:
         """The pod's row of ``cells`` summed (None: the pod has no row)."""
@@ -174,5 +183,6 @@ class SharedLoadTable:
             if row >= 0:
                 cells = range(row * n, (row + 1) * n)
                 out[pod] = {"in_flight": [self._in_flight[c] for c in cells],
-                            "consumption": [round(self._consumption[c], 4) for c in cells]}
+                            "consumption": [round(self._consumption[c], 4) for c in cells],
+                            "prefill_tokens": [self._prefill[c] for c in cells]}
         return out

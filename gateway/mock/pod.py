@@ -464,12 +464,12 @@ class MockPod:
             "model": self.config.model,
         }
         die = self.faults.die_mid_stream_fraction and self._rng.random() < self.faults.die_mid_stream_fraction
-        if chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            await resp.write(_sse({**base, "choices": [role]}))
         emitted = 0
         async for token in seq.tokens():
+            if chat and not emitted:  # as vLLM: the role comes with the first token, once the prompt is prefilled
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                await resp.write(_sse({**base, "choices": [role]}))
             emitted += 1
             finish = "length" if emitted >= seq.max_tokens else None
             text = self._token_text[token]

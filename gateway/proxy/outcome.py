@@ -9,6 +9,7 @@ records the outcome once; nobody else decides a request's status.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -29,6 +30,8 @@ class UpstreamCall:
     answer_headers: dict[str, str]  # the gateway's own, added to the answer (x-gateway-pod, ...)
     request_id: str
     anthropic: bool  # Anthropic's API: a broken stream ends with its named error event
+    # Called once, when the pod's answer begins (its first byte relayed): the prompt is prefilled.
+    answering: Callable[[], None] | None = None
 
 
 class Ending(enum.Enum):

@@ -72,6 +72,8 @@ class Relay:
         pod = call.pod.name
         data = await self.read(pod, upstream)
         first_byte_at = time.monotonic()
+        if call.answering is not None:
+            call.answering()
         if upstream.status >= 400 and not upstream.headers.get("content-type", "").startswith("application/json"):
             # An engine's own errors are OpenAI JSON and pass as they are; anything else gets that shape.
             text = data[:ERROR_SNIPPET].decode(errors="replace").strip()
@@ -98,6 +100,8 @@ class Relay:
             async for chunk in self._chunks(upstream):
                 if first_byte_at is None:
                     first_byte_at = time.monotonic()
+                    if call.answering is not None:
+                        call.answering()
                 if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
                     # A backlog (or a chunk that could fill the socket): the client may read slower than
                     # the pod writes. Wait for it, but not forever.

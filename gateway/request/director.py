@@ -16,13 +16,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from aiohttp import web
 
 from gateway.api.errors import REQUEST_ID, status_of
 from gateway.auth import ApiKey
-from gateway.backends.registry import PodRegistry
+from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import GatewayError
 from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
@@ -31,7 +32,14 @@ from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, Upstre
 from gateway.request.body import read_body
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest, PrefillLeg
+from gateway.request.types import (
+    ENGINE_PRIORITY_HEADER,
+    Admitted,
+    Attempt,
+    ClientRequest,
+    CompletedRequest,
+    PrefillLeg,
+)
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.router import Router
 from gateway.workflow.service import NO_PLAN, RequestPlan
@@ -129,9 +137,10 @@ class RequestDirector:
             estimate = routing.estimates.get(decision.pod.name)
             dispatch = self._ledger.dispatch(
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
-                request.kind, context=routing.context_key, stage=plan.stage_owner)
+                request.kind, context=routing.context_key, stage=plan.stage_owner,
+                prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
             run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, number, started,
-                                         dict(headers))
+                                         upstream_headers(headers, run.admitted, decision.pod))
             run.attempts = number + 1
             try:
                 return await self._attempt(run, attempt)
@@ -162,7 +171,8 @@ class RequestDirector:
         try:
             if self._prefill is not None and attempt.routing.leg == "decode":
                 run.prefill = await self._prefill.run(attempt)
-            response, outcome = await self._proxy.forward(self._call(attempt, run.prefill))
+            call = self._call(attempt, run.prefill, partial(self._ledger.answering, attempt.dispatch))
+            response, outcome = await self._proxy.forward(call)
             run.outcome = outcome
             return response
         except RetryableFailure as exc:
@@ -181,7 +191,7 @@ class RequestDirector:
                 step.attempt_finished(attempt, ended)
 
     @staticmethod
-    def _call(attempt: Attempt, prefill: PrefillLeg | None) -> UpstreamCall:
+    def _call(attempt: Attempt, prefill: PrefillLeg | None, answering: Callable[[], None]) -> UpstreamCall:
         request, decision = attempt.request, attempt.decision
         answer_headers = {
             "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
@@ -193,7 +203,16 @@ class RequestDirector:
             answer_headers["x-gateway-prefill-pod"] = prefill_pod.name
             body = prefill.decode_body or body
         return UpstreamCall(decision.pod, request.http, body, attempt.upstream_headers, answer_headers,
-                            request.id, anthropic=request.kind in ("messages", "count_tokens"))
+                            request.id, anthropic=request.kind in ("messages", "count_tokens"), answering=answering)
+
+
+def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) -> dict[str, str]:
+    """One attempt's headers to its pod: the request's, and the priority admission gave it where the pod
+    orders its own queue by priority (vLLM reads it from ``X-Vllm-Priority``, before the body's field)."""
+    headers = dict(base)
+    if admitted is not None and admitted.engine_priority is not None and pod.config.scheduling == "priority":
+        headers[ENGINE_PRIORITY_HEADER] = str(admitted.engine_priority)
+    return headers
 
 
 class _Run:

@@ -129,12 +129,18 @@ class AccessLog:
             "queued_ms": round(done.admitted.queued_s * 1000, 2) if done.admitted else 0.0,
             "ending": done.outcome.ending.value if done.outcome else None,
         }
+        flow = done.admitted.flow if done.admitted is not None else None
+        if flow is not None:
+            fields["flow"], fields["priority"] = flow.fairness_id, flow.priority
+            if done.admitted is not None and done.admitted.objective:
+                fields["objective"] = done.admitted.objective
         if (prefill := done.prefill) is not None:
             fields["prefill_pod"] = prefill.pod.name if prefill.pod is not None else None
             fields["prefill"] = prefill.outcome.value
             fields["prefill_ms"] = round(prefill.seconds * 1000, 2)
         access_log.info(
-            "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s id=%s",
+            "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s flow=%s queued_ms=%s id=%s",
             request.method, request.path, done.status, done.model, pod, fields["policy"], fields["reason"],
-            done.attempts, fields["duration_ms"], ttfb_ms, done.request.id, extra=fields,
+            done.attempts, fields["duration_ms"], ttfb_ms, flow or "-", fields["queued_ms"], done.request.id,
+            extra=fields,
         )

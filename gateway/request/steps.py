@@ -1,11 +1,10 @@
-"""The built-in steps that shape a request: validation, token ids, load, admission and workflow planning."""
+"""The built-in steps that shape a request: validation, token ids, load and workflow planning (admission is
+flow control's: :mod:`gateway.request.flow`)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable
 
-from gateway.admission import AdmissionController
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
@@ -16,7 +15,7 @@ from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
-from gateway.request.types import Admitted, Attempt, ClientRequest
+from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.tokenization import anthropic
 from gateway.tokenization.service import TokenizationService
@@ -117,34 +116,6 @@ class LoadEstimation:
         routing.estimates = {p.name: self._load.estimate(p.name, routing.base_model, routing.input_tokens,
                                                          routing.predicted_output_tokens)
                              for p in self._pods.candidates(routing.model, leg=routing.leg)}
-
-
-class SloAdmission:
-    """admit: ADMIT, QUEUE or REJECT by the request's SLO and the pods' predicted load
-    (:mod:`gateway.admission`); finish: a finished attempt lets the next waiter re-check."""
-
-    def __init__(self, pods: PodRegistry, admission: AdmissionController, metrics: GatewayMetrics) -> None:
-        self._pods = pods
-        self._admission = admission
-        self._metrics = metrics
-
-    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted] | None:
-        if self._admission.config.enabled or policy.needs_load:
-            return self._admit(request, routing)
-        return None
-
-    async def _admit(self, request: ClientRequest, routing: RoutingRequest) -> Admitted:
-        h = request.headers
-        slo = self._admission.slo_for(routing.base_model, h.get("x-slo-ttft-ms"), h.get("x-slo-e2e-ms"),
-                                      h.get("x-priority"))
-        pods = self._pods.candidates(routing.model, leg=routing.leg)
-        ticket = await self._admission.admit(pods, request.kind, routing.estimates, slo)
-        if slo.ttft_s is not None:
-            self._metrics.slo_slack.labels("dispatch").observe(slo.ttft_s - (time.monotonic() - request.started))
-        return Admitted(slo, ticket.waited_s)
-
-    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
-        self._admission.release()
 
 
 class WorkflowPlanning:

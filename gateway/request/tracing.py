@@ -108,6 +108,10 @@ class RequestTracing:
             return
         spans.root.set_attribute("http.response.status_code", done.status)
         spans.root.set_attribute("gateway.attempts", done.attempts)
+        if done.admitted is not None and (flow := done.admitted.flow) is not None:
+            spans.root.set_attribute("gateway.flow.fairness_id", flow.fairness_id)
+            spans.root.set_attribute("gateway.flow.priority", flow.priority)
+            spans.root.set_attribute("gateway.flow.queued_ms", round(done.admitted.queued_s * 1000, 2))
         if done.prefill is not None:
             spans.root.set_attribute("gateway.prefill", done.prefill.outcome.value)
             if (prefill_pod := done.prefill.pod) is not None:

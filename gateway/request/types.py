@@ -24,6 +24,7 @@ from gateway.auth import ApiKey
 from gateway.backends.registry import Pod
 from gateway.core.requests import InferenceRequest
 from gateway.core.usage import Usage
+from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
 from gateway.proxy.outcome import RelayOutcome
 from gateway.routing.policy import Decision, Policy, RoutingRequest
@@ -52,12 +53,22 @@ class ClientRequest:
         return len(token_ids) if token_ids else max(1, len(self.body) // 4)
 
 
+# Where a pod that orders its own queue by priority reads a request's (vLLM 0.32: before the body's
+# ``priority`` field; lower values first), on every API it serves, Anthropic's included.
+ENGINE_PRIORITY_HEADER = "x-vllm-priority"
+
+
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """What admission decided: the request's SLO, and how long it queued for capacity."""
+    """What admission decided: the request's SLO, how long it waited at the gateway, its flow (fairness id
+    and band) and objective, and the priority a pod that schedules by priority is to give it (applied by
+    whichever edge sends the attempt, to such pods only: :data:`ENGINE_PRIORITY_HEADER`)."""
 
     slo: Slo
     queued_s: float = 0.0
+    flow: FlowKey | None = None
+    objective: str | None = None
+    engine_priority: int | None = None
 
 
 @dataclass(eq=False, slots=True, frozen=True)

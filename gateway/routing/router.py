@@ -17,6 +17,9 @@ from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, Routin
 
 log = logging.getLogger("gateway.routing")
 
+# The filter name under which the router records the pods flow control found saturated.
+SATURATED = "saturated"
+
 
 class Router:
     def __init__(
@@ -95,6 +98,12 @@ class Router:
     @staticmethod
     def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
         request.filtered_out = {}
+        room = request.room
+        if room and request.pin is None:  # flow control: the pods with room, while any is left
+            kept = [p for p in pods if p.name in room]
+            if kept and len(kept) < len(pods):
+                request.filtered_out[SATURATED] = [p.name for p in pods if p.name not in room]
+                pods = kept
         for f in policy.filters:
             if not pods:
                 break
