@@ -1,0 +1,125 @@
+"""Flow control's decisions: which flow a request belongs to, when it is held, and which held request the
+controller lets go first (the highest band, then the least-served flow, then the earliest deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.backends.registry import PodRegistry
+from gateway.background import Doorbell
+from gateway.config import FlowControlConfig, HealthConfig, ObjectiveConfig, PodConfig, SaturationConfig, TenantConfig
+from gateway.core.errors import ErrorKind, GatewayError
+from gateway.flow.controller import FlowController
+from gateway.flow.flows import Flow, FlowKey, FlowPolicy
+from gateway.flow.metrics import FlowMetrics
+from gateway.flow.saturation import SaturationDetector
+from gateway.flow.service import ServiceCounters
+from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import PendingLoad
+from gateway.load.profiles import ProfileStore
+
+MODEL = "mock-llama"
+CONFIG = FlowControlConfig(
+    objectives={"interactive": ObjectiveConfig(priority=5, ttft_ms=500, weight=2.0)},
+    tenants={"team-a": TenantConfig(weight=3.0, max_wait_s=10.0)}, keys={"ci-key": "batch"})
+
+
+def test_the_fairness_header_wins_then_the_workflow_then_the_key_tenant_then_default():
+    policy = FlowPolicy(CONFIG)
+    inherited = FlowKey("wf-tenant", 7)
+    assert policy.resolve({"x-gateway-inference-fairness-id": "team-a"}, "ci-key", inherited).key \
+        == FlowKey("team-a", 7)
+    assert policy.resolve({}, "ci-key", inherited).key == FlowKey("wf-tenant", 7)
+    assert policy.resolve({}, "ci-key", None).key == FlowKey("batch", 0)  # the key's configured tenant
+    assert policy.resolve({}, "other-key", None).key == FlowKey("other-key", 0)  # a named key is its own
+    assert policy.resolve({}, None, None).key == FlowKey("default", 0)
+
+
+def test_a_named_objective_sets_band_weight_and_ttft_and_an_unknown_one_counts_as_none():
+    policy = FlowPolicy(CONFIG)
+    flow = policy.resolve({"x-gateway-inference-fairness-id": "team-a",
+                           "x-gateway-inference-objective": "interactive", "x-priority": "1"}, None, None)
+    assert flow.key == FlowKey("team-a", 5) and flow.objective == "interactive"
+    assert flow.weight == 6.0 and flow.ttft_s == 0.5 and flow.max_wait_s == 10.0
+    assert flow.engine_priority == -5  # vLLM schedules lower values first
+    unknown = policy.resolve({"x-gateway-inference-objective": "nope", "x-priority": "2"}, None, None)
+    assert unknown.key == FlowKey("default", 2) and unknown.objective is None and unknown.max_wait_s == 120.0
+
+
+@pytest.mark.parametrize("headers", [{"x-gateway-inference-fairness-id": " "},
+                                     {"x-gateway-inference-fairness-id": "x" * 129}, {"x-priority": "high"}])
+def test_bad_flow_headers_are_a_400(headers):
+    with pytest.raises(GatewayError) as error:
+        FlowPolicy(CONFIG).resolve(headers, None, None)
+    assert error.value.kind is ErrorKind.INVALID_REQUEST
+
+
+def controller(ledger: InFlightLedger, counters: ServiceCounters) -> FlowController:
+    registry = PodRegistry([PodConfig(url="http://p0:1", name="p0", models=[MODEL])], HealthConfig())
+    for pod in registry.all():
+        pod.healthy = True
+    config = FlowControlConfig(saturation=SaturationConfig(in_flight=1), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    return FlowController(config, registry, detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+
+
+async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_highest_band_then_the_least_served():
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    flows = controller(ledger, counters)
+    solo = Flow(FlowKey("a"))
+    assert flows.room_now(solo, MODEL, None, "chat", {}) == frozenset({"p0"})  # work-conserving
+    busy = ledger.dispatch("busy", "p0", 1.0, "chat")  # the pod is full (in_flight=1)
+    assert flows.room_now(solo, MODEL, None, "chat", {}) is None
+
+    counters.charge(FlowKey("a"), 500.0)  # a has been served much more than b
+    order: list[str] = []
+
+    async def wait(name: str, flow: Flow) -> None:
+        release = await flows.hold(flow, MODEL, None, "chat", {}, 30.0)
+        order.append(name)
+        assert release.room == frozenset({"p0"}) and release.waited_s >= 0
+        entry = ledger.dispatch(name, "p0", 1.0, "chat")  # dispatched: the pod is full again
+        flows.landed(release.held)
+        await asyncio.sleep(0.01)
+        ledger.finish(entry)
+
+    tasks = [asyncio.create_task(wait("a1", Flow(FlowKey("a")))),
+             asyncio.create_task(wait("a2", Flow(FlowKey("a"))))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(wait("b1", Flow(FlowKey("b")))))
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(wait("urgent", Flow(FlowKey("c", 9)))))
+    await asyncio.sleep(0.01)
+    assert flows.queued == 4 and order == []
+    # b started waiting after a: lifted to a's counter, never below it (no banked service).
+    assert counters.get(FlowKey("b")) == 500.0
+    flows.start()
+    try:
+        ledger.finish(busy)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        await flows.stop()
+    assert order[0] == "urgent"  # the highest band first
+    assert order[1:] in (["a1", "b1", "a2"], ["b1", "a1", "a2"])  # equal service: the flows take turns
+    assert flows.queued == 0
+
+
+async def test_a_client_that_leaves_while_held_leaves_no_trace_and_a_timeout_is_a_429():
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    flows = controller(ledger, counters)
+    ledger.dispatch("busy", "p0", 1.0, "chat")
+    gone = asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 30.0))
+    await asyncio.sleep(0.01)
+    assert flows.queued == 1
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert flows.queued == 0 and counters.get(FlowKey("a")) == 0.0
+    with pytest.raises(GatewayError) as refused:
+        await flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 0.02)
+    assert refused.value.kind is ErrorKind.RATE_LIMITED and refused.value.code == "queue_timeout"
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1
+    assert flows.queued == 0
