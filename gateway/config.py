@@ -83,9 +83,6 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     client_stall_s: float = 30.0
     # How long SIGTERM waits for in-flight requests before closing them.
     shutdown_grace_s: float = 30.0
-    # How often the config file is checked for changes to apply (what reloads: ``flow_control``'s weights,
-    # objectives and tenants); 0: only on SIGHUP.
-    config_watch_s: float = 2.0
     tls_cert: str | None = None
     tls_key: str | None = None
     # Worker processes sharing the port (SO_REUSEPORT), each with its own event loop; none: one per core

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("request path: domain errors as HTTP, forwarding, the pipeline",
      ("gateway.api.errors", "gateway.proxy", "gateway.request")),
     ("assembly: the fleet's membership, the components, the routes, the wiring",
-     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.reload")),
+     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app")),
     ("processes: the server, its supervisor, simulated pods, the benchmark, the command line",
      ("gateway.server", "gateway.supervisor", "gateway.mock", "gateway.bench", "gateway.cli", "gateway.__main__")),
 ]
