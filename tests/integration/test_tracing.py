@@ -45,12 +45,13 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Trace me."}]}
-        async with http.post(f"{url}/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT}) as resp:
+        headers = {"traceparent": TRACEPARENT, "x-gateway-inference-fairness-id": "team-t", "x-priority": "3"}
+        async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             assert resp.status == 200
     finally:
         await runner.cleanup()
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"POST /v1/chat/completions", "PromptTokenization", "SloAdmission", "route", "upstream"}
+    assert set(spans) == {"POST /v1/chat/completions", "PromptTokenization", "FlowControl", "route", "upstream"}
     root, upstream = spans["POST /v1/chat/completions"], spans["upstream"]
     assert f"{root.context.trace_id:032x}" == CLIENT_TRACE  # the client's trace, continued
     assert all(s.parent is not None and s.parent.span_id == root.context.span_id
@@ -58,6 +59,9 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     assert spans["route"].attributes["gateway.pod"] == "pod0"
     assert spans["route"].attributes["gateway.policy"] == "kv_aware"
     assert root.attributes["http.response.status_code"] == 200
+    # The request's flow, as flow control told it from its headers (an idle pod: it was not held).
+    assert root.attributes["gateway.flow.fairness_id"] == "team-t" and root.attributes["gateway.flow.priority"] == 3
+    assert root.attributes["gateway.flow.queued_ms"] == 0
     # The pod received the upstream span's context: same trace, that span as parent.
     assert seen == [f"00-{CLIENT_TRACE}-{upstream.context.span_id:016x}-01"]
 
