@@ -345,9 +345,12 @@ class TokenWeightsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Flows (a fairness id and a priority band) share the fleet: while every candidate pod is saturated,
     new requests wait at the gateway and are dispatched band by band, the flow with the least weighted
-    service first. Reloadable: ``objectives``, ``tenants``, ``keys``, ``tokens``, ``max_wait_s``."""
+    service first. Read at start (not reloaded yet).
 
-    enabled: bool = True
+    Off by default until it is proved on real pods: on, it broke the end-to-end test that kills a NIXL
+    prefill pod mid-run (a request answered 504), cause not found yet."""
+
+    enabled: bool = False
     saturation: SaturationConfig = msgspec.field(default_factory=SaturationConfig)
     # Requests held at the gateway, all flows together; past it a new one is refused (429).
     max_queued: int = 4096
