@@ -90,9 +90,7 @@ class _PodQueue:
         self.place = {}
         self.next_place = 0
         for block in order:
-            self.place[block] = self.next_place
-            self.places.add(self.next_place, 1)
-            self.next_place += 1
+            self.append(block)
 
 
 class FreeQueues:

@@ -86,6 +86,10 @@ class PromptHashes:
                 done.append(parent)
         return done
 
+    def full(self, block_size: int) -> list[int]:
+        """The hashes of every full block of the prompt."""
+        return self.first(block_size, self.token_count // block_size)
+
     def known(self, block_size: int) -> int:
         """How many hashes of that block size are computed already (no hashing)."""
         hashes = self._by_size.get(block_size)

@@ -52,7 +52,7 @@ class ContextResolution:
         block_size = next((bs for p in pods if (bs := self._index.block_size(p.name))), None)
         if block_size is None:  # no pod's events have said how they cut prompts: nothing can be held
             return
-        blocks = hashes.first(block_size, hashes.token_count // block_size)
+        blocks = hashes.full(block_size)
         earlier = routing.continued_tokens
         continued = self._working_set.continued(blocks, earlier // block_size - 1 if earlier else None)
         routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
@@ -127,7 +127,7 @@ class ContextPlacement:
         if attempt.number == 0:  # a retry's losses are the failed pod's, not placement's
             self._losses.record(attempt, self._working_set.context(routing.context_key), block_size)
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
-                               hashes.first(block_size, hashes.token_count // block_size), hashes.token_count,
+                               hashes.full(block_size), hashes.token_count,
                                self._clock(), routing.retention_s)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
@@ -183,7 +183,7 @@ class CacheRecency:
         hashes = routing.hashes
         if hashes is None or not block_size:
             return None
-        return hashes.first(block_size, hashes.token_count // block_size)
+        return hashes.full(block_size)
 
 
 class RoutedPrefix:
