@@ -282,3 +282,16 @@ def test_a_context_comes_back_as_often_as_contexts_of_its_kind_do():
     # Keyed: one came back (1), then completed (0), the mean moving slowly (0.05 a context).
     assert math.isclose(ws.return_chance(again), 0.95)
     assert ws.forecast.returns[False].value == 0.0  # the recognised conversation lapsed
+
+
+def test_the_free_queue_keeps_its_order_past_many_renumberings():
+    queues = FreeQueues()
+    for block in range(3000):  # past the first 1,024 places: renumbered, more than once
+        queues.taken("p", [block])
+        queues.returned("p", [block], 1)
+    queues.evicted("p", range(1500))
+    assert queues.free_blocks("p") == 1500 and queues.ahead("p", 1500) == 0 and queues.ahead("p", 2999) == 1499
+    for block in range(3000, 5000):
+        queues.taken("p", [block])
+        queues.returned("p", [block], 1)
+    assert queues.ahead("p", 4999) == 3499 and queues.ahead("p", 1500) == 0
