@@ -25,7 +25,7 @@ from gateway.backends.discovery import DiscoveryContext, PodSetApplier
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.scraper import MetricsScraper
-from gateway.background import Doorbell
+from gateway.background import Doorbell, LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
@@ -206,7 +206,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
-        shared_load=shared_load, pressure=pressure, scraper=scraper, discovery=discovery,
+        shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
+        pressure=pressure, scraper=scraper, discovery=discovery,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
@@ -305,6 +306,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     """The components with a lifetime, in start order (they stop in reverse)."""
     out = [
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
+        lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),

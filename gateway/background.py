@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 
@@ -89,3 +89,30 @@ class Doorbell:
                 await asyncio.wait_for(self._event.wait(), timeout_s)
         finally:
             self._waiting = False
+
+
+class LoopLagProbe:
+    """Samples how late the event loop wakes a task: every ``interval_s`` it sleeps, and reports to
+    ``observe`` how much longer than ``interval_s`` the sleep took. That lateness is what any request
+    waiting on the loop then waited too (a stall from event ingest, a garbage-collector pause, a burst of
+    relayed chunks), so it is the loop's share of the TTFT the gateway adds."""
+
+    def __init__(self, interval_s: float, observe: Callable[[float], None]) -> None:
+        self._interval_s = interval_s
+        self._observe = observe
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._interval_s > 0:
+            self._task = asyncio.create_task(self._run(), name="loop-lag-probe")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+
+    async def _run(self) -> None:
+        interval, observe = self._interval_s, self._observe
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(interval)
+            observe(max(0.0, time.perf_counter() - asked - interval))

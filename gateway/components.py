@@ -17,6 +17,7 @@ from gateway.backends.discovery import PodSetApplier
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import PodRegistry
 from gateway.backends.scraper import MetricsScraper
+from gateway.background import LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig
@@ -71,6 +72,7 @@ class Gateway:
     losses: PlacementLosses  # where cache hits were lost (/debug/placement)
     keep_warm: KeepWarm | None  # workflow.keep_warm on
     shared_load: SharedLoadTable | None  # with several workers
+    loop_lag: LoopLagProbe
     # Present only when their config turns them on.
     pressure: PressureMonitor | None
     scraper: MetricsScraper | None

@@ -88,8 +88,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Worker processes sharing the port (SO_REUSEPORT), each with its own event loop; none: one per core
     # this process may use. They share their load per pod and their workflow state (``shared_state``).
     workers: int | None = None
+    # How often the event loop's lag is sampled (``gateway_event_loop_lag_seconds``); 0: never.
+    loop_lag_interval_s: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.loop_lag_interval_s < 0:
+            raise ValueError("loop_lag_interval_s must not be negative")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be in 1..256, got {self.workers}")
         if not 0 <= self.port <= 65535:

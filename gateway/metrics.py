@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import POD_ROLES
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -31,6 +32,12 @@ class GatewayMetrics:
             "gateway_time_to_first_byte_seconds",
             "Time from request received to the first response byte relayed (TTFT for streams)",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a sleeping task (sampled every "
+            "server.loop_lag_interval_s): what a request waiting on the loop waited too",
+            buckets=LOOP_LAG_BUCKETS, registry=r,
         )
         self.in_flight = Gauge("gateway_in_flight_requests", "Requests in flight per pod", ["pod"], registry=r)
         self.decisions = Counter(

@@ -127,6 +127,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     completion_tokens: int = 0
+    request_id: str = ""  # sent as x-request-id: the pods' own TTFT of it is looked up by it
 
 
 @dataclass
@@ -267,6 +268,28 @@ def gateway_version() -> str:
     return version("kv-gateway")
 
 
+def _pod_ttfts(urls: list[str]) -> dict[str, float]:
+    """Each request's time to first token at the pod that answered it, by request id, where the pods say
+    it (simulated pods' ``/debug/ttft``; real vLLM does not)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+            with urllib.request.urlopen(f"{url}/debug/ttft", timeout=10) as resp:
+                out.update(orjson.loads(resp.read())["ttft_s"])
+    return out
+
+
+def _added_ttft_per_request(ok: list[Outcome], pod_ttfts: dict[str, float]) -> dict[str, float]:
+    """Percentiles of what the router and the hops added to each request's TTFT: the client's TTFT minus
+    the pod's own for the same request, matched by the ``x-request-id`` the client sent (a router that does
+    not pass it on leaves nothing matched: then only the mean from the pods' histograms is reported)."""
+    added = [1000 * (o.ttft_s - pod_ttfts[o.request_id]) for o in ok if o.request_id in pod_ttfts]
+    if not added:
+        return {}
+    return {"added_ttft_ms_p50": round(pct(added, 0.5), 2), "added_ttft_ms_p90": round(pct(added, 0.9), 2),
+            "added_ttft_ms_p99": round(pct(added, 0.99), 2), "added_ttft_matched": round(len(added) / len(ok), 4)}
+
+
 def _added_ttft(ok: list[Outcome], before: list[dict[str, float]], after: list[dict[str, float]]
                 ) -> dict[str, float]:
     """The clients' mean time to first token, the pods' own (their histograms' sum over count) and the
@@ -324,6 +347,9 @@ class BenchRunner:
         self.served_by = NOBODY  # the contender being served
         self._redis: subprocess.Popen[bytes] | None = None
         self._encoder: ChatEncoder | None = None
+        # Every request's x-request-id: unique across runs, so pods kept between contenders never mix them up.
+        self._run_id = f"bench-{os.urandom(4).hex()}"
+        self._request_ids = itertools.count()
         # The last oracle computed: its trace, pods' cache configs and answers (contenders replaying a trace
         # on the simulated pods get the same answers, so the same references).
         self._last_oracle: tuple[Trace, object, Oracle] | None = None
@@ -497,6 +523,7 @@ class BenchRunner:
                                                              lose_redis_after))
                 after, spent = self._counters_after(pods, routers if contender.kind == "gateway" else None)
                 legs_after = [_leg_counters(p.url) for p in pods]
+                pod_ttfts = _pod_ttfts(decode_urls)
                 if contender.prefill_pods:
                     result.extra.update(_per_leg(pods, legs_before, legs_after))
                 if contender.kind == "gateway" and routers:
@@ -525,6 +552,7 @@ class BenchRunner:
         result.hit_ratio = hits / queries if queries else 0.0
         if not contender.prefill_pods:
             result.extra.update(_added_ttft(ok, legs_before, legs_after))
+            result.extra.update(_added_ttft_per_request(ok, pod_ttfts))
         result.extra["prompt_tokens"] = round(queries)  # the clients' (what a hit ratio's gain is a share of)
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
         # The gateway's workflow cache actions, as shares of the answered requests.
@@ -651,16 +679,18 @@ class BenchRunner:
                     max_tokens: int, headers: dict[str, str]) -> Outcome:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
+        request_id = f"{self._run_id}-{next(self._request_ids):x}"
         started = time.monotonic()
         first: float | None = None
         parts: list[str] = []
         usage: dict[str, object] = {}
         try:
             async with http.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
-                                 headers={"content-type": "application/json", **headers}) as resp:
+                                 headers={"content-type": "application/json", "x-request-id": request_id,
+                                          **headers}) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return Outcome(resp.status, sent_at=started)
+                    return Outcome(resp.status, sent_at=started, request_id=request_id)
                 action = resp.headers.get("x-gateway-cache-action", "")
                 usage: dict[str, Any] = {}
                 async for line in resp.content:
@@ -674,10 +704,10 @@ class BenchRunner:
                             first = first or time.monotonic()
                             parts.append(content)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return Outcome(599, sent_at=started)
+            return Outcome(599, sent_at=started, request_id=request_id)
         end = time.monotonic()
         details = usage.get("prompt_tokens_details") or {}
         return Outcome(200, (first or end) - started, end - started, started, action, "".join(parts),
                        prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=details.get("cached_tokens"),
-                       completion_tokens=int(usage.get("completion_tokens") or 0))
+                       completion_tokens=int(usage.get("completion_tokens") or 0), request_id=request_id)
 

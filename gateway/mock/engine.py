@@ -49,6 +49,7 @@ class TimingModel(msgspec.Struct, frozen=True):
 
 # The context length of the simulated model (a Llama-3.1-shaped one).
 MODEL_MAX_LEN = 131_072
+RECENT_TTFTS = 100_000
 
 
 class EngineLimits(msgspec.Struct, frozen=True):
@@ -149,6 +150,9 @@ class MockEngine:
         # Time to first token of finished prefills (vLLM's time_to_first_token_seconds histogram).
         self.ttft_sum_s = 0.0
         self.ttft_count = 0
+        # The same per request id, the latest RECENT_TTFTS: what a benchmark subtracts from its client's TTFT
+        # to see what the router in between added (``GET /debug/ttft``).
+        self.ttft_by_request: dict[str, float] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mock-engine")
@@ -295,8 +299,12 @@ class MockEngine:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             seq.simulated_ttft_s = self.clock - seq.submitted_clock
-            self.ttft_sum_s += seq.first_token_at - seq.arrived
+            ttft = seq.first_token_at - seq.arrived
+            self.ttft_sum_s += ttft
             self.ttft_count += 1
+            if len(self.ttft_by_request) >= RECENT_TTFTS:
+                del self.ttft_by_request[next(iter(self.ttft_by_request))]  # the oldest
+            self.ttft_by_request[seq.request_id] = ttft
         seq.outputs.put_nowait(token)
         if seq.generated >= seq.max_tokens:
             self.finished_requests += 1

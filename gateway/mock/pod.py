@@ -245,6 +245,7 @@ class MockPod:
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/debug/blocks", self._debug_blocks)
+        r.add_get("/debug/ttft", self._debug_ttft)
         r.add_post("/debug/faults", self._set_faults)
         if self.nixl is not None:
             r.add_post(SIDE_CHANNEL_PATH, self._nixl_read)
@@ -623,6 +624,10 @@ class MockPod:
                                   "blocks": blocks, "hits": stats.hits, "queries": stats.queries,
                                   "evictions": stats.evictions,
                                   "events_seq": self.publisher.seq if self.publisher else None})
+
+    async def _debug_ttft(self, request: web.Request) -> web.Response:
+        """Each recent request's time to first token at this pod, by its ``x-request-id``."""
+        return web.json_response({"ttft_s": self.engine.ttft_by_request})
 
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:

@@ -65,7 +65,8 @@ def test_runner_compares_direct_and_gateway(tmp_path):
     # The gateway's own checks of its predictions come back with its result: all exact, no drift.
     assert gateway.extra.get("prediction_exact", 0) >= trace.requests - 2 and not gateway.extra.get("drift")
     # Only the gateway says more of itself; the answers' own usage says what the pods' counters say.
-    added = {"client_ttft_ms_mean", "pod_ttft_ms_mean", "added_ttft_ms_mean"}
+    added = {"client_ttft_ms_mean", "pod_ttft_ms_mean", "added_ttft_ms_mean", "added_ttft_ms_p50",
+             "added_ttft_ms_p90", "added_ttft_ms_p99", "added_ttft_matched"}
     assert {k: v for k, v in direct.extra.items() if k not in added} == {
         "client_hit_ratio": pytest.approx(direct.hit_ratio, abs=1e-3), "prompt_tokens": gateway.extra["prompt_tokens"]}
     # What each adds before the first token: the client's mean TTFT less the pods' own (their histograms).
@@ -73,6 +74,10 @@ def test_runner_compares_direct_and_gateway(tmp_path):
         assert r.extra["added_ttft_ms_mean"] == pytest.approx(r.extra["client_ttft_ms_mean"]
                                                               - r.extra["pod_ttft_ms_mean"], abs=0.02)
         assert r.extra["client_ttft_ms_mean"] > r.extra["added_ttft_ms_mean"] > 0
+        # And per request, matched by the x-request-id each client sent: every answer is matched, and the
+        # mean of the differences is the difference of the means.
+        assert r.extra["added_ttft_matched"] == 1.0
+        assert 0 < r.extra["added_ttft_ms_p50"] <= r.extra["added_ttft_ms_p90"] <= r.extra["added_ttft_ms_p99"]
     assert direct.extra["prompt_tokens"] >= trace.requests * 300  # what the clients sent, as the pods counted
     paths = write_results(results, tmp_path, {"seed": 0})
     saved = json.loads(paths["json"].read_text())

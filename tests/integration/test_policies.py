@@ -224,3 +224,16 @@ async def test_throughput_sends_requests_where_the_most_headroom_is_left(start_b
     # A request in flight on the busy pod takes a share of its capacity: every later one goes to the other.
     made = await one_by_one_beside_a_busy_pod(start_backend, start_gateway, http, "throughput", 12)
     assert made == {("throughput", "most_headroom"): 12.0}
+
+
+async def test_the_gateway_exports_its_event_loop_lag(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    gw = await start_gateway([await start_backend(counting_backend("p0", hits))], server={"loop_lag_interval_s": 0.01})
+    await asyncio.sleep(0.15)
+    text = await (await http.get(f"{gw.url}/metrics")).text()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("gateway_event_loop_lag_seconds")}
+    assert samples["gateway_event_loop_lag_seconds_count"] >= 5, samples
+    # Nothing stalls this loop: most samples are within a few ms of on time.
+    assert samples['gateway_event_loop_lag_seconds_bucket{le="0.005"}'] >= \
+        samples["gateway_event_loop_lag_seconds_count"] / 2, samples
