@@ -201,8 +201,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         discovery = PodSetApplier(pods, discovery_source(config), membership.added, membership.removed)
     scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
     return Gateway(
-        config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, director=director,
-        counting=counting,
+        config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
+        director=director, counting=counting,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,

@@ -35,6 +35,7 @@ from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureMonitor
+from gateway.proxy.forward import Proxy
 from gateway.request.director import RequestDirector
 from gateway.request.placement import PlacementLosses
 from gateway.routing.router import Router
@@ -51,6 +52,7 @@ class Gateway:
     metrics: GatewayMetrics
     ledger: InFlightLedger
     router: Router
+    proxy: Proxy  # the HTTP edge's upstream side
     director: RequestDirector
     counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
     auth: ApiKeyAuth

@@ -9,6 +9,7 @@ from functools import partial
 
 from aiohttp import web
 
+from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
@@ -59,12 +60,18 @@ def _check_admin(gateway: Gateway, request: web.Request) -> None:
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
     key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
-    return await gateway.director.handle(request, kind, key)
+    edge = HttpEdge(request, gateway.proxy)
+    await gateway.director.handle(edge, kind, key)
+    assert edge.response is not None  # the director returns only once an answer was relayed
+    return edge.response
 
 
 async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
     key = gateway.auth.check(request.headers)
-    return await gateway.counting.handle(request, "count_tokens", key)
+    edge = HttpEdge(request, gateway.proxy)
+    await gateway.counting.handle(edge, "count_tokens", key)
+    assert edge.response is not None
+    return edge.response
 
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:

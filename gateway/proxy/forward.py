@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDictProxy
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.config import AuthConfig, ServerConfig, TimeoutConfig
@@ -54,18 +54,18 @@ class Proxy:
         )
         self._relay = Relay(metrics, timeouts, server.client_stall_s, explicit_idle=timeouts.idle_s < sock_read)
 
-    async def forward(self, call: UpstreamCall) -> tuple[web.StreamResponse, RelayOutcome]:
-        """Send the request to ``call.pod`` and relay its answer; a failure before anything reached the
-        client raises :class:`RetryableFailure` (the director may try another pod)."""
+    async def forward(self, call: UpstreamCall, client: web.Request) -> tuple[web.StreamResponse, RelayOutcome]:
+        """Send the request to ``call.pod`` and relay its answer to ``client``; a failure before anything
+        reached the client raises :class:`RetryableFailure` (the director may try another pod)."""
         pod = call.pod
         try:
-            upstream = await self._send(pod, call.client.path_qs, call.body, call.headers)
+            upstream = await self._send(pod, call.path, call.body, call.headers)
             try:
                 if upstream.status >= 500:
                     raise await self._upstream_5xx(pod, upstream)
                 self._pods.report_success(pod)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._relay.stream(call, upstream)
+                    return await self._relay.stream(call, client, upstream)
                 return await self._relay.body(call, upstream)
             finally:
                 # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
@@ -90,7 +90,7 @@ class Proxy:
             self._metrics.retries.labels(pod.name, exc.cause).inc()
             raise
 
-    def upstream_headers(self, incoming: CIMultiDictProxy[str], request_id: str) -> dict[str, str]:
+    def upstream_headers(self, incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
         headers = {k: v for k, v in incoming.items() if k.lower() not in _SKIP_REQUEST_HEADERS}
         headers["x-request-id"] = request_id
         if self._auth.upstream == "pass":

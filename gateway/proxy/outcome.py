@@ -12,8 +12,6 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from gateway.backends.registry import Pod
 from gateway.core.errors import GatewayError
 from gateway.core.usage import Usage
@@ -21,17 +19,19 @@ from gateway.core.usage import Usage
 
 @dataclass(frozen=True, slots=True)
 class UpstreamCall:
-    """One attempt, as the proxy needs it: where to, what to send, and whom to relay the answer to."""
+    """One attempt, as an edge needs it: where to, and what to send (the edge knows whom to answer)."""
 
     pod: Pod
-    client: web.Request
-    body: bytes
+    path: str  # with its query string
+    body: bytes  # the client's, or a decode leg's rewrite of it
     headers: dict[str, str]  # sent to the pod
     answer_headers: dict[str, str]  # the gateway's own, added to the answer (x-gateway-pod, ...)
     request_id: str
     anthropic: bool  # Anthropic's API: a broken stream ends with its named error event
     # Called once, when the pod's answer begins (its first byte relayed): the prompt is prefilled.
     answering: Callable[[], None] | None = None
+    # The pods to try next, best first, for an edge whose data plane retries by itself (Envoy).
+    fallbacks: tuple[Pod, ...] = ()
 
 
 class Ending(enum.Enum):
@@ -63,10 +63,12 @@ class RelayOutcome:
 
 
 class RetryableFailure(Exception):
-    """The pod failed before anything reached the client: another pod may take the request."""
+    """The pod failed before anything reached the client: another pod may take the request. Behind Envoy
+    the data plane has already taken it to one of the EPP's fallback endpoints: ``served_by`` says which."""
 
-    def __init__(self, error: GatewayError, cause: str, status: int = 502) -> None:
+    def __init__(self, error: GatewayError, cause: str, status: int = 502, served_by: Pod | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.cause = cause
         self.status = status  # the pod's own 5xx, or 502 (unreachable, or it broke off)
+        self.served_by = served_by

@@ -82,9 +82,9 @@ class Relay:
         response = web.Response(status=upstream.status, body=data, headers=self.answer_headers(call, upstream))
         return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage)
 
-    async def stream(self, call: UpstreamCall, upstream: aiohttp.ClientResponse
+    async def stream(self, call: UpstreamCall, client: web.Request, upstream: aiohttp.ClientResponse
                      ) -> tuple[web.StreamResponse, RelayOutcome]:
-        pod, client = call.pod.name, call.client
+        pod = call.pod.name
         response = web.StreamResponse(status=upstream.status, headers=self.answer_headers(call, upstream))
         await response.prepare(client)
         last_chunks: deque[bytes] = deque(maxlen=4)

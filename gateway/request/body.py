@@ -93,7 +93,11 @@ async def read_body(http: web.Request, max_bytes: int) -> bytes:
         data = await http.read()
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None
-    header = http.headers.get("content-encoding")
+    return decode_body(data, http.headers.get("content-encoding"), max_bytes)
+
+
+def decode_body(data: bytes, header: str | None, max_bytes: int) -> bytes:
+    """``data`` decoded with each codec its ``content-encoding`` header lists (none: as it is)."""
     if not header:
         return data
     for encoding in reversed([e.strip().lower() for e in header.split(",") if e.strip()]):

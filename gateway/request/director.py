@@ -2,10 +2,15 @@
 
 Owner: the director alone builds the typed views the steps see (:mod:`gateway.request.types`), runs the
 retry loop, writes the in-flight ledger (dispatch before an attempt is sent, finish when it ends), and
-records how the request ended, once, from the proxy's returned outcome. Everything a feature does
-happens in a step (:mod:`gateway.request.pipeline`); the proxy only forwards and relays. For a model
-whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a collaborator
-(:mod:`gateway.request.disaggregation`).
+records how the request ended, once, from the outcome its edge returned. Everything a feature does
+happens in a step (:mod:`gateway.request.pipeline`); an edge (:mod:`gateway.request.edge`: the HTTP
+proxy, or Envoy through the endpoint picker) only reads the request and delivers each attempt. For a
+model whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a
+collaborator (:mod:`gateway.request.disaggregation`).
+
+One request, phase by phase: read and parse (the edge's body), prepare, admit, plan, then per attempt
+route, dispatch, deliver (the edge) and finish; a failure before the first byte goes back to route,
+on another pod (behind Envoy, on the fallback endpoint the data plane already took); then complete.
 """
 
 from __future__ import annotations
@@ -19,9 +24,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
-from aiohttp import web
-
-from gateway.api.errors import REQUEST_ID, status_of
+from gateway.api.errors import status_of
 from gateway.auth import ApiKey
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import GatewayError
@@ -29,8 +32,8 @@ from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
-from gateway.request.body import read_body
 from gateway.request.disaggregation import PrefillLegs
+from gateway.request.edge import Edge
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.types import (
     ENGINE_PRIORITY_HEADER,
@@ -40,7 +43,7 @@ from gateway.request.types import (
     CompletedRequest,
     PrefillLeg,
 )
-from gateway.routing.policy import Policy, RoutingRequest
+from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.routing.router import Router
 from gateway.workflow.service import NO_PLAN, RequestPlan
 
@@ -86,18 +89,22 @@ class RequestDirector:
         self._id_prefix = os.urandom(6).hex()
         self._id_counter = itertools.count()
 
-    async def handle(self, http: web.Request, kind: str, key: ApiKey | None) -> web.StreamResponse:
-        request_id = http.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
-        http[REQUEST_ID] = request_id
-        run = _Run(ClientRequest(http, request_id, kind, self._clock(), b"", _UNREAD, key))
+    async def handle(self, edge: Edge, kind: str, key: ApiKey | None) -> None:
+        """Serve one request that ``edge`` received; how it ended is the edge's to answer (a
+        :class:`GatewayError` raised here is the client's error, in the API's shape)."""
+        headers = edge.headers
+        request_id = headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
+        edge.identified(request_id)
+        started = self._clock()
+        run = _Run(ClientRequest(request_id, kind, started, b"", _UNREAD, key, headers, edge.method, edge.path), edge)
         status = 500
         try:
-            body = await read_body(http, self._max_body_bytes)
-            run.request = ClientRequest(http, request_id, kind, run.request.started, body,
-                                        parse_inference_request(body), key)
-            response = await self._serve(run)
-            status = run.outcome.status if run.outcome is not None else response.status
-            return response
+            body = await edge.read_body(self._max_body_bytes)
+            run.request = ClientRequest(request_id, kind, started, body, parse_inference_request(body), key, headers,
+                                        edge.method, edge.path)
+            await self._serve(run)
+            assert run.outcome is not None  # an attempt that returns has delivered
+            status = run.outcome.status
         except GatewayError as err:
             status = status_of(err)
             raise
@@ -110,7 +117,7 @@ class RequestDirector:
             for step in self._pipeline.complete:
                 step.completed(done)
 
-    async def _serve(self, run: _Run) -> web.StreamResponse:
+    async def _serve(self, run: _Run) -> None:
         request = run.request
         policy, routing = self._resolve(request)
         run.routing = routing
@@ -123,17 +130,23 @@ class RequestDirector:
                 run.admitted = admitted
         plan = self._planner.plan(request, policy, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)
-        exclude: set[str] = set()
+        allowed = run.edge.allowed_pods
+        exclude = {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
         failure: RetryableFailure | None = None
-        for number in range(self._max_retries + 1):
+        served_by: Pod | None = None  # where the data plane took the request after a failure
+        number = 0
+        while failure is None or served_by is not None or number <= self._max_retries:
             started = self._clock()
-            try:
-                decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
-                                              binding=plan.pin_binding)
-            except GatewayError:
-                if failure:  # every pod we could try has failed: say why, not just "none left"
-                    raise failure.error from None
-                raise
+            if served_by is not None:
+                decision = _fallback(served_by, policy, routing, exclude)
+            else:
+                try:
+                    decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
+                                                  binding=plan.pin_binding)
+                except GatewayError:
+                    if failure:  # every pod we could try has failed: say why, not just "none left"
+                        raise failure.error from None
+                    raise
             estimate = routing.estimates.get(decision.pod.name)
             dispatch = self._ledger.dispatch(
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
@@ -141,15 +154,16 @@ class RequestDirector:
                 prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
             run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, number, started,
                                          upstream_headers(headers, run.admitted, decision.pod))
-            run.attempts = number + 1
+            run.attempts = number = number + 1
             try:
-                return await self._attempt(run, attempt)
+                await self._attempt(run, attempt, exclude)
+                return
             except RetryableFailure as exc:
-                failure = exc
+                failure, served_by = exc, exc.served_by
                 exclude.add(decision.pod.name)
-                log.warning("request %s: pod %s failed before the first byte (%s: %s)",
-                            request.id, decision.pod.name, exc.cause, exc.error.message)
-        assert failure is not None  # the loop runs at least once, and only a failure continues it
+                log.warning("request %s: pod %s failed before the first byte (%s: %s)%s",
+                            request.id, decision.pod.name, exc.cause, exc.error.message,
+                            f"; the data plane took it to {served_by.name}" if served_by is not None else "")
         raise failure.error
 
     def _resolve(self, request: ClientRequest) -> tuple[Policy, RoutingRequest]:
@@ -162,8 +176,23 @@ class RequestDirector:
             lora_name=request.model if base != request.model else None,
             leg=self._prefill.leg_of(request.kind, request.model) if self._prefill is not None else None)
 
-    async def _attempt(self, run: _Run, attempt: Attempt) -> web.StreamResponse:
-        """One attempt: dispatched, its prefill leg first when it is a decode leg, relayed, finished."""
+    def _fallbacks(self, attempt: Attempt, count: int, excluded: set[str]) -> tuple[Pod, ...]:
+        """The next best pods after the decision's, for an edge whose data plane retries by itself: by
+        the policy's scores when it has scorers, else in the pool's order (the policy's filters kept)."""
+        if not count:
+            return ()
+        decision, routing = attempt.decision, attempt.routing
+        if decision.scores:
+            names = sorted((n for n in decision.scores if n != decision.pod.name), key=decision.scores.__getitem__,
+                           reverse=True)
+            pods = [p for n in names[:count] if (p := self._pods.get(n)) is not None]
+        else:
+            exclude = {decision.pod.name, *excluded, *(n for ns in routing.filtered_out.values() for n in ns)}
+            pods = self._pods.candidates(routing.model, frozenset(exclude), routing.leg)[:count]
+        return tuple(pods)
+
+    async def _attempt(self, run: _Run, attempt: Attempt, exclude: set[str]) -> None:
+        """One attempt: dispatched, its prefill leg first when it is a decode leg, delivered, finished."""
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
         outcome: RelayOutcome | None = None
@@ -171,10 +200,9 @@ class RequestDirector:
         try:
             if self._prefill is not None and attempt.routing.leg == "decode":
                 run.prefill = await self._prefill.run(attempt)
-            call = self._call(attempt, run.prefill, partial(self._ledger.answering, attempt.dispatch))
-            response, outcome = await self._proxy.forward(call)
-            run.outcome = outcome
-            return response
+            call = _call(attempt, run.prefill, self._fallbacks(attempt, run.edge.fallbacks, exclude),
+                         partial(self._ledger.answering, attempt.dispatch))
+            outcome = run.outcome = await run.edge.deliver(call)
         except RetryableFailure as exc:
             outcome = RelayOutcome.failed(status_of(exc.error))
             raise
@@ -186,24 +214,26 @@ class RequestDirector:
             raise
         finally:
             self._ledger.finish(attempt.dispatch)
-            ended = outcome or RelayOutcome.failed(500)  # a bug of ours: the middleware answers 500
+            ended = outcome or RelayOutcome.failed(500)  # a bug of ours: the edge answers 500
             for step in self._pipeline.finish:
                 step.attempt_finished(attempt, ended)
 
-    @staticmethod
-    def _call(attempt: Attempt, prefill: PrefillLeg | None, answering: Callable[[], None]) -> UpstreamCall:
-        request, decision = attempt.request, attempt.decision
-        answer_headers = {
-            "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
-            "x-gateway-prefix-tokens": str(decision.prefix_tokens),
-            "x-gateway-cache-action": attempt.plan.header_for(decision),
-        }
-        body = request.body
-        if prefill is not None and (prefill_pod := prefill.pod) is not None:
-            answer_headers["x-gateway-prefill-pod"] = prefill_pod.name
-            body = prefill.decode_body or body
-        return UpstreamCall(decision.pod, request.http, body, attempt.upstream_headers, answer_headers,
-                            request.id, anthropic=request.kind in ("messages", "count_tokens"), answering=answering)
+
+def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ...],
+          answering: Callable[[], None]) -> UpstreamCall:
+    request, decision = attempt.request, attempt.decision
+    answer_headers = {
+        "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
+        "x-gateway-prefix-tokens": str(decision.prefix_tokens),
+        "x-gateway-cache-action": attempt.plan.header_for(decision),
+    }
+    body = request.body
+    if prefill is not None and (prefill_pod := prefill.pod) is not None:
+        answer_headers["x-gateway-prefill-pod"] = prefill_pod.name
+        body = prefill.decode_body or body
+    return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
+                        anthropic=request.kind in ("messages", "count_tokens"), answering=answering,
+                        fallbacks=fallbacks)
 
 
 def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) -> dict[str, str]:
@@ -215,13 +245,21 @@ def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) 
     return headers
 
 
+def _fallback(pod: Pod, policy: Policy, routing: RoutingRequest, failed: set[str]) -> Decision:
+    """The decision the data plane made for us: one of the EPP's fallback endpoints, after the pods before
+    it in the list failed."""
+    return Decision(pod=pod, policy=policy.name, reason="fallback", detail=f"after {', '.join(sorted(failed))}",
+                    prefix_tokens=routing.prefix_tokens.get(pod.name, 0))
+
+
 class _Run:
     """The director's own record of one request as it goes: what :class:`CompletedRequest` is built from."""
 
-    __slots__ = ("admitted", "attempts", "last", "outcome", "prefill", "request", "routing")
+    __slots__ = ("admitted", "attempts", "edge", "last", "outcome", "prefill", "request", "routing")
 
-    def __init__(self, request: ClientRequest) -> None:
+    def __init__(self, request: ClientRequest, edge: Edge) -> None:
         self.request = request
+        self.edge = edge
         self.routing: RoutingRequest | None = None
         self.admitted: Admitted | None = None
         self.last: Attempt | None = None

@@ -154,7 +154,7 @@ class PrefillLegs:
             for step in self._dispatched:
                 step.dispatched(leg)
             async with asyncio.timeout(self._config.prefill_timeout_s):
-                status, body = await self._proxy.exchange(pod, request.http.path_qs,
+                status, body = await self._proxy.exchange(pod, request.path,
                                                           prefill_body(request, client_body, nixl),
                                                           attempt.upstream_headers)
         except TimeoutError:

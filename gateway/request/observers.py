@@ -119,7 +119,7 @@ class AccessLog:
         pod = d.pod.name if d else "-"
         first_byte = done.first_byte_s
         ttfb_ms = round(first_byte * 1000, 2) if first_byte is not None else None
-        request = done.request.http
+        request = done.request
         fields = {
             "request_id": done.request.id, "method": request.method, "path": request.path,
             "status": done.status, "model": done.model, "pod": pod,

@@ -69,7 +69,7 @@ class RequestTracing:
         parent = propagate.extract(request.headers)
         attributes = {"gateway.request_id": request.id, "gen_ai.request.model": request.model,
                       "gateway.kind": request.kind}
-        root = self._tracer.start_span(f"{request.http.method} {request.http.path}", context=parent,
+        root = self._tracer.start_span(f"{request.method} {request.path.partition('?')[0]}", context=parent,
                                        kind=SpanKind.SERVER, attributes=attributes)
         self._spans[request] = RequestSpans(root)
 

@@ -16,8 +16,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from aiohttp import web
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.admission import Slo
 from gateway.auth import ApiKey
@@ -30,22 +29,27 @@ from gateway.proxy.outcome import RelayOutcome
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.workflow.service import RequestPlan
 
+# A request's headers as the client sent them, looked up case-insensitively (whichever edge received them).
+Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+
 
 @dataclass(eq=False, slots=True, frozen=True)
 class ClientRequest:
-    http: web.Request
+    """What the client sent, whichever edge received it (the HTTP proxy, or Envoy through the EPP)."""
+
     id: str
     # The API path family: "chat", "completions", "responses", "embeddings", "messages", "count_tokens".
     kind: str
     started: float  # monotonic
-    body: bytes  # as received, decoded from its content-encoding: forwarded as it is
+    body: bytes  # as received, decoded from its content-encoding
     parsed: InferenceRequest
     key: ApiKey | None  # the gateway API key it came with, when keys are on
-    headers: CIMultiDictProxy[str] = field(init=False)
+    headers: Headers
+    method: str
+    path: str  # with its query string, as sent upstream
     model: str = field(init=False)  # "" until the body is understood
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "headers", self.http.headers)
         object.__setattr__(self, "model", self.parsed.model or "")
 
     def prompt_tokens(self, token_ids: Sequence[int] | None) -> int:

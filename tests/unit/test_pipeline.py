@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
+from gateway.api.http_edge import HttpEdge
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import (
@@ -82,8 +83,8 @@ def pods(n: int = 2) -> PodRegistry:
 def client_request(body: dict[str, Any] | bytes, kind: str = "chat", headers: dict[str, str] | None = None,
                    key: Any = None) -> ClientRequest:
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    http = make_mocked_request("POST", "/v1/chat/completions", headers=CIMultiDict(headers or {}))
-    return ClientRequest(http, "req-1", kind, time.monotonic(), raw, parse_inference_request(raw), key)
+    return ClientRequest("req-1", kind, time.monotonic(), raw, parse_inference_request(raw), key,
+                         CIMultiDict(headers or {}), "POST", "/v1/chat/completions")
 
 
 def chat(content: str = "Hello there", **extra: Any) -> dict[str, Any]:
@@ -447,7 +448,7 @@ class ScriptedProxy:
     def upstream_headers(self, incoming: Any, request_id: str) -> dict[str, str]:
         return {"x-request-id": request_id}
 
-    async def forward(self, call: Any) -> tuple[web.StreamResponse, RelayOutcome]:
+    async def forward(self, call: Any, client: web.Request) -> tuple[web.StreamResponse, RelayOutcome]:
         self.log.append(f"forward {call.pod.name} in_flight={self.ledger.on_pod(call.pod.name)}")
         result = self.script.pop(0)
         if isinstance(result, BaseException):
@@ -484,8 +485,9 @@ def http_request(body: dict[str, Any]) -> web.Request:
 async def test_the_director_runs_the_stages_in_order_and_retries_before_the_first_byte():
     broken_stream = RelayOutcome(502, Ending.UPSTREAM_BROKE, time.monotonic(), streamed_events=3)
     the_director, log, recorder = director([RetryableFailure(upstream_failed("refused"), "connect"), broken_stream])
-    response = await the_director.handle(http_request(chat()), "chat", None)
-    assert response.status == 200  # what the client saw first ...
+    edge = HttpEdge(http_request(chat()), the_director._proxy)  # type: ignore[arg-type]
+    await the_director.handle(edge, "chat", None)
+    assert edge.response is not None and edge.response.status == 200  # what the client saw first ...
     assert log == [
         "prepare", "admit", "plan",
         "dispatch p0 #0", "forward p0 in_flight=1", "finish p0 502 failed",  # the ledger counted it while sent
@@ -498,13 +500,13 @@ async def test_the_director_runs_the_stages_in_order_and_retries_before_the_firs
 async def test_the_director_records_a_refusal_before_routing_and_after_every_pod_failed():
     refusing, log, recorder = director([])
     with pytest.raises(GatewayError) as info:
-        await refusing.handle(http_request({"model": MODEL, "max_tokens": -1}), "chat", None)
+        await refusing.handle(HttpEdge(http_request({"model": MODEL, "max_tokens": -1}), refusing._proxy), "chat", None)
     assert info.value.kind is ErrorKind.INVALID_REQUEST and log == ["complete 400 attempts=0"]
     assert recorder.done.routing is None and recorder.done.model == "-"  # a body not understood names nothing
     failing, log, recorder = director([RetryableFailure(upstream_failed(f"pod {i} refused"), "connect")
                                        for i in range(3)])
     with pytest.raises(GatewayError) as info:
-        await failing.handle(http_request(chat()), "chat", None)
+        await failing.handle(HttpEdge(http_request(chat()), failing._proxy), "chat", None)
     assert info.value.kind is ErrorKind.UPSTREAM_FAILED and "pod 1" in info.value.message  # the last pod's cause
     assert log[-1] == "complete 502 attempts=2" and log.count("finish p0 502 failed") == 1
     assert NoPlanner().plan(recorder.done.request, ROUND_ROBIN, routing_of(recorder.done.request)) is NO_PLAN
