@@ -79,6 +79,11 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["shared_state"] = {"redis_url": args.shared_state_redis}
     if args.admission:
         overrides["admission"] = {"enabled": True}
+    if args.command == "epp":
+        epp = {k: v for k, v in (("host", args.grpc_host), ("port", args.grpc_port), ("fallbacks", args.fallbacks))
+               if v is not None}
+        if epp:
+            overrides["epp"] = epp
     return overrides
 
 
@@ -100,7 +105,9 @@ def with_mock_connector(config: GatewayConfig) -> DisaggregationConfig:
     return msgspec.structs.replace(disaggregation, models=models)
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, epp: bool = False) -> None:
+    """``gateway serve`` (the HTTP proxy, one process or a supervisor of workers), or ``gateway epp``
+    (the endpoint picker: one process), with the simulated pods the config asks for."""
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
@@ -119,7 +126,11 @@ async def serve(config: GatewayConfig) -> None:
         log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
     workers = worker_count(config)
     try:
-        if workers == 1:
+        if epp:
+            from gateway.epp.server import run_epp
+
+            await run_epp(config)
+        elif workers == 1:
             await run_gateway(config)
         else:
             await Supervisor(config, workers).run()
@@ -171,26 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the gateway")
-    s.add_argument("--config", help="YAML or JSON config file")
-    s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="port to listen on (default 8080)")
-    s.add_argument("--workers", type=int,
-                   help="worker processes on the port (default: one per core this process may use)")
-    s.add_argument("--policy", help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
-    s.add_argument("--pod", action="append",
-                   help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both] "
-                        "(repeatable)")
-    s.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
-    s.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
-    s.add_argument("--mock-prefill-pods", type=int, help="of the simulated pods, this many take the prefill leg and "
-                                                          "the others decode (prefill/decode disaggregation)")
-    s.add_argument("--mock-connector", choices=["shared_storage", "nixl"], default="shared_storage",
-                   help="how the simulated prefill pods pass their KV to the decode pods")
-    s.add_argument("--log-json", action="store_true", help="one JSON object per log line")
-    s.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
-    s.add_argument("--shared-state-redis", help="Redis URL through which replicas share workflow state")
-    s.add_argument("--admission", action="store_true", help="turn SLO admission on")
+    for s in (sub.add_parser("serve", help="run the gateway"),
+              sub.add_parser("epp", help="run the gateway as an Envoy ext_proc endpoint picker (Gateway API "
+                                         "Inference Extension), its HTTP port serving metrics and debug pages")):
+        add_serve_arguments(s)
+        if s.prog.endswith("epp"):
+            s.add_argument("--grpc-host", help="address of the ext_proc gRPC server (default 127.0.0.1)")
+            s.add_argument("--grpc-port", type=int, help="port of the ext_proc gRPC server (default 9002)")
+            s.add_argument("--fallbacks", type=int,
+                           help="endpoints after the chosen one for Envoy to try (default 2; 0 for ORIGINAL_DST)")
 
     m = sub.add_parser("mock", help="run one simulated vLLM/SGLang pod")
     m.add_argument("--host", default="127.0.0.1")
@@ -238,6 +238,30 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for auth.api_key_hashes")
     k.add_argument("key")
     return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON config file")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes on the port (default: one per core this process may use)")
+    parser.add_argument("--policy",
+                        help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
+    parser.add_argument("--pod", action="append",
+                        help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both] "
+                             "(repeatable)")
+    parser.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
+    parser.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
+    parser.add_argument("--mock-prefill-pods", type=int,
+                        help="of the simulated pods, this many take the prefill leg and the others decode "
+                             "(prefill/decode disaggregation)")
+    parser.add_argument("--mock-connector", choices=["shared_storage", "nixl"], default="shared_storage",
+                        help="how the simulated prefill pods pass their KV to the decode pods")
+    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    parser.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
+    parser.add_argument("--shared-state-redis", help="Redis URL through which replicas share workflow state")
+    parser.add_argument("--admission", action="store_true", help="turn SLO admission on")
 
 
 def package_version() -> str:
@@ -313,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gateway: no pods configured (use --pod URL, a config file, or --mock-pods N)", file=sys.stderr)
         return 2
     try:
-        run_loop(serve(config))
+        run_loop(serve(config, epp=args.command == "epp"))
     except Exception as exc:  # start-up failures (port in use, unknown policy, ...) are one clear line
         print(f"gateway: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

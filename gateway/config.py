@@ -564,6 +564,26 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("mock_pods.prefill_pods must leave at least one decode pod")
 
 
+class EppConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """``gateway epp``: the endpoint picker Envoy calls over ext_proc (``gateway/epp/``)."""
+
+    host: str = "127.0.0.1"
+    port: int = msgspec.field(default=9002)
+    # Endpoints after the chosen one in ``x-gateway-destination-endpoint``, for the data plane to try in
+    # order when one cannot be reached (0: one endpoint, as an ORIGINAL_DST cluster needs).
+    fallbacks: int = 2
+    # Whether Envoy sends its gRPC access log to the EPP (the end of each answer: its status, and with
+    # the Lua filter of gateway/epp/envoy_config.py its usage): "auto" once Envoy has opened the stream
+    # (the first answer after a start ends without one), "on" from the first request, "off" never.
+    access_log: Literal["auto", "on", "off"] = "auto"
+    # How long the end of an answer waits for its entry once the ext_proc stream has closed.
+    access_log_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or self.fallbacks < 0 or self.access_log_wait_s < 0:
+            raise ValueError("epp: port in 0..65535, fallbacks and access_log_wait_s at least 0")
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     pods: list[PodConfig] = []
@@ -586,6 +606,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
+    epp: EppConfig = msgspec.field(default_factory=EppConfig)
 
 
 def hash_api_key(key: str) -> str:

@@ -64,3 +64,30 @@ def usage_of_stream_tail(chunks: deque[bytes]) -> Usage | None:
         if data.startswith(b"data: {") and b'"usage"' in data:
             return usage_of_body(data[6:])
     return None
+
+
+def usage_of_json_tail(tail: bytes) -> Usage | None:
+    """The usage of a JSON answer from its last bytes alone: the object after its last ``"usage":`` key
+    (engines write it near the end of the body)."""
+    at = tail.rfind(b'"usage":')
+    if at < 0:
+        return None
+    start = tail.find(b"{", at)
+    if start < 0 or tail[at + 8:start].strip():
+        return None  # "usage": null
+    depth = 0
+    for end in range(start, len(tail)):
+        byte = tail[end]
+        if byte == 0x7B:  # {
+            depth += 1
+        elif byte == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                try:
+                    return _usage_only.decode(tail[start:end + 1])
+                except msgspec.MsgspecError:
+                    return None
+    return None
+
+
+_usage_only = msgspec.json.Decoder(Usage)

@@ -24,10 +24,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
     ("request path: domain errors as HTTP, forwarding, the pipeline",
      ("gateway.api.errors", "gateway.proxy", "gateway.request")),
-    ("assembly: the fleet's membership, the components, the routes, the wiring",
-     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app")),
-    ("processes: the server, its supervisor, simulated pods, the benchmark, the command line",
-     ("gateway.server", "gateway.supervisor", "gateway.mock", "gateway.bench", "gateway.cli", "gateway.__main__")),
+    ("assembly: the fleet's membership, the components, the routes, the wiring, the endpoint picker's edge",
+     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.epp")),
+    ("processes: the server, its supervisor, the endpoint picker, simulated pods, the benchmark, the command line",
+     ("gateway.server", "gateway.supervisor", "gateway.epp.server", "gateway.mock", "gateway.bench", "gateway.cli",
+      "gateway.__main__")),
 ]
 
 

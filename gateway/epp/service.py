@@ -1,0 +1,112 @@
+"""The gRPC services of ``gateway epp``: ext_proc (one stream per request, over the same directors as the
+HTTP routes), Envoy's access log (how each answer ended), and gRPC health (liveness, readiness and the
+ext_proc service, as the endpoint-picker protocol asks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import msgspec
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2
+
+from gateway.api.middleware import ANTHROPIC_PATHS
+from gateway.api.routes import PROXIED_ROUTES
+from gateway.components import Gateway
+from gateway.config import EppConfig
+from gateway.core.errors import ErrorKind, GatewayError, internal_error
+from gateway.epp.access_log import AccessLogs
+from gateway.epp.edge import EnvoyEdge
+
+log = logging.getLogger("gateway.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+
+
+class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """Each ext_proc stream is one client request: its path picks the director, as the HTTP routes do."""
+
+    def __init__(self, gateway: Gateway, access_logs: AccessLogs, config: EppConfig) -> None:
+        self._gateway = gateway
+        self._access_logs = access_logs
+        self._config = config
+        self._serving: set[asyncio.Task[None]] = set()  # requests whose stream Envoy may close before they end
+
+    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("request") != "request_headers":
+            return
+        gateway = self._gateway
+        edge = EnvoyEdge(first, context, gateway.pods, self._access_logs, fallbacks=self._config.fallbacks,
+                         access_log_wait_s=self._config.access_log_wait_s)
+        serving = asyncio.create_task(self._serve(edge))
+        self._serving.add(serving)
+        serving.add_done_callback(self._serving.discard)
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            # Envoy closed the stream. Once the HTTP stream had ended (the end of the answer was seen), the
+            # request finishes by itself (it may wait for its access-log entry); before, the client left.
+            if not edge.answer_started:
+                serving.cancel()
+            raise
+
+    async def _serve(self, edge: EnvoyEdge) -> None:
+        gateway = self._gateway
+        path = edge.path.partition("?")[0]
+        anthropic = path in ANTHROPIC_PATHS
+        try:
+            key = gateway.auth.check(edge.headers)
+            if (kind := PROXIED_ROUTES.get(path)) is not None:
+                await gateway.director.handle(edge, kind, key)
+            elif path == "/v1/messages/count_tokens":
+                await gateway.counting.handle(edge, "count_tokens", key)
+            elif path == "/v1/models" and edge.method == "GET":
+                await edge.answer(200, msgspec.json.encode({"object": "list", "data": gateway.pods.model_cards()}))
+            else:
+                raise GatewayError(ErrorKind.NOT_FOUND, f"No route for {edge.method} {path}.", code="not_found")
+        except GatewayError as err:
+            await edge.refuse(err, anthropic)
+        except Exception:
+            log.exception("EPP: unhandled error on %s %s", edge.method, path)
+            await edge.refuse(internal_error(), anthropic)
+        finally:
+            edge.close()
+
+
+class Readiness:
+    """Keeps the gRPC health statuses true: live while the process serves; ready (and the ext_proc service
+    serving) while a pod can take requests and the EPP is not draining."""
+
+    def __init__(self, gateway: Gateway, servicer: health.aio.HealthServicer, interval_s: float = 1.0) -> None:
+        self._gateway = gateway
+        self._servicer = servicer
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.update()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for service in HEALTH_SERVICES:
+            await self._servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def update(self) -> None:
+        now = time.monotonic()
+        ready = not self._gateway.draining and any(p.available(now) for p in self._gateway.pods.all())
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "readiness", EXT_PROC_SERVICE):
+            await self._servicer.set(service, status)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.update()
