@@ -20,11 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
 import aiohttp
@@ -38,12 +40,13 @@ from gateway.bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
 from gateway.bench.tenants import tenant_stats
 from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
+from gateway.epp.envoy_config import bootstrap_yaml
 from gateway.metrics import KeepWarmSpent, keep_warm_spent, prediction_checks
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
-Kind = Literal["direct", "gateway", "vllm-router", "sglang-router", "smg"]
+Kind = Literal["direct", "gateway", "envoy-epp", "vllm-router", "sglang-router", "smg"]
 
 
 class Contender(msgspec.Struct, frozen=True):
@@ -80,6 +83,9 @@ CONTENDERS = {
         Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
         Contender("gateway-kv_aware-2-workers", "gateway", "kv_aware", workers=2),
         Contender("gateway-slo", "gateway", "slo"),
+        # A real Envoy relaying the bytes, ``gateway epp`` choosing each pod over ext_proc.
+        Contender("envoy-epp-kv_aware", "envoy-epp", "kv_aware"),
+        Contender("envoy-epp-round_robin", "envoy-epp", "round_robin"),
         Contender("vllm-router-round_robin", "vllm-router", "round_robin"),
         Contender("vllm-router-cache_aware", "vllm-router", "cache_aware"),
         Contender("vllm-router-kv_aware", "vllm-router", "kv_aware"),
@@ -305,6 +311,22 @@ def _added_ttft(ok: list[Outcome], before: list[dict[str, float]], after: list[d
             "added_ttft_ms_mean": round(client_ms - pod_ms, 2)}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            own, rest = stat.read_text().split(" ", 1)
+            fields = rest.rsplit(")", 1)[1].split()
+            if int(own) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _binary(name: str) -> str:
+    return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+
+
 _CACHE_CONFIG_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -355,6 +377,8 @@ class BenchRunner:
         self._last_oracle: tuple[Trace, object, Oracle] | None = None
         # The routers of the contender being served (their CPU is what some benchmarks measure).
         self.router_processes: list[subprocess.Popen[bytes]] = []
+        # Where a contender's gateway answers /metrics when requests go elsewhere (Envoy before the EPP).
+        self.metrics_urls: dict[str, str] = {}
 
     # Pods
 
@@ -389,7 +413,30 @@ class BenchRunner:
         env = dict(contender.env)
         if contender.kind == "gateway" and contender.replicas > 1 and contender.share_state:
             env["GATEWAY_SHARED_STATE__REDIS_URL"] = self._start_redis()
+        if contender.kind == "envoy-epp":
+            return [self._start_envoy_epp(contender, pods, env)]
         return [self._start_router(contender, pods, env) for _ in range(contender.replicas)]
+
+    def _start_envoy_epp(self, contender: Contender, pods: list[PodConfig], env: dict[str, str]) -> str:
+        """``gateway epp`` and a real Envoy in front of the pods (override-host cluster, fallbacks); the
+        EPP's HTTP port (metrics) is kept in ``metrics_urls``; Envoy's URL is the one requests go to."""
+        grpc_port, envoy_port, admin_port = free_port(), free_port(), free_port()
+        epp_url = self._start_router(contender, pods, {**env, "GATEWAY_EPP__PORT": str(grpc_port),
+                                                       "GATEWAY_EPP__ACCESS_LOG": "on"})
+        endpoints = [tuple(p.url.split("://", 1)[1].split(":")) for p in pods]
+        config = bootstrap_yaml(listen_port=envoy_port, admin_port=admin_port, epp=("127.0.0.1", grpc_port),
+                                pods=[(host, int(port)) for host, port in endpoints], cluster="override_host")
+        path = os.path.join(tempfile.mkdtemp(prefix="kvgw-envoy-"), "envoy.yaml")
+        with open(path, "w") as f:
+            f.write(config)
+        with self._router_log(contender) as log:
+            proc = subprocess.Popen([_binary("envoy"), "-c", path, "--concurrency", "1", "--disable-hot-restart",
+                                     "-l", "warning"], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self._procs.append(proc)
+        self.router_processes.append(proc)
+        wait_http(f"http://127.0.0.1:{admin_port}/ready", 60, proc)
+        self.metrics_urls[contender.name] = epp_url
+        return f"http://127.0.0.1:{envoy_port}"
 
     def _start_redis(self) -> str:
         binary = shutil.which("redis-server")
@@ -407,7 +454,7 @@ class BenchRunner:
     def _start_router(self, contender: Contender, pods: list[PodConfig], extra_env: dict[str, str]) -> str:
         port = free_port()
         env = {**os.environ, **extra_env}
-        if contender.kind == "gateway":
+        if contender.kind in ("gateway", "envoy-epp"):
             cmd = self._gateway_command(contender, pods, port, env)
             served = ServedBy("kv-gateway", gateway_version(), None, cmd)
         else:
@@ -445,8 +492,8 @@ class BenchRunner:
 
     def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
                          env: dict[str, str]) -> list[str]:
-        cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--policy", contender.policy,
-               "--workers", str(contender.workers)]
+        serve = ["epp"] if contender.kind == "envoy-epp" else ["serve", "--workers", str(contender.workers)]
+        cmd = [sys.executable, "-m", "gateway", *serve, "--port", str(port), "--policy", contender.policy]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
                 (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}"
@@ -519,15 +566,25 @@ class BenchRunner:
                 before = [self._prefix_counters(p.url) for p in pods]
                 legs_before = [_leg_counters(p.url) for p in pods]
                 decode_urls = [p.url for p in pods if p.role != "prefill"]
+                cpu_before = [process_cpu_s(p.pid) for p in self.router_processes]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
-                after, spent = self._counters_after(pods, routers if contender.kind == "gateway" else None)
+                cpu = [process_cpu_s(p.pid) - b for p, b in zip(self.router_processes, cpu_before, strict=True)]
+                # The gateway's own metrics: the routers', or behind Envoy the EPP's HTTP port.
+                gateway_metrics = ([self.metrics_urls[contender.name]] if contender.kind == "envoy-epp"
+                                   else routers if contender.kind == "gateway" else None)
+                after, spent = self._counters_after(pods, gateway_metrics)
                 legs_after = [_leg_counters(p.url) for p in pods]
                 pod_ttfts = _pod_ttfts(decode_urls)
                 if contender.prefill_pods:
                     result.extra.update(_per_leg(pods, legs_before, legs_after))
-                if contender.kind == "gateway" and routers:
-                    result.extra.update(self._prediction_checks(routers))
+                if gateway_metrics:
+                    result.extra.update(self._prediction_checks(gateway_metrics))
+                if cpu and trace.requests:  # the router's CPU per request (Envoy's and the EPP's apart)
+                    names = ["epp", "envoy"] if contender.kind == "envoy-epp" else ["router"] * len(cpu)
+                    for name, seconds_ in zip(names, cpu, strict=True):
+                        key = f"cpu_ms_per_req_{name}"
+                        result.extra[key] = round(result.extra.get(key, 0.0) + 1000 * seconds_ / trace.requests, 3)
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
             return result

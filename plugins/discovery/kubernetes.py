@@ -7,8 +7,10 @@ condition true, an IP, not terminating) are routed to. Per pod, annotations say 
     gateway.kv/model, gateway.kv/dp-size, gateway.kv/flavor (vllm|sglang), gateway.kv/topic,
     gateway.kv/role (prefill|decode|both: the legs of a disaggregated request it serves; default both)
 
-Options: ``label_selector`` (required), ``namespace`` (default: the service account's),
-``api_server`` (default https://kubernetes.default.svc), ``token_path``, ``ca_path``.
+Options: ``label_selector`` (required; for ``gateway epp``, the InferencePool's selector), ``namespace``
+(default: the service account's), ``http_port`` (the pods' port when no annotation says it: the
+InferencePool's target port; default 8000), ``api_server`` (default https://kubernetes.default.svc),
+``token_path``, ``ca_path``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PREFIX = "gateway.kv/"
 
 
-def pod_config(obj: dict[str, Any]) -> PodConfig | None:
+def pod_config(obj: dict[str, Any], http_port: int = 8000) -> PodConfig | None:
     """The gateway's view of a Kubernetes pod object, or None when it should get no traffic."""
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
     ip = status.get("podIP")
@@ -45,7 +47,7 @@ def pod_config(obj: dict[str, Any]) -> PodConfig | None:
     events, replay = notes.get("kv-events-port"), notes.get("kv-replay-port")
     try:
         return PodConfig(
-            url=f"http://{ip}:{int(notes.get('http-port', 8000))}",
+            url=f"http://{ip}:{int(notes.get('http-port', http_port))}",
             name=meta.get("name") or ip,
             models=[notes["model"]] if notes.get("model") else [],
             flavor=notes.get("flavor", "vllm"),  # type: ignore[arg-type]
@@ -64,12 +66,13 @@ class KubernetesSource:
     name = "kubernetes"
 
     def __init__(self, api_server: str, namespace: str, label_selector: str, token: str | None,
-                 ssl_context: ssl.SSLContext | None, retry_s: float = 2.0) -> None:
+                 ssl_context: ssl.SSLContext | None, retry_s: float = 2.0, http_port: int = 8000) -> None:
         self._base = f"{api_server.rstrip('/')}/api/v1/namespaces/{namespace}/pods"
         self._selector = label_selector
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._ssl = ssl_context
         self._retry_s = retry_s
+        self._http_port = http_port
 
     async def watch(self) -> AsyncIterator[list[PodConfig]]:
         pods: dict[str, PodConfig] = {}
@@ -92,7 +95,7 @@ class KubernetesSource:
             body = orjson.loads(await resp.read())
         pods.clear()
         for item in body.get("items") or []:
-            cfg = pod_config(item)
+            cfg = pod_config(item, self._http_port)
             if cfg is not None:
                 pods[cfg.name or ""] = cfg
         return str(body.get("metadata", {}).get("resourceVersion", ""))
@@ -113,7 +116,7 @@ class KubernetesSource:
                 if kind not in ("ADDED", "MODIFIED", "DELETED"):
                     continue
                 name = (obj.get("metadata") or {}).get("name", "")
-                cfg = None if kind == "DELETED" else pod_config(obj)
+                cfg = None if kind == "DELETED" else pod_config(obj, self._http_port)
                 before = pods.get(name)
                 if cfg is None:
                     pods.pop(name, None)
@@ -125,6 +128,7 @@ class KubernetesSource:
 class KubernetesOptions(msgspec.Struct, forbid_unknown_fields=True):
     label_selector: str
     namespace: str | None = None  # default: the gateway's own (from its service account)
+    http_port: int = 8000  # the pods' HTTP port when no gateway.kv/http-port annotation says it
     api_server: str = "https://kubernetes.default.svc"
     token_path: str = str(SA_DIR / "token")
     ca_path: str = str(SA_DIR / "ca.crt")
@@ -136,7 +140,7 @@ def build(context: DiscoveryContext, options: KubernetesOptions) -> KubernetesSo
     context_ssl = ssl.create_default_context(cafile=str(ca_path)) if api.startswith("https") and ca_path.exists() \
         else None
     token = token_path.read_text().strip() if token_path.exists() else None
-    return KubernetesSource(api, namespace, options.label_selector, token, context_ssl)
+    return KubernetesSource(api, namespace, options.label_selector, token, context_ssl, http_port=options.http_port)
 
 
 PLUGIN = PluginSpec(KubernetesOptions, build)

@@ -8,15 +8,17 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import load_config, read_config_file
+from gateway.config import GatewayConfig, load_config, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gateway"
 HELM = ROOT / ".tools" / "helm"
+INFERENCE_POOL_SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "schemas" / "inferencepool-v1.json").read_text())
 POD = {"url": "http://vllm-0.vllm:8000", "kv_events": "tcp://vllm-0.vllm:5557", "kv_replay": "tcp://vllm-0.vllm:5558"}
 
 VALUE_SETS = {
@@ -25,6 +27,8 @@ VALUE_SETS = {
         "--set", "redis.enabled=true", "--set", "autoscaling.enabled=true", "--set", "serviceMonitor.enabled=true",
         "--set", "grafanaDashboard.enabled=true", "--set-json", f"pods.list={json.dumps([POD])}"],
     "kubernetes-discovery": ["--set", "pods.discovery=kubernetes", "--set", "pods.labelSelector=app=vllm"],
+    "epp-inference-pool": ["--set", "mode=epp", "--set", "rbac.create=false",
+                           "--set-json", 'epp.inferencePool.selector={"app": "vllm", "model": "llama"}'],
     "file-discovery-external-redis": [
         "--set", "pods.discovery=file", "--set", "redis.externalUrl=redis://redis.shared:6379/0",
         "--set", "rbac.create=false", "--set-json", f"pods.list={json.dumps([POD])}"],
@@ -55,7 +59,9 @@ def test_render_and_validate(helm, name, tmp_path):
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= kinds
     for doc in docs:
-        if doc["kind"] != "ServiceMonitor":  # a CRD: not in the core schemas
+        if doc["kind"] == "InferencePool":  # a CRD: validated against the schema written from its API types
+            jsonschema.validate(doc, INFERENCE_POOL_SCHEMA)
+        elif doc["kind"] != "ServiceMonitor":  # a CRD: not in the core schemas
             kubernetes_validate.validate(doc, "1.30", strict=True)
     config_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gw-gateway")
     path = tmp_path / "gateway.yaml"
@@ -63,8 +69,12 @@ def test_render_and_validate(helm, name, tmp_path):
     config = load_config(path, environ={})  # what the container will load, validated by the gateway itself
     deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gw-gateway")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
+    if name == "epp-inference-pool":
+        check_epp(docs, config, container)
+        return
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "InferencePool" not in kinds
     assert config.server.port == 8080 and config.server.shutdown_grace_s == 55 and config.server.workers == 2
     assert container["resources"]["requests"]["cpu"] == "2"  # one core per worker
     if name == "static-pods-redis-hpa-monitoring":
@@ -86,6 +96,44 @@ def test_render_and_validate(helm, name, tmp_path):
         assert config.shared_state.redis_url == "redis://redis.shared:6379/0"
     if name == "default":
         assert config.shared_state.redis_url is None  # no Redis: each replica keeps its own state
+
+
+def check_epp(docs: list[dict], config: GatewayConfig, container: dict) -> None:
+    """The EPP of an InferencePool: its pods are the pool's (its selector, its port), Envoy reaches it through
+    the Service the pool names, the probes are the protocol's gRPC health services, and it may read pods
+    and InferencePools."""
+    assert container["args"][0] == "epp"
+    assert config.epp.host == "0.0.0.0" and config.epp.port == 9002 and config.epp.fallbacks == 2
+    assert config.discovery.source == "kubernetes"
+    assert config.discovery.options == {"label_selector": "app=vllm,model=llama", "namespace": "llm",
+                                        "http_port": 8000}
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    pool = next(d for d in docs if d["kind"] == "InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"] == {"app": "vllm", "model": "llama"}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    ref = pool["spec"]["endpointPickerRef"]
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == ref["name"])
+    grpc_port = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert grpc_port["targetPort"] == "grpc" and grpc_port["appProtocol"] == "http2"
+    assert any(p["name"] == "grpc" and p["containerPort"] == 9002 for p in container["ports"])
+    role = next(d for d in docs if d["kind"] == "Role")  # rbac.create=false: the EPP needs it anyway
+    assert {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"]} in role["rules"]
+
+
+@pytest.mark.parametrize("broken", [
+    {"spec": {"targetPorts": []}},  # at least one port
+    {"spec": {"endpointPickerRef": {"name": "epp", "failureMode": "Sometimes"}}},
+    {"spec": {"endpointPickerRef": {"name": "epp"}}},  # a Service needs its port
+    {"spec": {"selector": {"matchLabels": {"app": "vllm"}, "matchExpressions": []}}},  # v1 has matchLabels only
+])
+def test_the_inference_pool_schema_refuses_what_the_api_refuses(helm, broken):
+    pool = next(d for d in render(helm, VALUE_SETS["epp-inference-pool"]) if d["kind"] == "InferencePool")
+    jsonschema.validate(pool, INFERENCE_POOL_SCHEMA)
+    pool["spec"].update(broken["spec"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, INFERENCE_POOL_SCHEMA)
 
 
 def test_dashboard_queries_name_real_metrics():

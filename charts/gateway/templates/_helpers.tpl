@@ -29,3 +29,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "redis://%s-redis:6379/0" (include "gateway.fullname" .) -}}
 {{- end -}}
 {{- end -}}
+
+
+{{- /* The InferencePool's selector as a Kubernetes label selector (k=v,...), for the EPP's discovery. */ -}}
+{{- define "gateway.poolSelector" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := .Values.epp.inferencePool.selector -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{- define "gateway.poolName" -}}
+{{- default (include "gateway.fullname" .) .Values.epp.inferencePool.name -}}
+{{- end -}}
