@@ -574,8 +574,8 @@ class EppConfig(msgspec.Struct, forbid_unknown_fields=True):
     fallbacks: int = 2
     # Whether Envoy sends its gRPC access log to the EPP (the end of each answer: its status, and with
     # the Lua filter of gateway/epp/envoy_config.py its usage): "auto" once Envoy has opened the stream
-    # (the first answer after a start ends without one), "on" from the first request, "off" never.
-    access_log: Literal["auto", "on", "off"] = "auto"
+    # (the first answer after a start ends without one), true from the first request, false never.
+    access_log: bool | Literal["auto"] = "auto"
     # How long the end of an answer waits for its entry once the ext_proc stream has closed.
     access_log_wait_s: float = 2.0
 

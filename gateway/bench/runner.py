@@ -422,7 +422,7 @@ class BenchRunner:
         EPP's HTTP port (metrics) is kept in ``metrics_urls``; Envoy's URL is the one requests go to."""
         grpc_port, envoy_port, admin_port = free_port(), free_port(), free_port()
         epp_url = self._start_router(contender, pods, {**env, "GATEWAY_EPP__PORT": str(grpc_port),
-                                                       "GATEWAY_EPP__ACCESS_LOG": "on"})
+                                                       "GATEWAY_EPP__ACCESS_LOG": "true"})
         endpoints = [tuple(p.url.split("://", 1)[1].split(":")) for p in pods]
         config = bootstrap_yaml(listen_port=envoy_port, admin_port=admin_port, epp=("127.0.0.1", grpc_port),
                                 pods=[(host, int(port)) for host, port in endpoints], cluster="override_host")

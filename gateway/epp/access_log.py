@@ -65,7 +65,7 @@ class Ended:
 class AccessLogs:
     """The requests in flight awaiting their entry, by request id (Envoy's ``x-request-id``)."""
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: bool | str = "auto") -> None:
         self._waiting: dict[str, asyncio.Future[Ended]] = {}
         self._mode = mode  # epp.access_log
         self._streams = 0  # Envoy's access-log streams opened so far
@@ -76,7 +76,7 @@ class AccessLogs:
     def live(self) -> bool:
         """Whether Envoy streams entries to us (else no request waits for one). Envoy opens its stream
         with its first entry: in ``auto`` mode the EPP's first request after a start ends without one."""
-        return self._mode == "on" or (self._mode == "auto" and self._streams > 0)
+        return self._mode is True or (self._mode == "auto" and self._streams > 0)
 
     def expect(self, request_id: str) -> asyncio.Future[Ended]:
         future = self._waiting.get(request_id)

@@ -99,7 +99,7 @@ class Stack:
         overrides.setdefault("logging", {"access_log": False})
         pods = [msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(self.pods)]
         config = load_config(overrides={"pods": pods, "server": {"port": 0, "shutdown_grace_s": 1},
-                                        "epp": {"port": 0, "fallbacks": fallbacks, "access_log": "on"},
+                                        "epp": {"port": 0, "fallbacks": fallbacks, "access_log": True},
                                         **overrides}, environ={})
         self.epp = EppServer(config)
         await self.epp.start()

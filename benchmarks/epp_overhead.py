@@ -1,0 +1,180 @@
+"""What the endpoint picker costs: Envoy alone, Envoy + ``gateway epp``, and ``gateway serve`` (proxy mode)
+in front of one simulated pod at speed 0.
+
+    python benchmarks/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
+
+For each setup, requests one at a time over one kept-alive connection: a 4 KB chat request answered with 1
+token (not streamed), then streams of 256 and 2,048 tokens with ``stream_options.include_usage``. It prints
+the median latency and the CPU time per request of each process of the setup (Envoy, the EPP, the gateway),
+from the kernel's counters, and checks that the EPP learnt every answer's exact output length (its
+``gateway_output_tokens`` histogram). Compare within one run: everything shares this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gateway.bench.runner import process_cpu_s, wait_http
+from gateway.epp.envoy_config import bootstrap
+from gateway.mock.pod import free_port
+
+FILLER = "The gateway routes each request to the pod holding its prefix. " * 60
+
+
+def body(tokens: int, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": "mock-llama", "max_tokens": tokens, "messages": [
+        {"role": "system", "content": FILLER[:3900]}, {"role": "user", "content": f"Say ok {n}."}]}
+    if tokens > 1:
+        out |= {"stream": True, "stream_options": {"include_usage": True}}
+    return out
+
+
+def plain_envoy(port: int, admin: int, pod: tuple[str, int]) -> dict[str, Any]:
+    """Envoy alone: the same listener and cluster with no ext_proc, Lua or access log."""
+    config = bootstrap(listen_port=port, admin_port=admin, epp=("127.0.0.1", 1), pods=[pod],
+                       cluster="override_host", access_log=False)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    pods = config["static_resources"]["clusters"][1]
+    pods.pop("load_balancing_policy")
+    return config
+
+
+def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+
+
+def envoy_process(config: dict[str, Any], directory: Path, admin: int) -> subprocess.Popen[bytes]:
+    path = directory / f"envoy-{admin}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    envoy = str(Path(sys.executable).parent / "envoy")
+    proc = spawn([envoy, "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
+                 directory / f"envoy-{admin}.log")
+    wait_http(f"http://127.0.0.1:{admin}/ready", 60, proc)
+    return proc
+
+
+@contextmanager
+def setup(name: str, pod_url: str, policy: str, directory: Path
+          ) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]], str | None]]:
+    """(URL requests go to, the processes whose CPU counts, the gateway's metrics URL)."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    host, port = pod_url.removeprefix("http://").split(":")
+    env = {**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false"}
+    try:
+        if name == "envoy":
+            listen, admin = free_port(), free_port()
+            procs["envoy"] = envoy_process(plain_envoy(listen, admin, (host, int(port))), directory, admin)
+            yield f"http://127.0.0.1:{listen}", procs, None
+        elif name == "envoy+epp":
+            http_port, grpc_port, listen, admin = free_port(), free_port(), free_port(), free_port()
+            procs["epp"] = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "epp", "--port", str(http_port), "--grpc-port", str(grpc_port),
+                 "--policy", policy, "--pod", pod_url],
+                env={**env, "GATEWAY_EPP__ACCESS_LOG": "true"}, stdout=subprocess.DEVNULL,
+                stderr=(directory / "epp.log").open("wb"))
+            wait_http(f"http://127.0.0.1:{http_port}/readyz", 60, procs["epp"])
+            procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin,
+                                                     epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
+                                                     cluster="override_host"), directory, admin)
+            yield f"http://127.0.0.1:{listen}", procs, f"http://127.0.0.1:{http_port}"
+        else:
+            http_port = free_port()
+            procs["gateway"] = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve", "--workers", "1", "--port", str(http_port),
+                 "--policy", policy, "--pod", pod_url], env=env, stdout=subprocess.DEVNULL,
+                stderr=(directory / "gateway.log").open("wb"))
+            wait_http(f"http://127.0.0.1:{http_port}/readyz", 60, procs["gateway"])
+            yield f"http://127.0.0.1:{http_port}", procs, f"http://127.0.0.1:{http_port}"
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=30)
+
+
+async def drive(url: str, tokens: int, requests: int) -> list[float]:
+    """Latencies in ms of ``requests`` requests, one at a time over one connection; each answer read whole."""
+    latencies = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for n in range(requests):
+            started = time.perf_counter()
+            async with http.post(f"{url}/v1/chat/completions", json=body(tokens, n)) as resp:
+                data = await resp.read()
+                assert resp.status == 200, data[:300]
+            latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
+
+
+def output_tokens_learnt(metrics_url: str) -> float:
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(r'^gateway_output_tokens_sum\{kind="actual"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def measure(name: str, pod_url: str, policy: str, tokens: list[int], requests: int, directory: Path
+            ) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    with setup(name, pod_url, policy, directory) as (url, procs, metrics):
+        asyncio.run(drive(url, 1, 30))  # warm: connections, tokenizer, caches
+        for n in tokens:
+            count = requests if n == 1 else max(20, requests // (4 if n <= 256 else 16))
+            learnt_before = output_tokens_learnt(metrics) if metrics else 0.0
+            before = {k: process_cpu_s(p.pid) for k, p in procs.items()}
+            latencies = asyncio.run(drive(url, n, count))
+            row = {f"cpu_ms_{k}": round(1000 * (process_cpu_s(p.pid) - before[k]) / count, 3)
+                   for k, p in procs.items()}
+            row["p50_ms"] = round(sorted(latencies)[len(latencies) // 2], 3)
+            row["requests"] = count
+            if metrics:  # the gateway learnt each answer's exact length: it saw every end, usage included
+                row["tokens_learnt_per_req"] = round((output_tokens_learnt(metrics) - learnt_before) / count, 2)
+            out[f"{n} tokens"] = row
+            print(f"  {name:<10} {n:>5} tokens: {row}", flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
+    parser.add_argument("--setups", nargs="+", default=["envoy", "envoy+epp", "gateway"])
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="epp-overhead-"))
+    pod_port = free_port()
+    pod = spawn([sys.executable, "-m", "gateway", "mock", "--port", str(pod_port), "--speed", "0", "--no-events",
+                 "--no-replay", "--max-num-seqs", "64", "--default-max-tokens", "1"], directory / "pod.log")
+    try:
+        pod_url = f"http://127.0.0.1:{pod_port}"
+        wait_http(f"{pod_url}/health", 60, pod)
+        results = {name: measure(name, pod_url, args.policy, args.tokens if name != "envoy" else [1], args.requests,
+                                 directory) for name in args.setups}
+    finally:
+        pod.terminate()
+        pod.wait(timeout=30)
+    envoy, epp = results.get("envoy", {}).get("1 tokens"), results.get("envoy+epp", {}).get("1 tokens")
+    if envoy and epp:
+        print(f"added p50 of the EPP over Envoy alone: {epp['p50_ms'] - envoy['p50_ms']:.3f} ms")
+    print(json.dumps({"policy": args.policy, **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
