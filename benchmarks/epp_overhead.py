@@ -4,7 +4,8 @@ in front of one simulated pod at speed 0.
     python benchmarks/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
 
 For each setup, requests one at a time over one kept-alive connection: a 4 KB chat request answered with 1
-token (not streamed), then streams of 256 and 2,048 tokens with ``stream_options.include_usage``. It prints
+token (not streamed), then streams of 256 and 2,048 tokens with ``stream_options.include_usage``, one at a
+time and then ``--concurrency`` (16) at a time. It prints
 the median latency and the CPU time per request of each process of the setup (Envoy, the EPP, the gateway),
 from the kernel's counters, and checks that the EPP learnt every answer's exact output length (its
 ``gateway_output_tokens`` histogram). Compare within one run: everything shares this machine.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -30,11 +32,22 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.bench.runner import process_cpu_s, wait_http
+from gateway.bench.runner import wait_http
 from gateway.epp.envoy_config import bootstrap
 from gateway.mock.pod import free_port
 
+IDLE_S = 5.0
 FILLER = "The gateway routes each request to the pod holding its prefix. " * 60
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of all a process's threads so far, to the nanosecond (the scheduler's own account;
+    ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a millisecond per request)."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            total += int(stat.read_text().split()[0])
+    return total / 1e9
 
 
 def body(tokens: int, n: int) -> dict[str, Any]:
@@ -109,16 +122,22 @@ def setup(name: str, pod_url: str, policy: str, directory: Path
             proc.wait(timeout=30)
 
 
-async def drive(url: str, tokens: int, requests: int) -> list[float]:
-    """Latencies in ms of ``requests`` requests, one at a time over one connection; each answer read whole."""
-    latencies = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
-        for n in range(requests):
-            started = time.perf_counter()
-            async with http.post(f"{url}/v1/chat/completions", json=body(tokens, n)) as resp:
-                data = await resp.read()
-                assert resp.status == 200, data[:300]
-            latencies.append((time.perf_counter() - started) * 1000)
+async def drive(url: str, tokens: int, requests: int, concurrency: int = 1) -> list[float]:
+    """Latencies in ms of ``requests`` requests, ``concurrency`` at a time, each client one kept-alive
+    connection; each answer read whole."""
+    latencies: list[float] = []
+    numbers = iter(range(requests))
+
+    async def client() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+            for n in numbers:
+                started = time.perf_counter()
+                async with http.post(f"{url}/v1/chat/completions", json=body(tokens, n)) as resp:
+                    data = await resp.read()
+                    assert resp.status == 200, data[:300]
+                latencies.append((time.perf_counter() - started) * 1000)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     return latencies
 
 
@@ -129,24 +148,37 @@ def output_tokens_learnt(metrics_url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def measure(name: str, pod_url: str, policy: str, tokens: list[int], requests: int, directory: Path
-            ) -> dict[str, dict[str, float]]:
+def measure(name: str, pod_url: str, policy: str, tokens: list[int], requests: int, directory: Path,
+            concurrency: int, stream_requests: int | None) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     with setup(name, pod_url, policy, directory) as (url, procs, metrics):
         asyncio.run(drive(url, 1, 30))  # warm: connections, tokenizer, caches
-        for n in tokens:
-            count = requests if n == 1 else max(20, requests // (4 if n <= 256 else 16))
+        # What each process spends per second with nothing to do (health checks, metric scrapes, timers):
+        # the marginal cost of a request is its CPU less this rate over the run's time.
+        idle_before = {k: cpu_s(p.pid) for k, p in procs.items()}
+        time.sleep(IDLE_S)
+        idle = {k: (cpu_s(p.pid) - idle_before[k]) / IDLE_S for k, p in procs.items()}
+        passes = (concurrency,) if stream_requests else (1, concurrency)
+        for n, parallel in [(t, c) for t in tokens for c in (passes if t > 1 else (1,))]:
+            count = requests if n == 1 else stream_requests or max(20 * parallel, requests // (4 if n <= 256 else 16))
             learnt_before = output_tokens_learnt(metrics) if metrics else 0.0
-            before = {k: process_cpu_s(p.pid) for k, p in procs.items()}
-            latencies = asyncio.run(drive(url, n, count))
-            row = {f"cpu_ms_{k}": round(1000 * (process_cpu_s(p.pid) - before[k]) / count, 3)
-                   for k, p in procs.items()}
+            before = {k: cpu_s(p.pid) for k, p in procs.items()}
+            started = time.monotonic()
+            latencies = asyncio.run(drive(url, n, count, parallel))
+            seconds = time.monotonic() - started
+            row: dict[str, float] = {}
+            for k, p in procs.items():
+                spent = cpu_s(p.pid) - before[k]
+                row[f"cpu_ms_{k}"] = round(1000 * spent / count, 3)
+                row[f"marginal_cpu_ms_{k}"] = round(1000 * (spent - idle[k] * seconds) / count, 3)
             row["p50_ms"] = round(sorted(latencies)[len(latencies) // 2], 3)
+            time.sleep(0.5)  # the gateway sees an answer end just after the client does
             row["requests"] = count
             if metrics:  # the gateway learnt each answer's exact length: it saw every end, usage included
                 row["tokens_learnt_per_req"] = round((output_tokens_learnt(metrics) - learnt_before) / count, 2)
-            out[f"{n} tokens"] = row
-            print(f"  {name:<10} {n:>5} tokens: {row}", flush=True)
+            key = f"{n} tokens" + (f", {parallel} at a time" if parallel > 1 else "")
+            out[key] = row
+            print(f"  {name:<10} {key:>24}: {row}", flush=True)
     return out
 
 
@@ -156,16 +188,24 @@ def main() -> int:
     parser.add_argument("--policy", default="round_robin")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
     parser.add_argument("--setups", nargs="+", default=["envoy", "envoy+epp", "gateway"])
+    parser.add_argument("--stream-requests", type=int,
+                        help="streams per length, all ``--concurrency`` at a time (default: a sequential pass too)")
+    parser.add_argument("--pod-speed", type=float, default=0.0,
+                        help="the simulated pod's time factor (0: answers at once; 1: a real engine's pace)")
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="streams at a time in a second pass (costs that run per second, not per request, "
+                             "such as health checks and gRPC's poller, are then shared)")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="epp-overhead-"))
     pod_port = free_port()
-    pod = spawn([sys.executable, "-m", "gateway", "mock", "--port", str(pod_port), "--speed", "0", "--no-events",
-                 "--no-replay", "--max-num-seqs", "64", "--default-max-tokens", "1"], directory / "pod.log")
+    pod = spawn([sys.executable, "-m", "gateway", "mock", "--port", str(pod_port), "--speed", str(args.pod_speed),
+                 "--no-events", "--no-replay", "--max-num-seqs", "64", "--default-max-tokens", "1"],
+                directory / "pod.log")
     try:
         pod_url = f"http://127.0.0.1:{pod_port}"
         wait_http(f"{pod_url}/health", 60, pod)
         results = {name: measure(name, pod_url, args.policy, args.tokens if name != "envoy" else [1], args.requests,
-                                 directory) for name in args.setups}
+                                 directory, args.concurrency, args.stream_requests) for name in args.setups}
     finally:
         pod.terminate()
         pod.wait(timeout=30)
