@@ -111,6 +111,10 @@ class EnvoyEdge:
             await self._route(call)
         if self._response is None:
             await self._await_answer_headers(call)
+        if call.answering is not None:
+            # The served pod's answer began. Its headers are the first the EPP sees of it: a stream's come
+            # before its first token (the proxy waits for that), so its prefill is taken as done early.
+            call.answering()
         return await self._await_end(call)
 
     # -- answering Envoy ----------------------------------------------------------------------------

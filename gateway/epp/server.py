@@ -72,7 +72,7 @@ class EppServer:
     async def stop(self) -> None:
         """Not ready, nothing new admitted, the streams in flight finish (up to the grace), then the rest."""
         self.gateway.draining = True
-        self.gateway.admission.drain()
+        self.gateway.flow.drain()
         try:
             await self._readiness.stop()
             await self._grpc.stop(self.config.server.shutdown_grace_s)
