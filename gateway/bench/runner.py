@@ -492,8 +492,10 @@ class BenchRunner:
 
     def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
                          env: dict[str, str]) -> list[str]:
-        serve = ["epp"] if contender.kind == "envoy-epp" else ["serve", "--workers", str(contender.workers)]
-        cmd = [sys.executable, "-m", "gateway", *serve, "--port", str(port), "--policy", contender.policy]
+        command = "epp" if contender.kind == "envoy-epp" else "serve"
+        cmd = [sys.executable, "-m", "gateway", command, "--port", str(port), "--policy", contender.policy]
+        if contender.kind == "gateway":
+            cmd += ["--workers", str(contender.workers)]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
                 (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}"
