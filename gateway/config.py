@@ -351,8 +351,8 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     new requests wait at the gateway and are dispatched band by band, the flow with the least weighted
     service first. Read at start (not reloaded yet).
 
-    Off by default until it is proved on real pods: on, it broke the end-to-end test that kills a NIXL
-    prefill pod mid-run (a request answered 504), cause not found yet."""
+    Off by default until it is proved on real pods (work conservation, cost per request). The end-to-end
+    test of a NIXL prefill pod killed mid-run fails with it off too: see the README's P/D section."""
 
     enabled: bool = False
     saturation: SaturationConfig = msgspec.field(default_factory=SaturationConfig)
