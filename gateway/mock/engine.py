@@ -29,6 +29,7 @@ import msgspec
 
 from gateway.background import cancel_and_wait
 from gateway.kv.events import KvEvent
+from gateway.lru import LruCache
 from gateway.mock.kvcache import PagedKvCache, SequenceBlocks
 
 
@@ -152,7 +153,7 @@ class MockEngine:
         self.ttft_count = 0
         # The same per request id, the latest RECENT_TTFTS: what a benchmark subtracts from its client's TTFT
         # to see what the router in between added (``GET /debug/ttft``).
-        self.ttft_by_request: dict[str, float] = {}
+        self.ttft_by_request: LruCache[str, float] = LruCache(RECENT_TTFTS)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mock-engine")
@@ -302,9 +303,7 @@ class MockEngine:
             ttft = seq.first_token_at - seq.arrived
             self.ttft_sum_s += ttft
             self.ttft_count += 1
-            if len(self.ttft_by_request) >= RECENT_TTFTS:
-                del self.ttft_by_request[next(iter(self.ttft_by_request))]  # the oldest
-            self.ttft_by_request[seq.request_id] = ttft
+            self.ttft_by_request.put(seq.request_id, ttft)
         seq.outputs.put_nowait(token)
         if seq.generated >= seq.max_tokens:
             self.finished_requests += 1
