@@ -30,10 +30,10 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
-from gateway.config import GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig
+from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.fleet import PodMembership, health_changed
 from gateway.flow.controller import FlowController
-from gateway.flow.flows import FlowPolicy
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service import ServiceCounters, WorkflowFlows
@@ -92,11 +92,12 @@ DISCOVERY_GROUP = "gateway.discovery_sources"
 log = logging.getLogger("gateway.app")
 
 
-def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None
-                  ) -> Gateway:
+def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None,
+                  source: ConfigSource | None = None) -> Gateway:
     """Every component, wired. ``tracer_provider``: an OpenTelemetry provider to trace with (tracing
     on), instead of the OTLP exporter the ``OTEL_*`` variables configure. ``identity``: which worker of
-    ``serve --workers N`` this is (none: the only one)."""
+    ``serve --workers N`` this is (none: the only one). ``source``: where ``config`` was read from, to
+    reload it (none: it is not reloaded)."""
     identity = identity or WorkerIdentity.single()
     http = HttpClient()
     pods = PodRegistry(config.pods, config.health)
@@ -147,7 +148,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     # SLO admission and flow control hold requests in one queue, the flow controller's.
-    admit = (FlowControl(flow, FlowPolicy(fc), SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
+    admit = (FlowControl(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
              if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server)
@@ -191,8 +192,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                router, NoPlanner(), ledger, proxy, pods, **directing)
     pressure = None
     if config.pressure.enabled:
-        source = pressure_source(config, PressureContext(load, working_set, capacity_of))
-        pressure = PressureMonitor(config.pressure, pods, source, tracker, working_set, executor, modes, metrics)
+        readings = pressure_source(config, PressureContext(load, working_set, capacity_of))
+        pressure = PressureMonitor(config.pressure, pods, readings, tracker, working_set, executor, modes, metrics)
     health = HealthChecker(pods, http, config.health, lambda pod: health_changed(metrics, kv, pod))
     membership = PodMembership(health, metrics, kv, load, profiles, approximate, sessions, working_set, modes,
                                ledger)
@@ -200,6 +201,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     if config.discovery.source != "static":
         discovery = PodSetApplier(pods, discovery_source(config), membership.added, membership.removed)
     scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
+    reloader = None
+    if source is not None and source.path:
+        reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
+                                  config.server.config_watch_interval_s)
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
         director=director, counting=counting,
@@ -207,7 +212,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
         shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
-        pressure=pressure, scraper=scraper, discovery=discovery,
+        pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
@@ -322,14 +327,16 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
     if gw.pressure is not None:
         out.append(lifecycle(gw.pressure.start, gw.pressure.stop))
+    if gw.reloader is not None:
+        out.append(lifecycle(gw.reloader.start, gw.reloader.stop))
     if gw.tracer_provider is not None:  # flush the spans still batched
         out.append(lifecycle(lambda: None, lambda: asyncio.to_thread(gw.tracer_provider.shutdown)))
     return out
 
 
-def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None
-              ) -> web.Application:
-    gateway = build_gateway(config, tracer_provider, identity)
+def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None,
+              source: ConfigSource | None = None) -> web.Application:
+    gateway = build_gateway(config, tracer_provider, identity, source)
     app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
                           client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway

@@ -18,6 +18,7 @@ import msgspec
 from gateway.background import run_loop
 from gateway.config import (
     ConfigError,
+    ConfigSource,
     ConnectorConfig,
     DisaggregationConfig,
     GatewayConfig,
@@ -105,9 +106,10 @@ def with_mock_connector(config: GatewayConfig) -> DisaggregationConfig:
     return msgspec.structs.replace(disaggregation, models=models)
 
 
-async def serve(config: GatewayConfig, epp: bool = False) -> None:
+async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource | None = None) -> None:
     """``gateway serve`` (the HTTP proxy, one process or a supervisor of workers), or ``gateway epp``
-    (the endpoint picker: one process), with the simulated pods the config asks for."""
+    (the endpoint picker: one process), with the simulated pods the config asks for. ``source``: where
+    ``config`` was read from, to reload it (SIGHUP, or the file changing)."""
     from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
@@ -129,11 +131,11 @@ async def serve(config: GatewayConfig, epp: bool = False) -> None:
         if epp:
             from gateway.epp.server import run_epp
 
-            await run_epp(config)
+            await run_epp(config, source)
         elif workers == 1:
-            await run_gateway(config)
+            await run_gateway(config, source=source)
         else:
-            await Supervisor(config, workers).run()
+            await Supervisor(config, workers, source).run()
     finally:
         if fleet:
             fleet.stop()
@@ -328,16 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.logs import configure_logging
 
     try:
-        config = load_config(args.config, serve_overrides(args))
+        source = ConfigSource.read(args.config, serve_overrides(args))
     except (ConfigError, OSError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
+    config = source.loaded
     configure_logging(config.logging)
     if not config.pods and not config.mock_pods.count and config.discovery.source == "static":
         print("gateway: no pods configured (use --pod URL, a config file, or --mock-pods N)", file=sys.stderr)
         return 2
     try:
-        run_loop(serve(config, epp=args.command == "epp"))
+        run_loop(serve(config, epp=args.command == "epp", source=source))
     except Exception as exc:  # start-up failures (port in use, unknown policy, ...) are one clear line
         print(f"gateway: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

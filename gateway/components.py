@@ -21,6 +21,7 @@ from gateway.background import LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig
+from gateway.config_reload import ConfigReloader
 from gateway.fleet import PodMembership
 from gateway.flow.controller import FlowController
 from gateway.http_client import HttpClient
@@ -79,6 +80,7 @@ class Gateway:
     pressure: PressureMonitor | None
     scraper: MetricsScraper | None
     discovery: PodSetApplier | None
+    reloader: ConfigReloader | None  # the config came from a file
     # The OpenTelemetry tracer provider, with tracing on.
     tracer_provider: Any = None
     # The one field that changes after start: set when shutdown begins (``/readyz`` answers 503).

@@ -90,10 +90,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     workers: int | None = None
     # How often the event loop's lag is sampled (``gateway_event_loop_lag_seconds``); 0: never.
     loop_lag_interval_s: float = 0.05
+    # How often the config file is re-read for changes (a mounted ConfigMap changes in place); 0: only on
+    # SIGHUP. What applies without a restart: ``flow_control`` (all but ``enabled``).
+    config_watch_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.loop_lag_interval_s < 0:
-            raise ValueError("loop_lag_interval_s must not be negative")
+        if self.loop_lag_interval_s < 0 or self.config_watch_interval_s < 0:
+            raise ValueError("loop_lag_interval_s and config_watch_interval_s must not be negative")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be in 1..256, got {self.workers}")
         if not 0 <= self.port <= 65535:
@@ -660,6 +663,25 @@ def _check_moved(data: Mapping[str, Any]) -> None:
     for (section, key), now in _MOVED.items():
         if isinstance(data.get(section), Mapping) and key in data[section]:
             raise ConfigError(f"{section}.{key} is now {now} (flow control's queue is the one queue)")
+
+
+class ConfigSource(msgspec.Struct, frozen=True):
+    """Where the running config came from, so that it can be read again: the file (none: no file), the
+    command line's settings over it, and the config they gave when the gateway started. ``GATEWAY_*``
+    variables are re-read with the file (a process's environment does not change)."""
+
+    path: str | None = None
+    overrides: dict[str, Any] = {}
+    loaded: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+
+    @classmethod
+    def read(cls, path: str | None, overrides: Mapping[str, Any] | None = None) -> ConfigSource:
+        overrides = dict(overrides or {})
+        return cls(path, overrides, load_config(path, overrides))
+
+    def reread(self) -> ConfigSource:
+        """The same source read again (raises :class:`ConfigError` or ``OSError`` as at start)."""
+        return ConfigSource.read(self.path, self.overrides)
 
 
 def load_config(

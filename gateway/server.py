@@ -1,7 +1,8 @@
 """Runs a gateway process: listener, optional simulated pods, signals and graceful shutdown.
 
 On SIGTERM/SIGINT the gateway reports not-ready, stops accepting connections, lets in-flight requests
-(streams included) finish for up to ``server.shutdown_grace_s``, then closes what is left.
+(streams included) finish for up to ``server.shutdown_grace_s``, then closes what is left. On SIGHUP it
+reads its config file again (:mod:`gateway.config_reload`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import contextlib
 import logging
 import signal
 import ssl
+from collections.abc import Callable
 
 from aiohttp import web
 
 from gateway.app import build_app
 from gateway.cluster.identity import WorkerIdentity
 from gateway.components import GATEWAY_KEY
-from gateway.config import GatewayConfig, ServerConfig
+from gateway.config import ConfigSource, GatewayConfig, ServerConfig
 
 log = logging.getLogger("gateway.server")
 
@@ -44,12 +46,25 @@ async def start_runner(runner: web.AppRunner) -> None:
         raise
 
 
+def on_signals(stop: asyncio.Event, reload: Callable[[], None] | None) -> None:
+    """SIGTERM and SIGINT set ``stop``; SIGHUP calls ``reload`` (none: SIGHUP is left as it was)."""
+    loop = asyncio.get_running_loop()
+    handlers: list[tuple[signal.Signals, Callable[[], None]]] = [(signal.SIGTERM, stop.set), (signal.SIGINT, stop.set)]
+    if reload is not None:
+        handlers.append((signal.SIGHUP, reload))
+    for sig, handler in handlers:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, handler)
+
+
 async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
-                      identity: WorkerIdentity | None = None) -> None:
+                      identity: WorkerIdentity | None = None, source: ConfigSource | None = None) -> None:
     """One gateway process: the only one, or worker ``identity.index`` of ``serve --workers N`` (then the
-    port is shared with its siblings, and it also answers on a private Unix socket for them)."""
-    app = build_app(config, identity=identity)
-    identity = app[GATEWAY_KEY].identity
+    port is shared with its siblings, and it also answers on a private Unix socket for them). ``source``:
+    where ``config`` was read from, to reload it."""
+    app = build_app(config, identity=identity, source=source)
+    gateway = app[GATEWAY_KEY]
+    identity = gateway.identity
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
         **SERVER_OPTIONS,
@@ -64,10 +79,7 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     log.info("gateway %slistening on %s (policy %s, %d pods)", f"worker {identity.name} " if many else "",
              site.name, config.routing.policy, len(config.pods))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    on_signals(stop, gateway.reloader.request if gateway.reloader is not None else None)
     if ready:
         ready.set()
     try:

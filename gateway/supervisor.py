@@ -34,7 +34,7 @@ import msgspec
 
 from gateway.background import run_loop
 from gateway.cluster.identity import WorkerIdentity, new_replica_id
-from gateway.config import GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig
 from gateway.load.shared_table import SharedLoadTable
 from gateway.server import run_gateway
 
@@ -74,7 +74,7 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, config: GatewayConfig, count: int) -> None:
+    def __init__(self, config: GatewayConfig, count: int, source: ConfigSource | None = None) -> None:
         if config.server.port == 0:  # every worker must bind the same port: choose it now
             config = msgspec.structs.replace(config, server=msgspec.structs.replace(
                 config.server, port=_free_port(config.server.host)))
@@ -85,6 +85,7 @@ class Supervisor:
         self.table = SharedLoadTable.create(self._identity(0).load_table, count)
         self._context = multiprocessing.get_context("spawn")
         self._config_bytes = msgspec.json.encode(config)
+        self._source_bytes = msgspec.json.encode(source) if source is not None else b""
         self.workers: list[Worker] = []
         self._stopping = False
 
@@ -94,6 +95,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker listens: a client may signal at once
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self._signal_workers, signal.SIGHUP)  # each reloads its config
         try:
             await self._start_all()
             log.info("gateway: %d workers on %s:%d (replica %s)", self.count, self.config.server.host,
@@ -113,7 +116,8 @@ class Supervisor:
     def _spawn(self, index: int) -> tuple[BaseProcess, multiprocessing.connection.Connection]:
         parent, child = self._context.Pipe(duplex=False)
         process = self._context.Process(target=worker_main, name=f"gateway-w{index}",
-                                        args=(self._config_bytes, self._identity(index), child), daemon=False)
+                                        args=(self._config_bytes, self._source_bytes, self._identity(index), child),
+                                        daemon=False)
         process.start()
         child.close()
         return process, parent
@@ -142,12 +146,16 @@ class Supervisor:
             worker.started = time.monotonic()
             conn.close()  # its readiness is not awaited: the others serve meanwhile
 
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.process.pid, sig)  # type: ignore[arg-type]
+
     async def _stop_all(self) -> None:
         self._stopping = True
         alive = [w.process for w in self.workers if w.process.is_alive()]
-        for process in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        self._signal_workers(signal.SIGTERM)
         deadline = time.monotonic() + self.config.server.shutdown_grace_s + 10
         for process in alive:
             await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
@@ -175,11 +183,13 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiprocessing.connection.Connection) -> None:
-    """A worker process: one gateway on the shared port, until SIGTERM."""
+def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdentity,
+                ready: multiprocessing.connection.Connection) -> None:
+    """A worker process: one gateway on the shared port, until SIGTERM; it reloads its config on SIGHUP."""
     from gateway.logs import configure_logging
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
+    source = msgspec.json.decode(source_bytes, type=ConfigSource) if source_bytes else None
     configure_logging(config.logging)
 
     async def main() -> None:
@@ -188,7 +198,7 @@ def worker_main(config_bytes: bytes, identity: WorkerIdentity, ready: multiproce
         waiter.add_done_callback(lambda task: None if task.cancelled() else _tell(ready, "ready"))
         orphan_watch = asyncio.create_task(_drain_if_orphaned(os.getppid()))
         try:
-            await run_gateway(config, started, identity)
+            await run_gateway(config, started, identity, source)
         finally:
             orphan_watch.cancel()
 

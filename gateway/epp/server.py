@@ -9,9 +9,7 @@ requests in flight finish, streams included, for up to ``server.shutdown_grace_s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 
 import grpc
 from aiohttp import web
@@ -21,10 +19,10 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from gateway.app import build_app
 from gateway.components import GATEWAY_KEY, Gateway
-from gateway.config import GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
 from gateway.epp.service import ExtProcService, Readiness
-from gateway.server import SERVER_OPTIONS, start_runner
+from gateway.server import SERVER_OPTIONS, on_signals, start_runner
 
 log = logging.getLogger("gateway.epp")
 
@@ -32,9 +30,9 @@ log = logging.getLogger("gateway.epp")
 class EppServer:
     """The gateway's components behind two listeners: HTTP (``server.port``) and gRPC (``epp.port``)."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, source: ConfigSource | None = None) -> None:
         self.config = config
-        self._app = build_app(config)
+        self._app = build_app(config, source=source)
         self.gateway: Gateway = self._app[GATEWAY_KEY]
         self.access_logs = AccessLogs(config.epp.access_log)
         self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None,
@@ -80,14 +78,12 @@ class EppServer:
             await self._runner.cleanup()
 
 
-async def run_epp(config: GatewayConfig) -> None:
-    server = EppServer(config)
+async def run_epp(config: GatewayConfig, source: ConfigSource | None = None) -> None:
+    server = EppServer(config, source)
     await server.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    reloader = server.gateway.reloader
+    on_signals(stop, reloader.request if reloader is not None else None)
     try:
         await stop.wait()
     finally:

@@ -14,9 +14,10 @@ A request waits at most its flow's limit, or its SLO allows less; then it is ref
 Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
 that leaves while held leaves nothing behind: it was never dispatched, charged or counted as served.
 
-Owner: the :class:`FlowController` owns the requests held in this process, their queues, and the one
-request released and not yet dispatched. Each worker holds its own; what they share is the pods' state
-(the load table, the engines' metrics) and the flows' service counters (the state bus).
+Owner: the :class:`FlowController` owns the requests held in this process, their queues, the one request
+released and not yet dispatched, and the flow-control config in force (replaced on reload). Each worker
+holds its own; what they share is the pods' state (the load table, the engines' metrics) and the flows'
+service counters (the state bus).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell, cancel_and_wait
 from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey
+from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service import ServiceCounters
@@ -101,6 +102,7 @@ class FlowController:
                  counters: ServiceCounters, doorbell: Doorbell, metrics: FlowMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.policy = FlowPolicy(config)  # how requests are told into flows, as this config says
         self._pods = pods
         self.detector = detector
         self.counters = counters
@@ -295,8 +297,10 @@ class FlowController:
                 held.future.set_exception(_shutting_down())
 
     def reconfigure(self, config: FlowControlConfig) -> None:
-        """A reloaded config: limits, weights and thresholds apply from the next decision on."""
+        """A reloaded config: flows, weights, objectives, limits and thresholds apply from the next decision
+        on. Requests already held keep the flow and wait limit they were given when they came."""
         self.config = config
+        self.policy = FlowPolicy(config)
         self.detector.config = config.saturation
         if self._queued:
             self._pump()

@@ -8,8 +8,8 @@ config: band, TTFT target, weight), else ``x-priority``, else its workflow's, el
 served first. An objective the config does not name counts as none, as the Inference Extension treats an
 unknown ``InferenceObjective``.
 
-Owner: the :class:`FlowPolicy` owns nothing that changes: it is the config's reading, replaced whole when the
-config is reloaded.
+Owner: the :class:`FlowPolicy` owns nothing that changes: it is the config's reading. The flow controller
+holds the one in use and replaces it whole when the config is reloaded.
 """
 
 from __future__ import annotations
@@ -87,11 +87,6 @@ class FlowPolicy:
         return Flow(FlowKey(fairness_id, priority), name if objective is not None else None, weight,
                     min(limits) if limits else config.max_wait_s,
                     objective.ttft_ms / 1000 if objective is not None and objective.ttft_ms else None)
-
-    def weight(self, key: FlowKey) -> float:
-        """A flow's weight by its tenant alone (for service counted after its requests' objectives are gone)."""
-        tenant = self.config.tenants.get(key.fairness_id)
-        return tenant.weight if tenant else 1.0
 
 
 def _fairness_id(raw: str | None) -> str | None:

@@ -24,7 +24,7 @@ from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import GatewayError
 from gateway.flow.controller import FlowController, Held
-from gateway.flow.flows import FlowKey, FlowPolicy
+from gateway.flow.flows import FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.service import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
@@ -50,10 +50,9 @@ class _InFlight:
 
 
 class FlowControl:
-    def __init__(self, controller: FlowController, flows: FlowPolicy, slo: SloPolicy, workflows: WorkflowFlows,
+    def __init__(self, controller: FlowController, slo: SloPolicy, workflows: WorkflowFlows,
                  pods: PodRegistry, metrics: FlowMetrics) -> None:
         self._controller = controller
-        self._flows = flows
         self._slo = slo
         self._workflows = workflows
         self._pods = pods
@@ -68,7 +67,7 @@ class FlowControl:
         workflow = workflow_id_of(routing.context_key) if routing.context_key else None
         inherited = self._workflows.get(workflow) if workflow is not None else None
         key_name = request.key.config.name if request.key is not None else None
-        flow = self._flows.resolve(request.headers, key_name, inherited)
+        flow = self._controller.policy.resolve(request.headers, key_name, inherited)
         headers = request.headers
         slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
                                 flow.ttft_s)

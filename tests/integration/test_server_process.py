@@ -229,3 +229,97 @@ async def test_workers_stop_after_a_load_run_waiting_only_for_what_is_in_flight(
                 proc.kill()
                 await proc.wait()
     assert "Traceback" not in (tmp_path / "gateway.log").read_text()
+
+
+def reloads_applied(metrics_text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith('gateway_config_reloads_total{outcome="applied"}'))
+
+
+async def bands_served(url: str, http: aiohttp.ClientSession, objective: str) -> set[int]:
+    """Send one request under ``objective``, then read the bands flow control has served."""
+    async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama"),
+                         headers={"x-gateway-inference-objective": objective}) as resp:
+        assert resp.status == 200
+    async with http.get(f"{url}/debug/flows") as resp:
+        return {flow["priority"] for flow in (await resp.json())["flows"]}
+
+
+async def test_a_changed_config_file_applies_flow_control_without_a_restart(tmp_path, http):
+    """One process watching its file: a new objective applies to the next request; a broken file is
+    refused and the gateway serves on with what it had."""
+    import yaml
+
+    path, port = tmp_path / "gateway.yaml", free_port()
+    config = {"server": {"port": port, "workers": 1, "config_watch_interval_s": 0.05},
+              "mock_pods": {"count": 1, "speed": 0}, "flow_control": {"enabled": True}}
+    path.write_text(yaml.safe_dump(config))
+    proc = await asyncio.create_subprocess_exec(*gateway_cmd("--config", str(path)), stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, http, proc)
+        assert await bands_served(url, http, "chat") == {0}  # not configured yet: no objective
+        config["flow_control"]["objectives"] = {"chat": {"priority": 7}}
+        path.write_text(yaml.safe_dump(config))
+        for _ in range(200):
+            if reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await bands_served(url, http, "chat") == {0, 7}
+        path.write_text("flow_control: {objectives: {chat: {priority: urgent}}}")
+        for _ in range(200):
+            text = await (await http.get(f"{url}/metrics")).text()
+            if "gateway_config_last_reload_successful 0.0" in text:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the broken file was never read")
+        async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama"),
+                             headers={"x-gateway-inference-objective": "chat"}) as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/debug/flows") as resp:
+            served = {flow["priority"]: flow["service"] for flow in (await resp.json())["flows"]}
+        assert set(served) == {0, 7}
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=30)
+    log = stderr.decode()
+    assert "config reloaded: flow_control applied" in log and "config reload refused" in log
+    assert "Traceback" not in log
+
+
+async def test_sighup_makes_every_worker_read_the_config_again(tmp_path):
+    """`serve --workers 2` with the file unwatched: SIGHUP to the supervisor reaches both workers."""
+    import yaml
+
+    path, port = tmp_path / "gateway.yaml", free_port()
+    config = {"server": {"port": port, "workers": 2, "config_watch_interval_s": 0},
+              "mock_pods": {"count": 1, "speed": 0}, "flow_control": {"enabled": True}}
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(*gateway_cmd("--config", str(path)), stderr=stderr)
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=20)) as http:
+        try:
+            await wait_ready(url, http, proc)
+            config["flow_control"]["tenants"] = {"A": {"weight": 4}}
+            path.write_text(yaml.safe_dump(config))
+            await asyncio.sleep(0.5)
+            assert reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 0  # not watched
+            proc.send_signal(signal.SIGHUP)
+            for _ in range(200):
+                if reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("both workers did not reload")
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert "Traceback" not in log.read_text()

@@ -1,0 +1,152 @@
+"""Reloading the config without a restart.
+
+The config file is read again when its bytes change (checked every ``server.config_watch_interval_s``: a
+Kubernetes ConfigMap mounted as a volume changes in place) or when the process gets SIGHUP. What applies
+live is handed to its owner; today that is ``flow_control`` (flows, tenants and their weights, objectives,
+API-key tenants, token weights, saturation thresholds, queue limits), all but ``enabled``, which decides
+whether the flow-control step is in the pipeline at all. Any other section that changed is logged as
+waiting for a restart, and counted. A file that cannot be read or does not validate is logged and counted,
+and the running config stays whole: a reload applies everything it can or nothing.
+
+Owner: the :class:`ConfigReloader` owns the config source in force (the last valid one read) and whether
+the last reload worked. The parts it applies are owned by their components (flow control: the
+:class:`~gateway.flow.controller.FlowController`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gateway.background import cancel_and_wait
+from gateway.config import ConfigError, ConfigSource, FlowControlConfig, GatewayConfig
+
+log = logging.getLogger("gateway.config")
+
+# The sections of the config that apply without a restart.
+LIVE_SECTIONS = frozenset({"flow_control"})
+OUTCOMES = ("applied", "unchanged", "restart_needed", "invalid")
+
+
+def file_digest(path: str | None) -> str:
+    """The SHA-256 of the file's bytes ("" when there is no file or it cannot be read)."""
+    if not path:
+        return ""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def changed_sections(old: GatewayConfig, new: GatewayConfig) -> tuple[list[str], list[str]]:
+    """The sections that differ, split into (applied live, needing a restart)."""
+    live, restart = [], []
+    for name in old.__struct_fields__:
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        if name == "flow_control" and before.enabled != after.enabled:
+            restart.append("flow_control.enabled")
+            if msgspec.structs.replace(before, enabled=after.enabled) != after:
+                live.append(name)
+        elif name in LIVE_SECTIONS:
+            live.append(name)
+        else:
+            restart.append(name)
+    return live, restart
+
+
+class ReloadMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._reloads = Counter(
+            "gateway_config_reloads", "Config reloads by outcome: applied, unchanged, restart_needed (some change "
+            "waits for a restart; the live ones were applied), invalid (the running config stays)", ["outcome"],
+            registry=registry)
+        self._successful = Gauge("gateway_config_last_reload_successful",
+                                 "1 when the last config reload was read and applied, 0 when it was refused",
+                                 registry=registry)
+        self._successful.set(1)
+        for outcome in OUTCOMES:
+            self._reloads.labels(outcome)
+
+    def observe(self, outcome: str) -> None:
+        self._reloads.labels(outcome).inc()
+        self._successful.set(0 if outcome == "invalid" else 1)
+
+
+class ConfigReloader:
+    def __init__(self, source: ConfigSource, apply_flow_control: Callable[[FlowControlConfig], None],
+                 metrics: ReloadMetrics, interval_s: float) -> None:
+        self.source = source
+        self._apply_flow_control = apply_flow_control
+        self._metrics = metrics
+        self._interval_s = interval_s
+        # Taken before the first read's result is used: a change in between is seen at the first check.
+        self._digest = file_digest(source.path)
+        self._asked: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.source.path:
+            self._asked = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="config-reload")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+
+    def request(self) -> None:
+        """Read the file again now, changed or not (SIGHUP)."""
+        if self._asked is not None:
+            self._asked.set()
+
+    async def _run(self) -> None:
+        assert self._asked is not None
+        while True:
+            forced = False
+            try:
+                await asyncio.wait_for(self._asked.wait(), self._interval_s or None)
+                forced = True
+            except TimeoutError:
+                pass
+            self._asked.clear()
+            digest = await asyncio.to_thread(file_digest, self.source.path)
+            if forced or digest != self._digest:
+                self._digest = digest
+                await self.reload()
+
+    async def reload(self) -> str:
+        """Read the source again and apply what applies live; returns the outcome (see :data:`OUTCOMES`)."""
+        try:
+            fresh = await asyncio.to_thread(self.source.reread)
+        except (ConfigError, OSError, ValueError) as exc:
+            log.error("config reload refused, the running config stays: %s", exc)
+            self._metrics.observe("invalid")
+            return "invalid"
+        live, restart = changed_sections(self.source.loaded, fresh.loaded)
+        if "flow_control" in live:
+            self._apply_flow_control(
+                msgspec.structs.replace(fresh.loaded.flow_control, enabled=self.source.loaded.flow_control.enabled))
+        # What waits for a restart stays as it runs, so that it is reported again until then.
+        self.source = msgspec.structs.replace(fresh, loaded=self._running(fresh.loaded, live))
+        outcome = "restart_needed" if restart else "applied" if live else "unchanged"
+        if restart:
+            log.warning("config reloaded: %s applied; %s changed and applies after a restart",
+                        ", ".join(live) or "nothing", ", ".join(restart))
+        elif live:
+            log.info("config reloaded: %s applied", ", ".join(live))
+        self._metrics.observe(outcome)
+        return outcome
+
+    def _running(self, fresh: GatewayConfig, live: list[str]) -> GatewayConfig:
+        """The config in force after a reload: the live sections from ``fresh``, the rest as they were."""
+        running = msgspec.structs.replace(self.source.loaded, **{name: getattr(fresh, name) for name in live})
+        enabled = self.source.loaded.flow_control.enabled
+        return msgspec.structs.replace(running, flow_control=msgspec.structs.replace(running.flow_control,
+                                                                                     enabled=enabled))
