@@ -1,10 +1,14 @@
 """What the gateway adds to a request: wrk against a trivial backend, direct vs through the gateway.
 
     python benchmarks/proxy_overhead.py [--duration 10] [--policy round_robin] [--workers 1 2]
+                                        [--flow-control on off]
 
 A 4 KB non-streaming chat request; 1 connection (added latency) and 16 connections (throughput), and
 the gateway's CPU time per request (all its processes). ``--workers 1 2`` measures a gateway of each
-size in the same run (``gateway_w<N>_c<connections>``) and prints the throughput ratio. All processes
+size in the same run (``gateway_w<N>_c<connections>``) and prints the throughput ratio.
+``--flow-control on off`` measures a gateway with flow control on and one with it off (each of the first
+``--workers``), in the order on, off, off, on (``gateway_fc_<on|off>_c<connections>``: the mean of its two
+runs), and prints the CPU ratio; with one pod at 1 connection nothing is held. All processes
 share this machine, so compare the ratios of one run, not numbers across machines; to compare two
 versions, alternate them (A B B A) and compare the CPU per request.
 """
@@ -79,6 +83,21 @@ def run_wrk(url: str, connections: int, duration: int, script: Path, pid: int | 
     return result
 
 
+def gateway_variants(args: argparse.Namespace) -> dict[str, tuple[int, list[str]]]:
+    """The gateways to measure: name → (workers, environment settings)."""
+    if args.flow_control:
+        return {f"gateway_fc_{state}": (args.workers[0], [f"GATEWAY_FLOW_CONTROL__ENABLED={state == 'on'}"])
+                for state in args.flow_control}
+    if len(args.workers) == 1:
+        return {"gateway": (args.workers[0], [])}
+    return {f"gateway_w{workers}": (workers, []) for workers in args.workers}
+
+
+def mean_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each of wrk's numbers over runs of one setup."""
+    return {key: round(sum(run[key] for run in runs) / len(runs), 3) for key in runs[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=10)
@@ -86,6 +105,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1],
                         help="gateway worker counts to measure, each in the same run (default 1)")
     parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
+    parser.add_argument("--flow-control", nargs="+", choices=["on", "off"],
+                        help="measure a gateway with flow control on and/or off instead of one per --workers")
     parser.add_argument("--peers", action="store_true",
                         help="also measure vllm-router round_robin and cache_aware (installed into its own "
                              "environment on first use)")
@@ -93,15 +114,16 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk is missing: `make install` installs it", file=sys.stderr)
         return 2
-    backend_port, *ports = free_ports(5 + len(args.workers))
-    gateway_ports, peer_ports = ports[:len(args.workers)], ports[len(args.workers):]
+    variants = gateway_variants(args)
+    backend_port, *ports = free_ports(5 + len(variants))
+    gateway_ports, peer_ports = ports[:len(variants)], ports[len(variants):]
     procs = [subprocess.Popen([sys.executable, str(HERE / "trivial_backend.py"), str(backend_port)])]
     env_log = [] if args.access_log else ["GATEWAY_LOGGING__ACCESS_LOG=false"]
-    gateways: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
-    for workers, port in zip(args.workers, gateway_ports, strict=True):
-        command = ["env", *env_log, sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers",
-                   str(workers), "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
-        gateways[workers] = (f"http://127.0.0.1:{port}", subprocess.Popen(command, stderr=subprocess.DEVNULL))
+    gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+    for (name, (workers, env)), port in zip(variants.items(), gateway_ports, strict=True):
+        command = ["env", *env_log, *env, sys.executable, "-m", "gateway", "serve", "--port", str(port),
+                   "--workers", str(workers), "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
+        gateways[name] = (f"http://127.0.0.1:{port}", subprocess.Popen(command, stderr=subprocess.DEVNULL))
     procs += [proc for _, proc in gateways.values()]
     wait_http(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
     peers: dict[str, str] = {}
@@ -129,9 +151,15 @@ def main() -> int:
             results = {}
             for connections in (1, 16):
                 results[f"direct_c{connections}"] = run_wrk(direct, connections, args.duration, script)
-                for workers, (url, proc) in gateways.items():
-                    name = "gateway" if len(gateways) == 1 else f"gateway_w{workers}"
-                    results[f"{name}_c{connections}"] = run_wrk(url, connections, args.duration, script, proc.pid)
+                order = list(gateways)
+                if args.flow_control:  # on, off, off, on: a drift of the machine falls on both alike
+                    order += order[::-1]
+                runs: dict[str, list[dict[str, float]]] = {}
+                for name in order:
+                    url, proc = gateways[name]
+                    runs.setdefault(name, []).append(run_wrk(url, connections, args.duration, script, proc.pid))
+                for name, measured in runs.items():
+                    results[f"{name}_c{connections}"] = mean_run(measured)
                 for name, url in peers.items():
                     results[f"{name}_c{connections}"] = run_wrk(url, connections, args.duration, script)
     finally:
@@ -141,14 +169,18 @@ def main() -> int:
     print(f"{'run':<30}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
     for name, r in results.items():
         print(f"{name:<30}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")
-    for workers in gateways:
-        name = "gateway" if len(gateways) == 1 else f"gateway_w{workers}"
+    for name in gateways:
         added = results[f"{name}_c1"]["p50_ms"] - results["direct_c1"]["p50_ms"]
-        c16 = results[f"{name}_c16"]
-        print(f"{workers} worker(s): added p50 at 1 connection {added:.3f} ms; at 16 connections "
-              f"{c16['req_per_s']:.0f} req/s, {c16['cpu_us_per_req']} µs CPU each")
-    if len(gateways) > 1:
-        first, *others = gateways
+        c1, c16 = results[f"{name}_c1"], results[f"{name}_c16"]
+        print(f"{name}: added p50 at 1 connection {added:.3f} ms, {c1['cpu_us_per_req']} µs CPU each; at 16 "
+              f"connections {c16['req_per_s']:.0f} req/s, {c16['cpu_us_per_req']} µs CPU each")
+    if args.flow_control and len(gateways) == 2:
+        for connections in (1, 16):
+            on, off = results[f"gateway_fc_on_c{connections}"], results[f"gateway_fc_off_c{connections}"]
+            print(f"flow control on / off at {connections} connection(s): "
+                  f"{on['cpu_us_per_req'] / off['cpu_us_per_req']:.3f}x CPU per request")
+    elif len(gateways) > 1:
+        first, *others = args.workers
         for workers in others:
             ratio = results[f"gateway_w{workers}_c16"]["req_per_s"] / results[f"gateway_w{first}_c16"]["req_per_s"]
             print(f"{workers} workers / {first}: {ratio:.2f}x req/s at 16 connections")

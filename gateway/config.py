@@ -352,7 +352,7 @@ class TokenWeightsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Flows (a fairness id and a priority band) share the fleet: while every candidate pod is saturated,
     new requests wait at the gateway and are dispatched band by band, the flow with the least weighted
-    service first. Read at start (not reloaded yet).
+    service first. Reloaded with the config file (all but ``enabled``: :mod:`gateway.config_reload`).
 
     Off by default until it is proved on real pods (work conservation, cost per request). The end-to-end
     test of a NIXL prefill pod killed mid-run fails with it off too: see the README's P/D section."""

@@ -1,5 +1,6 @@
-"""Per-tenant figures of a replay whose requests name their tenant (``x-gateway-inference-fairness-id``):
-each tenant's latency, what it got done within the trace's window, and its share of the tokens served,
+"""Per-tenant figures of a replay whose requests name their tenant (``x-gateway-inference-fairness-id``),
+one line per flow (a tenant's requests that name a priority band are told apart by it, ``team@10``):
+each one's latency, what it got done within the trace's window, and its share of the tokens served,
 weighted as flow control weighs them (the Virtual Token Counter's: an output token twice a prompt token, a
 cached prompt token a tenth; :class:`gateway.config.TokenWeightsConfig`).
 

@@ -262,8 +262,11 @@ FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
 
 def tenant_of(step: Step) -> str:
-    """The tenant a request is sent as (its fairness id), or "" when it names none."""
-    return step.headers.get(FAIRNESS_HEADER, "")
+    """The flow a request is sent as: its fairness id, and ``@band`` when it names a priority (``x-priority``);
+    "" when it names no fairness id."""
+    tenant = step.headers.get(FAIRNESS_HEADER, "")
+    band = step.headers.get("x-priority")
+    return f"{tenant}@{band}" if tenant and band is not None else tenant
 
 
 def _flood(rng: random.Random, name: str, sessions: int, steps: int, words: int, max_tokens: int,
