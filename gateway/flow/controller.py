@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.backends.registry import PodRegistry
+from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import Doorbell, cancel_and_wait
 from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
@@ -126,12 +126,12 @@ class FlowController:
 
     # Admission
 
-    def room_now(self, flow: Flow, model: str, leg: str | None, kind: str,
-                 estimates: dict[str, Estimate]) -> frozenset[str] | None:
-        """The pods with room for the request when nothing waits ahead of it (it goes on at once), else None."""
+    def room_now(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
+        """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
+        on at once), else None."""
         if self._queued or self._transit is not None:
             return None
-        return self._room(model, leg, kind, estimates)
+        return self._room_among(pods, kind, estimates)
 
     async def hold(self, flow: Flow, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate],
                    wait_allowed_s: float) -> Release:
@@ -247,7 +247,9 @@ class FlowController:
         held.future.set_result(room)
 
     def _room(self, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
-        pods = self._pods.candidates(model, leg=leg)  # type: ignore[arg-type]
+        return self._room_among(self._pods.candidates(model, leg=leg), kind, estimates)  # type: ignore[arg-type]
+
+    def _room_among(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
         if not pods:
             return frozenset()  # nothing to wait for: routing says there is no pod
         detector = self.detector

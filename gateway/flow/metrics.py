@@ -6,56 +6,95 @@ rest share their band's ``overflow`` flow). Owner: the flow controller and the f
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from gateway.flow.flows import FlowKey
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OUTCOMES = ("at_once", "after_wait", "queue_full", "queue_timeout", "slo_unreachable", "left")
+TOKEN_KINDS = ("input", "cached_input", "output")
 
 
-class FlowMetrics:
+class FlowMetrics(Collector):
+    """The counts every request touches (its outcome, its tokens) are plain tallies read at scrape time, so
+    that a request that is never held costs no metric lock; what only held requests touch (the queue gauge,
+    the wait histogram) is kept by ``prometheus_client`` itself."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self._queued = Gauge("gateway_flow_queued", "Requests held at the gateway now, by flow",
                              ["fairness_id", "priority"], registry=registry)
         self._wait = Histogram("gateway_flow_wait_seconds", "How long requests that were held waited before "
                                "they were dispatched, by flow", ["fairness_id", "priority"], buckets=WAIT_BUCKETS,
                                registry=registry)
-        self._requests = Counter(
-            "gateway_flow_requests", "Requests by flow and what flow control did: at_once (dispatched without "
-            "waiting), after_wait, refused (queue_full, queue_timeout, slo_unreachable), left (the client left "
-            "while held)", ["fairness_id", "priority", "outcome"], registry=registry)
-        self._tokens = Counter("gateway_flow_tokens", "Tokens served by flow and kind (input: prefilled, "
-                               "cached_input: found in the engine's cache, output)",
-                               ["fairness_id", "priority", "kind"], registry=registry)
+        self._requests: dict[FlowKey, Tally[str]] = {}
+        self._tokens: dict[FlowKey, _Tokens] = {}
         self._children: dict[tuple[Any, ...], Any] = {}
+        registry.register(self)
 
-    def _child(self, metric: Any, key: FlowKey, *extra: str) -> Any:
-        cache_key = (id(metric), key, *extra)
+    def _child(self, metric: Any, key: FlowKey) -> Any:
+        cache_key = (id(metric), key)
         child = self._children.get(cache_key)
         if child is None:
-            child = self._children[cache_key] = metric.labels(key.fairness_id, str(key.priority), *extra)
+            child = self._children[cache_key] = metric.labels(key.fairness_id, str(key.priority))
         return child
 
     def queued(self, key: FlowKey, delta: int) -> None:
         self._child(self._queued, key).inc(delta)
 
     def at_once(self, key: FlowKey) -> None:
-        self._child(self._requests, key, "at_once").inc()
+        self._outcome(key, "at_once")
 
     def waited(self, key: FlowKey, seconds: float) -> None:
         self._child(self._wait, key).observe(seconds)
-        self._child(self._requests, key, "after_wait").inc()
+        self._outcome(key, "after_wait")
 
     def rejected(self, key: FlowKey, reason: str) -> None:
-        self._child(self._requests, key, reason).inc()
+        self._outcome(key, reason)
 
     def left(self, key: FlowKey) -> None:
-        self._child(self._requests, key, "left").inc()
+        self._outcome(key, "left")
+
+    def _outcome(self, key: FlowKey, outcome: str) -> None:
+        tally = self._requests.get(key)
+        if tally is None:
+            tally = self._requests[key] = Tally()
+        tally[outcome] += 1
 
     def served(self, key: FlowKey, prefilled: int, cached: int, output: int) -> None:
-        for kind, n in (("input", prefilled), ("cached_input", cached), ("output", output)):
-            if n > 0:
-                self._child(self._tokens, key, kind).inc(n)
+        tokens = self._tokens.get(key)
+        if tokens is None:
+            tokens = self._tokens[key] = _Tokens()
+        tokens.input += prefilled
+        tokens.cached_input += cached
+        tokens.output += output
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        requests = CounterMetricFamily(
+            "gateway_flow_requests", "Requests by flow and what flow control did: at_once (dispatched without "
+            "waiting), after_wait, refused (queue_full, queue_timeout, slo_unreachable), left (the client left "
+            "while held)", labels=["fairness_id", "priority", "outcome"])
+        for key, tally in list(self._requests.items()):
+            for outcome, n in list(tally.items()):
+                requests.add_metric([key.fairness_id, str(key.priority), outcome], n)
+        tokens = CounterMetricFamily("gateway_flow_tokens", "Tokens served by flow and kind (input: prefilled, "
+                                     "cached_input: found in the engine's cache, output)",
+                                     labels=["fairness_id", "priority", "kind"])
+        for key, served in list(self._tokens.items()):
+            for kind in TOKEN_KINDS:
+                tokens.add_metric([key.fairness_id, str(key.priority), kind], getattr(served, kind))
+        yield from (requests, tokens)
+
+
+class _Tokens:
+    """The tokens one flow was served, by kind (see :data:`TOKEN_KINDS`)."""
+
+    __slots__ = ("cached_input", "input", "output")
+
+    def __init__(self) -> None:
+        self.input = self.cached_input = self.output = 0

@@ -11,7 +11,8 @@ most about twice a request's worth).
 
 Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
 controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
-bus (:meth:`ServiceCounters.apply_remote`). Counters of flows unheard of for ``idle_s`` are forgotten (a
+bus (:meth:`ServiceCounters.apply_remote`). Counters of flows unheard of for ``idle_s`` are forgotten (as the
+sweeps see it: a change is dated by the first sweep after it, to keep clocks off the request path; a
 flow that comes back is lifted when it has to wait). :class:`WorkflowFlows` remembers the flow each
 workflow began with, for its later stages.
 """
@@ -30,8 +31,10 @@ class ServiceCounters:
     def __init__(self, publish: Publish = unshared, idle_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._served: dict[FlowKey, float] = {}
-        self._seen: dict[FlowKey, float] = {}
+        self._seen: dict[FlowKey, float] = {}  # when each counter last changed, as of the last sweep
+        self._touched: set[FlowKey] = set()  # counters changed since the last sweep (cheaper than a clock)
         self._publish = publish
+        self._shared = publish is not unshared  # with nobody to tell, no fact is made per charge
         self._idle_s = idle_s
         self._clock = clock
 
@@ -45,13 +48,14 @@ class ServiceCounters:
         """``amount`` more weighted service (negative: a correction once the engine said what it served)."""
         if amount:
             self._add(key, amount)
-            self._publish(ServiceCharged(key.fairness_id, key.priority, amount))
+            if self._shared:
+                self._publish(ServiceCharged(key.fairness_id, key.priority, amount))
 
     def lift(self, key: FlowKey, floor: float) -> None:
         """The flow starts to wait: its counter becomes at least ``floor``."""
         if self._served.get(key, 0.0) < floor:
             self._served[key] = floor
-            self._seen[key] = self._clock()
+            self._touched.add(key)
             self._publish(ServiceLifted(key.fairness_id, key.priority, floor))
 
     def apply_remote(self, origin: str, fact: ServiceCharged | ServiceLifted) -> None:
@@ -60,11 +64,15 @@ class ServiceCounters:
             self._add(key, fact.amount)
         elif self._served.get(key, 0.0) < fact.floor:
             self._served[key] = fact.floor
-            self._seen[key] = self._clock()
+            self._touched.add(key)
 
     def forget_idle(self, keep: Callable[[FlowKey], bool]) -> int:
         """Forget the counters of flows unheard of for ``idle_s``, except those ``keep`` names; how many."""
-        cutoff = self._clock() - self._idle_s
+        now = self._clock()
+        for key in self._touched:
+            self._seen[key] = now
+        self._touched.clear()
+        cutoff = now - self._idle_s
         gone = [k for k, seen in self._seen.items() if seen < cutoff and not keep(k)]
         for key in gone:
             del self._served[key], self._seen[key]
@@ -74,8 +82,9 @@ class ServiceCounters:
         return dict(self._served)
 
     def _add(self, key: FlowKey, amount: float) -> None:
-        self._served[key] = self._served.get(key, 0.0) + amount
-        self._seen[key] = self._clock()
+        served = self._served
+        served[key] = served.get(key, 0.0) + amount
+        self._touched.add(key)
 
 
 class WorkflowFlows:

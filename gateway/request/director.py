@@ -125,8 +125,10 @@ class RequestDirector:
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
         for admit in self._pipeline.admit:
-            if (admitting := admit.admit(request, policy, routing)) is not None and (
-                    admitted := await admitting) is not None:
+            admitting = admit.admit(request, policy, routing)
+            if isinstance(admitting, Admitted):
+                run.admitted = admitting
+            elif admitting is not None and (admitted := await admitting) is not None:
                 run.admitted = admitted
         plan = self._planner.plan(request, policy, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)

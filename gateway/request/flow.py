@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from gateway.admission import SloPolicy
+from gateway.admission import Slo, SloPolicy
 from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import GatewayError
 from gateway.flow.controller import FlowController, Held
-from gateway.flow.flows import FlowKey
+from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.service import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
@@ -60,18 +60,17 @@ class FlowControl:
         self._requests: dict[ClientRequest, _InFlight] = {}
         self._charges: dict[Attempt, _Charge] = {}
 
-    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[Admitted]:
-        return self._admit(request, routing)
-
-    async def _admit(self, request: ClientRequest, routing: RoutingRequest) -> Admitted:
+    def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest
+              ) -> Admitted | Awaitable[Admitted]:
+        """Admitted at once when a pod has room and nothing waits (no coroutine is made), else the wait."""
         workflow = workflow_id_of(routing.context_key) if routing.context_key else None
         inherited = self._workflows.get(workflow) if workflow is not None else None
         key_name = request.key.config.name if request.key is not None else None
-        flow = self._controller.policy.resolve(request.headers, key_name, inherited)
+        controller = self._controller
+        flow = controller.policy.resolve(request.headers, key_name, inherited)
         headers = request.headers
         slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
                                 flow.ttft_s)
-        controller = self._controller
         key = controller.key_of(flow.key)
         pods = self._pods.candidates(routing.model, leg=routing.leg)
         try:
@@ -81,18 +80,23 @@ class FlowControl:
             raise
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
-        room = controller.room_now(flow, routing.model, routing.leg, request.kind, routing.estimates)
-        held, waited = None, 0.0
+        room = controller.room_now(pods, request.kind, routing.estimates)
         if room is None:
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
-            release = await controller.hold(flow, routing.model, routing.leg, request.kind, routing.estimates,
-                                            flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s))
-            room, held, waited = release.room, release.held, release.waited_s
-        else:
-            self._metrics.at_once(key)
+            return self._held(request, routing, flow, key, slo,
+                              flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s))
+        self._metrics.at_once(key)
         routing.room = room
-        self._requests[request] = _InFlight(key, flow.weight, held)
-        return Admitted(slo, waited, key, flow.objective, flow.engine_priority)
+        self._requests[request] = _InFlight(key, flow.weight, None)
+        return Admitted(slo, 0.0, key, flow.objective, flow.engine_priority)
+
+    async def _held(self, request: ClientRequest, routing: RoutingRequest, flow: Flow, key: FlowKey, slo: Slo | None,
+                    wait_s: float) -> Admitted:
+        release = await self._controller.hold(flow, routing.model, routing.leg, request.kind, routing.estimates,
+                                              wait_s)
+        routing.room = release.room
+        self._requests[request] = _InFlight(key, flow.weight, release.held)
+        return Admitted(slo, release.waited_s, key, flow.objective, flow.engine_priority)
 
     def dispatched(self, attempt: Attempt) -> None:
         state = self._requests.get(attempt.request)

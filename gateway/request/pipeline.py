@@ -6,7 +6,7 @@ A request passes through them in this order (:class:`~gateway.request.director.R
    the context it continues, the load estimate per pod). A step fills the fields of the routing view it
    owns, or refuses the request by raising a :class:`~gateway.core.errors.GatewayError`.
 2. **admit** ``(request, policy, routing) -> Admitted | None``: whether the request may start now, later (it
-   waits) or never (it is refused); a step that decides the SLO says so.
+   waits: an awaitable of the result) or never (it is refused); a step that decides the SLO says so.
 3. **plan**, then **route**: the workflow planner returns the request's plan (cache action, pin); the
    router returns the decision. Not extension points: one planner, one router.
 4. **dispatch** ``(attempt)``: the attempt is recorded in the in-flight ledger, then each step sees it.
@@ -43,7 +43,7 @@ class PrepareStep(Protocol):
 class AdmitStep(Protocol):
     def admit(
         self, request: ClientRequest, policy: Policy, routing: RoutingRequest
-    ) -> Awaitable[Admitted | None] | None: ...
+    ) -> Admitted | Awaitable[Admitted | None] | None: ...
 
 
 class DispatchStep(Protocol):

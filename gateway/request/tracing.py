@@ -170,6 +170,8 @@ class TracedAdmit:
 
     def admit(
         self, request: ClientRequest, policy: Policy, routing: RoutingRequest
-    ) -> Awaitable[Admitted | None] | None:
+    ) -> Admitted | Awaitable[Admitted | None] | None:
         waiting = self._step.admit(request, policy, routing)
-        return None if waiting is None else self._spanned.run(type(self._step).__name__, request, waiting)
+        if waiting is None or isinstance(waiting, Admitted):
+            return waiting
+        return self._spanned.run(type(self._step).__name__, request, waiting)

@@ -51,7 +51,8 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     finally:
         await runner.cleanup()
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"POST /v1/chat/completions", "PromptTokenization", "FlowControl", "route", "upstream"}
+    # A step gets a span when it waits: tokenizing did; flow control, on an idle pod, did not.
+    assert set(spans) == {"POST /v1/chat/completions", "PromptTokenization", "route", "upstream"}
     root, upstream = spans["POST /v1/chat/completions"], spans["upstream"]
     assert f"{root.context.trace_id:032x}" == CLIENT_TRACE  # the client's trace, continued
     assert all(s.parent is not None and s.parent.span_id == root.context.span_id

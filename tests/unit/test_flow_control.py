@@ -57,10 +57,16 @@ def test_bad_flow_headers_are_a_400(headers):
     assert error.value.kind is ErrorKind.INVALID_REQUEST
 
 
-def controller(ledger: InFlightLedger, counters: ServiceCounters) -> FlowController:
+def one_pod() -> PodRegistry:
     registry = PodRegistry([PodConfig(url="http://p0:1", name="p0", models=[MODEL])], HealthConfig())
     for pod in registry.all():
         pod.healthy = True
+    return registry
+
+
+def controller(ledger: InFlightLedger, counters: ServiceCounters, registry: PodRegistry | None = None
+               ) -> FlowController:
+    registry = registry or one_pod()
     config = FlowControlConfig(saturation=SaturationConfig(in_flight=1), max_wait_s=30)
     detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
     return FlowController(config, registry, detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
@@ -68,11 +74,12 @@ def controller(ledger: InFlightLedger, counters: ServiceCounters) -> FlowControl
 
 async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_highest_band_then_the_least_served():
     ledger, counters = InFlightLedger(), ServiceCounters()
-    flows = controller(ledger, counters)
-    solo = Flow(FlowKey("a"))
-    assert flows.room_now(solo, MODEL, None, "chat", {}) == frozenset({"p0"})  # work-conserving
+    registry = one_pod()
+    flows = controller(ledger, counters, registry)
+    pods = registry.candidates(MODEL)
+    assert flows.room_now(pods, "chat", {}) == frozenset({"p0"})  # work-conserving
     busy = ledger.dispatch("busy", "p0", 1.0, "chat")  # the pod is full (in_flight=1)
-    assert flows.room_now(solo, MODEL, None, "chat", {}) is None
+    assert flows.room_now(pods, "chat", {}) is None
 
     counters.charge(FlowKey("a"), 500.0)  # a has been served much more than b
     order: list[str] = []
@@ -123,3 +130,17 @@ async def test_a_client_that_leaves_while_held_leaves_no_trace_and_a_timeout_is_
     assert refused.value.kind is ErrorKind.RATE_LIMITED and refused.value.code == "queue_timeout"
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1
     assert flows.queued == 0
+
+
+def test_counters_of_idle_flows_are_forgotten_as_the_sweeps_see_them():
+    now = [0.0]
+    counters = ServiceCounters(idle_s=600.0, clock=lambda: now[0])
+    counters.charge(FlowKey("a"), 10.0)
+    counters.charge(FlowKey("waiting"), 10.0)
+    assert counters.forget_idle(lambda key: False) == 0  # dated now, by this sweep
+    now[0] = 650.0
+    counters.charge(FlowKey("b"), 5.0)  # heard of since: dated by the next sweep
+    now[0] = 700.0
+    assert counters.forget_idle(lambda key: key == FlowKey("waiting")) == 1
+    assert counters.get(FlowKey("a")) == 0.0 and counters.get(FlowKey("b")) == 5.0
+    assert counters.get(FlowKey("waiting")) == 10.0

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core: request and answer types, domain errors, context names, shared facts", ("gateway.core",)),
     ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin lookup",
-     ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs", "gateway.http_client",
-      "gateway.metrics", "gateway.plugin_registry")),
+     ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs",
+      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry")),
     ("state: pods, load, what each pod caches, tokens",
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
