@@ -84,8 +84,8 @@ class RoutingRequest:
     input_tokens: int = 0
     predicted_output_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
-    # Flow control: the pods that had room for the request when it was admitted (None: not asked); the
-    # router keeps to them unless none is left.
+    # Flow control: the pods that had room when the request was released after waiting (None: it did not
+    # wait); the router keeps to them unless none is left.
     room: frozenset[str] | None = None
     # The router, per attempt: the pod the request's workflow or session is pinned to (its filters see
     # that the request continues a context there), and filter name → the pods it removed.

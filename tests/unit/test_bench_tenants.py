@@ -35,3 +35,7 @@ def test_each_tenant_gets_its_counts_latency_window_and_share():
     a_tokens, b_tokens = 3000 + 20, (50 + 5 + 20) + (100 + 20)
     assert stats["A"]["weighted_tokens"] == a_tokens and stats["B"]["weighted_tokens"] == b_tokens
     assert stats["B"]["token_share"] == round(b_tokens / (a_tokens + b_tokens), 4)
+    # Within the window: A's one answer (ended at 2 s) and B's first (0.2 s); B's second ended after it.
+    b_in_window = 50 + 5 + 20
+    assert stats["B"]["weighted_tokens_in_window"] == b_in_window
+    assert stats["B"]["window_token_share"] == round(b_in_window / (a_tokens + b_in_window), 4)
