@@ -57,7 +57,14 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow import FlowControl
-from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
+from gateway.request.observers import (
+    AccessLog,
+    OutputLearning,
+    PredictionCheck,
+    RequestMetrics,
+    RoutingMetrics,
+    StepMetrics,
+)
 from gateway.request.pipeline import RequestPipeline
 from gateway.request.placement import (
     CacheRecency,
@@ -156,6 +163,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     losses = PlacementLosses(metrics)
     placement = ContextPlacement(index, working_set, losses)
     routed = RoutedPrefix(index, approximate)
+    steps = StepMetrics(metrics)
     keep_warm = recency = None
     if queues is not None:
         keep_warm = KeepWarm(wc.keep_warm, pods, working_set, queues, index, load, ledger, capacity_of,
@@ -173,7 +181,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                   *([admit] if admit else [])],
         finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else [])],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
-                  OutputLearning(predictor, metrics), RequestMetrics(metrics), AccessLog()],
+                  OutputLearning(predictor, metrics), RequestMetrics(metrics), steps, AccessLog()],
     )
     if config.tracing.enabled:
         from gateway.request import tracing  # the otel extra: imported only when tracing is on
@@ -207,7 +215,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                   config.server.config_watch_interval_s)
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting,
+        director=director, counting=counting, steps=steps,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,

@@ -38,6 +38,7 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureMonitor
 from gateway.proxy.forward import Proxy
 from gateway.request.director import RequestDirector
+from gateway.request.observers import StepMetrics
 from gateway.request.placement import PlacementLosses
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -56,6 +57,7 @@ class Gateway:
     proxy: Proxy  # the HTTP edge's upstream side
     director: RequestDirector
     counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
+    steps: StepMetrics  # the time of each step of the director's requests (/debug/steps)
     auth: ApiKeyAuth
     policies: PluginRegistry
     kv: KvEventService

@@ -13,6 +13,8 @@ from gateway.config import POD_ROLES
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+# A request's steps (gateway.request.timings): tens of microseconds (a parse) to seconds (a pod's prefill).
+STEP_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -38,6 +40,12 @@ class GatewayMetrics:
             "How much later than asked the event loop woke a sleeping task (sampled every "
             "server.loop_lag_interval_s): what a request waiting on the loop waited too",
             buckets=LOOP_LAG_BUCKETS, registry=r,
+        )
+        self.request_steps = Histogram(
+            "gateway_request_step_seconds",
+            "Time of each step of a request, by step: parse, tokenize, prepare, admit, route, dispatch, prefill, "
+            "connect (sent until the pod's headers), first_byte (headers until the first byte)",
+            ["step"], buckets=STEP_BUCKETS, registry=r,
         )
         self.in_flight = Gauge("gateway_in_flight_requests", "Requests in flight per pod", ["pod"], registry=r)
         self.decisions = Counter(

@@ -39,6 +39,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
     app.router.add_get("/debug/placement", partial(_debug_placement, gateway))
     app.router.add_get("/debug/flows", partial(_debug_flows, gateway))
+    app.router.add_get("/debug/steps", partial(_debug_steps, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -150,6 +151,12 @@ async def _debug_flows(gateway: Gateway, request: web.Request) -> web.Response:
     """Flow control in this process: each flow's service and what it holds, and why each pod has no room."""
     _check_admin(gateway, request)
     return web.json_response({"enabled": gateway.config.flow_control.enabled, **gateway.flow.debug()})
+
+
+async def _debug_steps(gateway: Gateway, request: web.Request) -> web.Response:
+    """This worker's time per step of its recent requests (``gateway_request_step_seconds`` has them all)."""
+    _check_admin(gateway, request)
+    return web.json_response({"worker": gateway.identity.name, "steps": gateway.steps.debug()})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

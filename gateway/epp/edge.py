@@ -216,7 +216,8 @@ class EnvoyEdge:
             self._pods.report_success(call.pod)
         elif status >= 500 and ending is Ending.COMPLETE:
             self._pods.report_server_error(call.pod, f"Pod {call.pod.name} answered HTTP {status}")
-        return RelayOutcome(status, ending, self._first_byte_at, usage)
+        # Envoy's answer's headers are the first this edge hears of it: its first byte, for the step timings too.
+        return RelayOutcome(status, ending, self._first_byte_at, usage, headers_at=self._first_byte_at)
 
     async def _access_log_entry(self) -> Ended | None:
         """Envoy's access-log entry of this request, when Envoy streams them to us (else None at once)."""

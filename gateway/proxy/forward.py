@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 import aiohttp
@@ -60,13 +61,14 @@ class Proxy:
         pod = call.pod
         try:
             upstream = await self._send(pod, call.path, call.body, call.headers)
+            headers_at = time.monotonic()
             try:
                 if upstream.status >= 500:
                     raise await self._upstream_5xx(pod, upstream)
                 self._pods.report_success(pod)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._relay.stream(call, client, upstream)
-                return await self._relay.body(call, upstream)
+                    return await self._relay.stream(call, client, upstream, headers_at)
+                return await self._relay.body(call, upstream, headers_at)
             finally:
                 # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
                 upstream.close()

@@ -52,6 +52,8 @@ class RelayOutcome:
     first_byte_at: float | None = None
     usage: Usage | None = None
     streamed_events: int = 0
+    # Monotonic, when the pod's answer's headers reached the gateway (the step timings' connect ends there).
+    headers_at: float | None = None
 
     @property
     def complete(self) -> bool:

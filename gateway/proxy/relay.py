@@ -68,7 +68,8 @@ class Relay:
             self._metrics.upstream_errors.labels(pod, "idle_timeout").inc()
             raise upstream_timeout(f"Pod {pod} stalled while sending its answer.") from None
 
-    async def body(self, call: UpstreamCall, upstream: aiohttp.ClientResponse) -> tuple[web.Response, RelayOutcome]:
+    async def body(self, call: UpstreamCall, upstream: aiohttp.ClientResponse, headers_at: float | None = None
+                   ) -> tuple[web.Response, RelayOutcome]:
         pod = call.pod.name
         data = await self.read(pod, upstream)
         first_byte_at = time.monotonic()
@@ -80,10 +81,10 @@ class Relay:
             raise upstream_answer(pod, upstream.status, text)
         usage = usage_of_body(data) if upstream.status == 200 else None
         response = web.Response(status=upstream.status, body=data, headers=self.answer_headers(call, upstream))
-        return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage)
+        return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage, headers_at=headers_at)
 
-    async def stream(self, call: UpstreamCall, client: web.Request, upstream: aiohttp.ClientResponse
-                     ) -> tuple[web.StreamResponse, RelayOutcome]:
+    async def stream(self, call: UpstreamCall, client: web.Request, upstream: aiohttp.ClientResponse,
+                     headers_at: float | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
         pod = call.pod.name
         response = web.StreamResponse(status=upstream.status, headers=self.answer_headers(call, upstream))
         await response.prepare(client)
@@ -93,7 +94,7 @@ class Relay:
 
         def ended(status: int, ending: Ending) -> RelayOutcome:
             usage = usage_of_stream_tail(last_chunks) if ending is Ending.COMPLETE else None
-            return RelayOutcome(status, ending, first_byte_at, usage, events)
+            return RelayOutcome(status, ending, first_byte_at, usage, events, headers_at)
 
         try:
             transport = client.transport

@@ -2,7 +2,8 @@
 
 Owner: the director alone builds the typed views the steps see (:mod:`gateway.request.types`), runs the
 retry loop, writes the in-flight ledger (dispatch before an attempt is sent, finish when it ends), and
-records how the request ended, once, from the outcome its edge returned. Everything a feature does
+records how the request ended, once, from the outcome its edge returned, with the time of each of its
+steps (:mod:`gateway.request.timings`: one clock reading at each step boundary). Everything a feature does
 happens in a step (:mod:`gateway.request.pipeline`); an edge (:mod:`gateway.request.edge`: the HTTP
 proxy, or Envoy through the endpoint picker) only reads the request and delivers each attempt. For a
 model whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a
@@ -35,6 +36,7 @@ from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, Upstre
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.edge import Edge
 from gateway.request.pipeline import RequestPipeline
+from gateway.request.timings import Step, StepTimes, timed_as
 from gateway.request.types import (
     ENGINE_PRIORITY_HEADER,
     Admitted,
@@ -72,6 +74,8 @@ class RequestDirector:
                  allow_strategy_header: bool, max_body_bytes: int, prefill: PrefillLegs | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
+        # The prepare steps, each with the step of the request's timings its time counts to.
+        self._prepare = tuple((step, timed_as(step)) for step in pipeline.prepare)
         self._router = router
         self._planner = planner
         self._ledger = ledger
@@ -102,6 +106,7 @@ class RequestDirector:
             body = await edge.read_body(self._max_body_bytes)
             run.request = ClientRequest(request_id, kind, started, body, parse_inference_request(body), key, headers,
                                         edge.method, edge.path)
+            run.times.mark(Step.PARSE)
             await self._serve(run)
             assert run.outcome is not None  # an attempt that returns has delivered
             status = run.outcome.status
@@ -113,23 +118,25 @@ class RequestDirector:
             raise
         finally:
             done = CompletedRequest(run.request, status, self._clock(), run.attempts, run.routing, run.admitted,
-                                    run.last, run.outcome, run.prefill)
+                                    run.last, run.outcome, run.prefill, run.times)
             for step in self._pipeline.complete:
                 step.completed(done)
 
     async def _serve(self, run: _Run) -> None:
-        request = run.request
+        request, times = run.request, run.times
         policy, routing = self._resolve(request)
         run.routing = routing
-        for prepare in self._pipeline.prepare:
+        for prepare, timed in self._prepare:
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
+            times.mark(timed)
         for admit in self._pipeline.admit:
             admitting = admit.admit(request, policy, routing)
             if isinstance(admitting, Admitted):
                 run.admitted = admitting
             elif admitting is not None and (admitted := await admitting) is not None:
                 run.admitted = admitted
+        times.mark(Step.ADMIT)
         plan = self._planner.plan(request, policy, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)
         allowed = run.edge.allowed_pods
@@ -149,6 +156,7 @@ class RequestDirector:
                     if failure:  # every pod we could try has failed: say why, not just "none left"
                         raise failure.error from None
                     raise
+            times.mark(Step.ROUTE)
             estimate = routing.estimates.get(decision.pod.name)
             dispatch = self._ledger.dispatch(
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
@@ -195,17 +203,25 @@ class RequestDirector:
 
     async def _attempt(self, run: _Run, attempt: Attempt, exclude: set[str]) -> None:
         """One attempt: dispatched, its prefill leg first when it is a decode leg, delivered, finished."""
+        times = run.times
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
         outcome: RelayOutcome | None = None
         run.prefill = None
         try:
             if self._prefill is not None and attempt.routing.leg == "decode":
+                times.mark(Step.DISPATCH)
                 run.prefill = await self._prefill.run(attempt)
+                times.mark(Step.PREFILL)
             call = _call(attempt, run.prefill, self._fallbacks(attempt, run.edge.fallbacks, exclude),
                          partial(self._ledger.answering, attempt.dispatch))
+            delivering = times.mark(Step.DISPATCH)
             outcome = run.outcome = await run.edge.deliver(call)
+            headers_at = outcome.headers_at if outcome.headers_at is not None else outcome.first_byte_at
+            times.between(Step.CONNECT, delivering, headers_at)
+            times.between(Step.FIRST_BYTE, headers_at, outcome.first_byte_at)
         except RetryableFailure as exc:
+            times.mark(Step.CONNECT)  # the try that failed before the answer's headers: the next one routes anew
             outcome = RelayOutcome.failed(status_of(exc.error))
             raise
         except GatewayError as err:
@@ -257,7 +273,7 @@ def _fallback(pod: Pod, policy: Policy, routing: RoutingRequest, failed: set[str
 class _Run:
     """The director's own record of one request as it goes: what :class:`CompletedRequest` is built from."""
 
-    __slots__ = ("admitted", "attempts", "edge", "last", "outcome", "prefill", "request", "routing")
+    __slots__ = ("admitted", "attempts", "edge", "last", "outcome", "prefill", "request", "routing", "times")
 
     def __init__(self, request: ClientRequest, edge: Edge) -> None:
         self.request = request
@@ -268,3 +284,4 @@ class _Run:
         self.outcome: RelayOutcome | None = None
         self.prefill: PrefillLeg | None = None
         self.attempts = 0
+        self.times = StepTimes()

@@ -1,14 +1,16 @@
 """The built-in steps that watch requests rather than change them: routing metrics, the check of
-predictions against the engines, output-length learning, request metrics and the access log."""
+predictions against the engines, output-length learning, request metrics, step timings and the access log."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
+from gateway.request.timings import STEP_NAMES, RecentSteps
 from gateway.request.types import Attempt, CompletedRequest
 
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -107,6 +109,32 @@ class RequestMetrics:
         )
         if done.prefill is not None:
             self._metrics.pd_requests.labels(done.model, done.prefill.outcome.value).inc()
+
+
+class StepMetrics:
+    """complete: the time of each step the request reached (:mod:`gateway.request.timings`), into
+    ``gateway_request_step_seconds{step}`` and the window of recent times ``/debug/steps`` reads.
+
+    Owner: that window (:class:`~gateway.request.timings.RecentSteps`)."""
+
+    def __init__(self, metrics: GatewayMetrics, window: int = 1024) -> None:
+        # Children looked up once: labels() costs more than the observation.
+        self._children = tuple(metrics.request_steps.labels(name) for name in STEP_NAMES)
+        self._recent = RecentSteps(window)
+
+    def completed(self, done: CompletedRequest) -> None:
+        steps = done.steps
+        if steps is None:
+            return
+        children, recent = self._children, self._recent
+        for step, seconds in enumerate(steps.seconds):
+            if seconds == seconds:  # reached (not NaN)
+                children[step].observe(seconds)
+                recent.add(step, seconds)
+
+    def debug(self) -> dict[str, Any]:
+        """Per step, over the recent window: percentiles and mean in ms (``/debug/steps``)."""
+        return self._recent.summary()
 
 
 class AccessLog:

@@ -21,7 +21,9 @@ A request passes through them in this order (:class:`~gateway.request.director.R
 
 Steps are objects with the method of their extension point; one object may sit at several points. A
 ``prepare`` or ``admit`` step returns an awaitable only when it has something to wait for (tokenizing,
-queueing): most requests pass most steps without a coroutine being made. No step writes what another
+queueing): most requests pass most steps without a coroutine being made. A ``prepare`` step's time counts to
+the request's ``prepare`` step in its timings (:mod:`gateway.request.timings`) unless the step names another
+(``timed_as``: validation is ``parse``, tokenization ``tokenize``). No step writes what another
 step reads except through the routing view's own fields.
 """
 

@@ -15,6 +15,7 @@ from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
+from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.tokenization import anthropic
@@ -25,6 +26,8 @@ from gateway.workflow.service import RequestPlan, WorkflowService
 class RequestValidation:
     """prepare: refuse what no pod should see (an Anthropic body of the wrong shape, too many messages, a
     model the key may not use or no pod serves)."""
+
+    timed_as = Step.PARSE  # the request's timings count it with the body's parse
 
     def __init__(self, pods: PodRegistry, key_auth: ApiKeyAuth, server: ServerConfig) -> None:
         self._pods = pods
@@ -52,6 +55,8 @@ class PromptTokenization:
     ``/tokenize`` instead of the local tokenizer (or, without one, there are none: routing is approximate),
     and now and then the configured tokenizer is asked too, as a probe of whether it agrees again
     (``routing.probe_tokens``)."""
+
+    timed_as = Step.TOKENIZE
 
     def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
                  server: ServerConfig) -> None:

@@ -20,6 +20,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.pipeline import AdmitStep, PrepareStep, RequestPipeline
+from gateway.request.timings import STEP_NAMES, timed_as
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Policy, RoutingRequest
 
@@ -57,7 +58,8 @@ def tracer_provider() -> TracerProvider:
 class RequestTracing:
     """prepare (first): the request's span; dispatch: the decision's span (from when the router began),
     and the attempt's span whose context goes upstream; finish: the attempt's span ends; complete: the
-    request's span ends with its outcome.
+    request's span ends with its outcome, and the time of each step it reached
+    (:mod:`gateway.request.timings`) as ``gateway.step.<step>_ms`` attributes.
 
     Owner: the spans of the requests in flight, each kept from prepare to complete."""
 
@@ -120,6 +122,10 @@ class RequestTracing:
         if usage is not None:
             spans.root.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
             spans.root.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+        if done.steps is not None:
+            for name, seconds in zip(STEP_NAMES, done.steps.seconds, strict=True):
+                if seconds == seconds:  # reached (not NaN)
+                    spans.root.set_attribute(f"gateway.step.{name}_ms", round(seconds * 1000, 3))
         if done.status >= 500:
             spans.root.set_status(Status(StatusCode.ERROR))
         spans.root.end()
@@ -157,6 +163,7 @@ class TracedPrepare:
     def __init__(self, step: PrepareStep, spanned: _Spanned) -> None:
         self._step = step
         self._spanned = spanned
+        self.timed_as = timed_as(step)  # the step's, for the request's timings
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
         waiting = self._step.prepare(request, policy, routing)

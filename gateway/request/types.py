@@ -26,6 +26,7 @@ from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
 from gateway.proxy.outcome import RelayOutcome
+from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.workflow.service import RequestPlan
 
@@ -131,6 +132,7 @@ class CompletedRequest:
     last: Attempt | None = None
     outcome: RelayOutcome | None = None  # of the last attempt, when it relayed anything
     prefill: PrefillLeg | None = None  # the last attempt's prefill leg (disaggregated models only)
+    steps: StepTimes | None = None  # the time of each step it reached (gateway.request.timings)
 
     @property
     def model(self) -> str:

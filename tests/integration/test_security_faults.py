@@ -52,7 +52,7 @@ async def test_key_models_and_rate_limit(start_backend, start_gateway, http):
 async def test_admin_endpoints_need_the_admin_key_or_are_gone(start_backend, start_gateway, http):
     url = await start_backend(backend(echo_auth))
     gw = await start_gateway([url], auth={"admin_key_hashes": [hash_api_key("admin")]})
-    for path in ("/debug/pods", "/debug/index", "/debug/workflows", "/metrics"):
+    for path in ("/debug/pods", "/debug/index", "/debug/workflows", "/debug/steps", "/metrics"):
         async with http.get(gw.url + path) as resp:
             assert resp.status == 401
         async with http.get(gw.url + path, headers={"authorization": "Bearer admin"}) as resp:

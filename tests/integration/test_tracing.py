@@ -63,6 +63,11 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     # The request's flow, as flow control told it from its headers (an idle pod: it was not held).
     assert root.attributes["gateway.flow.fairness_id"] == "team-t" and root.attributes["gateway.flow.priority"] == 3
     assert root.attributes["gateway.flow.queued_ms"] == 0
+    # The time of each step it took (not a disaggregated model: no prefill leg).
+    timed = {k.removeprefix("gateway.step.").removesuffix("_ms"): v for k, v in root.attributes.items()
+             if k.startswith("gateway.step.")}
+    assert set(timed) == {"parse", "tokenize", "prepare", "admit", "route", "dispatch", "connect", "first_byte"}
+    assert all(v >= 0 for v in timed.values())
     # The pod received the upstream span's context: same trace, that span as parent.
     assert seen == [f"00-{CLIENT_TRACE}-{upstream.context.span_id:016x}-01"]
 
