@@ -12,9 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import POD_ROLES
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
-LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # A request's steps (gateway.request.timings): tens of microseconds (a parse) to seconds (a pod's prefill).
-STEP_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+STEP_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+                0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -252,3 +253,47 @@ def keep_warm_spent(metrics_text: str) -> dict[str, KeepWarmSpent]:
                 spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[i] += sample.value
     return {pod: KeepWarmSpent(*values) for pod, values in spent.items()}
 
+
+
+# Cumulative bucket counts of one histogram, by upper bound (``inf`` last).
+Buckets = dict[float, float]
+
+
+def histogram_buckets(metrics_text: str, name: str, label: str | None = None) -> dict[str, Buckets]:
+    """From ``/metrics`` text: histogram ``name``'s cumulative bucket counts per value of ``label`` ("" when
+    none is named), summed over its other labels."""
+    out: dict[str, Buckets] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                buckets = out.setdefault(sample.labels.get(label, "") if label else "", {})
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return out
+
+
+def buckets_since(after: Buckets, before: Buckets) -> Buckets:
+    """What was observed between two readings of one histogram's buckets."""
+    return {bound: count - before.get(bound, 0.0) for bound, count in after.items()}
+
+
+def bucket_quantile(buckets: Buckets, q: float) -> float | None:
+    """The ``q`` quantile of a histogram as Prometheus' ``histogram_quantile`` estimates it: linear within the
+    bucket it falls in (from 0 for the first); in the ``+Inf`` bucket, the highest finite bound. None when
+    nothing was observed."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank and count > below:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower

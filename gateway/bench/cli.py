@@ -181,6 +181,21 @@ def load_trace(args: argparse.Namespace, scenario: str | None, tokenizer: str | 
                          session_header=bool(args.session_header), max_output_tokens=args.max_output_tokens)
 
 
+def time_split(extra: dict[str, float]) -> str:
+    """The TTFT a contender added and, for the gateway, its own split of it, as one line ("" when none)."""
+    parts = []
+    if "added_ttft_ms_p50" in extra:
+        parts.append("added TTFT p50/p90/p99 " + "/".join(f"{extra[f'added_ttft_ms_{q}']:.2f}"
+                                                         for q in ("p50", "p90", "p99")) + " ms")
+    if "loop_lag_ms_p50" in extra:
+        parts.append(f"loop lag p50/p99 {extra['loop_lag_ms_p50']:.2f}/{extra.get('loop_lag_ms_p99', 0.0):.2f} ms")
+    steps = [(k.removeprefix("step_").removesuffix("_ms_p50"), v) for k, v in extra.items()
+             if k.startswith("step_") and k.endswith("_ms_p50")]
+    if steps:
+        parts.append("step p50s " + ", ".join(f"{name} {v:.3f}" for name, v in steps) + " ms")
+    return "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.bench.peers import PeerMissing, PeerRefused
     from gateway.bench.report import ratio, write_results
@@ -241,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
                       f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p90 "
                       f"{result.ttft_p90_ms:.0f} ms, per pod "
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
+                if (split := time_split(result.extra)):
+                    print(f"    {split}", file=sys.stderr)
                 for tenant, s in result.tenants.items():
                     print(f"    tenant {tenant}: TTFT p90 {s['ttft_p90_ms']:.0f} ms, {s['answered_in_window']:.0f} "
                           f"answered in the window, token share {s['token_share']:.3f}", file=sys.stderr)

@@ -41,9 +41,18 @@ from gateway.bench.tenants import tenant_stats
 from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
 from gateway.epp.envoy_config import bootstrap_yaml
-from gateway.metrics import KeepWarmSpent, keep_warm_spent, prediction_checks
+from gateway.metrics import (
+    Buckets,
+    KeepWarmSpent,
+    bucket_quantile,
+    buckets_since,
+    histogram_buckets,
+    keep_warm_spent,
+    prediction_checks,
+)
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
+from gateway.request.timings import STEP_NAMES
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
 Kind = Literal["direct", "gateway", "envoy-epp", "vllm-router", "sglang-router", "smg"]
@@ -311,6 +320,45 @@ def _added_ttft(ok: list[Outcome], before: list[dict[str, float]], after: list[d
             "added_ttft_ms_mean": round(client_ms - pod_ms, 2)}
 
 
+def _metrics_texts(urls: list[str]) -> list[str]:
+    """Each gateway's ``/metrics`` (every worker's, merged by the gateway)."""
+    texts = []
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            texts.append(resp.read().decode())
+    return texts
+
+
+def _summed(texts: list[str], name: str, label: str | None = None) -> dict[str, Buckets]:
+    """Histogram ``name``'s buckets over every gateway, per value of ``label``."""
+    out: dict[str, Buckets] = {}
+    for text in texts:
+        for key, buckets in histogram_buckets(text, name, label).items():
+            into = out.setdefault(key, {})
+            for bound, count in buckets.items():
+                into[bound] = into.get(bound, 0.0) + count
+    return out
+
+
+def gateway_split(before: list[str], after: list[str]) -> dict[str, float]:
+    """The gateway's own account of a run, from its histograms' change over it (their buckets' estimate, in
+    ms): its event loop's lag (``loop_lag_ms_p50``, ``_p99``), and the median of each step of its requests
+    (``step_<step>_ms_p50``: parse, tokenize, ... connect, first_byte), to split the TTFT it adds."""
+    out: dict[str, float] = {}
+    lag = buckets_since(_summed(after, "gateway_event_loop_lag_seconds").get("", {}),
+                        _summed(before, "gateway_event_loop_lag_seconds").get("", {}))
+    for key, q in (("loop_lag_ms_p50", 0.5), ("loop_lag_ms_p99", 0.99)):
+        if (seconds := bucket_quantile(lag, q)) is not None:
+            out[key] = round(1000 * seconds, 3)
+    steps_before = _summed(before, "gateway_request_step_seconds", "step")
+    steps_after = _summed(after, "gateway_request_step_seconds", "step")
+    for name in STEP_NAMES:
+        ran = buckets_since(steps_after.get(name, {}), steps_before.get(name, {}))
+        if (seconds := bucket_quantile(ran, 0.5)) is not None:
+            out[f"step_{name}_ms_p50"] = round(1000 * seconds, 3)
+    return out
+
+
 def process_cpu_s(pid: int) -> float:
     """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone)."""
     total = 0.0
@@ -568,13 +616,14 @@ class BenchRunner:
                 before = [self._prefix_counters(p.url) for p in pods]
                 legs_before = [_leg_counters(p.url) for p in pods]
                 decode_urls = [p.url for p in pods if p.role != "prefill"]
+                # The gateway's own metrics: the routers', or behind Envoy the EPP's HTTP port.
+                gateway_metrics = ([self.metrics_urls[contender.name]] if contender.kind == "envoy-epp"
+                                   else routers if contender.kind == "gateway" else None)
+                gateway_before = _metrics_texts(gateway_metrics) if gateway_metrics else []
                 cpu_before = [process_cpu_s(p.pid) for p in self.router_processes]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
                 cpu = [process_cpu_s(p.pid) - b for p, b in zip(self.router_processes, cpu_before, strict=True)]
-                # The gateway's own metrics: the routers', or behind Envoy the EPP's HTTP port.
-                gateway_metrics = ([self.metrics_urls[contender.name]] if contender.kind == "envoy-epp"
-                                   else routers if contender.kind == "gateway" else None)
                 after, spent = self._counters_after(pods, gateway_metrics)
                 legs_after = [_leg_counters(p.url) for p in pods]
                 pod_ttfts = _pod_ttfts(decode_urls)
@@ -582,6 +631,7 @@ class BenchRunner:
                     result.extra.update(_per_leg(pods, legs_before, legs_after))
                 if gateway_metrics:
                     result.extra.update(self._prediction_checks(gateway_metrics))
+                    result.extra.update(gateway_split(gateway_before, _metrics_texts(gateway_metrics)))
                 if cpu and trace.requests:  # the router's CPU per request (Envoy's and the EPP's apart)
                     names = ["epp", "envoy"] if contender.kind == "envoy-epp" else ["router"] * len(cpu)
                     for name, seconds_ in zip(names, cpu, strict=True):

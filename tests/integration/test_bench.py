@@ -79,6 +79,12 @@ def test_runner_compares_direct_and_gateway(tmp_path):
         assert r.extra["added_ttft_matched"] == 1.0
         assert 0 < r.extra["added_ttft_ms_p50"] <= r.extra["added_ttft_ms_p90"] <= r.extra["added_ttft_ms_p99"]
     assert direct.extra["prompt_tokens"] >= trace.requests * 300  # what the clients sent, as the pods counted
+    # The gateway's own split of its time, read from its metrics over the run: its loop's lag, and the median of
+    # each step its requests took (no prefill leg: not a disaggregated model).
+    taken = ("parse", "tokenize", "prepare", "admit", "route", "dispatch", "connect", "first_byte")
+    split = {k: v for k, v in gateway.extra.items() if k.startswith(("loop_lag_", "step_"))}
+    assert set(split) == {"loop_lag_ms_p50", "loop_lag_ms_p99", *(f"step_{s}_ms_p50" for s in taken)}
+    assert 0 <= split["loop_lag_ms_p50"] <= split["loop_lag_ms_p99"] and all(v >= 0 for v in split.values())
     paths = write_results(results, tmp_path, {"seed": 0})
     saved = json.loads(paths["json"].read_text())
     assert [c["name"] for c in saved["contenders"]] == ["direct", "gateway-kv_aware"]

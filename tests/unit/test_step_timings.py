@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from gateway.api.http_edge import HttpEdge
+from gateway.bench.runner import gateway_split
 from gateway.core.errors import GatewayError, upstream_failed
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, bucket_quantile, buckets_since, histogram_buckets
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.observers import StepMetrics
 from gateway.request.timings import STEP_NAMES, RecentSteps, Step, StepTimes, quantile, timed_as
@@ -110,3 +111,36 @@ async def test_a_body_that_does_not_parse_times_no_step():
     with pytest.raises(GatewayError):
         await the_director.handle(edge, "chat", None)
     assert recorder.done.steps is not None and reached(recorder.done.steps) == set()
+
+
+# The bench's reading of them: quantiles from the histograms' buckets, over a run
+
+
+def test_quantiles_from_buckets_are_estimated_as_prometheus_does():
+    buckets = {0.001: 0.0, 0.002: 40.0, 0.005: 80.0, float("inf"): 100.0}
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(0.002 + 0.003 * 10 / 40)  # within (2, 5] ms
+    assert bucket_quantile(buckets, 0.2) == pytest.approx(0.0015)  # from the bucket's lower bound
+    assert bucket_quantile(buckets, 0.99) == 0.005  # past the last finite bound: that bound
+    assert bucket_quantile({0.001: 0.0, float("inf"): 0.0}, 0.5) is None and bucket_quantile({}, 0.5) is None
+    assert buckets_since(buckets, {0.001: 0.0, 0.002: 40.0, 0.005: 40.0, float("inf"): 40.0}) == {
+        0.001: 0.0, 0.002: 0.0, 0.005: 40.0, float("inf"): 60.0}
+
+
+def test_the_bench_splits_a_run_from_the_gateways_histograms_change():
+    metrics = GatewayMetrics()
+    route = metrics.request_steps.labels("route")
+    for _ in range(10):  # before the run: not the run's
+        route.observe(0.2)
+    before = metrics.render().decode()
+    for _ in range(100):
+        metrics.loop_lag.observe(0.0003)  # (0.25, 0.5] ms
+        route.observe(0.0004)  # (0.3, 0.5] ms
+    metrics.loop_lag.observe(0.3)
+    after = metrics.render().decode()
+    assert histogram_buckets(after, "gateway_request_step_seconds", "step")["route"][float("inf")] == 110
+    split = gateway_split([before], [after])
+    assert split == {"loop_lag_ms_p50": pytest.approx(0.25 + 0.25 * 50.5 / 100, abs=1e-3),
+                     "loop_lag_ms_p99": pytest.approx(0.5, abs=1e-3),
+                     "step_route_ms_p50": pytest.approx(0.3 + 0.2 * 50 / 100, abs=1e-3)}
+    # Two gateways (replicas): their histograms add up.
+    assert gateway_split([before, before], [after, after])["step_route_ms_p50"] == split["step_route_ms_p50"]
