@@ -194,8 +194,11 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     remote_timeout_s: float = 0.5
     segment_cache_size: int = 50_000
     prompt_cache_size: int = 4_096
-    # New text longer than this is tokenized in a worker thread, off the event loop.
-    offload_chars: int = 8_000
+    # New text longer than this is tokenized in a worker thread, off the event loop. The hop to the thread
+    # and back costs the request about 0.1 ms (more on a busy host); 2,000 characters take about 0.35 ms to
+    # tokenize, which every other request would wait for on the loop. On the Mooncake replay, 2,000 rather
+    # than 8,000 halved the loop lag's p99 (5.3 to 2.2 ms) and the added TTFT's p90, its p50 unchanged.
+    offload_chars: int = 2_000
     # Threads tokenizing long new text; none: one per core this process may use.
     threads: int | None = None
     # Token ids of earlier chat prompts kept so that a conversation's next turn tokenizes only what it
