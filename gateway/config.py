@@ -675,15 +675,28 @@ class ConfigSource(msgspec.Struct, frozen=True):
     path: str | None = None
     overrides: dict[str, Any] = {}
     loaded: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    # The file's SHA-256 taken just before it was read: a change made while it was read shows as a change.
+    digest: str = ""
 
     @classmethod
     def read(cls, path: str | None, overrides: Mapping[str, Any] | None = None) -> ConfigSource:
         overrides = dict(overrides or {})
-        return cls(path, overrides, load_config(path, overrides))
+        digest = file_digest(path)
+        return cls(path, overrides, load_config(path, overrides), digest)
 
     def reread(self) -> ConfigSource:
         """The same source read again (raises :class:`ConfigError` or ``OSError`` as at start)."""
         return ConfigSource.read(self.path, self.overrides)
+
+
+def file_digest(path: str | None) -> str:
+    """The SHA-256 of the file's bytes ("" when there is no file or it cannot be read)."""
+    if not path:
+        return ""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
 
 
 def load_config(

@@ -16,32 +16,20 @@ the last reload worked. The parts it applies are owned by their components (flow
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.background import cancel_and_wait
-from gateway.config import ConfigError, ConfigSource, FlowControlConfig, GatewayConfig
+from gateway.config import ConfigError, ConfigSource, FlowControlConfig, GatewayConfig, file_digest
 
 log = logging.getLogger("gateway.config")
 
 # The sections of the config that apply without a restart.
 LIVE_SECTIONS = frozenset({"flow_control"})
 OUTCOMES = ("applied", "unchanged", "restart_needed", "invalid")
-
-
-def file_digest(path: str | None) -> str:
-    """The SHA-256 of the file's bytes ("" when there is no file or it cannot be read)."""
-    if not path:
-        return ""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return ""
 
 
 def changed_sections(old: GatewayConfig, new: GatewayConfig) -> tuple[list[str], list[str]]:
@@ -87,8 +75,7 @@ class ConfigReloader:
         self._apply_flow_control = apply_flow_control
         self._metrics = metrics
         self._interval_s = interval_s
-        # Taken before the first read's result is used: a change in between is seen at the first check.
-        self._digest = file_digest(source.path)
+        self._digest = source.digest  # the bytes the running config was read from
         self._asked: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -118,7 +105,7 @@ class ConfigReloader:
             self._asked.clear()
             digest = await asyncio.to_thread(file_digest, self.source.path)
             if forced or digest != self._digest:
-                self._digest = digest
+                self._digest = digest  # a bad file is reported once, not at every check
                 await self.reload()
 
     async def reload(self) -> str:
@@ -129,6 +116,7 @@ class ConfigReloader:
             log.error("config reload refused, the running config stays: %s", exc)
             self._metrics.observe("invalid")
             return "invalid"
+        self._digest = fresh.digest
         live, restart = changed_sections(self.source.loaded, fresh.loaded)
         if "flow_control" in live:
             self._apply_flow_control(
