@@ -1,0 +1,279 @@
+"""Flow control on a real vLLM pod: tenant A floods it with long prompts while tenant B chats (issue 34's
+noisy neighbor, with fewer requests).
+
+One pod, started with ``--max-model-len 4096`` (the tiny model's ``max_position_embeddings``) so that A's
+prompts of about 3,700 tokens cost a clear prefill (~0.08 s on the idle pod, several times B's TTFT). A asks
+for few output tokens: here every output token costs a batch step (~0.03 s with 32 requests running), so
+32 of them would cost A more than its prefill, and B would wait on decode steps that no gateway order can
+shorten (tried with 1,650-token prompts and 32 output tokens: B's p90 1.8 floors with flow control, 6.4
+without). With few, A's flood is prefill-bound, the one the issue's floor is about. The gateway runs as its
+own process with one worker (see ``WORKERS``), once with flow control on and once off; the clients are this
+process's.
+
+B's floor is B alone (through the same gateway, idle pod) plus one of A's prefills on the idle pod: a pod
+that prefills first come, first served cannot do better for B while A keeps it busy. The table the module
+prints (``-s``) holds the figures the README quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import re
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.bench.tenants import weighted_tokens
+from gateway.bench.workloads import FAIRNESS_HEADER, text
+from tests.conftest import gateway_process
+from tests.e2e.conftest import MODEL, VllmFleet, VllmPod, running_pods
+from tests.e2e.test_real_vllm import pod_metric
+
+MAX_MODEL_LEN = 4096
+A_CLIENTS = 32
+A_WORDS = 1900  # about 3,700 tokens with this tokenizer: within MAX_MODEL_LEN with A's answer
+A_MAX_TOKENS = 4
+B_CLIENTS = 2
+B_WORDS = 100  # about 200 tokens
+B_MAX_TOKENS = 16
+ALONE_S = 4.0
+FLOOD_S = 12.0
+B_JOINS_AT_S = 2.0  # B starts once A's first wave has filled the pod
+TARGET = 1.5  # B's TTFT p90 beside A, in floors
+REFUSALS = ("queue_full", "queue_timeout", "slo_unreachable")  # gateway_flow_requests_total's 429 outcomes
+# One gateway worker: flow control's queues are per worker, and a worker is woken at once only by its own
+# requests' first bytes (the others look every 50 ms), so the worker whose A is prefilling refills the pod
+# with its own next request before the other looks, whatever the service counters say. With 2 workers (the
+# default here, one per core) this module measured B's p90 at 1.3 floors but 29 answered (55 with one
+# worker) in one run, and in another B's first two requests held 11 s, none after; the target is about one
+# worker until that is fixed.
+WORKERS = 1
+# An answer whose stream ended before its usage (the pod or the gateway cut it).
+INCOMPLETE = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    tenant: str
+    status: int
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def weighted(self) -> float:
+        return weighted_tokens(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+
+
+@dataclass(slots=True)
+class Run:
+    """One run of the tenants through one gateway: every answer, the gateway's flow counts (outcome by
+    tenant) and how many requests the pod itself says it finished meanwhile."""
+
+    answers: list[Answer]
+    flow_requests: dict[tuple[str, str], float] = field(default_factory=dict)
+    pod_finished: float = 0.0
+
+    def of(self, tenant: str) -> list[Answer]:
+        return [a for a in self.answers if a.tenant == tenant]
+
+    def ttft(self, tenant: str, q: float) -> float:
+        return quantile([a.ttft_s for a in self.of(tenant) if a.status == 200], q)
+
+    def share(self, tenant: str) -> float:
+        served = {t: sum(a.weighted for a in self.of(t) if a.status == 200) for t in ("A", "B")}
+        total = sum(served.values())
+        return served[tenant] / total if total else 0.0
+
+
+@dataclass(slots=True)
+class Measured:
+    alone: Run  # B alone
+    a_prefill_s: float  # one of A's prompts on the idle pod: its TTFT (the median of three)
+    on: Run
+    off: Run
+
+    @property
+    def floor_s(self) -> float:
+        return self.alone.ttft("B", 0.9) + self.a_prefill_s
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile, as the bench reads its own; NaN when there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))] if ordered else float("nan")
+
+
+async def stream_chat(http: aiohttp.ClientSession, url: str, tenant: str, content: str, max_tokens: int) -> Answer:
+    """One streamed chat as ``tenant``; its TTFT is the first event with a choice (vLLM sends its first
+    chunk, the role, with the first token)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    sent = time.monotonic()
+    ttft, usage = None, None
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers={FAIRNESS_HEADER: tenant}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return Answer(tenant, resp.status)
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices"):
+                ttft = time.monotonic() - sent
+            usage = event.get("usage") or usage
+    if ttft is None or usage is None:
+        return Answer(tenant, INCOMPLETE)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Answer(tenant, 200, ttft, usage["prompt_tokens"], cached, usage["completion_tokens"])
+
+
+async def chat_client(http: aiohttp.ClientSession, url: str, tenant: str, name: str, words: int, max_tokens: int,
+                      until: float, out: list[Answer]) -> None:
+    """One client sending one request after another until ``until``, each prompt its own: it begins with the
+    client's name and count, so no prompt shares a cached block with another."""
+    rng = random.Random(name)
+    for i in itertools.count():
+        if time.monotonic() >= until:
+            return
+        out.append(await stream_chat(http, url, tenant, f"{name} request {i}: {text(rng, words)}", max_tokens))
+
+
+async def b_alone(url: str, tag: str) -> Run:
+    out: list[Answer] = []
+    async with aiohttp.ClientSession() as http:
+        await stream_chat(http, url, "warmup", f"{tag} warm-up: {text(random.Random(tag), B_WORDS)}", 1)
+        until = time.monotonic() + ALONE_S
+        await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-alone-B{c}", B_WORDS, B_MAX_TOKENS, until, out)
+                               for c in range(B_CLIENTS)))
+    return Run(out)
+
+
+async def a_prefill_s(url: str, tag: str) -> float:
+    async with aiohttp.ClientSession() as http:
+        answers = [await stream_chat(http, url, "A", f"{tag} idle A{i}: {text(random.Random(f'{tag}{i}'), A_WORDS)}",
+                                     A_MAX_TOKENS) for i in range(3)]
+    assert all(a.status == 200 for a in answers), answers
+    assert all(3000 < a.prompt_tokens <= MAX_MODEL_LEN - A_MAX_TOKENS for a in answers), answers
+    return statistics.median(a.ttft_s for a in answers)
+
+
+async def flood(url: str, pod_url: str, tag: str) -> Run:
+    """A's clients from the start, B's from ``B_JOINS_AT_S``, none sending after ``FLOOD_S``."""
+    out: list[Answer] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        finished = await pod_metric(http, pod_url, "vllm:request_success_total")
+        until = time.monotonic() + FLOOD_S
+
+        async def b_side() -> None:
+            await asyncio.sleep(B_JOINS_AT_S)
+            await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-B{c}", B_WORDS, B_MAX_TOKENS, until, out)
+                                   for c in range(B_CLIENTS)))
+
+        await asyncio.gather(b_side(), *(chat_client(http, url, "A", f"{tag}-A{c}", A_WORDS, A_MAX_TOKENS, until,
+                                                     out) for c in range(A_CLIENTS)))
+        finished = await pod_metric(http, pod_url, "vllm:request_success_total") - finished
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    return Run(out, flow_requests(metrics), finished)
+
+
+def flow_requests(metrics: str) -> dict[tuple[str, str], float]:
+    """``gateway_flow_requests_total`` by (fairness id, outcome), every band together."""
+    counts: dict[tuple[str, str], float] = {}
+    for labels, value in re.findall(r"^gateway_flow_requests_total\{(.*)\} (\S+)$", metrics, re.MULTILINE):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = (label["fairness_id"], label["outcome"])
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def gateway_config(path: Path, pod: VllmPod, model_dir: str, flow_control: bool) -> str:
+    path.write_text(json.dumps({"pods": [pod.gateway_config()], "server": {"workers": WORKERS},
+                                "tokenization": {"models": {MODEL: {"path": model_dir}}},
+                                "flow_control": {"enabled": flow_control}}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def flow_pod(model_dir: str) -> Iterator[VllmPod]:
+    fleet: VllmFleet
+    # Given after the suite's own --max-model-len 2048, this one counts.
+    for fleet in running_pods(model_dir, [("flow", ("--max-model-len", str(MAX_MODEL_LEN)), {})]):
+        yield fleet[0]
+
+
+@pytest.fixture(scope="module")
+def measured(flow_pod: VllmPod, model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Measured:
+    """B alone and one of A's prefills on the idle pod, then the flood, through a gateway with flow control
+    on, then through one with it off; the table printed."""
+    configs = tmp_path_factory.mktemp("flow-control")
+    with gateway_process("--config", gateway_config(configs / "on.json", flow_pod, model_dir, True)) as gw:
+        alone = asyncio.run(b_alone(gw.url, "on"))
+        prefill_s = asyncio.run(a_prefill_s(gw.url, "on"))
+        on = asyncio.run(flood(gw.url, flow_pod.url, "on"))
+    with gateway_process("--config", gateway_config(configs / "off.json", flow_pod, model_dir, False)) as gw:
+        off = asyncio.run(flood(gw.url, flow_pod.url, "off"))
+    result = Measured(alone, prefill_s, on, off)
+    print(table(result))
+    return result
+
+
+def table(m: Measured) -> str:
+    lines = [f"\nB's floor {m.floor_s:.3f} s = B alone p90 {m.alone.ttft('B', 0.9):.3f} s + one A prefill "
+             f"{m.a_prefill_s:.3f} s; target B p90 <= {TARGET * m.floor_s:.3f} s; B p90 beside A "
+             f"{m.on.ttft('B', 0.9) / m.floor_s:.2f} floors with flow control, "
+             f"{m.off.ttft('B', 0.9) / m.floor_s:.2f} without",
+             "| run | tenant | sent | answered | 429 | TTFT p50 s | TTFT p90 s | weighted tokens share |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, run, tenants in (("alone", m.alone, "B"), ("flow control on", m.on, "BA"),
+                               ("flow control off", m.off, "BA")):
+        for tenant in tenants:
+            mine = run.of(tenant)
+            answered = sum(a.status == 200 for a in mine)
+            refused = sum(a.status == 429 for a in mine)
+            lines.append(f"| {name} | {tenant} | {len(mine)} | {answered} | {refused} | {run.ttft(tenant, 0.5):.3f} "
+                         f"| {run.ttft(tenant, 0.9):.3f} | {run.share(tenant):.3f} |")
+    return "\n".join(lines)
+
+
+def test_flow_control_keeps_b_within_its_floor_beside_a_flood(measured: Measured):
+    b_p90 = measured.on.ttft("B", 0.9)
+    assert len(measured.on.of("B")) >= 20, "too few of B's requests to read a p90"
+    assert b_p90 <= TARGET * measured.floor_s, (b_p90, measured.floor_s, table(measured))
+
+
+def test_without_flow_control_b_waits_behind_a_flood(measured: Measured):
+    """The other side of the check above: without flow control A's prompts queue in the pod ahead of B's,
+    so the target is not met on this pod by itself."""
+    off, on = measured.off.ttft("B", 0.9), measured.on.ttft("B", 0.9)
+    assert off > TARGET * measured.floor_s and off > on, (off, on, table(measured))
+
+
+def test_b_is_always_answered_and_a_answered_or_refused(measured: Measured):
+    for run in (measured.alone, measured.on, measured.off):
+        assert {a.status for a in run.of("B")} == {200}, table(measured)
+        assert {a.status for a in run.of("A")} <= {200, 429}, table(measured)
+    for run in (measured.on, measured.off):
+        # Every answer is the pod's: it finished as many requests as were answered, none more.
+        assert run.pod_finished == sum(a.status == 200 for a in run.answers), (run.pod_finished, table(measured))
+
+
+def test_flow_control_held_a_at_the_gateway_while_the_pod_was_saturated(measured: Measured):
+    on, off = measured.on.flow_requests, measured.off.flow_requests
+    # Each of B's requests counted in B's flow (its header), A's held while the pod was saturated, and
+    # each of A's refusals one of flow control's.
+    assert sum(v for (tenant, _), v in on.items() if tenant == "B") == len(measured.alone.of("B") + measured.on.of("B"))
+    assert on.get(("A", "after_wait"), 0) > 0, on
+    refused = sum(v for (tenant, outcome), v in on.items() if tenant == "A" and outcome in REFUSALS)
+    assert refused == sum(a.status == 429 for a in measured.on.of("A")), on
+    assert not off, off  # flow control off: no request went through it
