@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -236,6 +237,15 @@ def reloads_applied(metrics_text: str) -> float:
                if line.startswith('gateway_config_reloads_total{outcome="applied"}'))
 
 
+async def metrics_until(http: aiohttp.ClientSession, url: str, check: Callable[[str], bool], what: str) -> None:
+    """Read the gateway's /metrics until ``check`` holds for them, for up to 10 s (else fail saying ``what``)."""
+    for _ in range(200):
+        if check(await (await http.get(f"{url}/metrics")).text()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(what)
+
+
 async def bands_served(url: str, http: aiohttp.ClientSession, objective: str) -> set[int]:
     """Send one request under ``objective``, then read the bands flow control has served."""
     async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama"),
@@ -261,19 +271,11 @@ async def test_a_changed_config_file_applies_flow_control_without_a_restart(tmp_
         assert await bands_served(url, http, "chat") == {0}  # not configured yet: no objective
         config["flow_control"]["objectives"] = {"chat": {"priority": 7}}
         path.write_text(yaml.safe_dump(config))
-        for _ in range(200):
-            if reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 1:
-                break
-            await asyncio.sleep(0.05)
+        await metrics_until(http, url, lambda text: reloads_applied(text) == 1, "the new objective was never read")
         assert await bands_served(url, http, "chat") == {0, 7}
         path.write_text("flow_control: {objectives: {chat: {priority: urgent}}}")
-        for _ in range(200):
-            text = await (await http.get(f"{url}/metrics")).text()
-            if "gateway_config_last_reload_successful 0.0" in text:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the broken file was never read")
+        await metrics_until(http, url, lambda text: "gateway_config_last_reload_successful 0.0" in text,
+                            "the broken file was never read")
         async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama"),
                              headers={"x-gateway-inference-objective": "chat"}) as resp:
             assert resp.status == 200
@@ -310,12 +312,7 @@ async def test_sighup_makes_every_worker_read_the_config_again(tmp_path):
             await asyncio.sleep(0.5)
             assert reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 0  # not watched
             proc.send_signal(signal.SIGHUP)
-            for _ in range(200):
-                if reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("both workers did not reload")
+            await metrics_until(http, url, lambda text: reloads_applied(text) == 2, "both workers did not reload")
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
         finally:
