@@ -13,7 +13,7 @@ from it: a block's place is then an undercount, and the gateway thinks it nearer
 
 Owner: the :class:`FreeQueues`. Its writers, each through its own method: the request pipeline's recency
 step (a request takes its blocks out of the queue when dispatched, returns them when it ends), the keep-warm
-refresher (its own requests, the same way), and the prefix index (blocks evicted, a pod's cache cleared).
+refresher (its own requests, the same way), and the prefix index (blocks evicted, a pod's cache cleared, a pod gone).
 The keep-warm decisions read it.
 """
 
@@ -142,9 +142,18 @@ class FreeQueues:
             else:
                 self.stats.evicted_first += 1
 
-    def cleared(self, pod: str) -> None:
-        """The pod's cached blocks are gone (cleared, restarted, or the pod left): none is free and cached
-        any more. The requests running there still hold theirs, and return them when they end."""
+    def cleared(self, pod: str, blocks: Iterable[int]) -> None:
+        """The pod no longer caches these blocks (its cache was cleared, or it restarted): they leave the queue.
+        Blocks freed since, which its events have not stored yet, stay; the requests running there still
+        hold theirs, and return them when they end."""
+        queue = self._pods.get(pod)
+        if queue is not None:
+            for block in blocks:
+                queue.remove(block)
+
+    def dropped(self, pod: str) -> None:
+        """The pod left: none of its blocks is free and cached any more (the requests running there still hold
+        theirs)."""
         queue = self._pods.get(pod)
         if queue is not None:
             self._pods[pod] = _PodQueue(refs=queue.refs)

@@ -96,7 +96,9 @@ class EvictionListener(Protocol):
 
     def evicted(self, pod: str, blocks: Iterable[int]) -> None: ...
 
-    def cleared(self, pod: str) -> None: ...
+    def cleared(self, pod: str, blocks: Iterable[int]) -> None: ...
+
+    def dropped(self, pod: str) -> None: ...
 
 
 class PrefixIndex:
@@ -141,11 +143,15 @@ class PrefixIndex:
 
     def reset_view(self, view: EngineView) -> None:
         """Forget every block of the view (engine restarted, or all its blocks were cleared)."""
+        # Only the blocks its events had stored are gone: the stream is ordered, and a block stored after the
+        # clear (a request that ended before the gateway read the clear, say from the pod's replay buffer at
+        # start-up) comes in a later event.
+        gone = [own for own, count in view.refs.items() if count & _GPU_MASK] if self._evictions is not None else []
         self._drop_refs(view)
         view.engine_to_own.clear()
         view.approximate = False
         if self._evictions is not None:
-            self._evictions.cleared(view.pod)
+            self._evictions.cleared(view.pod, gone)
 
     def mark_approximate(self, view: EngineView) -> None:
         """Events of the view were lost for good: trust it less until :meth:`reset_view`."""
@@ -162,7 +168,7 @@ class PrefixIndex:
             self._drop_refs(view)
             self._free_bits.append(view.bit)
         if self._evictions is not None:
-            self._evictions.cleared(pod)
+            self._evictions.dropped(pod)
 
     def _drop_refs(self, view: EngineView) -> None:
         clear = ~(1 << view.bit)

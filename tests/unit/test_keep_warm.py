@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
-from gateway.kv.events import BlockRemoved, BlockStored
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
@@ -67,10 +67,39 @@ def test_evictions_say_whether_the_queue_had_the_engines_order():
     # holds joins the queue when it ends (an engine clears its cache only when nothing runs; a gateway reading
     # a pod's event history meets old clears while requests run).
     queues.taken("p", [40, 41])
-    queues.cleared("p")
+    queues.cleared("p", [2, 40])
     assert queues.ahead("p", 2) is None and queues.free_blocks("p") == 0
     queues.returned("p", [40, 41], cached=2)
     assert queues.ahead("p", 41) == 0 and queues.free_blocks("p") == 2
+    # The pod leaves: nothing of it is free and cached; a request still running there returns its blocks.
+    queues.taken("p", [50])
+    queues.dropped("p")
+    assert queues.free_blocks("p") == 0
+    queues.returned("p", [50], cached=1)
+    assert queues.ahead("p", 50) == 0
+
+
+def test_an_old_clear_read_late_drops_only_the_blocks_stored_before_it():
+    # A gateway that starts (or reconnects) reads the pod's buffered events while requests already end: a
+    # clear from before it started must not drop what those requests left cached since, whose stores come
+    # later in the stream. Seen on real vLLM: keep-warm lost the context it was there to keep.
+    queues = FreeQueues()
+    index = PrefixIndex(evictions=queues)
+    view = index.view("p", 0, "m", 16)
+    old_tokens, new_tokens = list(range(100, 132)), list(range(500, 532))
+    old, new = (prefix_hashes(namespace_root("m", None), tokens, 16) for tokens in (old_tokens, new_tokens))
+
+    def stored(hashes: list[int], tokens: list[int]) -> BlockStored:
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=16)
+
+    index.apply(view, [stored(old, old_tokens)])  # cached before the clear
+    queues.taken("p", old)
+    queues.returned("p", old, cached=2)
+    queues.taken("p", new)  # a request the clear did not see: it ends before the gateway reads the clear
+    queues.returned("p", new, cached=2)
+    index.apply(view, [AllBlocksCleared(), stored(new, new_tokens)])
+    assert [queues.ahead("p", b) for b in old] == [None, None]
+    assert queues.first_to_go("p", new) == (1, 0) and queues.free_blocks("p") == 2
 
 
 @settings(max_examples=200, deadline=None)
