@@ -32,9 +32,11 @@ from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
+from gateway.core.facts import RoomFreed
 from gateway.fleet import PodMembership, health_changed
 from gateway.flow.controller import FlowController
 from gateway.flow.metrics import FlowMetrics
+from gateway.flow.release_order import SharedReleaseOrder, SoleRelease
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.http_client import HttpClient
@@ -113,8 +115,12 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                    if identity.count > 1 else None)
     bus = StateBus(config.shared_state, identity, metrics.registry)
     sinks = Sinks.of(bus)
-    room_freed = Doorbell()  # the ledger rings it as pods free up; flow control answers
-    ledger = InFlightLedger(shared_load, sinks.ledger, freed=room_freed.ring)
+    room_freed = Doorbell()  # rung as pods free up (here, or in a sibling worker that tells us); flow control answers
+    bus.on((RoomFreed,), lambda origin, fact: room_freed.ring())
+    release_order = (SharedReleaseOrder(identity.release_order, identity.index, identity.count, room_freed,
+                                        wake_others=partial(bus.tell_siblings, RoomFreed()))
+                     if identity.count > 1 else SoleRelease(room_freed))
+    ledger = InFlightLedger(shared_load, sinks.ledger, freed=release_order.freed)
     modes = PressureModes()
     lc = config.load
     profiles = ProfileStore(lc.redis_url, lc.profile_refresh_s)
@@ -149,7 +155,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows)
     flow_metrics = FlowMetrics(metrics.registry)
     detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled)
-    flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics)
+    flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
     signals = ContextSignals(wc.session_headers)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)

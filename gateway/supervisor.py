@@ -1,13 +1,14 @@
 """``gateway serve --workers N``: N gateway processes on one port, kept running by a supervisor.
 
 The supervisor (the process ``serve`` started) makes a private directory for the workers' sockets and
-their shared load table, then spawns the workers. Each is a whole gateway with its own event loop,
-bound to the same port with ``SO_REUSEPORT`` (the kernel spreads connections between them), subscribing
-to the pods' KV events itself, and sharing with its siblings what the docs call shared state (the load
-table directly; workflows, sessions, contexts and just-routed blocks over the state bus).
+their shared tables (the load table, flow control's release order), then spawns the workers. Each is a
+whole gateway with its own event loop, bound to the same port with ``SO_REUSEPORT`` (the kernel spreads
+connections between them), subscribing to the pods' KV events itself, and sharing with its siblings what
+the docs call shared state (the tables directly; workflows, sessions, contexts and just-routed blocks over
+the state bus).
 
 Owner: the supervisor owns the worker processes and the run directory. A worker that exits unexpectedly
-has its cells of the load table cleared and is started again (a worker failing to start stops them all:
+has its cells of the shared tables cleared and is started again (a worker failing to start stops them all:
 the same error would follow every restart). SIGTERM or SIGINT go to every worker, each drains its own
 requests for up to ``server.shutdown_grace_s``; what is left after that is killed.
 """
@@ -35,6 +36,7 @@ import msgspec
 from gateway.background import run_loop
 from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import ConfigSource, GatewayConfig
+from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
 from gateway.server import run_gateway
 
@@ -83,6 +85,7 @@ class Supervisor:
         self.run_dir = tempfile.mkdtemp(prefix="gateway-workers-")
         self.replica = new_replica_id()
         self.table = SharedLoadTable.create(self._identity(0).load_table, count)
+        self.release_order = SharedReleaseOrder.create(self._identity(0).release_order, count)
         self._context = multiprocessing.get_context("spawn")
         self._config_bytes = msgspec.json.encode(config)
         self._source_bytes = msgspec.json.encode(source) if source is not None else b""
@@ -108,6 +111,7 @@ class Supervisor:
         finally:
             await self._stop_all()
             self.table.close()
+            self.release_order.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _identity(self, index: int) -> WorkerIdentity:
@@ -138,6 +142,7 @@ class Supervisor:
             lived = time.monotonic() - worker.started
             worker.quick_exits = worker.quick_exits + 1 if lived < QUICK_EXIT_S else 0
             self.table.clear_worker(index)
+            self.release_order.clear_worker(index)
             if worker.quick_exits >= MAX_QUICK_EXITS:
                 raise WorkerStartError(f"worker w{index} keeps exiting (code {worker.process.exitcode})")
             log.error("worker w%d exited (code %s) after %.0f s: starting it again", index, worker.process.exitcode,

@@ -106,6 +106,13 @@ class StateBus:
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_later(self.config.flush_ms / 1000, self.flush)
 
+    def tell_siblings(self, fact: Fact) -> None:
+        """Send ``fact`` alone to the other workers of this replica, now: a wake-up call, not batched with the
+        state (nor sent to other replicas)."""
+        if self._siblings is not None:
+            self._siblings.send(ENCODER.encode(Batch(self.origin, self.identity.replica, [fact])))
+            self.metrics.sent.inc()
+
     def flush(self) -> None:
         if self._flush_handle is not None:
             self._flush_handle.cancel()

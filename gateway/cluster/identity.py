@@ -13,7 +13,7 @@ class WorkerIdentity:
     replica: str  # the same for every worker of one ``gateway serve``, restarts included
     index: int = 0
     count: int = 1
-    run_dir: str | None = None  # the workers' private sockets and shared load table; none: one worker
+    run_dir: str | None = None  # the workers' private sockets and shared tables; none: one worker
 
     @staticmethod
     def single() -> WorkerIdentity:
@@ -41,6 +41,12 @@ class WorkerIdentity:
     def load_table(self) -> str:
         assert self.run_dir is not None
         return os.path.join(self.run_dir, "load-table")
+
+    @property
+    def release_order(self) -> str:
+        """The table through which the workers agree which held request goes next (flow control)."""
+        assert self.run_dir is not None
+        return os.path.join(self.run_dir, "release-order")
 
 
 def new_replica_id() -> str:

@@ -116,9 +116,15 @@ class WorkflowFlow(Fact):
     priority: int
 
 
+# Not state: a wake-up call to the workers of one replica, sent at once, when room frees up on a pod while
+# they hold requests (``gateway/flow/release_order.py``).
+class RoomFreed(Fact):
+    pass
+
+
 AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | ContextHeld | ContextIdled
            | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped
-           | ServiceCharged | ServiceLifted | WorkflowFlow)
+           | ServiceCharged | ServiceLifted | WorkflowFlow | RoomFreed)
 
 
 # Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.

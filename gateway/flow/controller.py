@@ -16,8 +16,9 @@ that leaves while held leaves nothing behind: it was never dispatched, charged o
 
 Owner: the :class:`FlowController` owns the requests held in this process, their queues, the one request
 released and not yet dispatched, and the flow-control config in force (replaced on reload). Each worker
-holds its own; what they share is the pods' state (the load table, the engines' metrics) and the flows'
-service counters (the state bus).
+holds its own; what they share is the pods' state (the load table, the engines' metrics), the flows'
+service counters (the state bus), and the order of release: a worker releases its next request only when it
+ranks first among every worker's (:mod:`gateway.flow.release_order`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
+from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service import ServiceCounters
 from gateway.load.pending import Estimate
@@ -100,13 +102,15 @@ class Release:
 class FlowController:
     def __init__(self, config: FlowControlConfig, pods: PodRegistry, detector: SaturationDetector,
                  counters: ServiceCounters, doorbell: Doorbell, metrics: FlowMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 order: ReleaseOrder | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.policy = FlowPolicy(config)  # how requests are told into flows, as this config says
         self._pods = pods
         self.detector = detector
         self.counters = counters
         self._doorbell = doorbell
+        # Whether this worker's next request goes before the other workers' (one worker: always).
+        self._order = order if order is not None else SoleRelease(doorbell)
         self._metrics = metrics
         self._clock = clock
         self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
@@ -129,7 +133,7 @@ class FlowController:
     def room_now(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
         """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
         on at once), else None."""
-        if self._queued or self._transit is not None:
+        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
             return None
         return self._room_among(pods, kind, estimates)
 
@@ -165,6 +169,7 @@ class FlowController:
         """The released request was dispatched (or ended without): the next may be released."""
         if held is not None and self._transit is held:
             self._transit = None
+            self._order.landed(self._queued, self._clock())
             if self._queued:
                 self._pump()
 
@@ -183,8 +188,11 @@ class FlowController:
         band = self._bands.setdefault(key.priority, {})
         queue = band.get(key)
         if queue is None:
-            # The flow starts to wait: no service banked while it did not (the VTC's counter lift).
-            floor = min((self.counters.get(k) for k in band), default=None)
+            # The flow starts to wait: no service banked while it did not (the VTC's counter lift), against
+            # the flows waiting here and in the other workers.
+            floors = [self.counters.get(k) for k in band]
+            elsewhere = self._order.floor(key.priority, self._clock())
+            floor = min([*floors, elsewhere] if elsewhere is not None else floors, default=None)
             if floor is not None:
                 self.counters.lift(key, floor)
             queue = band[key] = _FlowQueue(key)
@@ -212,6 +220,8 @@ class FlowController:
         queue = band.get(key)
         self._queued -= 1
         self._metrics.queued(key, -1)
+        if not self._queued:
+            self._order.holding(0, self._clock())
         if queue is not None:
             queue.size -= 1
             if not queue.size:
@@ -220,23 +230,31 @@ class FlowController:
                     del self._bands[key.priority]
 
     def _pump(self) -> None:
-        """Release the next request that has room, if none is in transit."""
+        """Release the next request that has room, if none is in transit and no other worker's goes first."""
+        now = self._clock()
         if self._transit is not None:
-            if self._clock() - self._transit_since < TRANSIT_LIMIT_S:
+            if now - self._transit_since < TRANSIT_LIMIT_S:
                 return
             log.warning("flow control: a released request was not dispatched within %g s", TRANSIT_LIMIT_S)
             self._transit = None
+        waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
         for priority in sorted(self._bands, reverse=True):
             band = self._bands[priority]
             for queue in sorted(band.values(), key=lambda q: (self.counters.get(q.key), q.released_at)):
                 held = queue.head()
                 if held is None:
                     continue
-                room = self._room(held.model, held.leg, held.kind, held.estimates)
-                if room is None:
-                    continue
-                self._release(queue, held, room)
-                return
+                pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
+                room = self._room_among(pods, held.kind, held.estimates)
+                if room is None and held.estimates and self._room_among(pods, held.kind, {}) is not None:
+                    continue  # too large for the room there is (SLO admission): nobody need wait for it
+                contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
+                if room is not None:
+                    if self._order.claim(contender, True, self._queued, now, TRANSIT_LIMIT_S):
+                        self._release(queue, held, room)
+                    return
+                waiting = waiting or contender
+        self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
 
     def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
         self._dequeue(held)
@@ -245,9 +263,6 @@ class FlowController:
         self._transit, self._transit_since = held, now
         self._metrics.waited(queue.key, now - held.arrived)
         held.future.set_result(room)
-
-    def _room(self, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
-        return self._room_among(self._pods.candidates(model, leg=leg), kind, estimates)  # type: ignore[arg-type]
 
     def _room_among(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
         if not pods:

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from gateway.cluster.identity import WorkerIdentity
+from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
 from tests.conftest import eventually
@@ -43,6 +44,7 @@ async def start_group(start_gateway, pods: list[dict], identities: list[WorkerId
 
 def two_workers(run_dir: str) -> list[WorkerIdentity | None]:
     SharedLoadTable.create(WorkerIdentity("r", 0, 2, run_dir).load_table, 2).close()
+    SharedReleaseOrder.create(WorkerIdentity("r", 0, 2, run_dir).release_order, 2).close()
     return [WorkerIdentity("r", i, 2, run_dir) for i in range(2)]
 
 
