@@ -7,7 +7,7 @@ for few output tokens: here every output token costs a batch step (~0.03 s with 
 32 of them would cost A more than its prefill, and B would wait on decode steps that no gateway order can
 shorten (tried with 1,650-token prompts and 32 output tokens: B's p90 1.8 floors with flow control, 6.4
 without). With few, A's flood is prefill-bound, the one the issue's floor is about. The gateway runs as its
-own process with one worker (see ``WORKERS``), once with flow control on and once off; the clients are this
+own process with two workers (see ``WORKERS``), once with flow control on and once off; the clients are this
 process's.
 
 B's floor is B alone (through the same gateway, idle pod) plus one of A's prefills on the idle pod: a pod
@@ -49,13 +49,11 @@ FLOOD_S = 12.0
 B_JOINS_AT_S = 2.0  # B starts once A's first wave has filled the pod
 TARGET = 1.5  # B's TTFT p90 beside A, in floors
 REFUSALS = ("queue_full", "queue_timeout", "slo_unreachable")  # gateway_flow_requests_total's 429 outcomes
-# One gateway worker: flow control's queues are per worker, and a worker is woken at once only by its own
-# requests' first bytes (the others look every 50 ms), so the worker whose A is prefilling refills the pod
-# with its own next request before the other looks, whatever the service counters say. With 2 workers (the
-# default here, one per core) this module measured B's p90 at 1.3 floors but 29 answered (55 with one
-# worker) in one run, and in another B's first two requests held 11 s, none after; the target is about one
-# worker until that is fixed.
-WORKERS = 1
+# Two gateway workers, one per core as ``gateway serve`` starts by default: each holds its own clients'
+# requests, and they agree which goes next (gateway/flow/release_order.py). Before they did, the worker whose
+# A was prefilling refilled the pod with its own next request before the other looked: B's p90 1.3 floors
+# but 29 answered (55 with one worker), and in another run B's first two requests held 11 s.
+WORKERS = 2
 # An answer whose stream ended before its usage (the pod or the gateway cut it).
 INCOMPLETE = 0
 
