@@ -3,7 +3,8 @@
 A request whose candidate pods all lack room (:mod:`gateway.flow.saturation`), or that finds others already
 waiting, waits here in its flow's queue instead of in a pod's. As room frees up (an answer begins, an attempt
 ends: the ledger rings the doorbell; engine metrics and the other workers' requests are re-read every
-``TICK_S``) the controller releases, one at a time, the head of the highest band's least-served flow
+``TICK_S``, and sooner when a pod's running prefill is due to drain below its threshold) the controller
+releases, one at a time, the head of the highest band's least-served flow
 (:mod:`gateway.flow.service`; ties: the flow released least recently), within a flow the request with the
 earliest deadline (its SLO, else its arrival: first come, first served). The released request is routed
 then, among the pods that had room: a held request goes to the best pod when it leaves, not when it came.
@@ -118,6 +119,7 @@ class FlowController:
         self._seq = itertools.count()
         self._transit: Held | None = None
         self._transit_since = 0.0
+        self._look_at: float | None = None  # when a pod's running prefill drains enough to take the next one
         self._dispatches: deque[float] = deque()
         self._flows_seen: set[FlowKey] = set()
         self._has_queued: asyncio.Event | None = None
@@ -238,6 +240,7 @@ class FlowController:
             log.warning("flow control: a released request was not dispatched within %g s", TRANSIT_LIMIT_S)
             self._transit = None
         waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
+        self._look_at = None
         for priority in sorted(self._bands, reverse=True):
             band = self._bands[priority]
             for queue in sorted(band.values(), key=lambda q: (self.counters.get(q.key), q.released_at)):
@@ -253,8 +256,17 @@ class FlowController:
                     if self._order.claim(contender, True, self._queued, now, TRANSIT_LIMIT_S):
                         self._release(queue, held, room)
                     return
-                waiting = waiting or contender
+                if waiting is None:
+                    waiting = contender
+                    drained_in = self._prefill_room_in(pods)
+                    self._look_at = now + drained_in if drained_in is not None else None
         self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
+
+    def _prefill_room_in(self, pods: list[Pod]) -> float | None:
+        """Of pods without room, the soonest one whose running prefill drains enough to take another."""
+        detector = self.detector
+        return min((wait for p in pods if detector.saturated_by(p.name) == "prefill"
+                    and (wait := detector.prefill_room_in(p.name)) is not None), default=None)
 
     def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
         self._dequeue(held)
@@ -329,7 +341,8 @@ class FlowController:
             if not self._queued:
                 self._has_queued.clear()
                 await self._has_queued.wait()
-            await self._doorbell.wait(TICK_S)
+            look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
+            await self._doorbell.wait(look_in)
             self._pump()
             forget_every = (forget_every + 1) % 1200
             if not forget_every:

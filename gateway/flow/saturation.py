@@ -2,10 +2,12 @@
 
 A pod is saturated while any of these holds (``flow_control.saturation``):
 
-- ``prefill``: the prompt tokens sent to it (by every worker of this gateway) that it has not begun to
-  answer reach ``prefill_tokens``. A pod that prefills first-come first-served makes the next request wait
-  for all of them; keeping this queue to about one prompt is what lets a later, more urgent request start
-  soon, while the pod never runs out of prefill work (the gateway's in-flight ledger counts it);
+- ``prefill``: the prompt tokens sent to it (by every worker of this gateway) that it has yet to prefill
+  reach ``prefill_tokens``: those of the requests it has not begun to answer, less what its measured rate
+  got through since it last made progress (the in-flight ledger counts both). A pod that prefills
+  first-come first-served makes the next request wait for all of them; keeping this queue under about one
+  prompt is what lets a later, more urgent request start soon, and counting down the running prefill
+  sends the next prompt before it ends, so the pod never idles between prompts;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -45,7 +47,7 @@ class SaturationDetector:
         config = self.config
         if not self._flow_control:
             return "load" if estimate is not None and not self._load.fits(pod, estimate, kind) else None
-        if self._ledger.prefill_backlog(pod) >= config.prefill_tokens:
+        if self._ledger.prefill_remaining(pod, self._clock()) >= config.prefill_tokens:
             return "prefill"
         stats = self._load.engine.get(pod)
         if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
@@ -58,3 +60,8 @@ class SaturationDetector:
         if self._slo_admission and estimate is not None and not self._load.fits(pod, estimate, kind):
             return "load"
         return None
+
+    def prefill_room_in(self, pod: str) -> float | None:
+        """Seconds until the pod's running prefill has drained below ``prefill_tokens`` (None: only when an
+        answer begins): when to look again without a ring."""
+        return self._ledger.prefill_below_in(pod, self.config.prefill_tokens, self._clock())

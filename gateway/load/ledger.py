@@ -5,7 +5,8 @@ director and its prefill legs alone write it: :meth:`dispatch` as an attempt (or
 :meth:`answering` when the pod's answer begins (its prompt is prefilled), :meth:`finish` when it ends
 however it ended; the pod-removal path calls :meth:`forget_pod`. Everything else reads it: routing
 (requests per pod), pending load (consumption per pod), flow control (the prompt tokens each pod has yet
-to prefill: :meth:`prefill_backlog`), the working set (a context's requests: the one count of them), the
+to prefill: :meth:`prefill_backlog`, and how much of that work remains: :meth:`prefill_remaining`), the
+working set (a context's requests: the one count of them), the
 workflow tracker (a workflow's or stage's requests), session affinity (a session with a request running is
 never forgotten) and hard flushes (whether anyone else is running on a pod). With several workers
 (``serve --workers N``) the ledger also writes this worker's cell of the shared load table, and the per-pod
@@ -14,11 +15,20 @@ every worker's. Whatever frees a pod (an answer begins, an attempt ends) rings t
 built with (flow control listens). The per-owner counts (context, stage) of the other workers and
 replicas come over the state bus (:meth:`apply_remote`), one tally per origin so that a vanished one can
 be dropped (:meth:`forget_origin`); this ledger's own changes go out through the sink it is built with.
+
+Prefill progress: a pod prefills its backlog first come, first served, at a rate the ledger measures (the
+prompt tokens of each answer that begins over the time since the pod last made progress: that answer's
+dispatch, or the previous one's first byte). Between first bytes the remaining work is the backlog less
+what that rate got through since the last progress, never more than the backlog was then (what came later
+waits behind it). Flow control releases the next prompt as the remaining work drains, so that it reaches
+the pod before the running prefill ends and the pod does not idle between prompts. With several workers the
+last progress any of them saw is read from the shared table; each worker measures the rate from its own.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +50,7 @@ class Dispatch:
     stage: tuple[str, str] | None = None  # (workflow id, stage id)
     # Prompt tokens the pod has to prefill (less those predicted cached), until its answer begins.
     prefill_tokens: int = 0
+    sent_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -48,6 +59,28 @@ class PodTally:
     consumption: float = 0.0
     embedding_consumption: float = 0.0
     prefill_tokens: int = 0
+    # The last prefill progress this worker saw on the pod (None: none yet) and the backlog right after it.
+    progress_at: float | None = None
+    progressed: int = 0
+    prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate())
+
+
+class PrefillRate:
+    """Prompt tokens a pod prefills per second, over its recent answers (sums that fade by ``KEEP`` per answer:
+    prompts prefilled together in one batch come out as their sum over the time they took together)."""
+
+    KEEP = 0.8
+    __slots__ = ("_seconds", "_tokens")
+
+    def __init__(self) -> None:
+        self._tokens = self._seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._tokens = self._tokens * self.KEEP + tokens
+        self._seconds = self._seconds * self.KEEP + seconds
+
+    def get(self) -> float | None:
+        return self._tokens / self._seconds if self._seconds > 0 else None
 
 
 OwnerKey = tuple[str, ...]
@@ -55,7 +88,7 @@ OwnerKey = tuple[str, ...]
 
 class InFlightLedger:
     def __init__(self, shared: SharedLoadTable | None = None, publish: Publish = unshared,
-                 freed: Callable[[], None] = lambda: None) -> None:
+                 freed: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
         self._pods: dict[str, PodTally] = {}
         # ("context", key) and ("stage", workflow, stage) → requests in flight, here and (``_remote``, per
         # origin) on the other workers and replicas.
@@ -64,6 +97,7 @@ class InFlightLedger:
         self._shared = shared
         self._publish = publish
         self._freed = freed
+        self._clock = clock
 
     # Writes (the request pipeline only)
 
@@ -74,9 +108,12 @@ class InFlightLedger:
         tally = self._pods.get(pod)
         if tally is None:
             tally = self._pods[pod] = PodTally()
+        idle = entry.prefill_tokens > 0 and not self.prefill_backlog(pod)
         tally.running[entry] = None
         tally.consumption += entry.consumption
         tally.prefill_tokens += entry.prefill_tokens
+        if entry.prefill_tokens:
+            entry.sent_at = self._clock()
         if kind == "embeddings":
             tally.embedding_consumption += entry.consumption
         if context is not None or stage is not None:
@@ -85,6 +122,8 @@ class InFlightLedger:
                 self._owners[owner] += 1
             self._publish(OwnersChanged([list(o) for o in owners], 1))
         self._share(pod, tally)
+        if idle:  # the pod begins on it at once
+            self._progressed(pod, tally, entry.sent_at)
         return entry
 
     def answering(self, entry: Dispatch) -> None:
@@ -92,9 +131,15 @@ class InFlightLedger:
         tally = self._pods.get(entry.pod)
         if not entry.prefill_tokens or tally is None or entry not in tally.running:
             return
+        now = self._clock()
+        last = self._last_progress(entry.pod)
+        since = max(entry.sent_at, last[0]) if last is not None else entry.sent_at
+        if now > since:
+            tally.prefill_rate.add(entry.prefill_tokens, now - since)
         tally.prefill_tokens = max(0, tally.prefill_tokens - entry.prefill_tokens)
         entry.prefill_tokens = 0
         self._share(entry.pod, tally)
+        self._progressed(entry.pod, tally, now)
         self._freed()
 
     def finish(self, entry: Dispatch) -> None:
@@ -119,6 +164,19 @@ class InFlightLedger:
         if self._shared is not None:
             self._shared.write(pod, len(tally.running), tally.consumption, tally.embedding_consumption,
                                tally.prefill_tokens)
+
+    def _progressed(self, pod: str, tally: PodTally, at: float) -> None:
+        """The pod made prefill progress ``at`` (began on its next prompt)."""
+        tally.progress_at, tally.progressed = at, self.prefill_backlog(pod)
+        if self._shared is not None:
+            self._shared.write_progress(pod, at, tally.progressed)
+
+    def _last_progress(self, pod: str) -> tuple[float, int] | None:
+        """The pod's latest prefill progress (any worker's) and the backlog right after it; None: none yet."""
+        if self._shared is not None and (shared := self._shared.progress(pod)) is not None:
+            return shared if shared[0] > 0 else None
+        tally = self._pods.get(pod)
+        return (tally.progress_at, tally.progressed) if tally is not None and tally.progress_at is not None else None
 
     def forget_pod(self, pod: str) -> None:
         """The pod left the fleet: its counts go (requests still running there finish quietly)."""
@@ -167,6 +225,33 @@ class InFlightLedger:
             return max(0, shared)
         tally = self._pods.get(pod)
         return tally.prefill_tokens if tally else 0
+
+    def prefill_rate(self, pod: str) -> float | None:
+        """Prompt tokens per second the pod prefilled lately, as this worker measured it (None: not yet)."""
+        tally = self._pods.get(pod)
+        return tally.prefill_rate.get() if tally is not None else None
+
+    def prefill_remaining(self, pod: str, now: float) -> float:
+        """Prompt tokens ``pod`` has yet to prefill: its backlog, less what its rate got through since its last
+        progress (no more than its backlog was then)."""
+        backlog = self.prefill_backlog(pod)
+        rate = self.prefill_rate(pod) if backlog else None
+        last = self._last_progress(pod) if rate else None
+        if last is None or rate is None:
+            return float(backlog)
+        at, progressed = last
+        return max(0.0, backlog - min(rate * max(0.0, now - at), progressed))
+
+    def prefill_below_in(self, pod: str, tokens: float, now: float) -> float | None:
+        """Seconds until ``pod``'s remaining prefill work is below ``tokens`` (0: it is; None: not before an
+        answer of its begins)."""
+        remaining = self.prefill_remaining(pod, now)
+        if remaining < tokens:
+            return 0.0
+        rate, last = self.prefill_rate(pod), self._last_progress(pod)
+        if rate is None or last is None or self.prefill_backlog(pod) - last[1] >= tokens:
+            return None  # what came after the last progress is enough on its own
+        return (remaining - tokens) / rate + 1e-3
 
     def embedding_consumption(self, pod: str) -> float:
         if self._shared is not None and (shared := self._shared.embedding(pod)) is not None:

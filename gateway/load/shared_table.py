@@ -15,6 +15,9 @@ contiguous run)::
     consumption slots x workers x float64 their pending load
     embedding   slots x workers x float64 the embedding requests' part of it
     prefill     slots x workers x int64   prompt tokens of its requests the pod has not begun answering
+    progress    slots x workers x float64 when it last saw the pod make prefill progress (monotonic: one clock
+                                          per machine): an answer of its began, or the pod's backlog began
+    progressed  slots x workers x int64   the pod's backlog (every worker's) right after that
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class SharedLoadTable:
         self._consumption = memoryview(self._map)[counts_at + 8 * cells:counts_at + 16 * cells].cast("d")
         self._embedding = memoryview(self._map)[counts_at + 16 * cells:counts_at + 24 * cells].cast("d")
         self._prefill = memoryview(self._map)[counts_at + 24 * cells:counts_at + 32 * cells].cast("q")
+        self._progress = memoryview(self._map)[counts_at + 32 * cells:counts_at + 40 * cells].cast("d")
+        self._progressed = memoryview(self._map)[counts_at + 40 * cells:counts_at + 48 * cells].cast("q")
         self._rows: dict[str, int] = {}
         self._unplaced: dict[str, float] = {}  # pods that found the table full → when to try again
         self._full_warned = False
@@ -67,7 +72,7 @@ class SharedLoadTable:
     @staticmethod
     def size(workers: int, slots: int) -> int:
         cells = slots * workers
-        return _align(8 * slots + cells) + 32 * cells
+        return _align(8 * slots + cells) + 48 * cells
 
     @classmethod
     def create(cls, path: str, workers: int, slots: int = DEFAULT_SLOTS) -> SharedLoadTable:
@@ -76,7 +81,8 @@ class SharedLoadTable:
         return cls(path, -1, workers, slots)
 
     def close(self) -> None:
-        for view in (self._keys, self._users, self._in_flight, self._consumption, self._embedding, self._prefill):
+        for view in (self._keys, self._users, self._in_flight, self._consumption, self._embedding, self._prefill,
+                     self._progress, self._progressed):
             view.release()
         self._map.close()
         os.close(self._fd)
@@ -133,8 +139,16 @@ class SharedLoadTable:
             self._in_flight[cell], self._consumption[cell], self._embedding[cell] = in_flight, consumption, embedding
             self._prefill[cell] = prefill
 
+    def write_progress(self, pod: str, at: float, backlog: int) -> None:
+        row = self._row(pod)
+        if row >= 0:
+            cell = row * self.workers + self.worker
+            self._progressed[cell] = backlog
+            self._progress[cell] = at
+
     def _zero(self, cell: int) -> None:
         self._in_flight[cell], self._consumption[cell], self._embedding[cell], self._prefill[cell] = 0, 0.0, 0.0, 0
+        self._progress[cell], self._progressed[cell] = 0.0, 0
 
     def release(self, pod: str) -> None:
         """This worker forgets the pod: its cells go to zero and the row is free once nobody uses it."""
@@ -168,6 +182,15 @@ class SharedLoadTable:
 
     def prefill(self, pod: str) -> int | None:
         return self._sum(self._prefill, pod)
+
+    def progress(self, pod: str) -> tuple[float, int] | None:
+        """The pod's latest prefill progress any worker saw: (when, the backlog right after); None: no row."""
+        row = self._row(pod)
+        if row < 0:
+            return None
+        cells = range(row * self.workers, (row + 1) * self.workers)
+        latest = max(cells, key=self._progress.__getitem__)
+        return self._progress[latest], self._progressed[latest]
 
     def _sum(self, cells: memoryview, pod: str) -> Any:
         """The pod's row of ``cells`` summed (None: the pod has no row)."""

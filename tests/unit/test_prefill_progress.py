@@ -1,0 +1,110 @@
+"""How much prefill work a pod has left, as the in-flight ledger counts it, and flow control sending the next
+prompt as the running one drains: before its answer begins, so that the pod never idles between prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.background import Doorbell
+from gateway.config import FlowControlConfig, SaturationConfig
+from gateway.flow.controller import FlowController
+from gateway.flow.flows import Flow, FlowKey
+from gateway.flow.metrics import FlowMetrics
+from gateway.flow.saturation import SaturationDetector
+from gateway.flow.service import ServiceCounters
+from gateway.load.ledger import InFlightLedger
+from gateway.load.pending import PendingLoad
+from gateway.load.profiles import ProfileStore
+from gateway.load.shared_table import SharedLoadTable
+from tests.unit.test_flow_control import MODEL, one_pod
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_running_prefill_counts_down_at_the_rate_the_pod_showed():
+    clock = Clock()
+    ledger = InFlightLedger(clock=clock)
+    first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)  # the idle pod begins on it at once
+    clock.now += 0.01
+    ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)  # queued behind it
+    assert ledger.prefill_rate("p") is None and ledger.prefill_remaining("p", clock.now + 5) == 7400  # no rate yet
+    clock.now += 0.09
+    ledger.answering(first)  # 3,700 tokens in 0.1 s
+    assert ledger.prefill_rate("p") == pytest.approx(37_000)
+    assert ledger.prefill_remaining("p", clock.now) == 3700
+    assert ledger.prefill_remaining("p", clock.now + 0.05) == pytest.approx(1850)
+    # Below 2,048 tokens after (3,700 - 2,048) / 37,000 s: when flow control looks again.
+    assert ledger.prefill_below_in("p", 2048, clock.now) == pytest.approx(1652 / 37_000 + 1e-3)
+    assert ledger.prefill_below_in("p", 2048, clock.now + 0.05) == 0.0
+
+
+def test_a_stalled_pod_is_not_counted_down_past_what_it_had_when_it_last_made_progress():
+    clock = Clock()
+    ledger = InFlightLedger(clock=clock)
+    first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
+    clock.now += 0.1
+    ledger.answering(first)
+    ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
+    clock.now += 10.0  # no answer for long: the rate would have got through it long ago
+    assert ledger.prefill_remaining("p", clock.now) == 0.0
+    ledger.dispatch("a3", "p", 1.0, "chat", prefill_tokens=3700)  # sent after that: counted whole
+    assert ledger.prefill_remaining("p", clock.now) == 3700
+    assert ledger.prefill_below_in("p", 2048, clock.now) is None  # only an answer beginning can free it
+
+
+def test_workers_read_the_latest_progress_any_of_them_saw(tmp_path: Path):
+    path = str(tmp_path / "table")
+    SharedLoadTable.create(path, 2).close()
+    clock = Clock()
+    w0, w1 = (InFlightLedger(SharedLoadTable(path, i, 2), clock=clock) for i in range(2))
+    for ledger in (w0, w1):  # each measures the rate from its own answers
+        entry = ledger.dispatch("warm", "p", 1.0, "chat", prefill_tokens=1000)
+        clock.now += 0.1
+        ledger.answering(entry)
+        ledger.finish(entry)
+    clock.now += 5.0
+    a1 = w0.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3000)  # the idle pod begins on w0's prompt
+    clock.now += 0.01
+    w1.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3000)  # w1's waits behind it: not a beginning
+    assert w1.prefill_remaining("p", clock.now) == pytest.approx(6000 - 0.01 * 10_000)
+    clock.now += 0.29
+    w0.answering(a1)  # w1 reads that its prompt began now
+    assert w1.prefill_remaining("p", clock.now) == 3000
+    assert w1.prefill_remaining("p", clock.now + 0.1) == pytest.approx(2000)
+
+
+async def test_flow_control_sends_the_next_prompt_before_the_running_one_answers():
+    ledger = InFlightLedger()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    flows = FlowController(config, one_pod(), detector, ServiceCounters(), Doorbell(), FlowMetrics(CollectorRegistry()))
+    warm = ledger.dispatch("warm", "p0", 1.0, "chat", prefill_tokens=2000)
+    await asyncio.sleep(0.02)
+    ledger.answering(warm)  # the pod's rate: about 100,000 tokens a second
+    ledger.finish(warm)
+    rate = ledger.prefill_rate("p0")
+    assert rate is not None
+    running = ledger.dispatch("running", "p0", 1.0, "chat", prefill_tokens=int(2048 + 0.15 * rate))
+    sent = time.monotonic()
+    assert detector.saturated_by("p0") == "prefill"
+    flows.start()
+    try:
+        release = await asyncio.wait_for(flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 30.0), 5)
+    finally:
+        await flows.stop()
+    waited = time.monotonic() - sent
+    # Released once the running prefill was predicted below 2,048 tokens (after 0.15 s), without its answer
+    # beginning (none came: without the count-down it would wait until its limit).
+    assert release.room == frozenset({"p0"}) and 0.14 <= waited < 1.0, waited
+    assert ledger.prefill_backlog("p0") == running.prefill_tokens
