@@ -285,6 +285,10 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
     await chat(http, victim.url, fresh)
     fresh_ids = tokens.encode_chat(fresh)
     await settled(gw, victim.name, fresh_ids, http, victim.url)
+    # The subscriber reconnects up to 5 s (ZMQ's backoff) after the new engine binds, so the fresh batch may
+    # come by the catch-up replay, which applies each batch as it arrives and tells a restart from a return
+    # only at the replay's end: wait for that verdict rather than read it in the middle.
+    await eventually(lambda: subscriber.stats.restarts > restarts, WAIT_S)
     assert subscriber.stats.restarts == restarts + 1 and subscriber.view.last_seq < seq_before
     assert confirmed_tokens(gw, victim.name, ids) == 0  # nothing of the old engine's cache survives
     reply, headers = await chat(http, gw.url, [*fresh[:1], {"role": "user", "content": "And a question."}])
