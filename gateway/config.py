@@ -320,8 +320,10 @@ class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
     """When a pod has room for one more request (flow control holds requests while no candidate pod has).
     A pod is saturated while any of these holds."""
 
-    # Prompt tokens (less those predicted cached) sent to the pod that it has not begun answering, from every
-    # worker: the prefill queued in front of the next request. One long prompt may pass it; the next waits.
+    # Prompt tokens (less those predicted cached) the pod has yet to prefill, from every worker: those it has
+    # not begun answering, less what its measured rate got through since it last made progress. The prefill
+    # queued in front of the next request: one long prompt may pass it; the next waits until the running one
+    # drains below it. Higher keeps a chunked-prefill engine's steps fuller, at the cost of a newcomer's TTFT.
     prefill_tokens: int = 2048
     # Requests waiting in the engine's own queue (vLLM's num_requests_waiting, SGLang's num_queue_reqs).
     engine_waiting: int = 5
