@@ -50,19 +50,7 @@ class Dispatch:
     stage: tuple[str, str] | None = None  # (workflow id, stage id)
     # Prompt tokens the pod has to prefill (less those predicted cached), until its answer begins.
     prefill_tokens: int = 0
-    sent_at: float = 0.0
-
-
-@dataclass(slots=True)
-class PodTally:
-    running: dict[Dispatch, None] = field(default_factory=dict)  # an ordered set
-    consumption: float = 0.0
-    embedding_consumption: float = 0.0
-    prefill_tokens: int = 0
-    # The last prefill progress this worker saw on the pod (None: none yet) and the backlog right after it.
-    progress_at: float | None = None
-    progressed: int = 0
-    prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate())
+    sent_at: float = 0.0  # when it was sent (monotonic; set when it has prompt tokens to prefill)
 
 
 class PrefillRate:
@@ -81,6 +69,18 @@ class PrefillRate:
 
     def get(self) -> float | None:
         return self._tokens / self._seconds if self._seconds > 0 else None
+
+
+@dataclass(slots=True)
+class PodTally:
+    running: dict[Dispatch, None] = field(default_factory=dict)  # an ordered set
+    consumption: float = 0.0
+    embedding_consumption: float = 0.0
+    prefill_tokens: int = 0
+    # The last prefill progress this worker saw on the pod (None: none yet) and the backlog right after it.
+    progress_at: float | None = None
+    progressed: int = 0
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)
 
 
 OwnerKey = tuple[str, ...]
