@@ -6,8 +6,9 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   reach ``prefill_tokens``: those of the requests it has not begun to answer, less what its measured rate
   got through since it last made progress (the in-flight ledger counts both). A pod that prefills
   first-come first-served makes the next request wait for all of them; keeping this queue under about one
-  prompt is what lets a later, more urgent request start soon, and counting down the running prefill
-  sends the next prompt before it ends, so the pod never idles between prompts;
+  prompt is what lets a later, more urgent request start soon. While one flow alone is served, the running
+  prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
+  runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -33,13 +34,15 @@ from gateway.load.pending import Estimate, PendingLoad
 
 class SaturationDetector:
     def __init__(self, config: SaturationConfig, ledger: InFlightLedger, load: PendingLoad, slo_admission: bool,
-                 flow_control: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 flow_control: bool = True, active_flows: Callable[[float], int] = lambda now: 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._ledger = ledger
         self._load = load
         self._slo_admission = slo_admission
         # Off (SLO admission alone): only the predicted load says a pod is full.
         self._flow_control = flow_control
+        self._active_flows = active_flows  # flows served lately: the count-down runs while there is one
         self._clock = clock
 
     def saturated_by(self, pod: str, estimate: Estimate | None = None, kind: str = "chat") -> str | None:
@@ -47,7 +50,9 @@ class SaturationDetector:
         config = self.config
         if not self._flow_control:
             return "load" if estimate is not None and not self._load.fits(pod, estimate, kind) else None
-        if self._ledger.prefill_remaining(pod, self._clock()) >= config.prefill_tokens:
+        ledger = self._ledger
+        if ledger.prefill_backlog(pod) >= config.prefill_tokens and (
+                not self._counting_down() or ledger.prefill_remaining(pod, self._clock()) >= config.prefill_tokens):
             return "prefill"
         stats = self._load.engine.get(pod)
         if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
@@ -63,5 +68,10 @@ class SaturationDetector:
 
     def prefill_room_in(self, pod: str) -> float | None:
         """Seconds until the pod's running prefill has drained below ``prefill_tokens`` (None: only when an
-        answer begins): when to look again without a ring."""
+        answer begins, or the count-down is off): when to look again without a ring."""
+        if not self._counting_down():
+            return None
         return self._ledger.prefill_below_in(pod, self.config.prefill_tokens, self._clock())
+
+    def _counting_down(self) -> bool:
+        return self._active_flows(self._clock()) <= 1

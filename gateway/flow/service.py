@@ -11,7 +11,8 @@ most about twice a request's worth).
 
 Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
 controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
-bus (:meth:`ServiceCounters.apply_remote`). Counters of flows unheard of for ``idle_s`` are forgotten (as the
+bus (:meth:`ServiceCounters.apply_remote`); they also say how many flows were served lately
+(:meth:`ServiceCounters.active_flows`). Counters of flows unheard of for ``idle_s`` are forgotten (as the
 sweeps see it: a change is dated by the first sweep after it, to keep clocks off the request path; a
 flow that comes back is lifted when it has to wait). :class:`WorkflowFlows` remembers the flow each
 workflow began with, for its later stages.
@@ -26,6 +27,8 @@ from gateway.core.facts import Publish, ServiceCharged, ServiceLifted, WorkflowF
 from gateway.flow.flows import FlowKey
 from gateway.lru import LruCache
 
+ACTIVE_S = 2.0  # a flow charged within about this long (this window or the last) is active
+
 
 class ServiceCounters:
     def __init__(self, publish: Publish = unshared, idle_s: float = 600.0,
@@ -33,6 +36,9 @@ class ServiceCounters:
         self._served: dict[FlowKey, float] = {}
         self._seen: dict[FlowKey, float] = {}  # when each counter last changed, as of the last sweep
         self._touched: set[FlowKey] = set()  # counters changed since the last sweep (cheaper than a clock)
+        self._charged_now: set[FlowKey] = set()  # flows charged in this activity window, and in the last one
+        self._charged_before: set[FlowKey] = set()
+        self._window_at: float | None = None
         self._publish = publish
         self._shared = publish is not unshared  # with nobody to tell, no fact is made per charge
         self._idle_s = idle_s
@@ -78,6 +84,14 @@ class ServiceCounters:
             del self._served[key], self._seen[key]
         return len(gone)
 
+    def active_flows(self, now: float) -> int:
+        """Flows charged within the last ``ACTIVE_S`` or so (here or, through the bus, elsewhere)."""
+        if self._window_at is None:
+            self._window_at = now
+        elif now - self._window_at >= ACTIVE_S:  # (after a long quiet, its flows may have been charged just now)
+            self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
+        return len(self._charged_now | self._charged_before)
+
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)
 
@@ -85,6 +99,7 @@ class ServiceCounters:
         served = self._served
         served[key] = served.get(key, 0.0) + amount
         self._touched.add(key)
+        self._charged_now.add(key)
 
 
 class WorkflowFlows:

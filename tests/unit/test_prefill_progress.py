@@ -108,3 +108,33 @@ async def test_flow_control_sends_the_next_prompt_before_the_running_one_answers
     # beginning (none came: without the count-down it would wait until its limit).
     assert release.room == frozenset({"p0"}) and 0.14 <= waited < 1.0, waited
     assert ledger.prefill_backlog("p0") == running.prefill_tokens
+
+
+def test_flows_served_lately_are_counted_over_two_windows():
+    counters = ServiceCounters()
+    assert counters.active_flows(100.0) == 0
+    counters.charge(FlowKey("a"), 10.0)
+    counters.charge(FlowKey("b"), 10.0)
+    assert counters.active_flows(100.5) == 2
+    assert counters.active_flows(102.1) == 2  # a new window: the last one's flows still count
+    counters.charge(FlowKey("a"), 10.0)
+    assert counters.active_flows(104.2) == 1  # b was last charged two windows ago
+    assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
+
+
+def test_the_count_down_runs_while_one_flow_is_served_and_fairness_goes_first_with_several():
+    clock = Clock()
+    ledger = InFlightLedger(clock=clock)
+    counters = ServiceCounters()
+    detector = SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
+                                  PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows, clock=clock)
+    first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
+    clock.now += 0.1
+    ledger.answering(first)  # 37,000 tokens a second
+    ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
+    clock.now += 0.05  # 1,850 tokens left of a2: below the threshold by the count-down
+    counters.charge(FlowKey("a"), 1.0)
+    assert detector.saturated_by("p") is None and detector.prefill_room_in("p") == 0.0
+    counters.charge(FlowKey("b"), 1.0)  # another tenant is served too: a2's tokens count whole until it answers
+    assert detector.saturated_by("p") == "prefill" and detector.prefill_room_in("p") is None
