@@ -213,7 +213,8 @@ class SharedReleaseOrder:
         return True
 
     def _fresh(self, base: int, now: float) -> bool:
-        return now - self._rows[base + _PUBLISHED] < STALE_S
+        published = self._rows[base + _PUBLISHED]
+        return published > 0 and now - published < STALE_S  # 0: never written, or cleared
 
     def _write(self, contender: Contender | None, held: int, now: float, transit_since: float) -> None:
         rows, base = self._rows, self.worker * _WORDS
