@@ -167,10 +167,8 @@ class SharedReleaseOrder:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def landed(self, held: int, now: float) -> None:
-        rows, base = self._rows, self.worker * _WORDS
-        rows[base + _TRANSIT] = 0.0
-        rows[base + _HELD] = float(held)
-        rows[base + _PUBLISHED] = now
+        self._rows[self.worker * _WORDS + _TRANSIT] = 0.0
+        self.holding(held, now)
         if self.others_hold(now):
             self._wake_others()  # one of theirs may rank first now
 

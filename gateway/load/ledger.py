@@ -234,24 +234,24 @@ class InFlightLedger:
     def prefill_remaining(self, pod: str, now: float) -> float:
         """Prompt tokens ``pod`` has yet to prefill: its backlog, less what its rate got through since its last
         progress (no more than its backlog was then)."""
-        backlog = self.prefill_backlog(pod)
-        rate = self.prefill_rate(pod) if backlog else None
-        last = self._last_progress(pod) if rate else None
-        if last is None or rate is None:
-            return float(backlog)
-        at, progressed = last
-        return max(0.0, backlog - min(rate * max(0.0, now - at), progressed))
+        return _remaining(now, *self._prefill_state(pod))
 
     def prefill_below_in(self, pod: str, tokens: float, now: float) -> float | None:
         """Seconds until ``pod``'s remaining prefill work is below ``tokens`` (0: it is; None: not before an
         answer of its begins)."""
-        remaining = self.prefill_remaining(pod, now)
+        backlog, rate, last = self._prefill_state(pod)
+        remaining = _remaining(now, backlog, rate, last)
         if remaining < tokens:
             return 0.0
-        rate, last = self.prefill_rate(pod), self._last_progress(pod)
-        if rate is None or last is None or self.prefill_backlog(pod) - last[1] >= tokens:
+        if rate is None or last is None or backlog - last[1] >= tokens:
             return None  # what came after the last progress is enough on its own
         return (remaining - tokens) / rate + 1e-3
+
+    def _prefill_state(self, pod: str) -> tuple[int, float | None, tuple[float, int] | None]:
+        """The pod's backlog, and (only where they count: a backlog, a rate) its rate and last progress."""
+        backlog = self.prefill_backlog(pod)
+        rate = self.prefill_rate(pod) if backlog else None
+        return backlog, rate, self._last_progress(pod) if rate else None
 
     def embedding_consumption(self, pod: str) -> float:
         if self._shared is not None and (shared := self._shared.embedding(pod)) is not None:
@@ -301,6 +301,13 @@ def _count_down(counts: Counter[OwnerKey], owners: list[OwnerKey], n: int) -> No
             counts[owner] = left
         else:
             counts.pop(owner, None)  # a remote finish may come without its dispatch (joined late)
+
+
+def _remaining(now: float, backlog: int, rate: float | None, last: tuple[float, int] | None) -> float:
+    if last is None or rate is None:
+        return float(backlog)
+    at, progressed = last
+    return max(0.0, backlog - min(rate * max(0.0, now - at), progressed))
 
 
 def _owners_of(entry: Dispatch) -> list[OwnerKey]:
