@@ -7,6 +7,7 @@ completion prompts are tokenized *with* special tokens. Getting either wrong shi
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
 from pathlib import Path
@@ -15,6 +16,10 @@ from typing import Any
 from gateway.tokenization.conversation import normalize_messages
 
 MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
+
+# Normalizers that map each character by itself (or with the marks that follow it), so a cut before a
+# space changes nothing they do.
+_PER_CHARACTER_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
 
 
 class HfTokenizer:
@@ -93,6 +98,34 @@ class HfTokenizer:
     def added_tokens(self) -> dict[str, int]:
         """Tokens matched before the model's own tokenization runs (specials, chat markers)."""
         return {t.content: i for i, t in self._tok.added_tokens_decoder.items()}
+
+    def cuts_at_spaces(self) -> bool:
+        """Whether text cut before a space that follows a non-space tokenizes piece by piece as it does
+        whole. True of byte-level BPE tokenizers whose pre-tokenizer splits by a regex (GPT-2's, Llama 3's,
+        Qwen's, o200k's): no pre-token there spans a non-space and the space after it, none of their
+        patterns looks behind, and greedy runs stop at the space. Not of SentencePiece-style ones
+        (``Metaspace``, a prepended space), nor behind a normalizer that does more than map characters.
+        :class:`~gateway.tokenization.segments.SegmentEncoder` checks the claim on probes before it relies on it."""
+        if self._backend is None:
+            return False
+        spec = json.loads(self._backend.to_str())
+        normalizer = spec.get("normalizer")
+        normalizers = (normalizer or {}).get("normalizers", [normalizer]) if normalizer else []
+        if any(n.get("type") not in _PER_CHARACTER_NORMALIZERS for n in normalizers):
+            return False
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        regex_split = False
+        for step in steps:
+            kind = step.get("type")
+            if kind == "ByteLevel" and not step.get("add_prefix_space"):
+                regex_split = regex_split or bool(step.get("use_regex"))
+            elif kind == "Split" and "Regex" in (step.get("pattern") or {}) and step.get("behavior") == "Isolated" \
+                    and not step.get("invert"):
+                regex_split = True
+            elif kind != "Digits":
+                return False
+        return regex_split
 
     def added_tokens_split_cleanly(self) -> bool:
         """Whether no added token eats neighbouring whitespace or needs word boundaries, so the text

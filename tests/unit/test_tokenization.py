@@ -3,8 +3,10 @@ tokenization, completions with special tokens, remote mode, and visible fallback
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import shutil
 
 import pytest
 
@@ -15,8 +17,8 @@ from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
-from gateway.tokenization.segments import SegmentEncoder
+from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.segments import SegmentEncoder, cut_at_spaces
 from gateway.tokenization.service import LocalTokenizer, TokenizationService
 
 WORDS = ["the", "gateway", " routes", "naïve", "東京", "  ", "\n", "\n\n", "\t", "x=1;", "<|eot_id|>", "🙂",
@@ -51,6 +53,88 @@ def test_growing_conversation_reuses_cached_segments(tokenizer):
         messages.append({"role": "assistant", "content": f"Answer {turn}."})
     encoder.encode(tokenizer.render_chat(messages))
     assert encoder.misses - misses == 1  # only the newest message was tokenized
+
+
+def long_text(rng: random.Random, words: int) -> str:
+    return "".join(rng.choice(WORDS[:10] + WORDS[11:12] + WORDS[13:]) for _ in range(words))  # no markers
+
+
+def test_cuts_fall_before_a_space_after_a_non_space_and_lose_nothing():
+    text = "aaaa bbbb  cccc\n dddd   eeee"
+    pieces = cut_at_spaces(text, 3)
+    assert "".join(pieces) == text
+    assert pieces == ["aaaa", " bbbb", "  cccc\n dddd", "   eeee"]  # not after the newline
+    assert cut_at_spaces("x" * 100, 10) == ["x" * 100]  # no space: whole
+
+
+def test_long_segments_tokenize_exactly_in_pieces(tokenizer):
+    rng = random.Random(99)
+    for piece_chars in (8, 64, 512):
+        encoder = SegmentEncoder(tokenizer, piece_chars=piece_chars)
+        assert encoder.self_check() and encoder.cuts
+        for _ in range(60):
+            messages = [{"role": "system", "content": long_text(rng, rng.randint(50, 400))},
+                        {"role": "user", "content": long_text(rng, rng.randint(0, 300))}]
+            text = tokenizer.render_chat(messages)
+            assert encoder.encode(text).tolist() == tokenizer.encode(text, add_special_tokens=False), text
+        assert encoder.misses > 120  # more pieces than segments: the texts really were cut
+
+
+def test_prompts_sharing_a_long_prefix_tokenize_only_the_pieces_after_it(tokenizer):
+    encoder = SegmentEncoder(tokenizer, piece_chars=200)
+    document = long_text(random.Random(5), 2_000)
+    encoder.encode(tokenizer.render_chat([{"role": "user", "content": document + " First question?"}]))
+    misses = encoder.misses
+    text = tokenizer.render_chat([{"role": "user", "content": document + " And a second one?"}])
+    assert encoder.encode(text).tolist() == tokenizer.encode(text, add_special_tokens=False)
+    # The document's pieces before the question's came from the cache; the last one (it holds the question)
+    # and the text after the message (the next role's header) are new.
+    assert 1 <= encoder.misses - misses <= 2
+    assert len(encoder.layout(text)) > 10
+
+
+def tokenizer_variant(tmp_path, pre_tokenizer: dict, merges_before_spaces: bool = False) -> HfTokenizer:
+    """The mock tokenizer with another pre-tokenizer and, if asked, merges of a letter with the space after
+    it first (as a tokenizer trained on such pre-tokens would have)."""
+    shutil.copytree(MOCK_TOKENIZER_DIR, tmp_path, dirs_exist_ok=True)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = pre_tokenizer
+    if merges_before_spaces:
+        model = spec["model"]
+        for letter in "abcdefghijklmnopqrstuvwxyz":
+            model["vocab"][letter + "Ġ"] = len(model["vocab"])
+        model["merges"] = [[letter, "Ġ"] for letter in "abcdefghijklmnopqrstuvwxyz"] + model["merges"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    return HfTokenizer(tmp_path)
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+
+
+@pytest.mark.parametrize(("pre_tokenizer", "claims", "cuts"), [
+    # Llama 3's and Qwen's shape: a regex split, then bytes. Cuts before a space are exact.
+    ({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+        BYTE_LEVEL]}, True, True),
+    # SentencePiece's shape: a space becomes part of the word after it only at the text's start. No cuts.
+    ({"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}, False, False),
+    # The shape passes, but the pattern keeps a word's trailing spaces with it: the probe catches it.
+    ({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\S+\s*"}, "behavior": "Isolated", "invert": False},
+        BYTE_LEVEL]}, True, False),
+])
+def test_cuts_follow_what_the_tokenizer_allows(tmp_path, pre_tokenizer, claims, cuts):
+    variant = tokenizer_variant(tmp_path, pre_tokenizer, merges_before_spaces=True)
+    assert variant.cuts_at_spaces() is claims
+    encoder = SegmentEncoder(variant, piece_chars=16)
+    encoder.self_check()
+    assert encoder.cuts is cuts
+    rng = random.Random(7)
+    for _ in range(40):  # whatever was decided, the ids are the engine's
+        text = variant.render_chat([{"role": "user", "content": long_text(rng, rng.randint(20, 200))}])
+        assert encoder.encode(text).tolist() == variant.encode(text, add_special_tokens=False), text
 
 
 def make_service(models=None, default_mode="none", **kw) -> TokenizationService:
