@@ -147,7 +147,8 @@ class EnvoyEdge:
                 remove.append("content-encoding")
         self.answered = True
         for response in protocol.routed(endpoints, edits, remove, body, in_headers=not self._has_body or
-                                        self._full_duplex, full_duplex=self._full_duplex):
+                                        self._full_duplex, full_duplex=self._full_duplex,
+                                        client_body=self._raw_body):
             await self._stream.write(response)
 
     async def _await_answer_headers(self, call: UpstreamCall) -> None:

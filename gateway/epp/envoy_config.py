@@ -10,6 +10,10 @@ cluster of the pods, either
   which takes the endpoints from the header (or the ``envoy.lb`` metadata) in order, the next one on a
   retry, and round robin when there is none (the EPP down with ``failure_mode_allow``).
 
+The bodies go to the EPP ``buffered`` (the request's whole body once its headers are answered; the
+answer's body not at all), or ``full_duplex`` as llm-d's and the Gateway API Inference Extension's own
+manifests have it (``FULL_DUPLEX_STREAMED`` both ways: Envoy forwards only the bytes the EPP sends back).
+
 Envoy's gRPC access log sends the EPP one entry per request at its end (status, how it ended, and the
 Lua filter's ``kvgw`` / ``tail``), so the EPP sees the end of an answer without a message per chunk.
 """
@@ -21,6 +25,17 @@ from typing import Any, Literal
 import yaml
 
 ClusterKind = Literal["original_dst", "override_host"]
+BodyModes = Literal["buffered", "full_duplex"]
+
+_PROCESSING_MODES: dict[BodyModes, dict[str, str]] = {
+    "buffered": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                 "response_header_mode": "SEND", "response_body_mode": "NONE",
+                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
+    # Envoy refuses a full-duplex body without its trailers.
+    "full_duplex": {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+                    "response_header_mode": "SEND", "response_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+}
 
 # The answer's last bytes, kept by Envoy as they pass: the usage of a stream rides in its last events,
 # of a JSON answer near its end. Four chunks of at most 4 KiB, as the HTTP proxy keeps.
@@ -52,7 +67,7 @@ def _address(host: str, port: int) -> dict[str, Any]:
 def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, int]] | None = None,
               cluster: ClusterKind = "original_dst", failure_mode_allow: bool = False, access_log: bool = True,
               admin_port: int | None = None, retries: int = 2, message_timeout_s: float = 60.0,
-              listen_host: str = "127.0.0.1") -> dict[str, Any]:
+              listen_host: str = "127.0.0.1", bodies: BodyModes = "buffered") -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it for ``envoy -c``). ``pods`` (``(ip, port)``) are the
     override-host cluster's endpoints; an ORIGINAL_DST cluster needs none."""
     ext_proc: dict[str, Any] = {
@@ -61,9 +76,7 @@ def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, i
         "failure_mode_allow": failure_mode_allow,
         # The EPP may hold a request (admission) and tokenizes long prompts: not Envoy's 200 ms default.
         "message_timeout": f"{message_timeout_s:g}s",
-        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                            "response_header_mode": "SEND", "response_body_mode": "NONE",
-                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
+        "processing_mode": _PROCESSING_MODES[bodies],
         "response_attributes": ["upstream.address"],
         "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
         "mutation_rules": {"allow_all_routing": True},

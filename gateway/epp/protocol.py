@@ -127,10 +127,11 @@ def destination(endpoints: list[str]) -> struct_pb2.Struct:
 
 
 def routed(endpoints: list[str], set_headers: Mapping[str, str], remove: Iterable[str], body: bytes | None,
-           *, in_headers: bool, full_duplex: bool) -> list[ProcessingResponse]:
+           *, in_headers: bool, full_duplex: bool, client_body: bytes = b"") -> list[ProcessingResponse]:
     """The answer to a request: go to ``endpoints`` with these header edits (and ``body`` instead of the
     client's, when not None). ``in_headers``: the answer to the request headers (a request without a body,
-    or a body the data plane streams, whose headers wait for it); else to the buffered body."""
+    or a body the data plane streams, whose headers wait for it); else to the buffered body. In full-duplex
+    mode the data plane forwards only the body the EPP sends back: ``body``, or else ``client_body``."""
     headers = {**set_headers, DESTINATION: ",".join(endpoints)}
     if body is not None:
         headers["content-length"] = str(len(body))
@@ -142,7 +143,7 @@ def routed(endpoints: list[str], set_headers: Mapping[str, str], remove: Iterabl
         return [ProcessingResponse(request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata)]
     out = [ProcessingResponse(request_headers=ext_proc.HeadersResponse(response=common), dynamic_metadata=metadata)]
     if full_duplex:  # the body was held back: it goes on, whole, in one streamed chunk
-        out.append(body_chunk(body or b"", request=True))
+        out.append(body_chunk(client_body if body is None else body, request=True))
     return out
 
 

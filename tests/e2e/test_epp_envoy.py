@@ -112,8 +112,9 @@ async def test_envoy_and_the_epp_route_real_pods_as_the_proxy_does(vllm: VllmFle
     epp = EppServer(config)
     await epp.start()
     port, admin = free_port(), free_port()
+    # The bodies in full duplex, as llm-d's manifests have them (the integration suite runs both modes).
     envoy = Envoy(bootstrap(listen_port=port, admin_port=admin, epp=("127.0.0.1", epp.grpc_port),
-                            cluster="original_dst"), tmp_path, port, admin)
+                            cluster="original_dst", bodies="full_duplex"), tmp_path, port, admin)
     try:
         await envoy.ready()
         await eventually(lambda: all(p.healthy for p in epp.gateway.pods.all()), 20.0)

@@ -162,10 +162,16 @@ async def settled(stack: Stack) -> None:
         within_s=10)
 
 
-async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, tokenizer):
+# Both ways Envoy can hand the EPP the bodies: buffered, and full duplex as llm-d's manifests configure it
+# (where Envoy forwards only the body the EPP sends back).
+BODY_MODES = pytest.mark.parametrize("bodies", ["buffered", "full_duplex"])
+
+
+@BODY_MODES
+async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, tokenizer, bodies):
     await stack.start_pods(4, num_blocks=200)
     epp = await stack.start_epp(kv_index={"speculative_ttl_s": 0})
-    envoy = await stack.start_envoy(cluster="original_dst")
+    envoy = await stack.start_envoy(cluster="original_dst", bodies=bodies)
     rng = random.Random(3)
     hits = 0
     for i in range(40):
@@ -182,7 +188,8 @@ async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, to
         hits += cached > 0
         await settled(stack)
     assert hits >= 25
-    # The EPP saw every answer end, with its usage (the access log's tail): its predictions were checked.
+    # The EPP saw every answer end, with its usage (the access log's tail, or the body's last chunks in
+    # full duplex): its predictions were checked.
     checks = epp.gateway.verifier.debug()[MODEL]
     assert checks["outcomes"] == {"exact": 40}, checks
     assert epp.access_logs.received == 40
@@ -190,10 +197,11 @@ async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, to
     assert 'gateway_requests_total{model="mock-llama",pod="pod' in metrics
 
 
-async def test_streams_arrive_whole_and_their_end_is_seen_from_the_last_chunk(stack, http):
+@BODY_MODES
+async def test_streams_arrive_whole_and_their_end_is_seen_from_the_last_chunk(stack, http, bodies):
     await stack.start_pods(2, speed=0.02)
     epp = await stack.start_epp()
-    envoy = await stack.start_envoy(cluster="original_dst")
+    envoy = await stack.start_envoy(cluster="original_dst", bodies=bodies)
     body = chat(1, "Tell me a long story.", max_tokens=120, stream=True, stream_options={"include_usage": True})
     async with http.post(f"{envoy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
@@ -283,11 +291,12 @@ async def test_the_subset_hint_is_honoured_and_an_empty_one_is_a_503(stack, http
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
 
 
-async def test_refusals_are_immediate_responses_in_the_apis_shape(stack, http):
+@BODY_MODES
+async def test_refusals_are_immediate_responses_in_the_apis_shape(stack, http, bodies):
     await stack.start_pods(1)
     key = "sk-team-a"
     await stack.start_epp(auth={"keys": [{"hash": hash_api_key(key), "name": "a", "requests_per_minute": 2}]})
-    envoy = await stack.start_envoy(cluster="original_dst")
+    envoy = await stack.start_envoy(cluster="original_dst", bodies=bodies)
     bearer = {"authorization": f"Bearer {key}"}
     status, _, body = await post(http, envoy.url, chat(0, "hi"))
     assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
