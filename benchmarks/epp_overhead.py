@@ -2,6 +2,7 @@
 in front of one simulated pod at speed 0.
 
     python benchmarks/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
+                                      [--bodies buffered|full_duplex]
 
 For each setup, requests one at a time over one kept-alive connection: a 4 KB chat request answered with 1
 token (not streamed), then streams of 256 and 2,048 tokens with ``stream_options.include_usage``, one at a
@@ -33,7 +34,7 @@ import aiohttp
 import yaml
 
 from gateway.bench.runner import wait_http
-from gateway.epp.envoy_config import bootstrap
+from gateway.epp.envoy_config import BodyModes, bootstrap
 from gateway.mock.pod import free_port
 
 IDLE_S = 5.0
@@ -84,7 +85,7 @@ def envoy_process(config: dict[str, Any], directory: Path, admin: int) -> subpro
 
 
 @contextmanager
-def setup(name: str, pod_url: str, policy: str, directory: Path
+def setup(name: str, pod_url: str, policy: str, directory: Path, bodies: BodyModes = "buffered"
           ) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]], str | None]]:
     """(URL requests go to, the processes whose CPU counts, the gateway's metrics URL)."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -105,7 +106,7 @@ def setup(name: str, pod_url: str, policy: str, directory: Path
             wait_http(f"http://127.0.0.1:{http_port}/readyz", 60, procs["epp"])
             procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin,
                                                      epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
-                                                     cluster="override_host"), directory, admin)
+                                                     cluster="override_host", bodies=bodies), directory, admin)
             yield f"http://127.0.0.1:{listen}", procs, f"http://127.0.0.1:{http_port}"
         else:
             http_port = free_port()
@@ -149,9 +150,9 @@ def output_tokens_learnt(metrics_url: str) -> float:
 
 
 def measure(name: str, pod_url: str, policy: str, tokens: list[int], requests: int, directory: Path,
-            concurrency: int, stream_requests: int | None) -> dict[str, dict[str, float]]:
+            concurrency: int, stream_requests: int | None, bodies: BodyModes) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
-    with setup(name, pod_url, policy, directory) as (url, procs, metrics):
+    with setup(name, pod_url, policy, directory, bodies) as (url, procs, metrics):
         asyncio.run(drive(url, 1, 30))  # warm: connections, tokenizer, caches
         # What each process spends per second with nothing to do (health checks, metric scrapes, timers):
         # the marginal cost of a request is its CPU less this rate over the run's time.
@@ -186,6 +187,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--bodies", choices=["buffered", "full_duplex"], default="buffered",
+                        help="how Envoy hands the EPP the bodies (gateway/epp/envoy_config.py)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
     parser.add_argument("--setups", nargs="+", default=["envoy", "envoy+epp", "gateway"])
     parser.add_argument("--stream-requests", type=int,
@@ -205,7 +208,8 @@ def main() -> int:
         pod_url = f"http://127.0.0.1:{pod_port}"
         wait_http(f"{pod_url}/health", 60, pod)
         results = {name: measure(name, pod_url, args.policy, args.tokens if name != "envoy" else [1], args.requests,
-                                 directory, args.concurrency, args.stream_requests) for name in args.setups}
+                                 directory, args.concurrency, args.stream_requests, args.bodies)
+                   for name in args.setups}
     finally:
         pod.terminate()
         pod.wait(timeout=30)
