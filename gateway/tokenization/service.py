@@ -132,7 +132,8 @@ class LocalTokenizer:
 
     async def _encode_spread(self, texts: list[str]) -> list[list[int]]:
         """New segments grouped over the tokenization threads, about as many characters each: a prompt of
-        many new messages is tokenized by every core rather than one (one long segment stays on one)."""
+        many new messages is tokenized by every core rather than one (so is one long segment, where the tokenizer
+        allows it to be cut into pieces)."""
         shares = self._threads
         size = -(-sum(map(len, texts)) // shares)
         groups: list[list[str]] = [[]]
