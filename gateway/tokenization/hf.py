@@ -22,6 +22,12 @@ MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenize
 _PER_CHARACTER_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
 
 
+def _component_spec(component: Any) -> dict[str, Any]:
+    """A tokenizer component's JSON (its pickled state), without serializing the whole tokenizer and its
+    vocabulary; {} when there is none."""
+    return json.loads(component.__getstate__()) if component is not None else {}
+
+
 class HfTokenizer:
     def __init__(self, path: str | Path) -> None:
         # Never reach a model hub: tokenizers come from local directories only.
@@ -108,12 +114,11 @@ class HfTokenizer:
         :class:`~gateway.tokenization.segments.SegmentEncoder` checks the claim on probes before it relies on it."""
         if self._backend is None:
             return False
-        spec = json.loads(self._backend.to_str())
-        normalizer = spec.get("normalizer")
-        normalizers = (normalizer or {}).get("normalizers", [normalizer]) if normalizer else []
+        normalizer = _component_spec(self._backend.normalizer)
+        normalizers = normalizer.get("normalizers", [normalizer]) if normalizer else []
         if any(n.get("type") not in _PER_CHARACTER_NORMALIZERS for n in normalizers):
             return False
-        pre = spec.get("pre_tokenizer") or {}
+        pre = _component_spec(self._backend.pre_tokenizer)
         steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         regex_split = False
         for step in steps:
