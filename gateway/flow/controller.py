@@ -42,9 +42,8 @@ from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
-from gateway.flow.saturation import SaturationDetector
+from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
-from gateway.load.pending import Estimate
 
 log = logging.getLogger("gateway.flow")
 
@@ -64,8 +63,7 @@ class Held:
     key: FlowKey  # the flow's key as counted here (past max_flows: its band's overflow flow)
     model: str
     leg: str | None
-    kind: str
-    estimates: dict[str, Estimate]
+    demand: Demand
     arrived: float
     give_up_at: float
     seq: int
@@ -132,15 +130,14 @@ class FlowController:
 
     # Admission
 
-    def room_now(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
+    def room_now(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
         on at once), else None."""
         if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
             return None
-        return self._room_among(pods, kind, estimates)
+        return self._room_among(pods, demand)
 
-    async def hold(self, flow: Flow, model: str, leg: str | None, kind: str, estimates: dict[str, Estimate],
-                   wait_allowed_s: float) -> Release:
+    async def hold(self, flow: Flow, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Release:
         """Wait until released (the pods with room then), or raise: 429 when it waited too long or too many
         wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""
         if self._draining:
@@ -150,7 +147,7 @@ class FlowController:
             raise self._refusal("The gateway's queue is full.", "queue_full")
         now = self._clock()
         loop = asyncio.get_running_loop()
-        held = Held(flow, self.key_of(flow.key), model, leg, kind, estimates, now, now + wait_allowed_s,
+        held = Held(flow, self.key_of(flow.key), model, leg, demand, now, now + wait_allowed_s,
                     next(self._seq), loop.create_future())
         held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
         self._enqueue(held)
@@ -248,8 +245,10 @@ class FlowController:
                 if held is None:
                     continue
                 pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
-                room = self._room_among(pods, held.kind, held.estimates)
-                if room is None and held.estimates and self._room_among(pods, held.kind, {}) is not None:
+                demand = held.demand
+                room = self._room_among(pods, demand)
+                if room is None and demand.estimates and self._room_among(
+                        pods, Demand(demand.kind, demand.prompt_tokens)) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
                 contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
                 if room is not None:
@@ -276,11 +275,11 @@ class FlowController:
         self._metrics.waited(queue.key, now - held.arrived)
         held.future.set_result(room)
 
-    def _room_among(self, pods: list[Pod], kind: str, estimates: dict[str, Estimate]) -> frozenset[str] | None:
+    def _room_among(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         if not pods:
             return frozenset()  # nothing to wait for: routing says there is no pod
         detector = self.detector
-        room = frozenset(p.name for p in pods if detector.saturated_by(p.name, estimates.get(p.name), kind) is None)
+        room = frozenset(p.name for p in pods if detector.saturated_by(p.name, demand) is None)
         return room or None
 
     def _expire(self, held: Held) -> None:

@@ -26,10 +26,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gateway.config import SaturationConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import Estimate, PendingLoad
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a request asks of a pod, as its room is judged: its kind, its prompt's length in tokens (before any
+    cached: where it goes is not known yet), and its predicted cost on each candidate pod (SLO admission)."""
+
+    kind: str = "chat"
+    prompt_tokens: int = 0
+    estimates: dict[str, Estimate] = field(default_factory=dict)
+
+
+NO_DEMAND = Demand()  # whether a pod has room at all
 
 
 class SaturationDetector:
@@ -45,14 +59,13 @@ class SaturationDetector:
         self._active_flows = active_flows  # flows served lately: the count-down runs while there is one
         self._clock = clock
 
-    def saturated_by(self, pod: str, estimate: Estimate | None = None, kind: str = "chat") -> str | None:
-        """Why ``pod`` has no room for a request (of this estimate and kind), or None when it has."""
+    def saturated_by(self, pod: str, demand: Demand = NO_DEMAND) -> str | None:
+        """Why ``pod`` has no room for a request (of this demand), or None when it has."""
         config = self.config
+        estimate = demand.estimates.get(pod)
         if not self._flow_control:
-            return "load" if estimate is not None and not self._load.fits(pod, estimate, kind) else None
-        ledger = self._ledger
-        if ledger.prefill_backlog(pod) >= config.prefill_tokens and (
-                not self._counting_down() or ledger.prefill_remaining(pod, self._clock()) >= config.prefill_tokens):
+            return "load" if estimate is not None and not self._load.fits(pod, estimate, demand.kind) else None
+        if self._prefill_full(pod, demand.prompt_tokens):
             return "prefill"
         stats = self._load.engine.get(pod)
         if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
@@ -62,9 +75,16 @@ class SaturationDetector:
                 return "kv_usage"
         if config.in_flight is not None and self._ledger.on_pod(pod) >= config.in_flight:
             return "in_flight"
-        if self._slo_admission and estimate is not None and not self._load.fits(pod, estimate, kind):
+        if self._slo_admission and estimate is not None and not self._load.fits(pod, estimate, demand.kind):
             return "load"
         return None
+
+    def _prefill_full(self, pod: str, prompt_tokens: int) -> bool:
+        limit = self.config.prefill_tokens
+        backlog = self._ledger.prefill_backlog(pod)
+        if self._counting_down():
+            return backlog >= limit and self._ledger.prefill_remaining(pod, self._clock()) >= limit
+        return backlog >= limit or (backlog > 0 and backlog + prompt_tokens > limit)
 
     def prefill_room_in(self, pod: str) -> float | None:
         """Seconds until the pod's running prefill has drained below ``prefill_tokens`` (None: only when an

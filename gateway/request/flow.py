@@ -27,6 +27,7 @@ from gateway.core.errors import GatewayError
 from gateway.flow.controller import FlowController, Held
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
+from gateway.flow.saturation import Demand
 from gateway.flow.service import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
@@ -81,10 +82,11 @@ class FlowControl:
             raise
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
-        room = controller.room_now(pods, request.kind, routing.estimates)
+        demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
+        room = controller.room_now(pods, demand)
         if room is None:
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
-            return self._held(request, routing, flow, key, slo,
+            return self._held(request, routing, demand, flow, key, slo,
                               flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s))
         # Going on at once, it is routed among every pod: the policy weighs a busy pod's cached prefix
         # against its queue itself (kept to the pods with room, shared-prefix bursts lost 0.024 hit ratio).
@@ -92,10 +94,9 @@ class FlowControl:
         self._requests[request] = _InFlight(key, flow.weight, None)
         return Admitted(slo, 0.0, key, flow.objective, flow.engine_priority)
 
-    async def _held(self, request: ClientRequest, routing: RoutingRequest, flow: Flow, key: FlowKey, slo: Slo | None,
-                    wait_s: float) -> Admitted:
-        release = await self._controller.hold(flow, routing.model, routing.leg, request.kind, routing.estimates,
-                                              wait_s)
+    async def _held(self, request: ClientRequest, routing: RoutingRequest, demand: Demand, flow: Flow, key: FlowKey,
+                    slo: Slo | None, wait_s: float) -> Admitted:
+        release = await self._controller.hold(flow, routing.model, routing.leg, demand, wait_s)
         routing.room = release.room
         self._requests[request] = _InFlight(key, flow.weight, release.held)
         return Admitted(slo, release.waited_s, key, flow.objective, flow.engine_priority)

@@ -15,7 +15,7 @@ from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
-from gateway.flow.saturation import SaturationDetector
+from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
@@ -77,15 +77,15 @@ async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_high
     registry = one_pod()
     flows = controller(ledger, counters, registry)
     pods = registry.candidates(MODEL)
-    assert flows.room_now(pods, "chat", {}) == frozenset({"p0"})  # work-conserving
+    assert flows.room_now(pods, Demand()) == frozenset({"p0"})  # work-conserving
     busy = ledger.dispatch("busy", "p0", 1.0, "chat")  # the pod is full (in_flight=1)
-    assert flows.room_now(pods, "chat", {}) is None
+    assert flows.room_now(pods, Demand()) is None
 
     counters.charge(FlowKey("a"), 500.0)  # a has been served much more than b
     order: list[str] = []
 
     async def wait(name: str, flow: Flow) -> None:
-        release = await flows.hold(flow, MODEL, None, "chat", {}, 30.0)
+        release = await flows.hold(flow, MODEL, None, Demand(), 30.0)
         order.append(name)
         assert release.room == frozenset({"p0"}) and release.waited_s >= 0
         entry = ledger.dispatch(name, "p0", 1.0, "chat")  # dispatched: the pod is full again
@@ -118,7 +118,7 @@ async def test_a_client_that_leaves_while_held_leaves_no_trace_and_a_timeout_is_
     ledger, counters = InFlightLedger(), ServiceCounters()
     flows = controller(ledger, counters)
     ledger.dispatch("busy", "p0", 1.0, "chat")
-    gone = asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 30.0))
+    gone = asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 30.0))
     await asyncio.sleep(0.01)
     assert flows.queued == 1
     gone.cancel()
@@ -126,7 +126,7 @@ async def test_a_client_that_leaves_while_held_leaves_no_trace_and_a_timeout_is_
         await gone
     assert flows.queued == 0 and counters.get(FlowKey("a")) == 0.0
     with pytest.raises(GatewayError) as refused:
-        await flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 0.02)
+        await flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 0.02)
     assert refused.value.kind is ErrorKind.RATE_LIMITED and refused.value.code == "queue_timeout"
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1
     assert flows.queued == 0

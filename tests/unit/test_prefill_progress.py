@@ -15,7 +15,7 @@ from gateway.config import FlowControlConfig, SaturationConfig
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
-from gateway.flow.saturation import SaturationDetector
+from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
@@ -100,7 +100,7 @@ async def test_flow_control_sends_the_next_prompt_before_the_running_one_answers
     assert detector.saturated_by("p0") == "prefill"
     flows.start()
     try:
-        release = await asyncio.wait_for(flows.hold(Flow(FlowKey("a")), MODEL, None, "chat", {}, 30.0), 5)
+        release = await asyncio.wait_for(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 30.0), 5)
     finally:
         await flows.stop()
     waited = time.monotonic() - sent
@@ -138,3 +138,67 @@ def test_the_count_down_runs_while_one_flow_is_served_and_fairness_goes_first_wi
     assert detector.saturated_by("p") is None and detector.prefill_room_in("p") == 0.0
     counters.charge(FlowKey("b"), 1.0)  # another tenant is served too: a2's tokens count whole until it answers
     assert detector.saturated_by("p") == "prefill" and detector.prefill_room_in("p") is None
+
+
+def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_one_step_with_it():
+    clock = Clock()
+    ledger = InFlightLedger(clock=clock)
+    counters = ServiceCounters()
+    detector = SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
+                                  PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows, clock=clock)
+    counters.charge(FlowKey("a"), 1.0)
+    counters.charge(FlowKey("b"), 1.0)
+    long, short = Demand(prompt_tokens=3700), Demand(prompt_tokens=200)
+    assert detector.saturated_by("p", long) is None  # an empty queue takes any prompt
+    b = ledger.dispatch("b1", "p", 1.0, "chat", prefill_tokens=200)  # b's short prompt is queued
+    # a's long one would share b's first step (200 + 3,700 tokens past 2,048): it waits until b begins ...
+    assert detector.saturated_by("p", long) == "prefill"
+    assert detector.saturated_by("p", short) is None  # ... another short one fits in that step
+    assert detector.saturated_by("p") is None  # the pod has room: only the long prompt is too large for it
+    clock.now += 0.02
+    ledger.answering(b)
+    assert detector.saturated_by("p", long) is None
+    # One flow alone: fairness is not at stake, and the count-down keeps the steps full.
+    one = InFlightLedger(clock=clock)
+    alone = SaturationDetector(SaturationConfig(prefill_tokens=2048), one,
+                               PendingLoad(ProfileStore(None), one, 4, str), False, clock=clock)
+    one.dispatch("a1", "p", 1.0, "chat", prefill_tokens=200)
+    assert alone.saturated_by("p", long) is None
+
+
+async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_before_it_begins():
+    ledger = InFlightLedger()
+    counters = ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    counters.charge(FlowKey("a"), 10_000.0)  # a has been served far more than b
+    counters.charge(FlowKey("b"), 1.0)
+    running = ledger.dispatch("a0", "p0", 1.0, "chat", prefill_tokens=3700)  # a's prompt is being prefilled
+    order: list[str] = []
+    sent: dict[str, object] = {}
+
+    async def client(name: str, flow: str, tokens: int) -> None:
+        release = await flows.hold(Flow(FlowKey(flow)), MODEL, None, Demand(prompt_tokens=tokens), 30.0)
+        order.append(name)
+        sent[name] = ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
+        flows.landed(release.held)
+
+    tasks = [asyncio.create_task(client("b1", "b", 200))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(client("a1", "a", 3700)))
+    flows.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert order == [] and flows.queued == 2  # a0's prefill fills the pod
+        ledger.answering(running)
+        await asyncio.sleep(0.1)
+        # b, the least served, goes first; a1 would share b's first step, so it waits for b to begin.
+        assert order == ["b1"] and flows.queued == 1
+        ledger.answering(sent["b1"])  # type: ignore[arg-type]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        await flows.stop()
+    assert order == ["b1", "a1"]

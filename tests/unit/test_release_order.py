@@ -21,7 +21,7 @@ from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import STALE_S, Contender, SharedReleaseOrder
-from gateway.flow.saturation import SaturationDetector
+from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
@@ -147,12 +147,12 @@ async def test_room_freed_in_one_worker_goes_to_the_least_served_flow_held_in_an
     (x, y), (ledger_x, ledger_y), counters = two_workers(run_dir)
     pods = one_pod().candidates(MODEL)
     busy = ledger_x.dispatch("busy", "p0", 1.0, "chat")  # worker x's request fills the pod
-    assert y.room_now(pods, "chat", {}) is None  # counted in the shared table: y sees it
+    assert y.room_now(pods, Demand()) is None  # counted in the shared table: y sees it
     counters.charge(FlowKey("a"), 500.0)  # a has been served much more than b
     order: list[str] = []
 
     async def wait(name: str, flows: FlowController, ledger: InFlightLedger) -> None:
-        release = await flows.hold(Flow(FlowKey(name[0])), MODEL, None, "chat", {}, 30.0)
+        release = await flows.hold(Flow(FlowKey(name[0])), MODEL, None, Demand(), 30.0)
         order.append(name)
         entry = ledger.dispatch(name, "p0", 1.0, "chat")  # dispatched: the pod is full again
         counters.charge(FlowKey(name[0]), 300.0)
@@ -165,7 +165,7 @@ async def test_room_freed_in_one_worker_goes_to_the_least_served_flow_held_in_an
     await asyncio.sleep(0)
     tasks += [asyncio.create_task(wait(f"a{i}", x, ledger_x)) for i in range(3)]
     await asyncio.sleep(0.01)
-    assert (x.queued, y.queued) == (3, 2) and x.room_now(pods, "chat", {}) is None
+    assert (x.queued, y.queued) == (3, 2) and x.room_now(pods, Demand()) is None
     for flows in (x, y):
         flows.start()
     try:
