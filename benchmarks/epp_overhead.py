@@ -2,14 +2,16 @@
 in front of one simulated pod at speed 0.
 
     python benchmarks/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
-                                      [--bodies buffered|full_duplex]
+                                      [--bodies buffered|full_duplex] [--setups envoy envoy+epp gateway ...]
 
 For each setup, requests one at a time over one kept-alive connection: a 4 KB chat request answered with 1
 token (not streamed), then streams of 256 and 2,048 tokens with ``stream_options.include_usage``, one at a
 time and then ``--concurrency`` (16) at a time. It prints
 the median latency and the CPU time per request of each process of the setup (Envoy, the EPP, the gateway),
 from the kernel's counters, and checks that the EPP learnt every answer's exact output length (its
-``gateway_output_tokens`` histogram). Compare within one run: everything shares this machine.
+``gateway_output_tokens`` histogram). The setups ``envoy+floor`` and ``envoy+floor-grpclib`` put
+``benchmarks/ext_proc_floor.py`` (the same messages, no decisions; on grpc.aio or grpclib) where the EPP
+was: the gRPC stack's own share. Compare within one run: everything shares this machine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +73,15 @@ def plain_envoy(port: int, admin: int, pod: tuple[str, int]) -> dict[str, Any]:
     return config
 
 
+def wait_tcp(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
 def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
 
@@ -108,6 +120,17 @@ def setup(name: str, pod_url: str, policy: str, directory: Path, bodies: BodyMod
                                                      epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
                                                      cluster="override_host", bodies=bodies), directory, admin)
             yield f"http://127.0.0.1:{listen}", procs, f"http://127.0.0.1:{http_port}"
+        elif name.startswith("envoy+floor"):
+            grpc_port, listen, admin = free_port(), free_port(), free_port()
+            stack = "grpclib" if name.endswith("grpclib") else "grpc_aio"
+            procs["floor"] = spawn([sys.executable, str(Path(__file__).with_name("ext_proc_floor.py")),
+                                    "--grpc-port", str(grpc_port), "--endpoint", f"{host}:{port}", "--stack", stack],
+                                   directory / f"floor-{stack}.log")
+            wait_tcp(grpc_port, 30, procs["floor"])
+            procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin,
+                                                     epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
+                                                     cluster="override_host", bodies=bodies), directory, admin)
+            yield f"http://127.0.0.1:{listen}", procs, None
         else:
             http_port = free_port()
             procs["gateway"] = subprocess.Popen(
