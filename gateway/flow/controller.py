@@ -237,6 +237,7 @@ class FlowController:
             log.warning("flow control: a released request was not dispatched within %g s", TRANSIT_LIMIT_S)
             self._transit = None
         waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
+        waiting_pools: set[int] = set()  # the pods where one waits: who comes after it there waits too
         self._look_at = None
         for priority in sorted(self._bands, reverse=True):
             band = self._bands[priority]
@@ -251,10 +252,15 @@ class FlowController:
                         pods, Demand(demand.kind, demand.prompt_tokens)) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
                 contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
+                if contender.pool in waiting_pools:
+                    # A shorter prompt may have room where a long one ahead of it has none (it waits for the
+                    # pods' queue to empty): passing it again and again would starve it.
+                    continue
                 if room is not None:
                     if self._order.claim(contender, True, self._queued, now, TRANSIT_LIMIT_S):
                         self._release(queue, held, room)
                     return
+                waiting_pools.add(contender.pool)
                 if waiting is None:
                     waiting = contender
                     drained_in = self._prefill_room_in(pods)

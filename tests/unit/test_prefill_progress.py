@@ -202,3 +202,39 @@ async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_bef
     finally:
         await flows.stop()
     assert order == ["b1", "a1"]
+
+
+async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shorter_ones_behind_it():
+    ledger = InFlightLedger()
+    counters = ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    counters.charge(FlowKey("a"), 1.0)  # a, the least served, goes first ...
+    counters.charge(FlowKey("b"), 10_000.0)
+    queued = ledger.dispatch("b0", "p0", 1.0, "chat", prefill_tokens=200)  # ... but a short prompt is queued
+    order: list[str] = []
+    sent: dict[str, object] = {}
+
+    async def client(name: str, flow: str, tokens: int) -> None:
+        release = await flows.hold(Flow(FlowKey(flow)), MODEL, None, Demand(prompt_tokens=tokens), 30.0)
+        order.append(name)
+        sent[name] = ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
+        flows.landed(release.held)
+
+    tasks = [asyncio.create_task(client("a1", "a", 3700))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(client("b1", "b", 200)))  # b1 would fit beside b0; a1 would not
+    flows.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert order == [] and flows.queued == 2  # b1 waits behind a1, which waits for b0 to begin
+        ledger.answering(queued)
+        await asyncio.sleep(0.1)
+        assert order == ["a1"]  # then b1 waits for a1's prefill
+        ledger.answering(sent["a1"])  # type: ignore[arg-type]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        await flows.stop()
+    assert order == ["a1", "b1"]
