@@ -327,7 +327,11 @@ class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # not begun answering, less what its measured rate got through since it last made progress. The prefill
     # queued in front of the next request: one long prompt may pass it; the next waits until the running one
     # drains below it. Higher keeps a chunked-prefill engine's steps fuller, at the cost of a newcomer's TTFT.
+    # While several flows are served, a prompt joins a queue only where both fit in it (or the queue is empty).
     prefill_tokens: int = 2048
+    # How long at most a prompt that does not fit beside a pod's queue waits for it to empty: an answer that is
+    # not streamed counts as queued until it ends (its first token is not seen).
+    prefill_fit_wait_s: float = 0.25
     # Requests waiting in the engine's own queue (vLLM's num_requests_waiting, SGLang's num_queue_reqs).
     engine_waiting: int = 5
     # KV-cache usage the engine reports (running requests' blocks, 0-1).
@@ -339,9 +343,10 @@ class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.prefill_tokens < 1 or self.engine_waiting < 1 or not 0 < self.kv_usage <= 1 \
-                or (self.in_flight is not None and self.in_flight < 1) or self.stale_after_s <= 0:
+                or (self.in_flight is not None and self.in_flight < 1) or self.stale_after_s <= 0 \
+                or self.prefill_fit_wait_s < 0:
             raise ValueError("saturation needs prefill_tokens >= 1, engine_waiting >= 1, kv_usage in (0, 1], "
-                             "in_flight >= 1 and stale_after_s > 0")
+                             "in_flight >= 1, stale_after_s > 0 and prefill_fit_wait_s >= 0")
 
 
 class TokenWeightsConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -9,7 +9,12 @@ releases, one at a time, the head of the highest band's least-served flow
 earliest deadline (its SLO, else its arrival: first come, first served). The released request is routed
 then, among the pods that had room: a held request goes to the best pod when it leaves, not when it came.
 The next one is released once it has been dispatched. An idle fleet holds nothing: a request that finds
-room and nobody waiting goes on at once.
+room and nobody waiting goes on at once (routed among every pod: it may join a queue its prompt does not
+fit, where the policy prefers that pod's cached prefix).
+
+Room may depend on the request (its prompt's fit beside a queue, its predicted load): one that waits for
+room on some pods keeps those after it on the same candidate pods waiting too, or shorter prompts could
+pass it again and again (requests of other pools, even overlapping ones, go on).
 
 A request waits at most its flow's limit, or its SLO allows less; then it is refused (429 with a
 Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
@@ -70,6 +75,7 @@ class Held:
     future: asyncio.Future[frozenset[str]]
     timer: asyncio.TimerHandle | None = None
     queued: bool = True
+    unfit_since: float | None = None  # since when its prompt alone kept it out of a pod with room (at the head)
 
     def __lt__(self, other: Held) -> bool:  # within a flow: the earliest deadline, then the first to come
         return (self.give_up_at, self.seq) < (other.give_up_at, other.seq)
@@ -247,7 +253,7 @@ class FlowController:
                     continue
                 pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
                 demand = held.demand
-                room = self._room_among(pods, demand)
+                room = self._room_for(held, pods, now)
                 if room is None and demand.estimates and self._room_among(
                         pods, Demand(demand.kind, demand.prompt_tokens)) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
@@ -280,6 +286,23 @@ class FlowController:
         self._transit, self._transit_since = held, now
         self._metrics.waited(queue.key, now - held.arrived)
         held.future.set_result(room)
+
+    def _room_for(self, held: Held, pods: list[Pod], now: float) -> frozenset[str] | None:
+        """The pods with room for a held request. A prompt that fits no pod's queue (several flows served)
+        waits for one to empty, but no longer than ``prefill_fit_wait_s``: a queue of answers that are not
+        streamed empties only as they end."""
+        demand = held.demand
+        room = self._room_among(pods, demand)
+        if room is not None or not demand.prompt_tokens:
+            return room
+        unsized = self._room_among(pods, Demand(demand.kind, 0, demand.estimates))
+        if unsized is None:
+            held.unfit_since = None
+        elif held.unfit_since is None:
+            held.unfit_since = now
+        elif now - held.unfit_since >= self.detector.config.prefill_fit_wait_s:
+            return unsized
+        return None
 
     def _room_among(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         if not pods:
@@ -372,8 +395,11 @@ class FlowController:
             flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
                           "service": round(served.get(key, 0.0), 1), "queued": queue.size if queue else 0,
                           "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
-        pods = {p.name: self.detector.saturated_by(p.name) or "room" for p in self._pods.all()}
-        return {"queued": self._queued, "in_transit": self._transit is not None, "flows": flows, "pods": pods,
+        detector = self.detector
+        every = self._pods.all()
+        return {"queued": self._queued, "in_transit": self._transit is not None, "flows": flows,
+                "pods": {p.name: detector.saturated_by(p.name) or "room" for p in every},
+                "prefill_queued": {p.name: detector.prefill_queued(p.name) for p in every},
                 "retry_after_s": self.retry_after_s()}
 
 

@@ -8,7 +8,12 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   first-come first-served makes the next request wait for all of them; keeping this queue under about one
   prompt is what lets a later, more urgent request start soon. While one flow alone is served, the running
   prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
-  runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first;
+  runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first.
+  While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where
+  the queue is empty: a chunked-prefill engine packs its waiting prompts into one step (vLLM: first come,
+  first served, up to ``max_num_batched_tokens``), so a short prompt sent just before a long one would wait
+  for the long one's first chunk too. The controller bounds that wait (``prefill_fit_wait_s``): an answer
+  that is not streamed counts as queued until it ends;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -78,6 +83,10 @@ class SaturationDetector:
         if self._slo_admission and estimate is not None and not self._load.fits(pod, estimate, demand.kind):
             return "load"
         return None
+
+    def prefill_queued(self, pod: str) -> int:
+        """Prompt tokens sent to ``pod`` that it has not begun answering: what a prompt must fit beside."""
+        return self._ledger.prefill_backlog(pod)
 
     def _prefill_full(self, pod: str, prompt_tokens: int) -> bool:
         limit = self.config.prefill_tokens

@@ -170,7 +170,8 @@ def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_on
 async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_before_it_begins():
     ledger = InFlightLedger()
     counters = ServiceCounters()
-    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048), max_wait_s=30)
+    # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=30), max_wait_s=30)
     detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
                                   active_flows=counters.active_flows)
     flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
@@ -207,7 +208,8 @@ async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_bef
 async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shorter_ones_behind_it():
     ledger = InFlightLedger()
     counters = ServiceCounters()
-    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048), max_wait_s=30)
+    # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=30), max_wait_s=30)
     detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
                                   active_flows=counters.active_flows)
     flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
@@ -230,6 +232,8 @@ async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shor
     try:
         await asyncio.sleep(0.1)
         assert order == [] and flows.queued == 2  # b1 waits behind a1, which waits for b0 to begin
+        seen = flows.debug()
+        assert seen["pods"] == {"p0": "room"} and seen["prefill_queued"] == {"p0": 200}  # room, but not for a1
         ledger.answering(queued)
         await asyncio.sleep(0.1)
         assert order == ["a1"]  # then b1 waits for a1's prefill
@@ -238,3 +242,25 @@ async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shor
     finally:
         await flows.stop()
     assert order == ["a1", "b1"]
+
+
+async def test_a_long_prompt_waits_for_a_queue_that_never_shows_its_start_no_longer_than_prefill_fit_wait_s():
+    ledger = InFlightLedger()
+    counters = ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=0.2), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    counters.charge(FlowKey("a"), 1.0)
+    counters.charge(FlowKey("b"), 1.0)
+    # b's answer is not streamed: the gateway sees no first token, and its prompt stays queued until it ends.
+    ledger.dispatch("b0", "p0", 1.0, "chat", prefill_tokens=200)
+    flows.start()
+    try:
+        started = time.monotonic()
+        release = await asyncio.wait_for(
+            flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(prompt_tokens=3700), 30.0), 5)
+        waited = time.monotonic() - started
+    finally:
+        await flows.stop()
+    assert release.room == frozenset({"p0"}) and 0.2 <= waited < 0.5, waited
