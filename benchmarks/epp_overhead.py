@@ -103,34 +103,37 @@ def setup(name: str, pod_url: str, policy: str, directory: Path, bodies: BodyMod
     procs: dict[str, subprocess.Popen[bytes]] = {}
     host, port = pod_url.removeprefix("http://").split(":")
     env = {**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false"}
+
+    def envoy_in_front(grpc_port: int) -> str:
+        """Envoy asking the ext_proc server on ``grpc_port``; the URL it listens on."""
+        listen, admin = free_port(), free_port()
+        procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin, epp=("127.0.0.1", grpc_port),
+                                                 pods=[(host, int(port))], cluster="override_host", bodies=bodies),
+                                       directory, admin)
+        return f"http://127.0.0.1:{listen}"
+
     try:
         if name == "envoy":
             listen, admin = free_port(), free_port()
             procs["envoy"] = envoy_process(plain_envoy(listen, admin, (host, int(port))), directory, admin)
             yield f"http://127.0.0.1:{listen}", procs, None
         elif name == "envoy+epp":
-            http_port, grpc_port, listen, admin = free_port(), free_port(), free_port(), free_port()
+            http_port, grpc_port = free_port(), free_port()
             procs["epp"] = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "epp", "--port", str(http_port), "--grpc-port", str(grpc_port),
                  "--policy", policy, "--pod", pod_url],
                 env={**env, "GATEWAY_EPP__ACCESS_LOG": "true"}, stdout=subprocess.DEVNULL,
                 stderr=(directory / "epp.log").open("wb"))
             wait_http(f"http://127.0.0.1:{http_port}/readyz", 60, procs["epp"])
-            procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin,
-                                                     epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
-                                                     cluster="override_host", bodies=bodies), directory, admin)
-            yield f"http://127.0.0.1:{listen}", procs, f"http://127.0.0.1:{http_port}"
+            yield envoy_in_front(grpc_port), procs, f"http://127.0.0.1:{http_port}"
         elif name.startswith("envoy+floor"):
-            grpc_port, listen, admin = free_port(), free_port(), free_port()
+            grpc_port = free_port()
             stack = "grpclib" if name.endswith("grpclib") else "grpc_aio"
             procs["floor"] = spawn([sys.executable, str(Path(__file__).with_name("ext_proc_floor.py")),
                                     "--grpc-port", str(grpc_port), "--endpoint", f"{host}:{port}", "--stack", stack],
                                    directory / f"floor-{stack}.log")
             wait_tcp(grpc_port, 30, procs["floor"])
-            procs["envoy"] = envoy_process(bootstrap(listen_port=listen, admin_port=admin,
-                                                     epp=("127.0.0.1", grpc_port), pods=[(host, int(port))],
-                                                     cluster="override_host", bodies=bodies), directory, admin)
-            yield f"http://127.0.0.1:{listen}", procs, None
+            yield envoy_in_front(grpc_port), procs, None
         else:
             http_port = free_port()
             procs["gateway"] = subprocess.Popen(
@@ -213,7 +216,8 @@ def main() -> int:
     parser.add_argument("--bodies", choices=["buffered", "full_duplex"], default="buffered",
                         help="how Envoy hands the EPP the bodies (gateway/epp/envoy_config.py)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
-    parser.add_argument("--setups", nargs="+", default=["envoy", "envoy+epp", "gateway"])
+    parser.add_argument("--setups", nargs="+", default=["envoy", "envoy+epp", "gateway"],
+                        choices=["envoy", "envoy+epp", "envoy+floor", "envoy+floor-grpclib", "gateway"])
     parser.add_argument("--stream-requests", type=int,
                         help="streams per length, all ``--concurrency`` at a time (default: a sequential pass too)")
     parser.add_argument("--pod-speed", type=float, default=0.0,
