@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.bench.runner import wait_http
+from gateway.bench.runner import wait_http, wait_tcp
 from gateway.epp.envoy_config import BodyModes, bootstrap
 from gateway.mock.pod import free_port
 
@@ -71,15 +70,6 @@ def plain_envoy(port: int, admin: int, pod: tuple[str, int]) -> dict[str, Any]:
     pods = config["static_resources"]["clusters"][1]
     pods.pop("load_balancing_policy")
     return config
-
-
-def wait_tcp(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on port {port}")
 
 
 def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -213,17 +213,26 @@ def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] |
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+def wait_tcp(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    """Until ``proc`` accepts connections on loopback ``port``; RuntimeError if it exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{proc.args[0]} did not listen on port {port}")
+
+
 def start_redis_server(binary: str, port: int) -> subprocess.Popen[bytes]:
     """A throw-away ``redis-server`` on loopback (no persistence), returned once it accepts connections."""
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+    try:
+        wait_tcp(port, 10, proc)
+    except RuntimeError:
+        proc.kill()
+        raise RuntimeError("redis-server did not start") from None
+    return proc
 
 
 def _workers(pods: list[PodConfig], pd_flag: str, aggregated_flag: str) -> list[str]:
