@@ -17,7 +17,7 @@ from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
-from gateway.load.ledger import InFlightLedger
+from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
@@ -167,90 +167,86 @@ def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_on
     assert alone.saturated_by("p", long) is None
 
 
-async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_before_it_begins():
-    ledger = InFlightLedger()
-    counters = ServiceCounters()
-    # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
-    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=30), max_wait_s=30)
+def several_flows(fit_wait_s: float) -> tuple[InFlightLedger, ServiceCounters, FlowController]:
+    """One pod behind a flow controller that counts the flows served (the test charges them)."""
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=fit_wait_s),
+                               max_wait_s=30)
     detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
                                   active_flows=counters.active_flows)
-    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    return ledger, counters, FlowController(config, one_pod(), detector, counters, Doorbell(),
+                                            FlowMetrics(CollectorRegistry()))
+
+
+class Clients:
+    """Requests held by ``flows`` and sent to the pod as soon as released: in what order, and what was sent."""
+
+    def __init__(self, flows: FlowController, ledger: InFlightLedger) -> None:
+        self._flows = flows
+        self._ledger = ledger
+        self.order: list[str] = []
+        self.sent: dict[str, Dispatch] = {}
+
+    async def send(self, name: str, flow: str, tokens: int) -> None:
+        release = await self._flows.hold(Flow(FlowKey(flow)), MODEL, None, Demand(prompt_tokens=tokens), 30.0)
+        self.order.append(name)
+        self.sent[name] = self._ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
+        self._flows.landed(release.held)
+
+
+async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_before_it_begins():
+    # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
+    ledger, counters, flows = several_flows(fit_wait_s=30)
     counters.charge(FlowKey("a"), 10_000.0)  # a has been served far more than b
     counters.charge(FlowKey("b"), 1.0)
     running = ledger.dispatch("a0", "p0", 1.0, "chat", prefill_tokens=3700)  # a's prompt is being prefilled
-    order: list[str] = []
-    sent: dict[str, object] = {}
-
-    async def client(name: str, flow: str, tokens: int) -> None:
-        release = await flows.hold(Flow(FlowKey(flow)), MODEL, None, Demand(prompt_tokens=tokens), 30.0)
-        order.append(name)
-        sent[name] = ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
-        flows.landed(release.held)
-
-    tasks = [asyncio.create_task(client("b1", "b", 200))]
+    clients = Clients(flows, ledger)
+    tasks = [asyncio.create_task(clients.send("b1", "b", 200))]
     await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(client("a1", "a", 3700)))
+    tasks.append(asyncio.create_task(clients.send("a1", "a", 3700)))
     flows.start()
     try:
         await asyncio.sleep(0.1)
-        assert order == [] and flows.queued == 2  # a0's prefill fills the pod
+        assert clients.order == [] and flows.queued == 2  # a0's prefill fills the pod
         ledger.answering(running)
         await asyncio.sleep(0.1)
         # b, the least served, goes first; a1 would share b's first step, so it waits for b to begin.
-        assert order == ["b1"] and flows.queued == 1
-        ledger.answering(sent["b1"])  # type: ignore[arg-type]
+        assert clients.order == ["b1"] and flows.queued == 1
+        ledger.answering(clients.sent["b1"])
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
     finally:
         await flows.stop()
-    assert order == ["b1", "a1"]
+    assert clients.order == ["b1", "a1"]
 
 
 async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shorter_ones_behind_it():
-    ledger = InFlightLedger()
-    counters = ServiceCounters()
     # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
-    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=30), max_wait_s=30)
-    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
-                                  active_flows=counters.active_flows)
-    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    ledger, counters, flows = several_flows(fit_wait_s=30)
     counters.charge(FlowKey("a"), 1.0)  # a, the least served, goes first ...
     counters.charge(FlowKey("b"), 10_000.0)
     queued = ledger.dispatch("b0", "p0", 1.0, "chat", prefill_tokens=200)  # ... but a short prompt is queued
-    order: list[str] = []
-    sent: dict[str, object] = {}
-
-    async def client(name: str, flow: str, tokens: int) -> None:
-        release = await flows.hold(Flow(FlowKey(flow)), MODEL, None, Demand(prompt_tokens=tokens), 30.0)
-        order.append(name)
-        sent[name] = ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
-        flows.landed(release.held)
-
-    tasks = [asyncio.create_task(client("a1", "a", 3700))]
+    clients = Clients(flows, ledger)
+    tasks = [asyncio.create_task(clients.send("a1", "a", 3700))]
     await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(client("b1", "b", 200)))  # b1 would fit beside b0; a1 would not
+    tasks.append(asyncio.create_task(clients.send("b1", "b", 200)))  # b1 would fit beside b0; a1 would not
     flows.start()
     try:
         await asyncio.sleep(0.1)
-        assert order == [] and flows.queued == 2  # b1 waits behind a1, which waits for b0 to begin
+        assert clients.order == [] and flows.queued == 2  # b1 waits behind a1, which waits for b0 to begin
         seen = flows.debug()
         assert seen["pods"] == {"p0": "room"} and seen["prefill_queued"] == {"p0": 200}  # room, but not for a1
         ledger.answering(queued)
         await asyncio.sleep(0.1)
-        assert order == ["a1"]  # then b1 waits for a1's prefill
-        ledger.answering(sent["a1"])  # type: ignore[arg-type]
+        assert clients.order == ["a1"]  # then b1 waits for a1's prefill
+        ledger.answering(clients.sent["a1"])
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
     finally:
         await flows.stop()
-    assert order == ["a1", "b1"]
+    assert clients.order == ["a1", "b1"]
 
 
 async def test_a_long_prompt_waits_for_a_queue_that_never_shows_its_start_no_longer_than_prefill_fit_wait_s():
-    ledger = InFlightLedger()
-    counters = ServiceCounters()
-    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048, prefill_fit_wait_s=0.2), max_wait_s=30)
-    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
-                                  active_flows=counters.active_flows)
-    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    ledger, counters, flows = several_flows(fit_wait_s=0.2)
     counters.charge(FlowKey("a"), 1.0)
     counters.charge(FlowKey("b"), 1.0)
     # b's answer is not streamed: the gateway sees no first token, and its prompt stays queued until it ends.
