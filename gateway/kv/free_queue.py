@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+MIN_PLACES = 1024  # places a pod's queue starts with; renumbered into twice its live blocks when they run out
+
 
 @dataclass(slots=True)
 class QueueStats:
@@ -35,9 +37,15 @@ class _Places:
 
     __slots__ = ("_tree", "live")
 
-    def __init__(self, size: int) -> None:
-        self._tree = [0] * (size + 1)
-        self.live = 0
+    def __init__(self, size: int, live: int = 0) -> None:
+        """``size`` places, the first ``live`` of them live."""
+        if not live:
+            self._tree = [0] * (size + 1)
+        else:
+            # Node i counts the live places among the lowbit(i) places before place i (places i - lowbit(i)
+            # to i - 1): built whole at once, as a renumbering of a pod's thousands of blocks needs.
+            self._tree = [0] + [max(0, min(i & -i, live - i + (i & -i))) for i in range(1, size + 1)]
+        self.live = live
 
     @property
     def size(self) -> int:
@@ -45,8 +53,8 @@ class _Places:
 
     def add(self, place: int, delta: int) -> None:
         tree = self._tree
-        i = place + 1
-        while i < len(tree):
+        end, i = len(tree), place + 1
+        while i < end:
             tree[i] += delta
             i += i & -i
         self.live += delta
@@ -64,7 +72,7 @@ class _Places:
 class _PodQueue:
     refs: dict[int, int] = field(default_factory=dict)  # block → requests holding it (out of the queue)
     place: dict[int, int] = field(default_factory=dict)  # block in the queue → its place (front: lowest)
-    places: _Places = field(default_factory=lambda: _Places(1024))
+    places: _Places = field(default_factory=lambda: _Places(MIN_PLACES))
     next_place: int = 0
 
     def append(self, block: int) -> None:
@@ -86,11 +94,9 @@ class _PodQueue:
     def _repack(self) -> None:
         """Places only grow: renumber the live ones from 0, with room for as many again."""
         order = sorted(self.place, key=self.place.__getitem__)
-        self.places = _Places(max(1024, 2 * len(order)))
-        self.place = {}
-        self.next_place = 0
-        for block in order:
-            self.append(block)
+        self.place = {block: place for place, block in enumerate(order)}
+        self.places = _Places(max(MIN_PLACES, 2 * len(order)), live=len(order))
+        self.next_place = len(order)
 
 
 class FreeQueues:
@@ -102,7 +108,9 @@ class FreeQueues:
 
     def taken(self, pod: str, blocks: Iterable[int]) -> None:
         """A request on ``pod`` holds these blocks (a prefix hit takes cached ones out of the queue)."""
-        queue = self._pods.setdefault(pod, _PodQueue())
+        queue = self._pods.get(pod)
+        if queue is None:
+            queue = self._pods[pod] = _PodQueue()
         refs = queue.refs
         for block in blocks:
             held = refs.get(block, 0)

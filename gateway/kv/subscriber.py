@@ -112,10 +112,16 @@ class KvEventSubscriber:
 
     async def _receive(self) -> None:
         assert self._sub is not None
+        # The same socket without asyncio's wrapping: a pod publishes a batch per engine step, and a batch
+        # already queued is taken at the cost of a call, not of a future and a reader registration each.
+        queued = zmq.Socket.shadow(self._sub.underlying)
         turn = Turn(self._loop_share)  # mostly waiting: not one of the share's runs
         while True:
             await turn.pause()  # a burst of queued live batches is received without suspending too
-            frames = await self._sub.recv_multipart()
+            if queued.get(zmq.EVENTS) & zmq.POLLIN:
+                frames = queued.recv_multipart(zmq.NOBLOCK)
+            else:
+                frames = await self._sub.recv_multipart()
             async with self._lock:
                 try:
                     await self.handle(frames)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
+from gateway.kv import free_queue
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.hashing import namespace_root, prefix_hashes
@@ -104,8 +106,14 @@ def test_an_old_clear_read_late_drops_only_the_blocks_stored_before_it():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["take", "return", "evict"]),
-                          st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True)), max_size=300))
-def test_places_in_the_queue_are_those_of_a_plain_list(operations):
+                          st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True)), max_size=300),
+       st.sampled_from([free_queue.MIN_PLACES, 4]))
+def test_places_in_the_queue_are_those_of_a_plain_list(operations, min_places):
+    with mock.patch.object(free_queue, "MIN_PLACES", min_places):  # 4: renumbered again and again
+        check_against_a_plain_list(operations)
+
+
+def check_against_a_plain_list(operations: list[tuple[str, list[int]]]) -> None:
     queues, plain, refs = FreeQueues(), [], {}
     for op, blocks in operations:
         if op == "take":
