@@ -380,6 +380,23 @@ def process_cpu_s(pid: int) -> float:
     return total
 
 
+def process_switches(pid: int) -> int:
+    """Context switches of a process's threads and its children's so far, voluntary (it waited) and
+    involuntary (it was preempted) together: how often it was woken or pushed off a core (Linux; 0 once
+    it is gone; a thread that ended no longer counts, a router's threads live as long as it)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            own, rest = stat.read_text().split(" ", 1)
+            if int(own) != pid and int(rest.rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            for status in stat.parent.glob("task/*/status"):
+                for line in status.read_text().splitlines():
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        total += int(line.split()[1])
+    return total
+
+
 def _binary(name: str) -> str:
     return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
 
@@ -630,9 +647,12 @@ class BenchRunner:
                                    else routers if contender.kind == "gateway" else None)
                 gateway_before = _metrics_texts(gateway_metrics) if gateway_metrics else []
                 cpu_before = [process_cpu_s(p.pid) for p in self.router_processes]
+                switches_before = [process_switches(p.pid) for p in self.router_processes]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
                 cpu = [process_cpu_s(p.pid) - b for p, b in zip(self.router_processes, cpu_before, strict=True)]
+                switches = [process_switches(p.pid) - b
+                            for p, b in zip(self.router_processes, switches_before, strict=True)]
                 after, spent = self._counters_after(pods, gateway_metrics)
                 legs_after = [_leg_counters(p.url) for p in pods]
                 pod_ttfts = _pod_ttfts(decode_urls)
@@ -643,9 +663,11 @@ class BenchRunner:
                     result.extra.update(gateway_split(gateway_before, _metrics_texts(gateway_metrics)))
                 if cpu and trace.requests:  # the router's CPU per request (Envoy's and the EPP's apart)
                     names = ["epp", "envoy"] if contender.kind == "envoy-epp" else ["router"] * len(cpu)
-                    for name, seconds_ in zip(names, cpu, strict=True):
+                    for name, seconds_, switched in zip(names, cpu, switches, strict=True):
                         key = f"cpu_ms_per_req_{name}"
                         result.extra[key] = round(result.extra.get(key, 0.0) + 1000 * seconds_ / trace.requests, 3)
+                        key = f"switches_per_req_{name}"
+                        result.extra[key] = round(result.extra.get(key, 0.0) + switched / trace.requests, 2)
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             result.skipped = str(exc)
             return result
