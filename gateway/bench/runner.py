@@ -368,16 +368,23 @@ def gateway_split(before: list[str], after: list[str]) -> dict[str, float]:
     return out
 
 
-def process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone)."""
-    total = 0.0
+def _process_and_children(pid: int) -> Iterator[tuple[Path, list[str]]]:
+    """The ``/proc`` directory and ``stat`` fields (after the command) of a process and of its children."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
+        try:  # a process may end while it is read
             own, rest = stat.read_text().split(" ", 1)
             fields = rest.rsplit(")", 1)[1].split()
-            if int(own) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            ours = int(own) == pid or int(fields[1]) == pid  # fields[1]: the parent's pid
+        except (OSError, ValueError, IndexError):
+            continue
+        if ours and len(fields) > 12:
+            yield stat.parent, fields
+
+
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone)."""
+    return sum((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+               for _, fields in _process_and_children(pid))
 
 
 def process_switches(pid: int) -> int:
@@ -385,12 +392,9 @@ def process_switches(pid: int) -> int:
     involuntary (it was preempted) together: how often it was woken or pushed off a core (Linux; 0 once
     it is gone; a thread that ended no longer counts, a router's threads live as long as it)."""
     total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            own, rest = stat.read_text().split(" ", 1)
-            if int(own) != pid and int(rest.rsplit(")", 1)[1].split()[1]) != pid:
-                continue
-            for status in stat.parent.glob("task/*/status"):
+    for directory, _ in _process_and_children(pid):
+        for status in directory.glob("task/*/status"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
                 for line in status.read_text().splitlines():
                     if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
                         total += int(line.split()[1])
