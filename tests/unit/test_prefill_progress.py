@@ -193,6 +193,14 @@ class Clients:
         self.sent[name] = self._ledger.dispatch(name, "p0", 1.0, "chat", prefill_tokens=tokens)
         self._flows.landed(release.held)
 
+    async def queue(self, *requests: tuple[str, str, int]) -> list[asyncio.Task[None]]:
+        """Send each ``(name, flow, prompt tokens)`` in turn, each held before the next arrives."""
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(self.send(*request)))
+            await asyncio.sleep(0)
+        return tasks
+
 
 async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_before_it_begins():
     # Only an answer beginning releases a1 here, however slow the machine (the limit has its own test).
@@ -201,9 +209,7 @@ async def test_flow_control_holds_a_long_prompt_until_the_short_one_released_bef
     counters.charge(FlowKey("b"), 1.0)
     running = ledger.dispatch("a0", "p0", 1.0, "chat", prefill_tokens=3700)  # a's prompt is being prefilled
     clients = Clients(flows, ledger)
-    tasks = [asyncio.create_task(clients.send("b1", "b", 200))]
-    await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(clients.send("a1", "a", 3700)))
+    tasks = await clients.queue(("b1", "b", 200), ("a1", "a", 3700))
     flows.start()
     try:
         await asyncio.sleep(0.1)
@@ -226,9 +232,7 @@ async def test_a_long_prompt_that_waits_for_an_empty_queue_is_not_passed_by_shor
     counters.charge(FlowKey("b"), 10_000.0)
     queued = ledger.dispatch("b0", "p0", 1.0, "chat", prefill_tokens=200)  # ... but a short prompt is queued
     clients = Clients(flows, ledger)
-    tasks = [asyncio.create_task(clients.send("a1", "a", 3700))]
-    await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(clients.send("b1", "b", 200)))  # b1 would fit beside b0; a1 would not
+    tasks = await clients.queue(("a1", "a", 3700), ("b1", "b", 200))  # b1 would fit beside b0; a1 would not
     flows.start()
     try:
         await asyncio.sleep(0.1)
