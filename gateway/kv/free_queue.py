@@ -11,6 +11,16 @@ every block the pod evicts (its ``BlockRemoved`` events). From those it keeps th
 does not see freed (another router's requests, an answer's blocks, other workers' requests) are missing
 from it: a block's place is then an undercount, and the gateway thinks it nearer eviction than it is.
 
+What a request costs here is what it adds, not its context. Block hashes are chained, so a prompt's blocks
+are a path from a root, and the blocks a pod knows form a tree. The tree is kept in *runs*: stretches of one
+path whose blocks share one state (held by so many requests, free in the queue, or gone). A free run sits
+in the queue whole, its deepest block first (a request frees its tail first), so a continuing conversation
+takes its earlier prompt out of the queue as one run and puts it back, grown by its new blocks, as one run.
+A request walks its prompt run by run (bisecting where its path leaves a run) and touches each block only
+when it is new; a run is cut where requests part ways or an eviction falls inside it, and the side with
+fewer blocks is renumbered. The queue is a linked list of free runs; how many blocks are ahead of each is
+summed in one pass, when first asked after a change (keep-warm asks once per tick).
+
 Owner: the :class:`FreeQueues`. Its writers, each through its own method: the request pipeline's recency
 step (a request takes its blocks out of the queue when dispatched, returns them when it ends), the keep-warm
 refresher (its own requests, the same way), and the prefix index (blocks evicted, a pod's cache cleared, a pod gone).
@@ -20,9 +30,7 @@ The keep-warm decisions read it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-
-MIN_PLACES = 1024  # places a pod's queue starts with; renumbered into twice its live blocks when they run out
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -30,73 +38,303 @@ class QueueStats:
     evicted_first: int = 0  # evicted blocks that were at the front of the queue, as the engine's order says
     evicted_out_of_order: int = 0  # evicted blocks with others ahead of them: blocks the queue never saw
     evicted_unknown: int = 0  # evicted blocks the queue did not hold (never freed through the gateway)
+    # The work that grows with blocks: a block entered or left a run's map (new, renumbered, gone).
+    block_writes: int = 0
+    runs_walked: int = 0  # runs a request's prompt passed through
 
 
-class _Places:
-    """Live places in the queue, with how many live places lie before each (a Fenwick tree)."""
+class _Run:
+    """Blocks ``chain[lo:hi]`` of one prompt's path, in one state: held by ``holders`` requests; else free
+    and in the queue (``cached``), or gone, kept only as the way to the runs below it."""
 
-    __slots__ = ("_tree", "live")
+    __slots__ = ("cached", "chain", "children", "hi", "holders", "lo", "next", "parent", "prev")
 
-    def __init__(self, size: int, live: int = 0) -> None:
-        """``size`` places, the first ``live`` of them live."""
-        if not live:
-            self._tree = [0] * (size + 1)
-        else:
-            # Node i counts the live places among the lowbit(i) places before place i (places i - lowbit(i)
-            # to i - 1): built whole at once, as a renumbering of a pod's thousands of blocks needs.
-            self._tree = [0] + [max(0, min(i & -i, live - i + (i & -i))) for i in range(1, size + 1)]
-        self.live = live
+    def __init__(self, chain: Sequence[int], lo: int, hi: int, parent: _Run | None, holders: int,
+                 cached: bool) -> None:
+        self.chain, self.lo, self.hi, self.parent = chain, lo, hi, parent
+        self.holders, self.cached = holders, cached
+        self.children: dict[int, _Run] = {}  # the runs that go on from depth ``hi``, by their first block
+        self.prev: _Run | None = None  # in the queue: the run ahead, and the run behind
+        self.next: _Run | None = None
 
     @property
-    def size(self) -> int:
-        return len(self._tree) - 1
+    def free(self) -> bool:
+        return not self.holders and self.cached
 
-    def add(self, place: int, delta: int) -> None:
-        tree = self._tree
-        end, i = len(tree), place + 1
-        while i < end:
-            tree[i] += delta
-            i += i & -i
-        self.live += delta
+    @property
+    def gone(self) -> bool:
+        return not self.holders and not self.cached
 
-    def before(self, place: int) -> int:
-        """Live places before ``place``."""
-        tree, i, total = self._tree, place, 0
-        while i > 0:
-            total += tree[i]
-            i -= i & -i
-        return total
+    def match(self, chain: Sequence[int], end: int) -> int:
+        """How deep ``chain`` (whose block ``lo`` is this run's) goes along the run, up to ``end``: by
+        bisection, since chained hashes equal at one depth are equal at every depth before it."""
+        low, high = self.lo + 1, min(self.hi, end)
+        mine = self.chain
+        if mine is chain or mine[high - 1] == chain[high - 1]:
+            return high
+        while low < high:
+            mid = (low + high) // 2
+            if mine[mid] == chain[mid]:
+                low = mid + 1
+            else:
+                high = mid
+        return low
 
 
-@dataclass(slots=True)
 class _PodQueue:
-    refs: dict[int, int] = field(default_factory=dict)  # block → requests holding it (out of the queue)
-    place: dict[int, int] = field(default_factory=dict)  # block in the queue → its place (front: lowest)
-    places: _Places = field(default_factory=lambda: _Places(MIN_PLACES))
-    next_place: int = 0
+    """One pod's tree of runs and the queue of its free ones (head: evicted first)."""
 
-    def append(self, block: int) -> None:
-        if self.next_place >= self.places.size:
-            self._repack()
-        self.place[block] = self.next_place
-        self.places.add(self.next_place, 1)
-        self.next_place += 1
+    def __init__(self, stats: QueueStats) -> None:
+        self.stats = stats
+        self.roots: dict[int, _Run] = {}
+        self.run_of: dict[int, _Run] = {}  # each held or free block → its run
+        self.head: _Run | None = None
+        self.tail: _Run | None = None
+        self.free = 0  # blocks in the queue
+        self.held = 0  # blocks requests hold
+        self._version = 0  # changes with the queue: the sums of blocks ahead are stale
+        self._ahead: dict[_Run, int] = {}
+        self._ahead_version = -1
 
-    def remove(self, block: int) -> int | None:
-        """Take ``block`` out of the queue; the blocks that were ahead of it (None: it was not there)."""
-        place = self.place.pop(block, None)
-        if place is None:
+    # A request's prompt
+
+    def take(self, chain: Sequence[int]) -> None:
+        n = len(chain)
+        parent, siblings, depth = None, self.roots, 0
+        while depth < n and (run := siblings.get(chain[depth])) is not None:
+            self.stats.runs_walked += 1
+            end = run.match(chain, n)
+            if end < run.hi:
+                run = self._split(run, end)[0]
+            self._hold(run)
+            parent, siblings, depth = run, run.children, end
+        if depth < n:
+            self._grow(parent, siblings, chain, depth)
+
+    def give_back(self, chain: Sequence[int], cached: int) -> None:
+        path: list[_Run] = []
+        siblings, depth, n = self.roots, 0, len(chain)
+        while depth < n and (run := siblings.get(chain[depth])) is not None:
+            self.stats.runs_walked += 1
+            end = run.match(chain, n)
+            if end < run.hi:
+                run = self._split(run, end)[0]
+            path.append(run)
+            siblings, depth = run.children, end
+        for run in reversed(path):  # tail first: the deepest run is evicted first
+            self._release(run, cached)
+        if path:  # heal the cuts that no longer part anything: a free run and its only child, just ahead
+            upper = path[0]
+            for lower in path[1:]:
+                if lower.parent is upper and upper.free and lower.free and lower.next is upper \
+                        and len(upper.children) == 1:
+                    upper = self._merge(upper, lower)
+                else:
+                    upper = lower
+
+    def _grow(self, parent: _Run | None, siblings: dict[int, _Run], chain: Sequence[int], depth: int) -> None:
+        """The prompt's blocks from ``depth`` on are new here: they join ``parent`` where only this request
+        holds it and nothing goes on from it, else make a run of their own."""
+        if parent is not None and parent.holders == 1 and not parent.children:
+            parent.chain, parent.hi, run = chain, len(chain), parent
+        else:
+            run = siblings[chain[depth]] = _Run(chain, depth, len(chain), parent, 1, False)
+        self._assign(run, depth, len(chain))
+        self.held += len(chain) - depth
+
+    def _hold(self, run: _Run) -> None:
+        if not run.holders:
+            if run.cached:
+                self._unlink(run)
+                run.cached = False  # whether it is cached is said again when it is given back
+            else:  # gone: its blocks are back in a prompt
+                self._assign(run, run.lo, run.hi)
+            self.held += run.hi - run.lo
+        run.holders += 1
+
+    def _release(self, run: _Run, cached: int) -> None:
+        if run.holders != 1:  # others still hold it (none: it was not this request's)
+            run.holders = max(0, run.holders - 1)
+            return
+        self.held -= run.hi - run.lo
+        if run.lo < cached < run.hi:
+            run, tail = self._split(run, cached)  # cut while held: both keep their blocks' map
+            tail.holders = 0
+            run.holders = 0
+            self._append(run)  # before its uncached tail goes, which would take the way to it along
+            self._forget(tail)
+        else:
+            run.holders = 0
+            if run.hi <= cached:
+                self._append(run)
+            else:
+                self._forget(run)
+
+    # Evictions
+
+    def drop_block(self, block: int, count: bool) -> None:
+        """The pod no longer caches ``block``: out of the queue if it was there (a held one stays held)."""
+        run = self.run_of.get(block)
+        if run is None or not run.free:
+            if count:
+                self.stats.evicted_unknown += 1
+            return
+        depth = run.hi - 1 if run.chain[run.hi - 1] == block else run.chain.index(block, run.lo, run.hi - 1)
+        if count:
+            if run is self.head and depth == run.hi - 1:
+                self.stats.evicted_first += 1
+            else:
+                self.stats.evicted_out_of_order += 1
+        if depth + 1 < run.hi:
+            run = self._split(run, depth + 1)[0]
+        if depth > run.lo:
+            run = self._split(run, depth)[1]
+        self._unlink(run)
+        self._forget(run)
+
+    def drop_all_free(self) -> None:
+        while self.head is not None:
+            run = self.head
+            self._unlink(run)
+            self._forget(run)
+
+    # Reads
+
+    def ahead_of(self, run: _Run) -> int:
+        """Free blocks ahead of the run's deepest block."""
+        if self._ahead_version != self._version:
+            self._ahead, total, at = {}, 0, self.head
+            while at is not None:
+                self._ahead[at] = total
+                total += at.hi - at.lo
+                at = at.next
+            self._ahead_version = self._version
+        return self._ahead[run]
+
+    def ahead(self, block: int) -> int | None:
+        run = self.run_of.get(block)
+        if run is None or not run.free:
             return None
-        ahead = self.places.before(place)
-        self.places.add(place, -1)
-        return ahead
+        return self.ahead_of(run) + run.hi - 1 - run.chain.index(block, run.lo, run.hi)
 
-    def _repack(self) -> None:
-        """Places only grow: renumber the live ones from 0, with room for as many again."""
-        order = sorted(self.place, key=self.place.__getitem__)
-        self.place = {block: place for place, block in enumerate(order)}
-        self.places = _Places(max(MIN_PLACES, 2 * len(order)), live=len(order))
-        self.next_place = len(order)
+    def first_to_go(self, chain: Sequence[int]) -> tuple[int, int] | None:
+        found: tuple[int, int] | None = None
+        siblings, depth, n = self.roots, 0, len(chain)
+        while depth < n and (run := siblings.get(chain[depth])) is not None:
+            end = run.match(chain, n)
+            if run.free:  # its deepest block of the prompt, and the run's blocks ahead of it
+                found = (end - 1, self.ahead_of(run) + run.hi - end)
+            if end < run.hi:
+                break
+            siblings, depth = run.children, end
+        return found
+
+    # The tree and the queue
+
+    def _split(self, run: _Run, at: int) -> tuple[_Run, _Run]:
+        """Cut ``run`` at depth ``at`` (inside it) into the upper part and the lower, its only child, in the
+        same state; free, the lower one is right ahead of the upper in the queue. The new object takes the
+        side with fewer blocks, whose blocks are renumbered."""
+        chain = run.chain
+        if at - run.lo <= run.hi - at:  # a new upper part
+            upper = _Run(chain, run.lo, at, run.parent, run.holders, run.cached)
+            self._siblings(run)[chain[run.lo]] = upper
+            run.lo, run.parent, lower = at, upper, run
+            upper.children[chain[at]] = lower
+            if upper.free:
+                self._link_after(upper, lower)
+            if not upper.gone:
+                self._assign(upper, upper.lo, at)
+        else:  # a new lower part
+            lower = _Run(chain, at, run.hi, run, run.holders, run.cached)
+            lower.children, run.children, run.hi, upper = run.children, {chain[at]: lower}, at, run
+            for child in lower.children.values():
+                child.parent = lower
+            if lower.free:
+                self._link_before(lower, upper)
+            if not lower.gone:
+                self._assign(lower, at, lower.hi)
+        return upper, lower
+
+    def _merge(self, upper: _Run, lower: _Run) -> _Run:
+        """Join a free run and its only child, right ahead of it in the queue, into one (returned)."""
+        if upper.hi - upper.lo <= lower.hi - lower.lo:  # ``lower`` takes the blocks of ``upper``
+            self._unlink(upper)
+            self._siblings(upper)[upper.chain[upper.lo]] = lower
+            lower.lo, lower.parent = upper.lo, upper.parent
+            self.free += upper.hi - upper.lo
+            self._assign(lower, upper.lo, upper.hi)
+            return lower
+        self._unlink(lower)
+        upper.chain, upper.hi, upper.children = lower.chain, lower.hi, lower.children
+        for child in upper.children.values():
+            child.parent = upper
+        self.free += lower.hi - lower.lo
+        self._assign(upper, lower.lo, lower.hi)
+        return upper
+
+    def _forget(self, run: _Run) -> None:
+        """The run's blocks are cached no more; it stays, gone, while runs below it need the way."""
+        run.cached = False
+        run_of = self.run_of
+        for block in run.chain[run.lo : run.hi]:
+            if run_of.get(block) is run:
+                del run_of[block]
+        self.stats.block_writes += run.hi - run.lo
+        while run is not None and run.gone and not run.children:
+            del self._siblings(run)[run.chain[run.lo]]
+            run = run.parent
+
+    def _assign(self, run: _Run, lo: int, hi: int) -> None:
+        self.run_of.update(dict.fromkeys(run.chain[lo:hi], run))
+        self.stats.block_writes += hi - lo
+
+    def _siblings(self, run: _Run) -> dict[int, _Run]:
+        return run.parent.children if run.parent is not None else self.roots
+
+    def _append(self, run: _Run) -> None:
+        run.cached = True
+        run.prev, run.next = self.tail, None
+        if self.tail is not None:
+            self.tail.next = run
+        else:
+            self.head = run
+        self.tail = run
+        self.free += run.hi - run.lo
+        self._version += 1
+
+    def _unlink(self, run: _Run) -> None:
+        if run.prev is not None:
+            run.prev.next = run.next
+        else:
+            self.head = run.next
+        if run.next is not None:
+            run.next.prev = run.prev
+        else:
+            self.tail = run.prev
+        run.prev = run.next = None
+        self.free -= run.hi - run.lo
+        self._version += 1
+
+    def _link_before(self, run: _Run, behind: _Run) -> None:
+        """``run`` (its blocks just cut from ``behind``, already counted free) right ahead of ``behind``."""
+        run.prev, run.next = behind.prev, behind
+        if behind.prev is not None:
+            behind.prev.next = run
+        else:
+            self.head = run
+        behind.prev = run
+        self._version += 1
+
+    def _link_after(self, run: _Run, ahead: _Run) -> None:
+        """``run`` (its blocks just cut from ``ahead``, already counted free) right behind ``ahead``."""
+        run.prev, run.next = ahead, ahead.next
+        if ahead.next is not None:
+            ahead.next.prev = run
+        else:
+            self.tail = run
+        ahead.next = run
+        self._version += 1
 
 
 class FreeQueues:
@@ -104,51 +342,33 @@ class FreeQueues:
         self._pods: dict[str, _PodQueue] = {}
         self.stats = QueueStats()
 
-    # Writes
-
-    def taken(self, pod: str, blocks: Iterable[int]) -> None:
-        """A request on ``pod`` holds these blocks (a prefix hit takes cached ones out of the queue)."""
+    def _queue(self, pod: str) -> _PodQueue:
         queue = self._pods.get(pod)
         if queue is None:
-            queue = self._pods[pod] = _PodQueue()
-        refs = queue.refs
-        for block in blocks:
-            held = refs.get(block, 0)
-            if not held:
-                queue.remove(block)
-            refs[block] = held + 1
+            queue = self._pods[pod] = _PodQueue(self.stats)
+        return queue
+
+    # Writes
+
+    def taken(self, pod: str, blocks: Sequence[int]) -> None:
+        """A request on ``pod`` holds these blocks, a prompt's chain (a prefix hit takes cached ones out of
+        the queue)."""
+        if blocks:
+            self._queue(pod).take(blocks)
 
     def returned(self, pod: str, blocks: Sequence[int], cached: int) -> None:
         """A request on ``pod`` ended: it lets go of ``blocks`` (those it took), of which the first ``cached``
         are cached on the pod now; those no other request holds join the back of the queue, tail first."""
         queue = self._pods.get(pod)
-        if queue is None:
-            return
-        refs = queue.refs
-        for i in range(len(blocks) - 1, -1, -1):
-            block = blocks[i]
-            held = refs.get(block, 0) - 1
-            if held > 0:
-                refs[block] = held
-                continue
-            refs.pop(block, None)
-            if i < cached and block not in queue.place:
-                queue.append(block)
+        if queue is not None and blocks:
+            queue.give_back(blocks, cached)
 
     def evicted(self, pod: str, blocks: Iterable[int]) -> None:
         """The pod reused the slots of these cached blocks."""
         queue = self._pods.get(pod)
-        if queue is None:
-            return
-        for block in blocks:
-            queue.refs.pop(block, None)
-            ahead = queue.remove(block)
-            if ahead is None:
-                self.stats.evicted_unknown += 1
-            elif ahead:
-                self.stats.evicted_out_of_order += 1
-            else:
-                self.stats.evicted_first += 1
+        if queue is not None:
+            for block in blocks:
+                queue.drop_block(block, count=True)
 
     def cleared(self, pod: str, blocks: Iterable[int]) -> None:
         """The pod no longer caches these blocks (its cache was cleared, or it restarted): they leave the queue.
@@ -157,39 +377,32 @@ class FreeQueues:
         queue = self._pods.get(pod)
         if queue is not None:
             for block in blocks:
-                queue.remove(block)
+                queue.drop_block(block, count=False)
 
     def dropped(self, pod: str) -> None:
         """The pod left: none of its blocks is free and cached any more (the requests running there still hold
         theirs)."""
         queue = self._pods.get(pod)
         if queue is not None:
-            self._pods[pod] = _PodQueue(refs=queue.refs)
+            queue.drop_all_free()
 
     # Reads
 
     def ahead(self, pod: str, block: int) -> int | None:
         """Free cached blocks the pod will evict before ``block`` (None: it is not free, or not known)."""
         queue = self._pods.get(pod)
-        place = queue.place.get(block) if queue is not None else None
-        return queue.places.before(place) if place is not None and queue is not None else None
+        return queue.ahead(block) if queue is not None else None
 
     def first_to_go(self, pod: str, blocks: Sequence[int]) -> tuple[int, int] | None:
         """Of a prompt's blocks, the free one the pod will evict first (the tail's, freed first) and the
         free cached blocks ahead of it: (index of the block, blocks ahead); None if none of them is free."""
         queue = self._pods.get(pod)
-        if queue is None:
-            return None
-        for i in range(len(blocks) - 1, -1, -1):
-            place = queue.place.get(blocks[i])
-            if place is not None:
-                return i, queue.places.before(place)
-        return None
+        return queue.first_to_go(blocks) if queue is not None else None
 
     def free_blocks(self, pod: str) -> int:
         queue = self._pods.get(pod)
-        return queue.places.live if queue is not None else 0
+        return queue.free if queue is not None else 0
 
     def held_blocks(self, pod: str) -> int:
         queue = self._pods.get(pod)
-        return len(queue.refs) if queue is not None else 0
+        return queue.held if queue is not None else 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from unittest import mock
+from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,12 @@ from gateway.workflow.keep_warm import Candidate, KeepWarm, PodWarmth, choose_re
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts
 
 # The free queue
+
+
+def chain_of(path: list[int]) -> list[int]:
+    """A prompt of one-token blocks, hashed as the gateway chains them."""
+    return prefix_hashes(namespace_root("m"), path, 1)
+
 
 
 def test_a_finished_request_joins_the_back_tail_first_and_a_hit_takes_its_blocks_out():
@@ -104,39 +111,106 @@ def test_an_old_clear_read_late_drops_only_the_blocks_stored_before_it():
     assert queues.first_to_go("p", new) == (1, 0) and queues.free_blocks("p") == 2
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["take", "return", "evict"]),
-                          st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True)), max_size=300),
-       st.sampled_from([free_queue.MIN_PLACES, 4]))
-def test_places_in_the_queue_are_those_of_a_plain_list(operations, min_places):
-    with mock.patch.object(free_queue, "MIN_PLACES", min_places):  # 4: renumbered again and again
-        check_against_a_plain_list(operations)
+@pytest.mark.parametrize("refreshed", [2, 90])
+def test_a_cut_that_parts_nothing_any_more_heals(refreshed: int):
+    queues = FreeQueues()
+    prompt = chain_of([0] * 100)
+    queues.taken("p", prompt)
+    queues.returned("p", prompt, cached=100)
+    # A refresh of a context that the longer prompt continues: the run is cut at its end.
+    queues.taken("p", prompt[:refreshed])
+    queues.returned("p", prompt[:refreshed], cached=refreshed)
+    longer = chain_of([0] * 104)
+    queues.taken("p", longer)  # two runs on its way, given back together: one again, the smaller renumbered
+    writes = queues.stats.block_writes
+    queues.returned("p", longer, cached=104)
+    assert queues.stats.block_writes - writes == min(refreshed, 104 - refreshed)
+    walked = queues.stats.runs_walked
+    queues.taken("p", longer)
+    assert queues.stats.runs_walked - walked == 1
 
 
-def check_against_a_plain_list(operations: list[tuple[str, list[int]]]) -> None:
-    queues, plain, refs = FreeQueues(), [], {}
-    for op, blocks in operations:
-        if op == "take":
+def test_a_prompt_that_parts_from_a_long_one_renumbers_the_shorter_side():
+    queues = FreeQueues()
+    long = chain_of([0] * 1000)
+    queues.taken("p", long)
+    queues.returned("p", long, cached=1000)
+    writes = queues.stats.block_writes
+    queues.taken("p", chain_of([0, 0, 1]))  # shares the first two blocks: they leave the run, one block is new
+    assert queues.stats.block_writes - writes == 3
+    writes = queues.stats.block_writes
+    queues.taken("p", chain_of([0] * 998 + [1]))  # parts near the end: the last two blocks are cut off
+    assert queues.stats.block_writes - writes == 3
+    assert queues.first_to_go("p", long) == (999, 0) and queues.held_blocks("p") == 1000
+
+
+# Prompts are paths in a small tree of blocks (one token a block): prompts that share a beginning share its
+# blocks, as chained hashes make them.
+PATHS = st.lists(st.integers(0, 2), min_size=1, max_size=7)
+OPERATIONS = st.lists(st.one_of(
+    st.tuples(st.just("take"), PATHS),
+    st.tuples(st.just("return"), st.integers(0, 50), st.integers(0, 8)),  # which request, blocks cached
+    st.tuples(st.sampled_from(["evict", "clear"]), PATHS, st.integers(0, 6)),  # the block at that depth
+    st.tuples(st.just("drop"))), max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPERATIONS)
+def test_the_queue_is_that_of_a_plain_list_of_blocks(operations):
+    """The runs keep exactly what a list of blocks in the engine's order, and a count per held block, keep:
+    each block's place, the blocks free and held, the first of a prompt's blocks to go, what evictions say."""
+    queues, plain, refs, running, seen = FreeQueues(), [], {}, [], []
+    expected = free_queue.QueueStats()
+    for op in operations:
+        if op[0] == "take":
+            blocks = chain_of(op[1])
             queues.taken("p", blocks)
             for b in blocks:
                 if not refs.get(b) and b in plain:
                     plain.remove(b)
                 refs[b] = refs.get(b, 0) + 1
-        elif op == "return":
-            held = [b for b in blocks if refs.get(b)]
-            queues.returned("p", held, cached=len(held))
-            for b in reversed(held):
-                refs[b] -= 1
-                if not refs[b] and b not in plain:
-                    plain.append(b)
-        else:
-            queues.evicted("p", blocks)
-            for b in blocks:
-                refs.pop(b, None)
-                if b in plain:
-                    plain.remove(b)
-        assert all(queues.ahead("p", b) == i for i, b in enumerate(plain))
-        assert queues.free_blocks("p") == len(plain)
+            running.append(blocks)
+            seen.append(blocks)
+        elif op[0] == "return" and running:
+            blocks = running.pop(op[1] % len(running))
+            cached = min(op[2], len(blocks))
+            queues.returned("p", blocks, cached)
+            for i in range(len(blocks) - 1, -1, -1):  # tail first
+                refs[blocks[i]] -= 1
+                if not refs[blocks[i]]:
+                    del refs[blocks[i]]
+                    if i < cached and blocks[i] not in plain:
+                        plain.append(blocks[i])
+        elif op[0] in ("evict", "clear"):
+            blocks = chain_of(op[1])
+            block = blocks[min(op[2], len(blocks) - 1)]
+            if op[0] == "evict":
+                queues.evicted("p", [block])
+                if not seen:  # a pod no request was routed to has no queue to say anything of
+                    pass
+                elif block not in plain:
+                    expected.evicted_unknown += 1
+                elif plain[0] == block:
+                    expected.evicted_first += 1
+                else:
+                    expected.evicted_out_of_order += 1
+            else:
+                queues.cleared("p", [block])
+            if block in plain:  # a held block stays held: its request gives it back
+                plain.remove(block)
+        elif op[0] == "drop":
+            queues.dropped("p")
+            plain.clear()
+        assert [queues.ahead("p", b) for b in plain] == list(range(len(plain)))
+        assert queues.free_blocks("p") == len(plain) and queues.held_blocks("p") == len(refs)
+        for blocks in seen[-5:]:
+            tail = next((i for i in range(len(blocks) - 1, -1, -1) if blocks[i] in plain), None)
+            want = (tail, plain.index(blocks[tail])) if tail is not None else None
+            assert queues.first_to_go("p", blocks) == want
+            assert all(queues.ahead("p", b) is None for b in blocks if b not in plain)
+    stats = queues.stats
+    assert (stats.evicted_first, stats.evicted_out_of_order, stats.evicted_unknown) == (
+        expected.evicted_first, expected.evicted_out_of_order, expected.evicted_unknown)
 
 
 # Choosing what to refresh
@@ -221,12 +295,26 @@ class RecordingRefresher:
         return (len(ids) - 1) // 16 * 16
 
 
+class SlowRefresher(RecordingRefresher):
+    """A refresh the engine is still running: it ends only when released (or cancelled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def refresh(self, pod: str, model: str, ids: list[int]) -> int:
+        self.sent.append((pod, model, ids))
+        await self.release.wait()
+        return (len(ids) - 1) // 16 * 16
+
+
 class Fleet:
     """One pod of blocks of 16 tokens: a working set, an index fed the pod's events, its free queue."""
 
     BS = 16
 
-    def __init__(self, capacity_blocks: int = 9, **config: float) -> None:
+    def __init__(self, capacity_blocks: int = 9, refresher: RecordingRefresher | None = None,
+                 client_due: Callable[[str], bool] = lambda pod: False, **config: float) -> None:
         self.now = 100.0
         self.pods = PodRegistry([PodConfig(url="http://p:1", name="p", models=["m"])], HealthConfig())
         self.pods.get("p").healthy = True  # type: ignore[union-attr]
@@ -237,11 +325,12 @@ class Fleet:
         self.view = self.index.view("p", 0, "m", self.BS)
         self.load = PendingLoad(ProfileStore(None), self.ledger, default_capacity=8, deployment_of=str)
         self.load.engine["p"] = EngineStats(kv_usage=0.0, stale=False)
-        self.refresher = RecordingRefresher()
+        self.refresher = refresher or RecordingRefresher()
+        self.metrics = GatewayMetrics()
         self.keep_warm = KeepWarm(KeepWarmConfig(**{"min_tokens": 32, **config}), self.pods, self.working_set,
                                   self.queues, self.index, self.load, self.ledger,
                                   lambda pod: capacity_blocks * self.BS, self.refresher,
-                                  GatewayMetrics(), clock=lambda: self.now)
+                                  self.metrics, clock=lambda: self.now, client_due=client_due)
 
     def served(self, key: str, tokens: list[int]) -> list[int]:
         """A request of context ``key`` served start to end on the pod, the pipeline's way."""
@@ -278,6 +367,38 @@ async def test_a_tick_refreshes_the_thinking_context_the_pod_would_evict_first()
     roomy.keep_warm.tick()
     await asyncio.sleep(0)
     assert not roomy.refresher.sent and roomy.keep_warm.debug()["pods"]["p"]["kept"] == 1
+
+
+async def test_a_refresh_in_flight_gives_way_to_a_client_request_routed_to_its_pod():
+    fleet = Fleet(capacity_blocks=9, refresher=SlowRefresher())
+    held = fleet.served("workflow:a", list(range(1000, 1000 + 4 * 16 + 3)))
+    other = fleet.served("workflow:b", list(range(5000, 5000 + 4 * 16)))
+    fleet.keep_warm.tick()
+    await asyncio.sleep(0)
+    assert len(fleet.refresher.sent) == 1 and fleet.queues.ahead("p", held[-1]) is None  # out while it runs
+    fleet.keep_warm.routed("p", 4)  # a client request is dispatched there: the refresh is cancelled
+    await asyncio.sleep(0)
+    pod = fleet.keep_warm.debug()["pods"]["p"]
+    assert (pod["cancelled"], pod["refreshes"]) == (1, 0) and fleet.keep_warm._warmth["p"].refresh is None
+    assert fleet.metrics.keep_warm_requests.labels("p", "cancelled")._value.get() == 1
+    # The engine had it running: its blocks went to the back when it was aborted, as a refresh's do.
+    assert fleet.queues.ahead("p", held[-1]) == 4 and fleet.queues.ahead("p", other[-1]) == 0
+    fleet.keep_warm.routed("p", 4)  # nothing in flight: nothing to cancel
+    assert fleet.keep_warm.debug()["pods"]["p"]["cancelled"] == 1
+
+
+async def test_no_refresh_starts_on_a_pod_flow_control_holds_a_request_for():
+    due = {"p"}
+    fleet = Fleet(capacity_blocks=9, client_due=due.__contains__)
+    fleet.served("workflow:a", list(range(1000, 1000 + 4 * 16 + 3)))
+    fleet.served("workflow:b", list(range(5000, 5000 + 4 * 16)))
+    fleet.keep_warm.tick()
+    await asyncio.sleep(0)
+    assert not fleet.refresher.sent and fleet.keep_warm.debug()["pods"]["p"]["at_risk"] == 1
+    due.clear()  # the held request was dispatched and ended
+    fleet.keep_warm.tick()
+    await asyncio.sleep(0)
+    assert len(fleet.refresher.sent) == 1
 
 
 async def test_no_refresh_while_the_pod_is_busy_or_the_budget_is_spent():
@@ -321,9 +442,9 @@ def test_a_context_comes_back_as_often_as_contexts_of_its_kind_do():
     assert ws.forecast.returns[False].value == 0.0  # the recognised conversation lapsed
 
 
-def test_the_free_queue_keeps_its_order_past_many_renumberings():
+def test_the_free_queue_keeps_its_order_over_thousands_of_runs():
     queues = FreeQueues()
-    for block in range(3000):  # past the first 1,024 places: renumbered, more than once
+    for block in range(3000):
         queues.taken("p", [block])
         queues.returned("p", [block], 1)
     queues.evicted("p", range(1500))
