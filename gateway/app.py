@@ -174,7 +174,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     keep_warm = recency = None
     if queues is not None:
         keep_warm = KeepWarm(wc.keep_warm, pods, working_set, queues, index, load, ledger, capacity_of,
-                             Refresher(pods, config.auth, http, metrics), metrics)
+                             Refresher(pods, config.auth, http, metrics), metrics, client_due=flow.waits_for)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),

@@ -149,7 +149,8 @@ class GatewayMetrics:
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
         self.keep_warm_requests = Counter(
-            "gateway_keep_warm_requests", "Keep-warm refreshes sent, by pod and outcome (ok, failed)",
+            "gateway_keep_warm_requests", "Keep-warm refreshes sent, by pod and outcome (ok, failed, cancelled: a "
+            "client request came for the pod)",
             ["pod", "outcome"], registry=r)
         self.keep_warm_tokens = Counter(
             "gateway_keep_warm_tokens", "Prompt tokens of keep-warm refreshes as the pod counted them (prompt), "

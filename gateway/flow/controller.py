@@ -178,6 +178,17 @@ class FlowController:
             if self._queued:
                 self._pump()
 
+    def waits_for(self, pod: str) -> bool:
+        """Whether a request held here, released and not yet dispatched, or held by another worker may go to
+        ``pod`` (keep-warm leaves such a pod's capacity to it)."""
+        if self._transit is not None or self._order.others_hold(self._clock()):
+            return True
+        if not self._queued:
+            return False
+        wanted = {(h.model, h.leg) for h in self._all_held()}
+        return any(pod in {p.name for p in self._pods.candidates(model, leg=leg)}  # type: ignore[arg-type]
+                   for model, leg in wanted)
+
     def dispatched(self) -> None:
         """A request was sent to a pod (for the rate Retry-After is estimated from)."""
         now = self._clock()

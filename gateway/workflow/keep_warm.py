@@ -13,8 +13,12 @@ how likely. Each tick, per pod (:func:`choose_refresh`):
    back, is refreshed, if the tokens a miss would cost, times the chance it comes back, are worth
    ``min_tokens``;
 3. only on idle capacity: never while the pod says requests wait, nor while more than ``max_in_flight`` of
-   the gateway's requests run there (none, by default); one refresh at a time per pod, and within
-   ``max_share`` refreshes per request routed there.
+   the gateway's requests run there (none, by default), nor while flow control holds a request that may
+   go there; one refresh at a time per pod, and within ``max_share`` refreshes per request routed there;
+4. never in a client's way: a refresh still running when a client request is routed to its pod is
+   cancelled. The engine aborts a request whose connection closes and frees its blocks as any request's,
+   to the back of its free queue: a refresh the engine had scheduled has made its touch already (on an
+   idle pod it is scheduled in the next engine step), so its blocks count as refreshed.
 
 Owner: :class:`KeepWarm` owns each pod's refresh budget and rate of new blocks, the prompts kept, and its
 refreshes in flight. It reads the working set (contexts, their think time and return chance), the free
@@ -108,9 +112,10 @@ class PodWarmth:
     @property
     def per_request(self) -> float:
         return self.new_blocks.get(0.0) + 2 * self.new_blocks_deviation.get(0.0)
-    refreshing: bool = False
+    refresh: asyncio.Task[None] | None = None  # the one in flight
     refreshes: int = 0
     failures: int = 0
+    cancelled: int = 0  # gave way to a client request
     kept: int = 0  # at the last tick: contexts kept,
     let_go: int = 0  # those it could have kept but that did not fit,
     at_risk: int = 0  # kept ones due to be evicted before they come back,
@@ -139,7 +144,9 @@ class KeepWarm:
     def __init__(self, config: KeepWarmConfig, pods: PodRegistry, working_set: ResumableWorkingSet,
                  queues: FreeQueues, index: PrefixIndex, load: PendingLoad, ledger: InFlightLedger,
                  capacity_of: Callable[[str], float | None], refresher: Refresher, metrics: GatewayMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 client_due: Callable[[str], bool] = lambda pod: False) -> None:
+        """``client_due``: whether a client request held at the gateway (flow control) may go to the pod."""
         self.config = config
         self._pods = pods
         self._working_set = working_set
@@ -151,6 +158,7 @@ class KeepWarm:
         self._refresher = refresher
         self._metrics = metrics
         self._clock = clock
+        self._client_due = client_due
         self.prompts = KeptPrompts(config.min_tokens, config.max_prompt_tokens)
         self._warmth: dict[str, PodWarmth] = {}
         self._refreshed: set[str] = set()  # contexts refreshed since their last request
@@ -161,8 +169,12 @@ class KeepWarm:
     # The request path's side (the recency step)
 
     def routed(self, pod: str, new_blocks: int) -> None:
-        """A request was routed to ``pod``, where it takes ``new_blocks`` blocks: its refresh budget grows."""
-        self._warmth.setdefault(pod, PodWarmth()).routed(new_blocks, self.config.max_share)
+        """A request was routed to ``pod``, where it takes ``new_blocks`` blocks: its refresh budget grows, and
+        a refresh running there gives way."""
+        warmth = self._warmth.setdefault(pod, PodWarmth())
+        warmth.routed(new_blocks, self.config.max_share)
+        if warmth.refresh is not None:
+            warmth.refresh.cancel()
 
     def dispatched(self, context: str, pod: str, model: str, ids: Sequence[int]) -> None:
         """A request of the context went to ``pod`` with this prompt: it is what a refresh builds on now."""
@@ -262,7 +274,9 @@ class KeepWarm:
         return max(0, int(usable) - self._index.gpu_blocks(pod) - self._ledger.on_pod(pod))
 
     def _may_send(self, pod: str, warmth: PodWarmth) -> bool:
-        if warmth.refreshing or warmth.budget < 1 or self._ledger.on_pod(pod) > self.config.max_in_flight:
+        if warmth.refresh is not None or warmth.budget < 1 or self._ledger.on_pod(pod) > self.config.max_in_flight:
+            return False
+        if self._client_due(pod):  # a client request waits for room: it goes first
             return False
         stats = self._load.engine.get(pod)
         if stats is not None and stats.waiting > 0:  # only idle capacity: nothing may wait behind a refresh
@@ -277,9 +291,8 @@ class KeepWarm:
                   "kept %d of %d", c.context.key, pod, c.margin, c.first_to_go, warmth.rate, c.due_in_s, warmth.kept,
                   warmth.kept + warmth.let_go)
         warmth.budget -= 1
-        warmth.refreshing = True
         self._refreshed.add(c.context.key)
-        task = asyncio.create_task(self._refresh(pod, warmth, c), name=f"keep-warm-{pod}")
+        task = warmth.refresh = asyncio.create_task(self._refresh(pod, warmth, c), name=f"keep-warm-{pod}")
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -292,6 +305,12 @@ class KeepWarm:
         try:
             cached = await self._refresher.refresh(pod, c.prompt.model, c.prompt.refresh_ids(len(blocks), block_size))
             warmth.refreshes += 1
+        except asyncio.CancelledError:  # a client request came for the pod: the engine aborts the refresh
+            cached = len(blocks) * block_size  # scheduled already on an idle pod: its blocks went to the back
+            warmth.cancelled += 1
+            self._metrics.keep_warm_requests.labels(pod, "cancelled").inc()
+            log.debug("keep-warm: refresh of %s on %s gave way to a client request", c.context.key, pod)
+            raise
         except RefreshFailed as exc:
             warmth.failures += 1
             log.info("keep-warm: refresh on %s failed: %s", pod, exc)
@@ -300,7 +319,7 @@ class KeepWarm:
             log.exception("keep-warm: refresh on %s failed", pod)
         finally:
             self._queues.returned(pod, blocks, cached // block_size)
-            warmth.refreshing = False
+            warmth.refresh = None
 
     # Observing
 
@@ -313,6 +332,7 @@ class KeepWarm:
                             "evicted_unknown": stats.evicted_unknown},
             "pods": {pod: {"new_blocks_per_s": round(w.rate, 2), "blocks_per_request": round(w.per_request, 2),
                            "budget": round(w.budget, 2), "refreshes": w.refreshes, "failures": w.failures,
+                           "cancelled": w.cancelled,
                            "kept": w.kept, "let_go": w.let_go, "at_risk": w.at_risk, "nearest_margin_blocks": w.nearest,
                            "free_blocks_seen": self._queues.free_blocks(pod),
                            "uncached_free_blocks": self._uncached_free(pod)}

@@ -8,6 +8,7 @@ one at a time with token-id prompts, so the engine's behaviour is deterministic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from collections.abc import Iterator
@@ -141,24 +142,47 @@ def fillers(seed: int, n: int, length: int = 8 * BLOCK_SIZE) -> list[dict[str, A
     return [{"prompt": [rng.choice(VOCAB) for _ in range(length)], "max_tokens": 1} for _ in range(n)]
 
 
-@pytest.mark.parametrize("refresh", [False, True])
-async def test_a_prompt_only_refresh_keeps_a_context_vllm_would_evict(small_pod: VllmPod, http, refresh: bool):
+@pytest.mark.parametrize("refresh", ["none", "whole", "aborted"])
+async def test_a_prompt_only_refresh_keeps_a_context_vllm_would_evict(small_pod: VllmPod, http, refresh: str):
     # A context of 8 full blocks, then 6 others of 8 blocks each: the pod's 47 blocks cannot hold all 7, and
     # its LRU evicts the first. A refresh halfway (the context's blocks plus one token, one token answered)
-    # hits all 8 blocks, computes one token, and puts the context at the most recently used end.
+    # hits all 8 blocks, computes one token, and puts the context at the most recently used end. One the
+    # client gives up on once the engine runs it (the gateway cancels a refresh when a client request comes
+    # for its pod) has done the same: vLLM aborts it and frees its blocks to the back, as any request's.
     rng = random.Random(11)
     context = [rng.choice(VOCAB) for _ in range(8 * BLOCK_SIZE + 40)]
     await reset(http, small_pod.url)
     await replay_sequence(http, small_pod.url, [{"prompt": context, "max_tokens": 1}])
     others = fillers(seed=12, n=6)
     await replay_sequence(http, small_pod.url, others[:3])
-    if refresh:
+    if refresh == "whole":
         cached = await replay_sequence(http, small_pod.url,
                                        [{"prompt": context[: 8 * BLOCK_SIZE + 1], "max_tokens": 1}])
         assert cached == [8 * BLOCK_SIZE]  # every block hit: the refresh computed one token
+    elif refresh == "aborted":
+        await aborted_once_running(http, small_pod.url, {"prompt": context[: 8 * BLOCK_SIZE + 1],
+                                                         "max_tokens": 100, "ignore_eos": True})
     await replay_sequence(http, small_pod.url, others[3:])
     [back] = await replay_sequence(http, small_pod.url, [{"prompt": context, "max_tokens": 1}])
-    assert back == (8 * BLOCK_SIZE if refresh else 0)
+    assert back == (0 if refresh == "none" else 8 * BLOCK_SIZE)
+
+
+async def aborted_once_running(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """Send a request, close its connection once the engine runs it, and wait until the engine let it go."""
+    sent = asyncio.create_task(post(http, f"{url}/v1/completions", {"model": MODEL, **body}))
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if await pod_metric(http, url, "vllm:num_requests_running") >= 1:
+            break
+    assert not sent.done(), "the request ended before it could be aborted"
+    sent.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sent
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if await pod_metric(http, url, "vllm:num_requests_running") == 0:
+            return
+    raise AssertionError("vLLM kept running a request whose client left")
 
 
 async def workflow_stage(http, gateway_url: str, workflow: str, stage: str, messages: list[dict[str, Any]],

@@ -144,3 +144,22 @@ def test_counters_of_idle_flows_are_forgotten_as_the_sweeps_see_them():
     assert counters.forget_idle(lambda key: key == FlowKey("waiting")) == 1
     assert counters.get(FlowKey("a")) == 0.0 and counters.get(FlowKey("b")) == 5.0
     assert counters.get(FlowKey("waiting")) == 10.0
+
+
+async def test_a_held_request_says_which_pods_it_may_go_to():
+    # Keep-warm leaves a pod's capacity to a request held for it: one of its model's pods, not another's.
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    registry = PodRegistry([PodConfig(url="http://p0:1", name="p0", models=[MODEL]),
+                            PodConfig(url="http://p1:1", name="p1", models=["other"])], HealthConfig())
+    for pod in registry.all():
+        pod.healthy = True
+    flows = controller(ledger, counters, registry)
+    assert not flows.waits_for("p0") and not flows.waits_for("p1")
+    ledger.dispatch("busy", "p0", 1.0, "chat")
+    held = asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 30.0))
+    await asyncio.sleep(0.01)
+    assert flows.waits_for("p0") and not flows.waits_for("p1")
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert not flows.waits_for("p0")
