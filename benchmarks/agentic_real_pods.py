@@ -29,8 +29,8 @@ from gateway.bench.workloads import agentic_shared
 from gateway.config import PodConfig
 from tests.e2e.conftest import MODEL, VllmPod
 
-KEEP_WARM_EXTRAS = ("prompt_tokens", "keep_warm_refreshes", "keep_warm_computed_tokens", "keep_warm_kept",
-                    "keep_warm_lost", "lost_evicted_while_thinking")
+KEEP_WARM_EXTRAS = ("prompt_tokens", "keep_warm_refreshes", "keep_warm_cancelled", "keep_warm_computed_tokens",
+                    "keep_warm_kept", "keep_warm_lost", "lost_evicted_while_thinking")
 
 
 def main() -> None:
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--seed", action="append", type=int, required=True)
     parser.add_argument("--think", nargs=2, type=float, default=(1.0, 4.0), metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks per pod (vLLM's null block included)")
+    parser.add_argument("--workflows", type=int, default=30)
+    parser.add_argument("--stages", nargs=2, type=int, default=(4, 5), metavar=("MIN", "MAX"))
     args = parser.parse_args()
     python, model_dir = os.environ.get("E2E_VLLM_PYTHON"), os.environ.get("E2E_MODEL_DIR")
     if not python or not model_dir:
@@ -58,7 +60,8 @@ def main() -> None:
         runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=configs, progress=False,
                              router_logs=str(run_dir / "routers"))
         for seed in args.seed:
-            trace = agentic_shared(seed=seed, workflows=30, min_stages=4, max_stages=5, roles=2, common_words=220,
+            trace = agentic_shared(seed=seed, workflows=args.workflows, min_stages=args.stages[0],
+                                   max_stages=args.stages[1], roles=2, common_words=220,
                                    role_words=80, task_words=40, tool_words=100, think_min_s=args.think[0],
                                    think_max_s=args.think[1], rate=3.0, max_tokens=8)
             for name in args.contender:
@@ -68,7 +71,8 @@ def main() -> None:
                     "sticky_lru": r.sticky_lru and round(r.sticky_lru, 4), "keep_warm_bound": r.keep_warm and
                     round(r.keep_warm, 4), "infinite": r.infinite and round(r.infinite, 4),
                     "ttft_p50_ms": round(r.ttft_p50_ms), "ttft_p90_ms": round(r.ttft_p90_ms),
-                    "session_p50_s": round(r.session_p50_ms / 1000, 2), "requests_per_pod": r.pod_requests,
+                    "session_p50_s": round(r.session_p50_ms / 1000, 2),
+                    "busy_p50_s": round(r.extra["busy_p50_ms"] / 1000, 3), "requests_per_pod": r.pod_requests,
                     "errors": r.errors, **{k: r.extra[k] for k in KEEP_WARM_EXTRAS if k in r.extra}}), flush=True)
     finally:
         for pod in pods:

@@ -230,6 +230,8 @@ def prediction_checks(metrics_text: str) -> dict[str, float]:
             elif sample.name == "gateway_keep_warm_returns_total":
                 key = "keep_warm_" + sample.labels["outcome"]
                 checks[key] = checks.get(key, 0.0) + sample.value
+            elif sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] == "cancelled":
+                checks["keep_warm_cancelled"] = checks.get("keep_warm_cancelled", 0.0) + sample.value
     return checks
 
 
@@ -242,12 +244,13 @@ class KeepWarmSpent(NamedTuple):
 
 
 def keep_warm_spent(metrics_text: str) -> dict[str, KeepWarmSpent]:
-    """From a gateway's ``/metrics`` text: per pod, the keep-warm refreshes it answered and their prompt
-    tokens (those found cached among them), which its prefix-cache counters include."""
+    """From a gateway's ``/metrics`` text: per pod, the keep-warm refreshes it answered or ran before they
+    gave way, and their prompt tokens (those found cached among them), which its prefix-cache counters
+    include."""
     spent: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] == "ok":
+            if sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] in ("ok", "cancelled"):
                 spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[0] += sample.value
             elif sample.name == "gateway_keep_warm_tokens_total":
                 i = 1 if sample.labels["kind"] == "prompt" else 2

@@ -193,6 +193,15 @@ def session_times(outcomes: list[Outcome]) -> list[float]:
     return [(last - first) * 1000 for first, last in spans.values()]
 
 
+def busy_times(outcomes: list[Outcome]) -> list[float]:
+    """Each session's time in ms waiting for its answers (its requests' latencies summed): its time less
+    the think times the trace put between its steps."""
+    busy: dict[int, float] = {}
+    for o in outcomes:
+        busy[o.session] = busy.get(o.session, 0.0) + o.e2e_s * 1000
+    return list(busy.values())
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -708,6 +717,7 @@ class BenchRunner:
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
         result.session_p50_ms = pct(session_times(outcomes), 0.5)
+        result.extra["busy_p50_ms"] = round(pct(busy_times(outcomes), 0.5), 1)
         result.tenants = tenant_stats(trace, outcomes, trace.duration_s or seconds)
         oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
         if oracle:

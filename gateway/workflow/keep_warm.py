@@ -302,13 +302,14 @@ class KeepWarm:
         blocks = c.context.hashes[: c.first_to_go + 1]
         self._queues.taken(pod, blocks)
         cached = 0
+        ids = c.prompt.refresh_ids(len(blocks), block_size)
         try:
-            cached = await self._refresher.refresh(pod, c.prompt.model, c.prompt.refresh_ids(len(blocks), block_size))
+            cached = await self._refresher.refresh(pod, c.prompt.model, ids)
             warmth.refreshes += 1
         except asyncio.CancelledError:  # a client request came for the pod: the engine aborts the refresh
             cached = len(blocks) * block_size  # scheduled already on an idle pod: its blocks went to the back
             warmth.cancelled += 1
-            self._metrics.keep_warm_requests.labels(pod, "cancelled").inc()
+            self._refresher.cancelled(pod, len(ids), cached)
             log.debug("keep-warm: refresh of %s on %s gave way to a client request", c.context.key, pod)
             raise
         except RefreshFailed as exc:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
 from gateway.backends.registry import PodRegistry
 from gateway.config import AuthConfig
@@ -107,6 +108,13 @@ class Refresher:
         self._metrics.cache_actions.labels("keep_warm", "refresh", pod_name).inc()
         return cached
 
+    def cancelled(self, pod_name: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A refresh gave way to a client request: counted as the engine, which had scheduled it, counted it
+        (its prompt looked up, its blocks hit), so that what the pods' own counters include is known."""
+        self._metrics.keep_warm_requests.labels(pod_name, "cancelled").inc()
+        self._metrics.keep_warm_tokens.labels(pod_name, "prompt").inc(prompt_tokens)
+        self._metrics.keep_warm_tokens.labels(pod_name, "cached").inc(cached_tokens)
+
     async def _post(self, pod_name: str, model: str, ids: list[int]) -> int:
         pod = self._pods.get(pod_name)
         if pod is None:
@@ -114,8 +122,9 @@ class Refresher:
         headers = {"x-request-id": f"keep-warm-{next(self._ids):x}"}
         if self._auth.upstream == "replace":
             headers["authorization"] = f"Bearer {self._auth.upstream_api_key}"
-        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
-        async with self._http.session.post(f"{pod.url}/v1/completions", json=body, headers=headers,
+        headers["content-type"] = "application/json"
+        body = msgspec.json.encode({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0})
+        async with self._http.session.post(f"{pod.url}/v1/completions", data=body, headers=headers,
                                            timeout=TIMEOUT) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")

@@ -10,9 +10,11 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from gateway.backends.registry import PodRegistry
-from gateway.config import HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
+from gateway.config import AuthConfig, HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
+from gateway.http_client import HttpClient
 from gateway.kv import free_queue
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from gateway.kv.free_queue import FreeQueues
@@ -22,9 +24,9 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.profiles import ProfileStore
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, keep_warm_spent, prediction_checks
 from gateway.workflow.keep_warm import Candidate, KeepWarm, PodWarmth, choose_refresh
-from gateway.workflow.refresh import KeptPrompt, KeptPrompts
+from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher
 
 # The free queue
 
@@ -265,6 +267,14 @@ def test_a_pods_rate_of_new_blocks_and_what_one_request_may_take_follow_its_requ
 # The prompts kept
 
 
+def test_a_refresh_that_gave_way_is_counted_as_the_pod_counted_it():
+    metrics = GatewayMetrics()
+    Refresher(PodRegistry([], HealthConfig()), AuthConfig(), HttpClient(), metrics).cancelled("p", 65, 64)
+    spent = keep_warm_spent(generate_latest(metrics.registry).decode())["p"]
+    assert (spent.requests, spent.prompt_tokens, spent.cached_tokens) == (1, 65, 64)
+    assert prediction_checks(generate_latest(metrics.registry).decode())["keep_warm_cancelled"] == 1
+
+
 def test_prompts_are_kept_within_their_token_bound_and_short_ones_not_at_all():
     prompts = KeptPrompts(min_tokens=10, max_tokens=50)
     prompts.keep("a", "p", "m", list(range(30)))
@@ -289,10 +299,14 @@ def test_a_refresh_is_the_blocks_and_the_next_token():
 class RecordingRefresher:
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, list[int]]] = []
+        self.cancels: list[tuple[str, int, int]] = []
 
     async def refresh(self, pod: str, model: str, ids: list[int]) -> int:
         self.sent.append((pod, model, ids))
         return (len(ids) - 1) // 16 * 16
+
+    def cancelled(self, pod: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.cancels.append((pod, prompt_tokens, cached_tokens))
 
 
 class SlowRefresher(RecordingRefresher):
@@ -380,7 +394,7 @@ async def test_a_refresh_in_flight_gives_way_to_a_client_request_routed_to_its_p
     await asyncio.sleep(0)
     pod = fleet.keep_warm.debug()["pods"]["p"]
     assert (pod["cancelled"], pod["refreshes"]) == (1, 0) and fleet.keep_warm._warmth["p"].refresh is None
-    assert fleet.metrics.keep_warm_requests.labels("p", "cancelled")._value.get() == 1
+    assert fleet.refresher.cancels == [("p", 4 * 16 + 1, 4 * 16)]  # counted as the engine counted it
     # The engine had it running: its blocks went to the back when it was aborted, as a refresh's do.
     assert fleet.queues.ahead("p", held[-1]) == 4 and fleet.queues.ahead("p", other[-1]) == 0
     fleet.keep_warm.routed("p", 4)  # nothing in flight: nothing to cancel
