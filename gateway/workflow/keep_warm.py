@@ -15,10 +15,11 @@ how likely. Each tick, per pod (:func:`choose_refresh`):
 3. only on idle capacity: never while the pod says requests wait, nor while more than ``max_in_flight`` of
    the gateway's requests run there (none, by default), nor while flow control holds a request that may
    go there; one refresh at a time per pod, and within ``max_share`` refreshes per request routed there;
-4. never in a client's way: a refresh still running when a client request is routed to its pod is
-   cancelled. The engine aborts a request whose connection closes and frees its blocks as any request's,
-   to the back of its free queue: a refresh the engine had scheduled has made its touch already (on an
-   idle pod it is scheduled in the next engine step), so its blocks count as refreshed.
+4. never in a client's way: a refresh still running when a client request is routed to its pod (and the
+   pod is no longer idle capacity by ``max_in_flight``) is cancelled. The engine aborts a request whose
+   connection closes and frees its blocks as any request's, to the back of its free queue: a refresh the
+   engine had scheduled has made its touch already (on an idle pod it is scheduled in the next engine
+   step), so its blocks count as refreshed.
 
 Owner: :class:`KeepWarm` owns each pod's refresh budget and rate of new blocks, the prompts kept, and its
 refreshes in flight. It reads the working set (contexts, their think time and return chance), the free
@@ -169,11 +170,12 @@ class KeepWarm:
     # The request path's side (the recency step)
 
     def routed(self, pod: str, new_blocks: int) -> None:
-        """A request was routed to ``pod``, where it takes ``new_blocks`` blocks: its refresh budget grows, and
-        a refresh running there gives way."""
+        """A request was routed to ``pod`` (the ledger counts it there), where it takes ``new_blocks`` blocks:
+        its refresh budget grows, and a refresh running there gives way once the pod is no longer idle
+        capacity (more than ``max_in_flight`` of the gateway's requests)."""
         warmth = self._warmth.setdefault(pod, PodWarmth())
         warmth.routed(new_blocks, self.config.max_share)
-        if warmth.refresh is not None:
+        if warmth.refresh is not None and self._ledger.on_pod(pod) > self.config.max_in_flight:
             warmth.refresh.cancel()
 
     def dispatched(self, context: str, pod: str, model: str, ids: Sequence[int]) -> None:

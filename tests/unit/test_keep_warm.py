@@ -390,6 +390,7 @@ async def test_a_refresh_in_flight_gives_way_to_a_client_request_routed_to_its_p
     fleet.keep_warm.tick()
     await asyncio.sleep(0)
     assert len(fleet.refresher.sent) == 1 and fleet.queues.ahead("p", held[-1]) is None  # out while it runs
+    fleet.ledger.dispatch("client", "p", 0.1, "chat")
     fleet.keep_warm.routed("p", 4)  # a client request is dispatched there: the refresh is cancelled
     await asyncio.sleep(0)
     pod = fleet.keep_warm.debug()["pods"]["p"]
@@ -399,6 +400,20 @@ async def test_a_refresh_in_flight_gives_way_to_a_client_request_routed_to_its_p
     assert fleet.queues.ahead("p", held[-1]) == 4 and fleet.queues.ahead("p", other[-1]) == 0
     fleet.keep_warm.routed("p", 4)  # nothing in flight: nothing to cancel
     assert fleet.keep_warm.debug()["pods"]["p"]["cancelled"] == 1
+
+
+async def test_a_refresh_beside_requests_a_pod_batches_anyway_goes_on():
+    # max_in_flight 2: a pod that batches many requests takes a refresh beside two of them at no cost.
+    fleet = Fleet(capacity_blocks=9, refresher=SlowRefresher(), max_in_flight=2)
+    fleet.served("workflow:a", list(range(1000, 1000 + 4 * 16 + 3)))
+    fleet.served("workflow:b", list(range(5000, 5000 + 4 * 16)))
+    fleet.keep_warm.tick()
+    await asyncio.sleep(0)
+    for n in range(3):
+        fleet.ledger.dispatch(f"client-{n}", "p", 0.1, "chat")
+        fleet.keep_warm.routed("p", 4)
+        await asyncio.sleep(0)
+        assert fleet.keep_warm.debug()["pods"]["p"]["cancelled"] == (1 if n == 2 else 0)
 
 
 async def test_no_refresh_starts_on_a_pod_flow_control_holds_a_request_for():
