@@ -72,7 +72,7 @@ def main() -> None:
                     round(r.keep_warm, 4), "infinite": r.infinite and round(r.infinite, 4),
                     "ttft_p50_ms": round(r.ttft_p50_ms), "ttft_p90_ms": round(r.ttft_p90_ms),
                     "session_p50_s": round(r.session_p50_ms / 1000, 2),
-                    "busy_p50_s": round(r.extra["busy_p50_ms"] / 1000, 3), "requests_per_pod": r.pod_requests,
+                    "busy_p50_s": round(r.busy_p50_ms / 1000, 3), "requests_per_pod": r.pod_requests,
                     "errors": r.errors, **{k: r.extra[k] for k in KEEP_WARM_EXTRAS if k in r.extra}}), flush=True)
     finally:
         for pod in pods:

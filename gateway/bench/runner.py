@@ -163,6 +163,7 @@ class Result:
     req_per_s: float = 0.0
     # A session's time from its start to its last answer (a workflow's completion time), median.
     session_p50_ms: float = 0.0
+    busy_p50_ms: float = 0.0  # a session's time waiting for its answers (its time less the trace's think times)
     rejected: int = 0
     # Requests each pod finished (its own counter) and the busiest pod's share of them.
     pod_requests: list[int] = field(default_factory=list)
@@ -717,7 +718,7 @@ class BenchRunner:
         result.e2e_p50_ms, result.e2e_p90_ms, result.e2e_p99_ms = (pct(e2e, q) for q in (0.5, 0.9, 0.99))
         result.req_per_s = len(ok) / seconds if seconds else 0.0
         result.session_p50_ms = pct(session_times(outcomes), 0.5)
-        result.extra["busy_p50_ms"] = round(pct(busy_times(outcomes), 0.5), 1)
+        result.busy_p50_ms = pct(busy_times(outcomes), 0.5)
         result.tenants = tenant_stats(trace, outcomes, trace.duration_s or seconds)
         oracle = self._oracle(trace, caches, {(o.session, o.step): o.answer for o in outcomes})
         if oracle:
