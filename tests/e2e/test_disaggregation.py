@@ -197,7 +197,7 @@ async def test_no_request_fails_when_the_prefill_pod_is_killed(start_pd_gateway,
     else:
         # ExampleConnector saves a prompt's KV as a folder, then a file per layer, and a pod finding the folder
         # loads every file: a prefill pod killed while saving leaves an entry that kills the decode pod loading
-        # it (vLLM 0.32; README). So here it dies while the decode legs run, none of its own in flight.
+        # it (vLLM 0.32; docs/disaggregation.md). So here it dies while the decode legs run, none of its own in flight.
         ledger = gw.gateway.ledger
         await eventually(lambda: ledger.on_pod("prefill") == 0 and ledger.on_pod("decode") > 0, WAIT_S)
     await asyncio.to_thread(fleet[0].kill)

@@ -12,7 +12,7 @@ process's.
 
 B's floor is B alone (through the same gateway, idle pod) plus one of A's prefills on the idle pod: a pod
 that prefills first come, first served cannot do better for B while A keeps it busy. The table the module
-prints (``-s``) holds the figures the README quotes.
+prints (``-s``) holds the figures docs/benchmarks.md quotes.
 """
 
 from __future__ import annotations
