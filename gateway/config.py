@@ -367,7 +367,7 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     new requests wait at the gateway and are dispatched band by band, the flow with the least weighted
     service first. Reloaded with the config file (all but ``enabled``: :mod:`gateway.config_reload`).
     On by default: an idle fleet holds nothing, and a request that is not held costs a few per cent more
-    CPU (the README's flow-control section has the numbers)."""
+    CPU (docs/benchmarks.md#flow-control has the numbers)."""
 
     enabled: bool = True
     saturation: SaturationConfig = msgspec.field(default_factory=SaturationConfig)
