@@ -53,12 +53,14 @@ from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow import FlowControl
+from gateway.request.models import ModelUse
 from gateway.request.observers import (
     AccessLog,
     OutputLearning,
@@ -152,12 +154,13 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     fc = config.flow_control
     service = ServiceCounters(sinks.flows)
     workflow_flows = WorkflowFlows(publish=sinks.flows)
-    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows)
+    signals = ContextSignals(wc.session_headers)
+    rules = ModelRules(config.models, signals, sinks.models)
+    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules)
     flow_metrics = FlowMetrics(metrics.registry)
     detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
                                   active_flows=service.active_flows)
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
-    signals = ContextSignals(wc.session_headers)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
@@ -188,7 +191,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                   *([admit] if admit else [])],
         finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else [])],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
-                  OutputLearning(predictor, metrics), RequestMetrics(metrics), steps, AccessLog()],
+                  OutputLearning(predictor, metrics), RequestMetrics(metrics), ModelUse(rules, metrics.registry),
+                  steps, AccessLog()],
     )
     if config.tracing.enabled:
         from gateway.request import tracing  # the otel extra: imported only when tracing is on
@@ -200,7 +204,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                  "max_body_bytes": config.server.max_body_bytes}
     prefill = PrefillLegs(config.disaggregation, pods, router, ledger, proxy, metrics, dispatched=[routed],
                           default_consumption=load.default_consumption)
-    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, **directing)
+    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, models=rules,
+                               **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
@@ -219,10 +224,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     reloader = None
     if source is not None and source.path:
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
-                                  config.server.config_watch_interval_s)
+                                  config.server.config_watch_interval_s, {"models": rules.reconfigure})
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps,
+        director=director, counting=counting, steps=steps, models=rules,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,

@@ -77,7 +77,7 @@ async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check(request.headers)
-    return web.json_response({"object": "list", "data": gateway.pods.model_cards()})
+    return web.json_response({"object": "list", "data": gateway.models.cards(gateway.pods.model_cards())})
 
 
 async def _healthz(request: web.Request) -> web.Response:

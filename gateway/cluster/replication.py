@@ -5,7 +5,7 @@ other workers and replicas (:func:`replicate`).
 What is shared (``shared_state.share``):
 
 - ``workflows``: the workflow tracker's stages, dispatches, finishes and completions;
-- ``sessions``: session pins;
+- ``sessions``: session pins, and the targets of model splits pinned to sticky keys;
 - ``contexts``: the resumable working set's holds, idles and releases (what placement weighs);
 - ``speculative``: the prefix index's just-routed blocks;
 - ``flows``: flow control's service counters (charges and lifts) and the flow each workflow began with;
@@ -33,6 +33,7 @@ from gateway.core.facts import (
     ServiceCharged,
     ServiceLifted,
     SessionPinned,
+    SplitPinned,
     StageBegan,
     StageDispatched,
     StageFinished,
@@ -44,6 +45,7 @@ from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
+from gateway.models.rules import ModelRules
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
@@ -60,6 +62,7 @@ class Sinks:
     working_set: Publish = unshared
     index: Publish = unshared
     flows: Publish = unshared
+    models: Publish = unshared
 
     @classmethod
     def of(cls, bus: StateBus) -> Sinks:
@@ -70,12 +73,13 @@ class Sinks:
 
         return cls(ledger=sink(bool(share & _COUNTED)), tracker=sink("workflows" in share),
                    sessions=sink("sessions" in share), working_set=sink("contexts" in share),
-                   index=sink("speculative" in share), flows=sink("flows" in share))
+                   index=sink("speculative" in share), flows=sink("flows" in share),
+                   models=sink("sessions" in share))
 
 
 def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, sessions: SessionAffinity,
               working_set: ResumableWorkingSet, index: PrefixIndex, service: ServiceCounters,
-              workflow_flows: WorkflowFlows) -> None:
+              workflow_flows: WorkflowFlows, rules: ModelRules | None = None) -> None:
     """Apply the facts of the other processes to the owners whose state is shared."""
     if not bus.active:
         return
@@ -93,6 +97,8 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
                tracker.apply_remote)
     if "sessions" in share:
         bus.on((SessionPinned,), sessions.apply_remote)
+        if rules is not None:
+            bus.on((SplitPinned,), rules.apply_remote)
     if "contexts" in share:
         bus.on((ContextHeld, ContextIdled, ContextReleased), working_set.apply_remote)
     if "speculative" in share:

@@ -116,6 +116,13 @@ class WorkflowFlow(Fact):
     priority: int
 
 
+# Model rules: a split's sticky key (a workflow, session, conversation or response) was given this target.
+class SplitPinned(Fact):
+    key: str
+    public: str
+    target: str
+
+
 # Not state: a wake-up call to the workers of one replica, sent at once, when room frees up on a pod while
 # they hold requests (``gateway/flow/release_order.py``).
 class RoomFreed(Fact):
@@ -124,7 +131,7 @@ class RoomFreed(Fact):
 
 AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | ContextHeld | ContextIdled
            | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped
-           | ServiceCharged | ServiceLifted | WorkflowFlow | RoomFreed)
+           | ServiceCharged | ServiceLifted | WorkflowFlow | SplitPinned | RoomFreed)
 
 
 # Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.
