@@ -226,6 +226,15 @@ class MockPod:
         if self.publisher:
             await self.publisher.stop()
 
+    async def kill(self) -> None:
+        """Die as a crashed pod does: every connection cut at once (requests in flight get no answer), then
+        nothing listens."""
+        server = self._runner.server if self._runner is not None else None
+        for handler in list(server.connections) if server is not None else []:
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.stop()
+
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"

@@ -17,10 +17,10 @@ Both sides replace one JSON member in place rather than decode and re-encode the
 
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 
+import msgspec
 import orjson
 
 _EVENT_END = b"\n\n"
@@ -40,14 +40,9 @@ def with_model(body: bytes, public: str, target: str) -> bytes:
         rewritten, found = _member(public).subn(rb"\g<1>" + _escaped(target), body, count=1)
         if found:
             return rewritten
-    try:
-        decoded = orjson.loads(body)
-        decoded["model"] = target
-        return orjson.dumps(decoded)
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # an integer past 64 bits, for one
-        decoded = json.loads(body)
-        decoded["model"] = target
-        return json.dumps(decoded, ensure_ascii=False, separators=(",", ":")).encode()
+    decoded = msgspec.json.decode(body)  # numbers kept exact, big integers included
+    decoded["model"] = target
+    return msgspec.json.encode(decoded)
 
 
 def _escaped(name: str) -> bytes:
