@@ -53,7 +53,8 @@ def test_a_split_holds_its_weights_over_ten_thousand_sessions_and_no_session_mov
     assert abs(shares["stable"] / 10_000 - 0.9) <= 0.02 and abs(shares["canary"] / 10_000 - 0.1) <= 0.02
     assert all(targets[1:] == ("small",) for targets in first.values())
     # Later turns, and a reload that moves the weights: every session keeps the target it began with.
-    r.reconfigure(ModelsConfig(rules={"chat": ModelRule(targets=[ModelTarget("stable", 50), ModelTarget("canary", 50)])}))
+    halves = [ModelTarget("stable", 50), ModelTarget("canary", 50)]
+    r.reconfigure(ModelsConfig(rules={"chat": ModelRule(targets=halves)}))
     assert all(route(r, chat(content="next turn"), {"x-session-id": f"s{s}"}).targets[0] == first[s][0]
                for s in range(10_000))
     fresh = Counter(route(r, chat(), {"x-session-id": f"new{s}"}).targets[0] for s in range(2_000))
@@ -76,7 +77,8 @@ def test_the_same_session_gets_the_same_target_in_every_process():
 
 def test_sticky_keys_workflow_conversation_response_and_a_chats_opening():
     r = rules()
-    seen = {route(r, chat(), {"x-workflow-id": "wf"}).sticky, route(r, chat(conversation="c1"), kind="responses").sticky,
+    seen = {route(r, chat(), {"x-workflow-id": "wf"}).sticky,
+            route(r, chat(conversation="c1"), kind="responses").sticky,
             route(r, chat(conversation={"id": "c2"}), kind="responses").sticky}
     assert seen == {"workflow:wf", "conversation:c1", "conversation:c2"}
     # An anonymous chat is known by its opening: every turn re-sends it.
@@ -123,7 +125,8 @@ def test_the_request_names_the_target_and_nothing_else_changes():
 
 def test_the_answer_names_the_public_model_in_every_event_even_cut_in_two():
     rewrite = AnswerRewrite("stable", "chat", capture_response_id=True)
-    events = [b'data: {"id":"resp_1","model":"stable","choices":[{"delta":{"content":"\\"model\\":\\"stable\\""}}]}\n\n',
+    quoted = b'"\\"model\\":\\"stable\\""'  # a string that looks like the member: left alone
+    events = [b'data: {"id":"resp_1","model":"stable","choices":[{"delta":{"content":' + quoted + b'}}]}\n\n',
               b'data: {"model": "stable", "choices": []}\n\n', b"data: [DONE]\n\n"]
     stream = b"".join(events)
     out = [rewrite.chunk(stream[i:i + 7]) for i in range(0, len(stream), 7)] + [rewrite.rest()]
