@@ -53,6 +53,7 @@ from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
 from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
@@ -60,7 +61,7 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow import FlowControl
-from gateway.request.models import ModelUse
+from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
     AccessLog,
     OutputLearning,
@@ -141,25 +142,30 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     working_set = ResumableWorkingSet(config.placement, ledger, sinks.working_set,
                                       anonymous_prefix=f"anon-{identity.origin}-")
     capacity_of = kv_capacity(pods, load)
+    fc = config.flow_control
+    service = ServiceCounters(sinks.flows)
+    detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
+                                  active_flows=service.active_flows)
+    adapter_use = AdapterUse(sinks.adapters)
+    adapter_placement = AdapterPlacement(adapter_use, load.engine, lambda pod: detector.saturated_by(pod) is not None,
+                                         config.models.lora)
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
-                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of))
+                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of),
+                    gateway_filters=[adapter_placement])
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
-    fc = config.flow_control
-    service = ServiceCounters(sinks.flows)
     workflow_flows = WorkflowFlows(publish=sinks.flows)
     signals = ContextSignals(wc.session_headers)
     rules = ModelRules(config.models, signals, sinks.models)
-    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules)
+    adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
+    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use)
     flow_metrics = FlowMetrics(metrics.registry)
-    detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
-                                  active_flows=service.active_flows)
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
@@ -174,6 +180,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     placement = ContextPlacement(index, working_set, losses)
     routed = RoutedPrefix(index, approximate)
     steps = StepMetrics(metrics)
+    tracking = AdapterTracking(adapter_use)
     keep_warm = recency = None
     if queues is not None:
         keep_warm = KeepWarm(wc.keep_warm, pods, working_set, queues, index, load, ledger, capacity_of,
@@ -188,8 +195,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                  if config.placement.hold_new_s else []), *([admit] if admit else [])],
         # Cache recency reads a context as it was before this request: before placement holds it anew.
         dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning,
-                  *([admit] if admit else [])],
-        finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else [])],
+                  *([admit] if admit else []), tracking],
+        finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else []), tracking],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), ModelUse(rules, metrics.registry),
                   steps, AccessLog()],
@@ -205,7 +212,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     prefill = PrefillLegs(config.disaggregation, pods, router, ledger, proxy, metrics, dispatched=[routed],
                           default_consumption=load.default_consumption)
     director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, models=rules,
-                               **directing)
+                               adapters=adapters, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
@@ -224,10 +231,11 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     reloader = None
     if source is not None and source.path:
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
-                                  config.server.config_watch_interval_s, {"models": rules.reconfigure})
+                                  config.server.config_watch_interval_s,
+                                  {"models": lambda models: (rules.reconfigure(models), adapters.reconfigure(models))})
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps, models=rules,
+        director=director, counting=counting, steps=steps, models=rules, adapters=adapters,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
@@ -342,7 +350,8 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
-    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
+    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop),
+            lifecycle(gw.adapters.start, gw.adapters.stop)]
     if gw.keep_warm is not None:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
     if gw.pressure is not None:

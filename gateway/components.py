@@ -34,6 +34,7 @@ from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.models.adapters import AdapterLoader
 from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureMonitor
@@ -60,6 +61,7 @@ class Gateway:
     counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
     steps: StepMetrics  # the time of each step of the director's requests (/debug/steps)
     models: ModelRules  # public model names and their targets
+    adapters: AdapterLoader  # LoRA adapters registered where needed (/debug/adapters)
     auth: ApiKeyAuth
     policies: PluginRegistry
     kv: KvEventService

@@ -424,8 +424,9 @@ class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str | None = None
     channel: str = "gateway:shared-state"
     # What to share; leave one out to keep it local (each costs every other worker CPU to apply).
-    share: list[Literal["workflows", "sessions", "contexts", "speculative", "flows"]] = msgspec.field(
-        default_factory=lambda: ["workflows", "sessions", "contexts", "speculative", "flows"])
+    share: list[Literal["workflows", "sessions", "contexts", "speculative", "flows", "adapters", "limits"]] = \
+        msgspec.field(default_factory=lambda: ["workflows", "sessions", "contexts", "speculative", "flows", "adapters",
+                                               "limits"])
     flush_ms: float = 2.0
     heartbeat_s: float = 1.0
     # A worker or replica not heard from for this long is gone: its requests are no longer in flight.

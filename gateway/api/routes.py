@@ -40,6 +40,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/placement", partial(_debug_placement, gateway))
     app.router.add_get("/debug/flows", partial(_debug_flows, gateway))
     app.router.add_get("/debug/steps", partial(_debug_steps, gateway))
+    app.router.add_get("/debug/adapters", partial(_debug_adapters, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -157,6 +158,12 @@ async def _debug_steps(gateway: Gateway, request: web.Request) -> web.Response:
     """This worker's time per step of its recent requests (``gateway_request_step_seconds`` has them all)."""
     _check_admin(gateway, request)
     return web.json_response({"worker": gateway.identity.name, "steps": gateway.steps.debug()})
+
+
+async def _debug_adapters(gateway: Gateway, request: web.Request) -> web.Response:
+    """LoRA adapters: where each is registered and active, when each pod served it, registrations."""
+    _check_admin(gateway, request)
+    return web.json_response(gateway.adapters.debug())
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ What is shared (``shared_state.share``):
 - ``contexts``: the resumable working set's holds, idles and releases (what placement weighs);
 - ``speculative``: the prefix index's just-routed blocks;
 - ``flows``: flow control's service counters (charges and lifts) and the flow each workflow began with;
+- ``adapters``: which LoRA adapters each pod served lately (what stays resident, and what idles);
 - with any of the first three, the in-flight ledger's per-context and per-stage counts, the one count of
   requests in flight that the tracker, the session map and the working set all read.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from gateway.cluster.bus import StateBus
 from gateway.core.facts import (
+    AdapterServed,
     BlocksExpected,
     ContextHeld,
     ContextIdled,
@@ -45,6 +47,7 @@ from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
+from gateway.models.adapters import AdapterUse
 from gateway.models.rules import ModelRules
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
@@ -63,6 +66,7 @@ class Sinks:
     index: Publish = unshared
     flows: Publish = unshared
     models: Publish = unshared
+    adapters: Publish = unshared
 
     @classmethod
     def of(cls, bus: StateBus) -> Sinks:
@@ -74,12 +78,13 @@ class Sinks:
         return cls(ledger=sink(bool(share & _COUNTED)), tracker=sink("workflows" in share),
                    sessions=sink("sessions" in share), working_set=sink("contexts" in share),
                    index=sink("speculative" in share), flows=sink("flows" in share),
-                   models=sink("sessions" in share))
+                   models=sink("sessions" in share), adapters=sink("adapters" in share))
 
 
 def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, sessions: SessionAffinity,
               working_set: ResumableWorkingSet, index: PrefixIndex, service: ServiceCounters,
-              workflow_flows: WorkflowFlows, rules: ModelRules | None = None) -> None:
+              workflow_flows: WorkflowFlows, rules: ModelRules | None = None,
+              adapters: AdapterUse | None = None) -> None:
     """Apply the facts of the other processes to the owners whose state is shared."""
     if not bus.active:
         return
@@ -106,3 +111,5 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
     if "flows" in share:
         bus.on((ServiceCharged, ServiceLifted), service.apply_remote)
         bus.on((WorkflowFlow,), workflow_flows.apply_remote)
+    if "adapters" in share and adapters is not None:
+        bus.on((AdapterServed,), adapters.apply_remote)

@@ -123,6 +123,12 @@ class SplitPinned(Fact):
     target: str
 
 
+# LoRA adapters: the pod served a request of the adapter (sent at most every few seconds per pod and adapter).
+class AdapterServed(Fact):
+    pod: str
+    adapter: str
+
+
 # Not state: a wake-up call to the workers of one replica, sent at once, when room frees up on a pod while
 # they hold requests (``gateway/flow/release_order.py``).
 class RoomFreed(Fact):
@@ -131,7 +137,7 @@ class RoomFreed(Fact):
 
 AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | ContextHeld | ContextIdled
            | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped
-           | ServiceCharged | ServiceLifted | WorkflowFlow | SplitPinned | RoomFreed)
+           | ServiceCharged | ServiceLifted | WorkflowFlow | SplitPinned | AdapterServed | RoomFreed)
 
 
 # Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.

@@ -31,9 +31,10 @@ from typing import Protocol
 from gateway.api.errors import status_of
 from gateway.auth import ApiKey
 from gateway.backends.registry import Pod, PodRegistry
-from gateway.core.errors import GatewayError
+from gateway.core.errors import GatewayError, upstream_failed
 from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
+from gateway.models.adapters import AdapterUnavailable
 from gateway.models.rules import ModelRoute, ModelRules, as_is
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
@@ -68,11 +69,11 @@ class RequestPlanner(Protocol):
 
 class AdapterLoader(Protocol):
     """Registers a request's LoRA adapter on the pod an attempt goes to, when the pod does not list it yet;
-    raises :class:`RetryableFailure` when it cannot (the request then tries another pod)."""
+    raises :class:`AdapterUnavailable` when it cannot (the request then tries another pod)."""
 
-    def needed(self, attempt: Attempt) -> bool: ...
+    def needed(self, routing: RoutingRequest, pod: Pod) -> bool: ...
 
-    async def ready(self, attempt: Attempt) -> None: ...
+    async def ready(self, routing: RoutingRequest, pod: Pod) -> None: ...
 
 
 # What a target's failure is, when the next target may take the request instead: it has no pod, or its
@@ -279,8 +280,11 @@ class RequestDirector:
         outcome: RelayOutcome | None = None
         run.prefill = None
         try:
-            if self._adapters is not None and self._adapters.needed(attempt):
-                await self._adapters.ready(attempt)
+            if self._adapters is not None and self._adapters.needed(attempt.routing, attempt.decision.pod):
+                try:
+                    await self._adapters.ready(attempt.routing, attempt.decision.pod)
+                except AdapterUnavailable as exc:
+                    raise RetryableFailure(upstream_failed(str(exc)), "adapter_load") from None
             if self._prefill is not None and attempt.routing.leg == "decode":
                 times.mark(Step.DISPATCH)
                 run.prefill = await self._prefill.run(attempt)

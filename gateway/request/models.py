@@ -1,7 +1,11 @@
-"""The step that watches what model names meant (:mod:`gateway.models.rules`): complete counts each
-request by the public name it asked for and the target that served it, each fallback by why it was
-taken, and pins the answer of a split's Responses request to its target (the response that continues it
-gets the same one).
+"""The steps of model names and adapters.
+
+- :class:`ModelUse` watches what model names meant (:mod:`gateway.models.rules`): complete counts each
+  request by the public name it asked for and the target that served it, each fallback by why it was
+  taken, and pins the answer of a split's Responses request to its target (the response that continues it
+  gets the same one);
+- :class:`AdapterTracking` tells the adapters' use (:mod:`gateway.models.adapters`) where each LoRA
+  request went (dispatch) and that it ended (finish).
 
 Owner: nothing of its own (the metrics' children, cached).
 """
@@ -12,8 +16,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from gateway.models.adapters import AdapterUse
 from gateway.models.rules import ModelRules
-from gateway.request.types import CompletedRequest
+from gateway.proxy.outcome import RelayOutcome
+from gateway.request.types import Attempt, CompletedRequest
 
 
 class ModelUse:
@@ -45,3 +51,16 @@ class ModelUse:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         child.inc()
+
+
+class AdapterTracking:
+    def __init__(self, use: AdapterUse) -> None:
+        self._use = use
+
+    def dispatched(self, attempt: Attempt) -> None:
+        if (adapter := attempt.routing.lora_name) is not None:
+            self._use.routed(attempt.decision.pod.name, adapter)
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        if (adapter := attempt.routing.lora_name) is not None:
+            self._use.ended(attempt.decision.pod.name, adapter)

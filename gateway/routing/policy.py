@@ -44,10 +44,11 @@ class PlacementCost:
 
     uncached: int
     overflow: float
+    switch: float = 0.0  # a LoRA request's adapter switched into the pod's batch slots, or loaded there
 
     @property
     def total(self) -> float:
-        return self.uncached + self.overflow
+        return self.uncached + self.overflow + self.switch
 
 
 @dataclass(slots=True)
