@@ -46,6 +46,9 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.enforcer import KeyLimits
+from gateway.limits.shared import SharedUsage
+from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
@@ -61,6 +64,7 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow import FlowControl
+from gateway.request.limits import KeyLimitsStep, UsageAccounting
 from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
     AccessLog,
@@ -164,9 +168,17 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     signals = ContextSignals(wc.session_headers)
     rules = ModelRules(config.models, signals, sinks.models)
     adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
-    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use)
+    usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False)
+    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use, usage)
     flow_metrics = FlowMetrics(metrics.registry)
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
+
+    def tenant_of(key: str) -> str:  # as flow control tells a key's tenant (reloaded with it)
+        return flow.config.keys.get(key, key)
+
+    limits = KeyLimits(config.limits, usage, tenant_of)
+    key_limits = KeyLimitsStep(limits)
+    usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
@@ -187,11 +199,12 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                              Refresher(pods, config.auth, http, metrics), metrics)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
-        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
+        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server, limits.counts_input),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
-        admit=[*([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
+        admit=[key_limits,
+               *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
                  if config.placement.hold_new_s else []), *([admit] if admit else [])],
         # Cache recency reads a context as it was before this request: before placement holds it anew.
         dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning,
@@ -199,7 +212,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else []), tracking],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
                   OutputLearning(predictor, metrics), RequestMetrics(metrics), ModelUse(rules, metrics.registry),
-                  steps, AccessLog()],
+                  key_limits, UsageAccounting(usage_tally, tenant_of), steps, AccessLog()],
     )
     if config.tracing.enabled:
         from gateway.request import tracing  # the otel extra: imported only when tracing is on
@@ -232,10 +245,12 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     if source is not None and source.path:
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
                                   config.server.config_watch_interval_s,
-                                  {"models": lambda models: (rules.reconfigure(models), adapters.reconfigure(models))})
+                                  {"models": lambda models: (rules.reconfigure(models), adapters.reconfigure(models)),
+                                   "limits": limits.reconfigure})
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps, models=rules, adapters=adapters,
+        director=director, counting=counting, steps=steps, models=rules, adapters=adapters, limits=limits,
+        usage=usage_tally,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,

@@ -28,6 +28,8 @@ from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.enforcer import KeyLimits
+from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureModes
@@ -62,6 +64,8 @@ class Gateway:
     steps: StepMetrics  # the time of each step of the director's requests (/debug/steps)
     models: ModelRules  # public model names and their targets
     adapters: AdapterLoader  # LoRA adapters registered where needed (/debug/adapters)
+    limits: KeyLimits  # token and concurrency limits per key and tenant (/debug/usage)
+    usage: UsageTally  # requests and tokens per key, tenant and model (/debug/usage)
     auth: ApiKeyAuth
     policies: PluginRegistry
     kv: KvEventService

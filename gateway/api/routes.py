@@ -41,6 +41,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/flows", partial(_debug_flows, gateway))
     app.router.add_get("/debug/steps", partial(_debug_steps, gateway))
     app.router.add_get("/debug/adapters", partial(_debug_adapters, gateway))
+    app.router.add_get("/debug/usage", partial(_debug_usage, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -164,6 +165,17 @@ async def _debug_adapters(gateway: Gateway, request: web.Request) -> web.Respons
     """LoRA adapters: where each is registered and active, when each pod served it, registrations."""
     _check_admin(gateway, request)
     return web.json_response(gateway.adapters.debug())
+
+
+async def _debug_usage(gateway: Gateway, request: web.Request) -> web.Response:
+    """Usage per key, tenant and model (this worker's), and each limited key's and tenant's use now (every
+    worker's and replica's)."""
+    _check_admin(gateway, request)
+    limits = gateway.limits
+    scopes = [*(f"key:{k}" for k in limits.config.keys), *(f"tenant:{t}" for t in limits.config.tenants)]
+    return web.json_response({"worker": gateway.identity.name, "usage": gateway.usage.debug(),
+                              "share": limits.usage.share(),
+                              "limited": {scope: limits.usage.debug(scope) for scope in scopes}})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

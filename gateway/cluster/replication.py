@@ -10,6 +10,8 @@ What is shared (``shared_state.share``):
 - ``speculative``: the prefix index's just-routed blocks;
 - ``flows``: flow control's service counters (charges and lifts) and the flow each workflow began with;
 - ``adapters``: which LoRA adapters each pod served lately (what stays resident, and what idles);
+- ``limits``: the tokens and requests in flight of each API key and tenant with limits (each heartbeat
+  carries a process's own whole);
 - with any of the first three, the in-flight ledger's per-context and per-stage counts, the one count of
   requests in flight that the tracker, the session map and the working set all read.
 
@@ -32,6 +34,7 @@ from gateway.core.facts import (
     OwnersSnapshot,
     PreserveDropped,
     Publish,
+    ScopeRequests,
     ServiceCharged,
     ServiceLifted,
     SessionPinned,
@@ -39,6 +42,8 @@ from gateway.core.facts import (
     StageBegan,
     StageDispatched,
     StageFinished,
+    UsageCharged,
+    UsageSnapshot,
     WorkflowCompleted,
     WorkflowFlow,
     unshared,
@@ -46,6 +51,7 @@ from gateway.core.facts import (
 from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.shared import SharedUsage
 from gateway.load.ledger import InFlightLedger
 from gateway.models.adapters import AdapterUse
 from gateway.models.rules import ModelRules
@@ -67,6 +73,7 @@ class Sinks:
     flows: Publish = unshared
     models: Publish = unshared
     adapters: Publish = unshared
+    limits: Publish = unshared
 
     @classmethod
     def of(cls, bus: StateBus) -> Sinks:
@@ -78,13 +85,14 @@ class Sinks:
         return cls(ledger=sink(bool(share & _COUNTED)), tracker=sink("workflows" in share),
                    sessions=sink("sessions" in share), working_set=sink("contexts" in share),
                    index=sink("speculative" in share), flows=sink("flows" in share),
-                   models=sink("sessions" in share), adapters=sink("adapters" in share))
+                   models=sink("sessions" in share), adapters=sink("adapters" in share),
+                   limits=sink("limits" in share))
 
 
 def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, sessions: SessionAffinity,
               working_set: ResumableWorkingSet, index: PrefixIndex, service: ServiceCounters,
               workflow_flows: WorkflowFlows, rules: ModelRules | None = None,
-              adapters: AdapterUse | None = None) -> None:
+              adapters: AdapterUse | None = None, usage: SharedUsage | None = None) -> None:
     """Apply the facts of the other processes to the owners whose state is shared."""
     if not bus.active:
         return
@@ -113,3 +121,7 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
         bus.on((WorkflowFlow,), workflow_flows.apply_remote)
     if "adapters" in share and adapters is not None:
         bus.on((AdapterServed,), adapters.apply_remote)
+    if "limits" in share and usage is not None:
+        bus.on((UsageCharged, ScopeRequests, UsageSnapshot), usage.apply_remote)
+        bus.heartbeat_with(usage.snapshot)
+        bus.on_peer_gone(usage.forget_origin)

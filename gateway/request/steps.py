@@ -3,7 +3,7 @@ flow control's: :mod:`gateway.request.flow`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
@@ -61,14 +61,17 @@ class PromptTokenization:
     timed_as = Step.TOKENIZE
 
     def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
-                 server: ServerConfig) -> None:
+                 server: ServerConfig, counted: Callable[[str], bool] = lambda key: False) -> None:
         self._pods = pods
         self._tokens = tokens
         self._verifier = verifier
         self._max_prompt_tokens = server.max_prompt_tokens
+        # Whether the prompts of the key with this name are counted exactly whatever the policy (its input
+        # tokens are limited: an estimate would let a burst pass the limit).
+        self._counted = counted
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
-        if not policy.needs_tokens:
+        if not policy.needs_tokens and not (request.key is not None and self._counted(request.key.config.name)):
             return None
         if self._verifier.drifting(routing.base_model):
             return self._tokenize_drifting(request, routing)

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import chat_body
+from tests.conftest import chat_body, eventually
 
 RULES = {
     "gpt-4o-mini": {"target": "stable"},
@@ -118,7 +118,7 @@ async def test_a_target_whose_pods_die_mid_run_loses_no_request(fleet, http):
             served_by[headers.get("x-gateway-model", "-")] += 1
 
     clients = asyncio.gather(*(client(n) for n in range(8)))
-    await asyncio.sleep(0.5)
+    await eventually(lambda: served_by["stable"] >= 8)  # running, and more in flight there
     for pod in pods["stable"]:
         await pod.kill()
     await clients
