@@ -574,6 +574,12 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many
+    # run in one batch (vLLM's --max-loras) and stay in memory (--max-cpu-loras; none: max_loras).
+    lora_adapters: list[str] = []
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):
