@@ -3,13 +3,14 @@ with them, measured side by side and alternated so that drift on a shared machin
 
     python benchmarks/model_rules_cost.py [--rounds 12] [--requests 40] [--context-words 1200]
 
-Three ``gateway serve`` processes (one worker each, ``kv_aware``) in front of the same two simulated pods
+Four ``gateway serve`` processes (one worker each, ``kv_aware``) in front of the same two simulated pods
 (speed 0: sixteen-token answers at once, streamed, so that the answer's rewriting is measured):
 
 - ``none``: no rules; requests name the pods' model;
 - ``alias``: a rule maps a public name to that model; requests name the public name, so each body is
   rewritten for the pod and each streamed event's ``model`` restored;
-- ``alias+limits``: the same, and an API key with token and concurrency limits (its prompts counted exactly,
+- ``key``: no rules, requests with an API key (no limits): what a key costs before its limits;
+- ``alias+limits``: the alias, and the key with token and concurrency limits (its prompts counted exactly,
   charged, corrected to the engine's usage, its usage tallied).
 
 Each request continues an agent's session (its whole conversation re-sent, plus a tool result), one at a
@@ -93,13 +94,15 @@ def serve(connection: http.client.HTTPConnection, body: bytes, headers: dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--requests", type=int, default=40, help="per process and round")
     parser.add_argument("--context-words", type=int, default=1200, help="the session's system prompt")
     args = parser.parse_args()
     configs = {
         "none": ({}, MODEL, {}),
         "alias": ({"models": {"rules": {"gpt-4o-mini": {"target": MODEL}}}}, "gpt-4o-mini", {}),
+        "key": ({"auth": {"keys": [{"hash": hash_api_key(KEY), "name": "team-a"}]}}, MODEL,
+                {"authorization": f"Bearer {KEY}"}),
         "alias+limits": ({"models": {"rules": {"gpt-4o-mini": {"target": MODEL}}},
                           "auth": {"keys": [{"hash": hash_api_key(KEY), "name": "team-a"}]},
                           "limits": {"keys": {"team-a": {"input_tokens_per_minute": 10**9,

@@ -6,13 +6,14 @@ name again, byte for byte otherwise.
 
 Both sides replace one JSON member in place rather than decode and re-encode the body:
 
-- the request: the top-level ``"model": "<public>"`` member. When the body holds exactly one ``"model"``
-  key (the top-level one, which parsing found), it is that one; otherwise (a nested ``model`` key, an
-  escaped key) the body is decoded, changed and encoded again;
+- the request: the top-level ``"model": "<public>"`` member: the body's first member (SDKs write it first),
+  or the one ``"model"`` key the body holds (the top-level one, which parsing found); otherwise (a nested
+  ``model`` key, an escaped key) the body is decoded, changed and encoded again;
 - the answer: every ``"model": "<target>"`` member. An unescaped quote cannot occur inside a JSON string,
   so the pattern only ever matches a member: the answer's own (``choices`` chunks, the Anthropic
-  ``message_start``, the Responses ``response`` object). A stream is rewritten event by event: an event
-  that arrives cut in two is held until its end (a client reads whole events anyway).
+  ``message_start``, the Responses ``response`` object). Engines write it compactly (``"model":"x"``), which
+  a plain byte replacement finds; other spacing goes through the pattern. A stream is rewritten event by
+  event: an event that arrives cut in two is held until its end (a client reads whole events anyway).
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ def _member(name: str) -> re.Pattern[bytes]:
     return re.compile(rb'("model"\s*:\s*)' + re.escape(orjson.dumps(name)))
 
 
+@lru_cache(maxsize=256)
+def _first_member(name: str) -> re.Pattern[bytes]:
+    """The same as the object's first member: necessarily the top-level one."""
+    return re.compile(rb'\s*\{\s*("model"\s*:\s*)' + re.escape(orjson.dumps(name)))
+
+
 def with_model(body: bytes, public: str, target: str) -> bytes:
     """The request body naming ``target`` where it named ``public``."""
+    if (first := _first_member(public).match(body)) is not None:
+        return body[:first.end(1)] + orjson.dumps(target) + body[first.end():]
     if body.count(_MODEL_KEY) == 1:
         rewritten, found = _member(public).subn(rb"\g<1>" + _escaped(target), body, count=1)
         if found:
@@ -53,11 +62,13 @@ class AnswerRewrite:
     """One answer's way back: the ``model`` the pod wrote (``served``) becomes ``shown``, and (with
     ``capture_response_id``) the Responses answer's id is kept in ``response_id``."""
 
-    __slots__ = ("_capture", "_held", "_member", "_shown", "response_id")
+    __slots__ = ("_capture", "_compact", "_compact_shown", "_held", "_member", "_shown", "response_id")
 
     def __init__(self, served: str, shown: str, capture_response_id: bool = False) -> None:
         self._member = _member(served) if served != shown else None
         self._shown = rb"\g<1>" + _escaped(shown)
+        self._compact = _MODEL_KEY + b":" + orjson.dumps(served)
+        self._compact_shown = _MODEL_KEY + b":" + orjson.dumps(shown)
         self._capture = capture_response_id
         self._held = b""
         self.response_id: str | None = None
@@ -88,6 +99,11 @@ class AnswerRewrite:
     def _rewritten(self, data: bytes) -> bytes:
         if self._capture and self.response_id is None and (found := _RESPONSE_ID.search(data)):
             self.response_id = found.group(1).decode()
-        if self._member is None or _MODEL_KEY not in data:
+        if self._member is None:
             return data
+        members = data.count(_MODEL_KEY)
+        if not members:
+            return data
+        if data.count(self._compact) == members:  # every one written as engines write it
+            return data.replace(self._compact, self._compact_shown)
         return self._member.sub(self._shown, data)

@@ -90,7 +90,10 @@ class FlowControl:
         if room is None:
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
             wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
-            if routing.max_wait_s is not None:  # a model rule's fallback takes it after that long
+            detector = controller.detector
+            if routing.max_wait_s is not None and all(detector.saturated_by(p.name, demand) for p in pods):
+                # Every pod of this target is saturated: its model rule's fallback takes the request after
+                # that long (a target with room waits its turn behind others as any request does).
                 if routing.max_wait_s <= 0:
                     self._metrics.rejected(key, "target_saturated")
                     raise GatewayError(ErrorKind.RATE_LIMITED, f"Every pod of `{routing.model}` is saturated.",

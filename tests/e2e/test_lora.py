@@ -55,7 +55,7 @@ async def listed(http: aiohttp.ClientSession, url: str) -> set[str]:
 
 async def test_adapters_are_registered_on_demand_and_keep_their_pod_and_prefix(
         lora_pods: VllmFleet, adapter_dir: Path, model_dir: str, start_gateway, http: aiohttp.ClientSession):
-    assert all(not await listed(http, pod.url) for pod in lora_pods.pods)  # none at start
+    assert [await listed(http, pod.url) for pod in lora_pods.pods] == [set(), set()]  # none at start
     adapters = {name: {"path": str(adapter_dir / name), "base_model": MODEL} for name in ADAPTERS}
     gw = await start_gateway(lora_pods.gateway_pods(), routing={"policy": "kv_aware"},
                              tokenization={"models": {MODEL: {"path": model_dir}}},

@@ -121,6 +121,8 @@ def test_the_request_names_the_target_and_nothing_else_changes():
     # A nested model key: decoded and encoded again, only the top-level one changed.
     nested = b'{"model":"chat","tools":[{"model":"chat"}],"big":123456789012345678901234567890}'
     assert json.loads(with_model(nested, "chat", 'odd"name')) == {**json.loads(nested), "model": 'odd"name'}
+    later = b'{"tools": [{"model": "chat"}], "model": "chat", "big": 123456789012345678901234567890}'
+    assert json.loads(with_model(later, "chat", "stable")) == {**json.loads(later), "model": "stable"}
 
 
 def test_the_answer_names_the_public_model_in_every_event_even_cut_in_two():
