@@ -16,7 +16,9 @@ Four ``gateway serve`` processes (one worker each, ``kv_aware``) in front of the
 Each request continues an agent's session (its whole conversation re-sent, plus a tool result), one at a
 time over a kept-alive connection. Per round, each process serves ``--requests`` requests in turn; its CPU
 (``/proc`` schedstat of its threads) per request is taken; the table gives the median over the rounds and
-each configuration's ratio to ``none``.
+each configuration's ratio to ``none``: the ratio of the medians, and the median of the per-round ratios
+(each configuration against ``none`` in the same round, which cancels most of the machine's drift) with the
+standard error of their mean.
 """
 
 from __future__ import annotations
@@ -135,10 +137,12 @@ def main() -> int:
                     serve(connection, body, headers)
                 per_request[name].append((cpu_seconds(proc.pid) - before) / args.requests * 1000)
         base = statistics.median(per_request["none"])
-        print(f"{'configuration':<16}{'CPU ms/req (median)':>22}{'vs none':>10}")
+        print(f"{'configuration':<16}{'CPU ms/req (median)':>22}{'vs none':>10}{'paired':>10}{'+-':>8}")
         for name, values in per_request.items():
             median = statistics.median(values)
-            print(f"{name:<16}{median:>22.3f}{median / base:>10.3f}")
+            paired = [v / b for v, b in zip(values, per_request["none"], strict=True)]
+            error = statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else 0.0
+            print(f"{name:<16}{median:>22.3f}{median / base:>10.3f}{statistics.median(paired):>10.3f}{error:>8.3f}")
         print(json.dumps({name: [round(v, 4) for v in values] for name, values in per_request.items()}))
     finally:
         for proc, path in started:

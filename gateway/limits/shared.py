@@ -59,6 +59,33 @@ class _Counts:
             tokens[1] += output_tokens
 
 
+class _Recent:
+    """One scope's charges of late, oldest first, and their running totals."""
+
+    __slots__ = ("charges", "totals")
+
+    def __init__(self) -> None:
+        self.charges: deque[tuple[float, int, int, int]] = deque()
+        self.totals = [0, 0, 0]  # input, output, requests
+
+    def add(self, at: float, input_tokens: int, output_tokens: int, requests: int) -> None:
+        self.charges.append((at, input_tokens, output_tokens, requests))
+        totals = self.totals
+        totals[0] += input_tokens
+        totals[1] += output_tokens
+        totals[2] += requests
+
+    def since(self, when: float) -> tuple[int, int, int]:
+        """The totals of the charges made at ``when`` or later (older ones forgotten)."""
+        charges, totals = self.charges, self.totals
+        while charges and charges[0][0] < when:
+            _, input_tokens, output_tokens, requests = charges.popleft()
+            totals[0] -= input_tokens
+            totals[1] -= output_tokens
+            totals[2] -= requests
+        return totals[0], totals[1], totals[2]
+
+
 @dataclass(frozen=True, slots=True)
 class Used:
     """A scope's use over the sliding minute and day, in tokens, and its requests in flight; of them, what
@@ -89,8 +116,8 @@ class SharedUsage:
         self._monotonic = monotonic
         self._own = _Counts()
         self._remote: dict[str, _Counts] = {}
-        # Per scope, this process's charges (when, input, output, requests begun) of the last ``confirm_s``.
-        self._recent: dict[str, deque[tuple[float, int, int, int]]] = {}
+        # Per scope, this process's charges of the last ``confirm_s``: what the others may not know yet.
+        self._recent: dict[str, _Recent] = {}
         self._origins_seen: dict[str, float] = {}  # other process → when last heard from (monotonic)
         self._replicas = 1  # the replicas the limits were last shared by (while the link worked)
 
@@ -113,8 +140,8 @@ class SharedUsage:
     def _unconfirmed(self, scope: str, input_tokens: int, output_tokens: int, requests: int) -> None:
         recent = self._recent.get(scope)
         if recent is None:
-            recent = self._recent[scope] = deque()
-        recent.append((self._monotonic(), input_tokens, output_tokens, requests))
+            recent = self._recent[scope] = _Recent()
+        recent.add(self._monotonic(), input_tokens, output_tokens, requests)
 
     def ended(self, scope: str) -> None:
         self._own.in_flight[scope] -= 1
@@ -189,12 +216,9 @@ class SharedUsage:
 
     def _recent_of(self, scope: str) -> tuple[int, int, int]:
         recent = self._recent.get(scope)
-        if not recent:
+        if recent is None:
             return 0, 0, 0
-        since = self._monotonic() - self._confirm_s
-        while recent and recent[0][0] < since:
-            recent.popleft()
-        return sum(r[1] for r in recent), sum(r[2] for r in recent), sum(r[3] for r in recent)
+        return recent.since(self._monotonic() - self._confirm_s)
 
     def debug(self, scope: str) -> dict[str, float]:
         used = self.used(scope)
