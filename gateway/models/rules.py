@@ -44,12 +44,10 @@ class ModelRoute:
     expose_target: bool = False
     # How long a request may wait in flow control for a target that has a fallback after it.
     fallback_wait_s: float = 0.0
-    # The sticky key a split was decided by (None: not a split, or a request with no key).
+    # Whether the target was chosen among several (a split), and the sticky key it was chosen by (None: a
+    # request with no key, drawn by the weights).
+    split: bool = False
     sticky: str | None = None
-
-    @property
-    def split(self) -> bool:
-        return self.sticky is not None
 
     def fallback_after(self, target: str) -> bool:
         """Whether another target follows ``target``."""
@@ -88,7 +86,7 @@ class ModelRules:
             return route
         key = self._sticky_key(kind, headers, body)
         target = self._chosen(model, rule, key) if key is not None else _weighted(rule, self._draw())
-        return ModelRoute(model, (target, *rule.fallbacks), rule.expose_target, rule.fallback_wait_s, key)
+        return ModelRoute(model, (target, *rule.fallbacks), rule.expose_target, rule.fallback_wait_s, True, key)
 
     def answered(self, route: ModelRoute, target: str, response_id: str | None) -> None:
         """A split's Responses answer: the response that continues it gets the same target."""

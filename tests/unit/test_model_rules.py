@@ -87,12 +87,17 @@ def test_sticky_keys_workflow_conversation_response_and_a_chats_opening():
     turn2 = route(r, {"model": "chat", "messages": [*opening, {"role": "assistant", "content": "A"},
                                                     {"role": "user", "content": "Second"}]})
     assert turn1.sticky == turn2.sticky and turn1.targets == turn2.targets
-    # A Responses answer pins the response that continues it to the target that answered.
-    first = route(r, {"model": "chat", "input": "hello"}, kind="responses")
-    assert first.sticky is None  # no key: drawn by the weights
-    r.answered(route(r, chat(), {"x-session-id": "x"}), "canary", "resp_abc")
-    assert route(r, {"model": "chat", "input": "more", "previous_response_id": "resp_abc"},
-                 kind="responses").targets[0] == "canary"
+    # A Responses answer pins the response that continues it to the target that answered, from the first
+    # (drawn by the weights: it has no key) on.
+    canary_draws = rules(draw=lambda: 0.99)
+    for n in range(20):
+        first = route(canary_draws, {"model": "chat", "input": f"hello {n}"}, kind="responses")
+        assert first.split and first.sticky is None and first.targets[0] == "canary"
+        canary_draws.answered(first, "canary", f"resp_{n}")
+        later = route(canary_draws, {"model": "chat", "input": "more", "previous_response_id": f"resp_{n}"},
+                      kind="responses")
+        assert later.sticky == f"response:resp_{n}" and later.targets[0] == "canary"
+    assert not route(r, chat("mini")).split
 
 
 def test_requests_without_a_key_are_drawn_by_the_weights():
