@@ -30,7 +30,7 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
-from gateway.config import ConfigSource, GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig, ModelsConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.core.facts import RoomFreed
 from gateway.fleet import PodMembership, health_changed
@@ -243,10 +243,14 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
     reloader = None
     if source is not None and source.path:
+
+        def reconfigure_models(models: ModelsConfig) -> None:
+            rules.reconfigure(models)
+            adapters.reconfigure(models)
+
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
                                   config.server.config_watch_interval_s,
-                                  {"models": lambda models: (rules.reconfigure(models), adapters.reconfigure(models)),
-                                   "limits": limits.reconfigure})
+                                  {"models": reconfigure_models, "limits": limits.reconfigure})
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
         director=director, counting=counting, steps=steps, models=rules, adapters=adapters, limits=limits,

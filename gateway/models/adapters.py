@@ -137,9 +137,9 @@ class AdapterPlacement:
 
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]:
         adapter = request.lora_name
-        request.switch_cost = {}
         if adapter is None:
             return pods
+        request.switch_cost = {}  # this attempt's own
         resident = [p for p in pods if p.serves(adapter)]
         if resident and len(resident) < len(pods):
             if any(not self._saturated(p.name) for p in resident):

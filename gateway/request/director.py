@@ -188,17 +188,7 @@ class RequestDirector:
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
             times.mark(timed)
-        try:
-            for admit in self._pipeline.admit:
-                admitting = admit.admit(request, policy, routing)
-                if isinstance(admitting, Admitted):
-                    run.admitted = admitting
-                elif admitting is not None and (admitted := await admitting) is not None:
-                    run.admitted = admitted
-        except GatewayError as err:
-            if err.code in _FALLBACK_CODES:
-                raise _TargetFailed(err, "saturated" if err.code != "no_healthy_pod" else "no_pod") from None
-            raise
+        await self._admit(run, policy, routing)
         times.mark(Step.ADMIT)
         if run.plan is None:  # a workflow's stage begins once, whichever target serves it
             run.plan = self._planner.plan(request, policy, routing)
@@ -244,6 +234,21 @@ class RequestDirector:
                             request.id, decision.pod.name, exc.cause, exc.error.message,
                             f"; the data plane took it to {served_by.name}" if served_by is not None else "")
         raise _TargetFailed(failure.error, "failed")
+
+    async def _admit(self, run: _Run, policy: Policy, routing: RoutingRequest) -> None:
+        """The admit steps, in order; a target that would keep the request waiting too long (or has no pod)
+        is :class:`_TargetFailed`."""
+        try:
+            for admit in self._pipeline.admit:
+                admitting = admit.admit(run.request, policy, routing)
+                if isinstance(admitting, Admitted):
+                    run.admitted = admitting
+                elif admitting is not None and (admitted := await admitting) is not None:
+                    run.admitted = admitted
+        except GatewayError as err:
+            if err.code in _FALLBACK_CODES:
+                raise _TargetFailed(err, "saturated" if err.code != "no_healthy_pod" else "no_pod") from None
+            raise
 
     def _resolve(self, request: ClientRequest, route: ModelRoute, target: str) -> tuple[Policy, RoutingRequest]:
         """The routing policy (the default, or ``x-routing-strategy`` where allowed) and the routing view
