@@ -30,7 +30,7 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.components import GATEWAY_KEY, Gateway
-from gateway.config import ConfigSource, GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig, ModelsConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.core.facts import RoomFreed
 from gateway.fleet import PodMembership, health_changed
@@ -46,6 +46,9 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.service import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.enforcer import KeyLimits
+from gateway.limits.shared import SharedUsage
+from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
@@ -53,12 +56,16 @@ from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
+from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow import FlowControl
+from gateway.request.limits import KeyLimitsStep, UsageAccounting
+from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
     AccessLog,
     OutputLearning,
@@ -139,25 +146,39 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     working_set = ResumableWorkingSet(config.placement, ledger, sinks.working_set,
                                       anonymous_prefix=f"anon-{identity.origin}-")
     capacity_of = kv_capacity(pods, load)
+    fc = config.flow_control
+    service = ServiceCounters(sinks.flows)
+    detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
+                                  active_flows=service.active_flows)
+    adapter_use = AdapterUse(sinks.adapters)
+    adapter_placement = AdapterPlacement(adapter_use, load.engine, lambda pod: detector.saturated_by(pod) is not None,
+                                         config.models.lora)
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
-                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of))
+                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of),
+                    gateway_filters=[adapter_placement])
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
                                    hard_flush=wc.hard_flush, retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
-    fc = config.flow_control
-    service = ServiceCounters(sinks.flows)
     workflow_flows = WorkflowFlows(publish=sinks.flows)
-    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows)
-    flow_metrics = FlowMetrics(metrics.registry)
-    detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
-                                  active_flows=service.active_flows)
-    flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
     signals = ContextSignals(wc.session_headers)
+    rules = ModelRules(config.models, signals, sinks.models)
+    adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
+    usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False)
+    replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use, usage)
+    flow_metrics = FlowMetrics(metrics.registry)
+    flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
+
+    def tenant_of(key: str) -> str:  # as flow control tells a key's tenant (reloaded with it)
+        return flow.config.keys.get(key, key)
+
+    limits = KeyLimits(config.limits, usage, tenant_of)
+    key_limits = KeyLimitsStep(limits)
+    usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
     auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
@@ -171,24 +192,27 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     placement = ContextPlacement(index, working_set, losses)
     routed = RoutedPrefix(index, approximate)
     steps = StepMetrics(metrics)
+    tracking = AdapterTracking(adapter_use)
     keep_warm = recency = None
     if queues is not None:
         keep_warm = KeepWarm(wc.keep_warm, pods, working_set, queues, index, load, ledger, capacity_of,
                              Refresher(pods, config.auth, http, metrics), metrics, client_due=flow.waits_for)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
-        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
+        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server, limits.counts_input),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
-        admit=[*([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
+        admit=[key_limits,
+               *([RoomForNewContexts(pods, working_set, capacity_of, config.placement.hold_new_s, metrics)]
                  if config.placement.hold_new_s else []), *([admit] if admit else [])],
         # Cache recency reads a context as it was before this request: before placement holds it anew.
         dispatch=[RoutingMetrics(metrics), routed, *([recency] if recency else []), placement, planning,
-                  *([admit] if admit else [])],
-        finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else [])],
+                  *([admit] if admit else []), tracking],
+        finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else []), tracking],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
-                  OutputLearning(predictor, metrics), RequestMetrics(metrics), steps, AccessLog()],
+                  OutputLearning(predictor, metrics), RequestMetrics(metrics), ModelUse(rules, metrics.registry),
+                  key_limits, UsageAccounting(usage_tally, tenant_of), steps, AccessLog()],
     )
     if config.tracing.enabled:
         from gateway.request import tracing  # the otel extra: imported only when tracing is on
@@ -200,7 +224,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                  "max_body_bytes": config.server.max_body_bytes}
     prefill = PrefillLegs(config.disaggregation, pods, router, ledger, proxy, metrics, dispatched=[routed],
                           default_consumption=load.default_consumption)
-    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, **directing)
+    director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, models=rules,
+                               adapters=adapters, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
     counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
@@ -218,11 +243,18 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
     reloader = None
     if source is not None and source.path:
+
+        def reconfigure_models(models: ModelsConfig) -> None:
+            rules.reconfigure(models)
+            adapters.reconfigure(models)
+
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
-                                  config.server.config_watch_interval_s)
+                                  config.server.config_watch_interval_s,
+                                  {"models": reconfigure_models, "limits": limits.reconfigure})
     return Gateway(
         config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps,
+        director=director, counting=counting, steps=steps, models=rules, adapters=adapters, limits=limits,
+        usage=usage_tally,
         auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
         workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
@@ -337,7 +369,8 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
-    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop)]
+    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop),
+            lifecycle(gw.adapters.start, gw.adapters.stop)]
     if gw.keep_warm is not None:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
     if gw.pressure is not None:

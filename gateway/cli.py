@@ -153,6 +153,7 @@ async def mock(args: argparse.Namespace) -> None:
         hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
     )
     pod = MockPod(config)
@@ -218,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--default-max-tokens", type=int, default=16)
     m.add_argument("--max-model-len", type=int, default=MODEL_MAX_LEN,
                    help="longest prompt plus answer in tokens (default: the simulated model's, 131072)")
-    m.add_argument("--lora-adapter", action="append", help="adapter name to list as a model")
+    m.add_argument("--lora-adapter", action="append", help="a LoRA adapter registered at start (repeatable)")
+    m.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters, registered at run time (/v1/load_lora_adapter) as vLLM does")
+    m.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch (vLLM's --max-loras)")
+    m.add_argument("--max-cpu-loras", type=int, help="LoRA adapters kept in memory (default: --max-loras)")
     m.add_argument("--kv-transfer-config", help="vLLM's KV connector setting (JSON): ExampleConnector "
                    "(kv_connector_extra_config.shared_storage_path) or NixlConnector (kv_role, "
                    "kv_load_failure_policy), for prefill/decode disaggregation")

@@ -28,12 +28,16 @@ from gateway.http_client import HttpClient
 from gateway.kv.service import KvEventService
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.enforcer import KeyLimits
+from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.models.adapters import AdapterLoader
+from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure import PressureMonitor
 from gateway.proxy.forward import Proxy
@@ -58,6 +62,10 @@ class Gateway:
     director: RequestDirector
     counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
     steps: StepMetrics  # the time of each step of the director's requests (/debug/steps)
+    models: ModelRules  # public model names and their targets
+    adapters: AdapterLoader  # LoRA adapters registered where needed (/debug/adapters)
+    limits: KeyLimits  # token and concurrency limits per key and tenant (/debug/usage)
+    usage: UsageTally  # requests and tokens per key, tenant and model (/debug/usage)
     auth: ApiKeyAuth
     policies: PluginRegistry
     kv: KvEventService

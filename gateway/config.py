@@ -91,7 +91,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How often the event loop's lag is sampled (``gateway_event_loop_lag_seconds``); 0: never.
     loop_lag_interval_s: float = 0.05
     # How often the config file is re-read for changes (a mounted ConfigMap changes in place); 0: only on
-    # SIGHUP. What applies without a restart: ``flow_control`` (all but ``enabled``).
+    # SIGHUP. What applies without a restart: ``flow_control`` (all but ``enabled``), ``models`` and ``limits``.
     config_watch_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -424,8 +424,9 @@ class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str | None = None
     channel: str = "gateway:shared-state"
     # What to share; leave one out to keep it local (each costs every other worker CPU to apply).
-    share: list[Literal["workflows", "sessions", "contexts", "speculative", "flows"]] = msgspec.field(
-        default_factory=lambda: ["workflows", "sessions", "contexts", "speculative", "flows"])
+    share: list[Literal["workflows", "sessions", "contexts", "speculative", "flows", "adapters", "limits"]] = \
+        msgspec.field(default_factory=lambda: ["workflows", "sessions", "contexts", "speculative", "flows", "adapters",
+                                               "limits"])
     flush_ms: float = 2.0
     heartbeat_s: float = 1.0
     # A worker or replica not heard from for this long is gone: its requests are no longer in flight.
@@ -573,6 +574,12 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many
+    # run in one batch (vLLM's --max-loras) and stay in memory (--max-cpu-loras; none: max_loras).
+    lora_adapters: list[str] = []
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):
@@ -599,6 +606,119 @@ class EppConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("epp: port in 0..65535, fallbacks and access_log_wait_s at least 0")
 
 
+class ModelTarget(msgspec.Struct, forbid_unknown_fields=True):
+    """One target of a weighted split: a model or adapter the pods serve, and its share."""
+
+    model: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.model or not self.weight > 0:
+            raise ValueError("a split's target needs a model and a positive weight")
+
+
+class ModelRule(msgspec.Struct, forbid_unknown_fields=True):
+    """What a public model name means: one target (an alias) or weighted targets (a split, sticky per
+    workflow, session or conversation), then the fallbacks tried in order when the chosen target has no
+    healthy pod, its requests would wait longer than ``fallback_wait_s`` in flow control, or its pods fail
+    before the first byte."""
+
+    target: str | None = None
+    targets: list[ModelTarget] = []
+    fallbacks: list[str] = []
+    # Whether the answer names the target that served it (true) or the public name the client asked for.
+    expose_target: bool = False
+    # How long a request may wait in flow control for a target that has a fallback after it (0: a
+    # saturated target hands the request to its fallback at once).
+    fallback_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.target is None) == (not self.targets):
+            raise ValueError("a model rule names either target (an alias) or targets (a split)")
+        if self.fallback_wait_s < 0:
+            raise ValueError("fallback_wait_s must not be negative")
+        chosen = self.choices()
+        if len(set(chosen)) != len(chosen) or set(chosen) & set(self.fallbacks) \
+                or len(set(self.fallbacks)) != len(self.fallbacks):
+            raise ValueError("a model rule names each target and fallback once")
+
+    def choices(self) -> list[str]:
+        """The targets a request may be given (before any fallback)."""
+        return [self.target] if self.target is not None else [t.model for t in self.targets]
+
+
+class AdapterConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A LoRA adapter the gateway registers on a pod of its base model when a request needs it."""
+
+    path: str  # as the pod reads it: a directory on the pod, or a URI its engine resolves
+    base_model: str
+
+    def __post_init__(self) -> None:
+        if not self.path or not self.base_model:
+            raise ValueError("an adapter needs a path and a base_model")
+
+
+class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Loading adapters where they are needed (``gateway/models/adapters.py``)."""
+
+    # A registration still unanswered after this long is given up (the request tries another pod).
+    load_timeout_s: float = 30.0
+    # An adapter the gateway registered, not served on a pod for this long, is unregistered there; 0: never.
+    idle_unload_s: float = 600.0
+    # What placing a request where its adapter is not in the engine's batch slots costs, in prompt tokens
+    # (the weights copied into a slot, and the requests of other adapters that wait meanwhile) ...
+    switch_cost_tokens: int = 512
+    # ... and, on a pod that has not registered it, what reading it from its path costs besides.
+    load_cost_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.load_timeout_s <= 0 or self.idle_unload_s < 0 or min(self.switch_cost_tokens,
+                                                                       self.load_cost_tokens) < 0:
+            raise ValueError("lora needs load_timeout_s > 0, idle_unload_s >= 0 and costs >= 0")
+
+
+class ModelsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Model names that platform teams manage (``gateway/models/``): public names and what they mean, and
+    the adapters loaded on demand. Reloaded with the config file."""
+
+    rules: dict[str, ModelRule] = {}
+    adapters: dict[str, AdapterConfig] = {}
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        for public, rule in self.rules.items():
+            chained = [t for t in (*rule.choices(), *rule.fallbacks) if t in self.rules]
+            if chained:
+                raise ValueError(f"models.rules.{public}: {', '.join(chained)} is a public name itself; a "
+                                 "target names a served model or adapter")
+            if public in self.adapters:
+                raise ValueError(f"models.rules.{public}: also an adapter's name")
+
+
+class UsageLimits(msgspec.Struct, forbid_unknown_fields=True):
+    """What one API key, or one tenant's keys together, may use; none: unlimited. Input counts the prompt
+    tokens (cached ones included), output the generated ones, as the engine's usage reports them."""
+
+    input_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    input_tokens_per_day: int | None = None
+    output_tokens_per_day: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        if any(v is not None and v < 1 for v in msgspec.structs.astuple(self)):
+            raise ValueError("usage limits must be at least 1 (leave one out for no limit)")
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Token and concurrency limits per API key (by ``auth.keys[].name``) and per tenant (the fairness id
+    ``flow_control.keys`` gives a key; a named key not listed there is its own tenant), held across
+    workers and replicas. Reloaded with the config file."""
+
+    keys: dict[str, UsageLimits] = {}
+    tenants: dict[str, UsageLimits] = {}
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     pods: list[PodConfig] = []
@@ -622,6 +742,14 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        named = {k.name for k in self.auth.keys if k.name}
+        unknown = sorted(set(self.limits.keys) - named)
+        if unknown:
+            raise ValueError(f"limits.keys names no key of auth.keys: {', '.join(unknown)}")
 
 
 def hash_api_key(key: str) -> str:

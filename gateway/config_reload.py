@@ -2,22 +2,25 @@
 
 The config file is read again when its bytes change (checked every ``server.config_watch_interval_s``: a
 Kubernetes ConfigMap mounted as a volume changes in place) or when the process gets SIGHUP. What applies
-live is handed to its owner; today that is ``flow_control`` (flows, tenants and their weights, objectives,
-API-key tenants, token weights, saturation thresholds, queue limits), all but ``enabled``, which decides
-whether the flow-control step is in the pipeline at all. Any other section that changed is logged as
+live is handed to its owner: ``flow_control`` (flows, tenants and their weights, objectives, API-key
+tenants, token weights, saturation thresholds, queue limits), all but ``enabled``, which decides whether the
+flow-control step is in the pipeline at all; ``models`` (public names, splits, fallbacks, adapters); and
+``limits`` (token and concurrency limits per key and tenant). Any other section that changed is logged as
 waiting for a restart, and counted. A file that cannot be read or does not validate is logged and counted,
 and the running config stays whole: a reload applies everything it can or nothing.
 
 Owner: the :class:`ConfigReloader` owns the config source in force (the last valid one read) and whether
 the last reload worked. The parts it applies are owned by their components (flow control: the
-:class:`~gateway.flow.controller.FlowController`).
+:class:`~gateway.flow.controller.FlowController`; models: :class:`~gateway.models.rules.ModelRules` and the
+adapters; limits: :class:`~gateway.limits.enforcer.KeyLimits`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -28,7 +31,7 @@ from gateway.config import ConfigError, ConfigSource, FlowControlConfig, Gateway
 log = logging.getLogger("gateway.config")
 
 # The sections of the config that apply without a restart.
-LIVE_SECTIONS = frozenset({"flow_control"})
+LIVE_SECTIONS = frozenset({"flow_control", "models", "limits"})
 OUTCOMES = ("applied", "unchanged", "restart_needed", "invalid")
 
 
@@ -70,9 +73,12 @@ class ReloadMetrics:
 
 class ConfigReloader:
     def __init__(self, source: ConfigSource, apply_flow_control: Callable[[FlowControlConfig], None],
-                 metrics: ReloadMetrics, interval_s: float) -> None:
+                 metrics: ReloadMetrics, interval_s: float,
+                 appliers: Mapping[str, Callable[[Any], None]] | None = None) -> None:
         self.source = source
         self._apply_flow_control = apply_flow_control
+        # The other live sections' owners, by section (``models``, ``limits``): each takes its section whole.
+        self._appliers = dict(appliers or {})
         self._metrics = metrics
         self._interval_s = interval_s
         self._digest = source.digest  # the bytes the running config was read from
@@ -121,6 +127,9 @@ class ConfigReloader:
         if "flow_control" in live:
             self._apply_flow_control(
                 msgspec.structs.replace(fresh.loaded.flow_control, enabled=self.source.loaded.flow_control.enabled))
+        for name in live:
+            if (apply := self._appliers.get(name)) is not None:
+                apply(getattr(fresh.loaded, name))
         # What waits for a restart stays as it runs, so that it is reported again until then.
         self.source = msgspec.structs.replace(fresh, loaded=self._running(fresh.loaded, live))
         outcome = "restart_needed" if restart else "applied" if live else "unchanged"

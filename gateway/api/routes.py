@@ -40,6 +40,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/placement", partial(_debug_placement, gateway))
     app.router.add_get("/debug/flows", partial(_debug_flows, gateway))
     app.router.add_get("/debug/steps", partial(_debug_steps, gateway))
+    app.router.add_get("/debug/adapters", partial(_debug_adapters, gateway))
+    app.router.add_get("/debug/usage", partial(_debug_usage, gateway))
     app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
@@ -77,7 +79,7 @@ async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
     gateway.auth.check(request.headers)
-    return web.json_response({"object": "list", "data": gateway.pods.model_cards()})
+    return web.json_response({"object": "list", "data": gateway.models.cards(gateway.pods.model_cards())})
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -157,6 +159,23 @@ async def _debug_steps(gateway: Gateway, request: web.Request) -> web.Response:
     """This worker's time per step of its recent requests (``gateway_request_step_seconds`` has them all)."""
     _check_admin(gateway, request)
     return web.json_response({"worker": gateway.identity.name, "steps": gateway.steps.debug()})
+
+
+async def _debug_adapters(gateway: Gateway, request: web.Request) -> web.Response:
+    """LoRA adapters: where each is registered and active, when each pod served it, registrations."""
+    _check_admin(gateway, request)
+    return web.json_response(gateway.adapters.debug())
+
+
+async def _debug_usage(gateway: Gateway, request: web.Request) -> web.Response:
+    """Usage per key, tenant and model (this worker's), and each limited key's and tenant's use now (every
+    worker's and replica's)."""
+    _check_admin(gateway, request)
+    limits = gateway.limits
+    scopes = [*(f"key:{k}" for k in limits.config.keys), *(f"tenant:{t}" for t in limits.config.tenants)]
+    return web.json_response({"worker": gateway.identity.name, "usage": gateway.usage.debug(),
+                              "share": limits.usage.share(),
+                              "limited": {scope: limits.usage.debug(scope) for scope in scopes}})
 
 
 async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:

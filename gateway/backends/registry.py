@@ -1,8 +1,11 @@
 """The pod registry: every pod the gateway knows, its models and health.
 
-Owner: :class:`PodRegistry` owns the set of pods; :class:`HealthChecker` alone writes a pod's health
-and model list; the proxy reports upstream outcomes through the registry (passive ejection). Everything
-else reads. What is in flight on a pod is the in-flight ledger's (:mod:`gateway.load.ledger`).
+Owner: :class:`PodRegistry` owns the set of pods and the LoRA adapters that may be registered on a pod of
+their base model (``loadable``, set from the config by the adapter loader); :class:`HealthChecker` writes a
+pod's health and model list, and the adapter loader (:mod:`gateway.models.adapters`) adds or removes one
+adapter from it as it registers or unregisters it there (the next model refresh says the pod's truth); the
+proxy reports upstream outcomes through the registry (passive ejection). Everything else reads. What is in
+flight on a pod is the in-flight ledger's (:mod:`gateway.load.ledger`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class PodRegistry:
         self._health = health
         self._clock = clock
         self._pods: dict[str, Pod] = {}
+        # Adapter → its base model, for the adapters the gateway registers where they are needed: any pod of
+        # the base model is a candidate for them.
+        self.loadable: dict[str, str] = {}
         for cfg in pods:
             self.add(cfg)
 
@@ -85,16 +91,17 @@ class PodRegistry:
         return list(self._pods.values())
 
     def knows_model(self, model: str) -> bool:
-        return any(p.serves(model) for p in self._pods.values())
+        base = self.loadable.get(model)
+        return any(p.serves(model) or (base is not None and p.serves(base)) for p in self._pods.values())
 
     def base_model(self, model: str) -> str:
-        """The base model of a LoRA adapter (its card's ``parent``), or ``model`` itself."""
+        """The base model of a LoRA adapter (its card's ``parent``, else the config's), or ``model`` itself."""
         for pod in self._pods.values():
             for card in pod.model_cards:
                 if card.get("id") == model:
                     parent = card.get("parent")
                     return str(parent) if parent else model
-        return model
+        return self.loadable.get(model, model)
 
     def max_model_len(self, model: str) -> int | None:
         """The context length the pods list for ``model`` (vLLM's ``max_model_len``), if any."""
@@ -105,11 +112,14 @@ class PodRegistry:
         return None
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset(), leg: Leg | None = None) -> list[Pod]:
-        """Pods serving ``model`` (``leg`` of it, when given) that are healthy, not ejected and not excluded."""
+        """Pods serving ``model`` (``leg`` of it, when given) that are healthy, not ejected and not excluded;
+        for an adapter the gateway registers where needed, every pod of its base model."""
         now = self._clock()
+        base = self.loadable.get(model)
         return [
             p for p in self._pods.values()
-            if p.serves(model) and p.available(now) and p.name not in exclude and p.takes(leg)
+            if (p.serves(model) or (base is not None and p.serves(base))) and p.available(now)
+            and p.name not in exclude and p.takes(leg)
         ]
 
     def disaggregated(self, model: str) -> bool:
@@ -123,6 +133,16 @@ class PodRegistry:
             for card in pod.model_cards:
                 cards.setdefault(str(card.get("id")), card)
         return list(cards.values())
+
+    # Adapters the loader registered or unregistered on a pod, before its next model refresh says so.
+
+    def adapter_registered(self, pod: Pod, name: str, base: str, path: str) -> None:
+        if not pod.serves(name):
+            pod.set_models([*pod.model_cards, {"id": name, "object": "model", "root": path, "parent": base}])
+
+    def adapter_unregistered(self, pod: Pod, name: str) -> None:
+        if pod.serves(name):
+            pod.set_models([c for c in pod.model_cards if c.get("id") != name])
 
     # Passive health, reported by the proxy; ended early by a passing health check.
 

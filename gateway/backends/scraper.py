@@ -43,6 +43,33 @@ METRIC_FIELDS = {
 # its first KV event, how it cuts prompts into blocks).
 _CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# vLLM's LoRA gauge: a series per label set it was ever set with, its value the time it was last set.
+_LORA_INFO = re.compile(r'^vllm:lora_requests_info\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+
+
+def parse_lora_info(text: str) -> tuple[tuple[str, ...], tuple[str, ...], int] | None:
+    """The adapters running and waiting, and ``max_lora``, from the latest ``vllm:lora_requests_info``
+    series (none: the engine serves no LoRA)."""
+    latest: tuple[float, str] | None = None
+    for found in _LORA_INFO.finditer(text):
+        try:
+            at = float(found.group(2))
+        except ValueError:
+            continue
+        if latest is None or at > latest[0]:
+            latest = (at, found.group(1))
+    if latest is None:
+        return None
+    labels = dict(_LABEL.findall(latest[1]))
+
+    def names(key: str) -> tuple[str, ...]:
+        return tuple(n for n in labels.get(key, "").split(",") if n)
+
+    try:
+        max_loras = int(labels.get("max_lora", "0"))
+    except ValueError:
+        max_loras = 0
+    return names("running_lora_adapters"), names("waiting_lora_adapters"), max_loras
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
@@ -114,7 +141,9 @@ class MetricsScraper:
             async with self._http.session.get(f"{pod.url}/metrics", timeout=self._timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                values = parse_engine_metrics(await resp.text())
+                text = await resp.text()
+                values = parse_engine_metrics(text)
+                lora = parse_lora_info(text) if "vllm:lora_requests_info" in text else None
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
             stats.failures += 1
             if not stats.stale:
@@ -123,5 +152,7 @@ class MetricsScraper:
             return
         for field, value in values.items():
             setattr(stats, field, value)
+        if lora is not None:
+            stats.lora_running, stats.lora_waiting, stats.max_loras = lora
         stats.scraped_at = time.monotonic()
         stats.stale = False

@@ -43,6 +43,9 @@ DEFAULT_CONTENDERS = {
     "overload": ["direct", "gateway-least_request", "gateway-slo"],
     "noisy-neighbor": ["gateway-kv_aware", "gateway-kv_aware-no-flow-control"],
     "priority": ["gateway-kv_aware", "gateway-kv_aware-no-flow-control"],
+    "lora": ["direct", "gateway-round_robin", "gateway-least_request", "gateway-kv_aware",
+             "gateway-kv_aware-lora-on-demand", "vllm-router-round_robin", "vllm-router-cache_aware",
+             "sglang-router-cache_aware", "smg-cache_aware"],
 }
 # Flags that only a Mooncake trace takes (their defaults are None: given or not).
 MOONCAKE_FLAGS = ("block_tokens", "time_scale", "session_header", "max_output_tokens", "start", "limit")
@@ -66,6 +69,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--pods", type=int, default=4, help="simulated pods")
     b.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated pod")
     b.add_argument("--speed", type=float, default=0.2, help="time factor of the simulated pods")
+    b.add_argument("--max-loras", type=int, default=2,
+                   help="LoRA adapters in one batch on each simulated pod (vLLM's --max-loras; the lora scenario)")
     b.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     b.add_argument("--trace-format", choices=["bench", "mooncake"], default="bench",
                    help="bench: a trace --save-trace wrote; mooncake: the Mooncake FAST'25 format (timestamp, "
@@ -101,7 +106,7 @@ def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, kno
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
     counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows",
-              "agentic-shared": "workflows", "long-context": "sessions"}
+              "agentic-shared": "workflows", "long-context": "sessions", "lora": "requests"}
     if scenario in counts:
         default = inspect.signature(gen).parameters[counts[scenario]].default
         kwargs[counts[scenario]] = max(1, round(default * scale))
@@ -235,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"peer {peer.package} {peer.version}: {peer.path} ({peer.reported or 'no --version'})",
               file=sys.stderr)
     runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
-                         tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs, peers=peers)
+                         tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs, peers=peers,
+                         max_loras=args.max_loras)
     results = []
     started = time.time()
     for trace, names in runs:
@@ -258,6 +264,11 @@ def run(args: argparse.Namespace) -> int:
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
                 if (split := time_split(result.extra)):
                     print(f"    {split}", file=sys.stderr)
+                if "adapter_switches_per_1k" in result.extra:
+                    x = result.extra
+                    print(f"    adapter switches {x['adapter_switches_per_1k']:.0f} per 1,000 requests (bound "
+                          f"{x['adapter_switches_bound_per_1k']:.0f}), loads {x['adapter_loads_per_1k']:.0f}",
+                          file=sys.stderr)
                 for tenant, s in result.tenants.items():
                     print(f"    tenant {tenant}: TTFT p90 {s['ttft_p90_ms']:.0f} ms, {s['answered_in_window']:.0f} "
                           f"answered in the window, token share {s['token_share']:.3f}", file=sys.stderr)

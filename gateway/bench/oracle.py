@@ -51,7 +51,7 @@ from typing import Any
 import msgspec
 
 from gateway.bench.workloads import History, Trace
-from gateway.kv.hashing import prefix_hashes
+from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.mock.kvcache import Block, PagedKvCache, SequenceBlocks
 from gateway.tokenization.hf import HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder
@@ -67,6 +67,8 @@ class OracleRequest:
     max_tokens: int
     # The prompt, then the answer's tokens whose KV the engine computed (all but the last).
     tokens: list[int]
+    # Where its blocks' hashes begin: a LoRA adapter's requests cache their own blocks (0: the base model's).
+    root: int = 0
 
     def blocks_needed(self, block_size: int) -> int:
         """KV blocks the engine must have to admit it: the prompt and the whole answer."""
@@ -110,7 +112,9 @@ def oracle_requests(trace: Trace, encoder: ChatEncoder, answers: Answers) -> lis
             answer = answers.get((s, i), "")
             history.answered(answer)
             generated = encoder.text(answer)[: step.max_tokens]
-            timed.append((sent, s, i, OracleRequest(s, len(prompt), step.max_tokens, prompt + generated[:-1])))
+            root = namespace_root("", step.model) if step.model else 0
+            timed.append((sent, s, i, OracleRequest(s, len(prompt), step.max_tokens, prompt + generated[:-1],
+                                                    root)))
     timed.sort(key=lambda t: t[:3])
     return [request for *_, request in timed]
 
@@ -121,7 +125,8 @@ def _admitted(requests: list[OracleRequest], block_size: int,
     null block), each with the chained hashes of its full blocks and how many of them may hit."""
     for request in requests:
         if request.blocks_needed(block_size) <= capacity_blocks - 1:
-            yield request, prefix_hashes(0, request.tokens, block_size), (request.prompt_len - 1) // block_size
+            may_hit = (request.prompt_len - 1) // block_size
+            yield request, prefix_hashes(request.root, request.tokens, block_size), may_hit
 
 
 def infinite_hit_ratio(requests: list[OracleRequest], block_size: int, capacity_blocks: int) -> float:

@@ -33,8 +33,10 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
         writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"])),
                           "command": shlex.join(row["command"])} for row in rows)
     tenants = [(r.scenario, r.name, r.tenants) for r in results if r.tenants]
+    adapters = [r for r in results if "adapter_switches_per_1k" in r.extra]
     paths["md"].write_text(markdown_table(results) + routers_served(results, str(meta.get("gateway", "")))
-                           + (f"\nPer tenant:\n\n{tenant_table(tenants)}" if tenants else ""))
+                           + (f"\nPer tenant:\n\n{tenant_table(tenants)}" if tenants else "")
+                           + (f"\nLoRA adapters:\n\n{adapter_table(adapters)}" if adapters else ""))
     paths.update(plots(results, out))
     return paths
 
@@ -54,6 +56,19 @@ def markdown_table(results: list[Result]) -> str:
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.session_p50_ms / 1000:.1f} | "
                      f"{r.req_per_s:.2f} | {r.errors} | "
                      f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def adapter_table(results: list[Result]) -> str:
+    """Per contender of a LoRA trace: the pods' adapter switches into a batch slot and reads from a path, per
+    1,000 requests, beside the bound (each adapter switched in once), the hit ratio and TTFT p90."""
+    lines = ["| scenario | contender | adapter switches / 1k | bound | adapter reads / 1k | hit ratio | infinite "
+             "| TTFT p90 ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        x = r.extra
+        lines.append(f"| {r.scenario} | {r.name} | {x['adapter_switches_per_1k']:.0f} | "
+                     f"{x['adapter_switches_bound_per_1k']:.0f} | {x['adapter_loads_per_1k']:.0f} | "
+                     f"{r.hit_ratio:.3f} | {ratio(r.infinite)} | {r.ttft_p90_ms:.0f} |")
     return "\n".join(lines) + "\n"
 
 

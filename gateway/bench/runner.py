@@ -73,6 +73,9 @@ class Contender(msgspec.Struct, frozen=True):
     # Prefill/decode disaggregation: this many of the simulated pods take the prefill leg, the others
     # decode, their KV passed over NIXL (the connector every P/D router here speaks).
     prefill_pods: int = 0
+    # A trace's LoRA adapters: none registered on the pods at start, the gateway registers each where it
+    # is needed (else every pod registers every adapter at start, as peers need).
+    lora_on_demand: bool = False
 
 
 CONTENDERS = {
@@ -100,6 +103,7 @@ CONTENDERS = {
         Contender("vllm-router-kv_aware", "vllm-router", "kv_aware"),
         Contender("sglang-router-cache_aware", "sglang-router", "cache_aware"),
         Contender("smg-cache_aware", "smg", "cache_aware"),
+        Contender("gateway-kv_aware-lora-on-demand", "gateway", "kv_aware", lora_on_demand=True),
         Contender("gateway-kv_aware-pd", "gateway", "kv_aware", prefill_pods=1),
         Contender("vllm-router-pd-cache_aware", "vllm-router", "cache_aware", prefill_pods=1),
         Contender("vllm-router-pd-round_robin", "vllm-router", "round_robin", prefill_pods=1),
@@ -257,7 +261,9 @@ def _workers(pods: list[PodConfig], pd_flag: str, aggregated_flag: str) -> list[
 
 _LEG_METRICS = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
                 "vllm:external_prefix_cache_hits_total": "loaded", "vllm:time_to_first_token_seconds_sum": "ttft_s",
-                "vllm:time_to_first_token_seconds_count": "firsts"}
+                "vllm:time_to_first_token_seconds_count": "firsts",
+                # The simulated pods' own: adapters switched into a batch slot, and read from their path.
+                "mock_lora_activations_total": "lora_switches", "mock_lora_loads_total": "lora_loads"}
 
 
 def _leg_counters(url: str) -> dict[str, float]:
@@ -267,7 +273,7 @@ def _leg_counters(url: str) -> dict[str, float]:
         text = resp.read().decode()
     out = dict.fromkeys(_LEG_METRICS.values(), 0.0)
     for line in text.splitlines():
-        name = line.split("{", 1)[0]
+        name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in _LEG_METRICS:
             out[_LEG_METRICS[name]] += float(line.rsplit(" ", 1)[1])
     return out
@@ -287,6 +293,19 @@ def _per_leg(pods: list[PodConfig], before: list[dict[str, float]], after: list[
         if leg == "decode":
             out["decode_loaded_share"] = round(total["loaded"] / total["queries"], 4) if total["queries"] else 0.0
     return out
+
+
+def _adapter_switches(trace: Trace, before: list[dict[str, float]], after: list[dict[str, float]]
+                      ) -> dict[str, float]:
+    """Per 1,000 requests: the adapters the pods switched into a batch slot and read from their path (their
+    own counters), and the bound that knows the future: each adapter the trace names switched in once
+    (there are as many batch slots as adapters, or more, in the scenario's fleet)."""
+    switched = sum(a["lora_switches"] - b["lora_switches"] for b, a in zip(before, after, strict=True))
+    loaded = sum(a["lora_loads"] - b["lora_loads"] for b, a in zip(before, after, strict=True))
+    used = len({step.model for session in trace.sessions for step in session.steps if step.model})
+    per = 1000 / trace.requests if trace.requests else 0.0
+    return {"adapter_switches_per_1k": round(switched * per, 1), "adapter_loads_per_1k": round(loaded * per, 1),
+            "adapter_switches_bound_per_1k": round(used * per, 1)}
 
 
 def gateway_version() -> str:
@@ -440,8 +459,10 @@ class BenchRunner:
                  model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
                  max_model_len: int | None = None, router_logs: str | None = None,
-                 peers: dict[str, PeerBinary] | None = None) -> None:
+                 peers: dict[str, PeerBinary] | None = None, max_loras: int = 2) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
+        self.max_loras = max_loras  # a LoRA trace's pods: adapters in one batch
+        self._adapters: list[str] = []  # the LoRA adapters of the trace being replayed
         self.max_model_len = max_model_len
         self.model = model
         # A local tokenizer directory for the routers that tokenize; none: the gateway asks the pods.
@@ -470,7 +491,8 @@ class BenchRunner:
 
     # Pods
 
-    def _start_pods(self, speed: float, prefill_pods: int = 0) -> tuple[MockPodFleet | None, list[PodConfig]]:
+    def _start_pods(self, speed: float, prefill_pods: int = 0, lora_on_demand: bool = False
+                    ) -> tuple[MockPodFleet | None, list[PodConfig]]:
         if self.existing_pods:
             if prefill_pods:
                 raise RuntimeError("prefill/decode contenders need simulated pods with roles")
@@ -479,7 +501,9 @@ class BenchRunner:
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed,
                                             max_model_len=self.max_model_len, prefill_pods=prefill_pods,
-                                            connector="nixl"), quiet=True)
+                                            connector="nixl", enable_lora=bool(self._adapters),
+                                            lora_adapters=[] if lora_on_demand else self._adapters,
+                                            max_loras=self.max_loras), quiet=True)
         try:
             return fleet, fleet.start()
         except BaseException:
@@ -501,6 +525,9 @@ class BenchRunner:
         env = dict(contender.env)
         if contender.kind == "gateway" and contender.replicas > 1 and contender.share_state:
             env["GATEWAY_SHARED_STATE__REDIS_URL"] = self._start_redis()
+        if contender.lora_on_demand:
+            env["GATEWAY_MODELS__ADAPTERS"] = json.dumps(
+                {name: {"path": f"/adapters/{name}", "base_model": self.model} for name in self._adapters})
         if contender.kind == "envoy-epp":
             return [self._start_envoy_epp(contender, pods, env)]
         return [self._start_router(contender, pods, env) for _ in range(contender.replicas)]
@@ -639,7 +666,8 @@ class BenchRunner:
         fleet = None
         self.served_by = NOBODY
         try:
-            fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods)
+            fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods,
+                                           contender.lora_on_demand)
             yield self._start_routers(contender, pods), pods
         finally:
             self._stop_procs()
@@ -648,6 +676,7 @@ class BenchRunner:
 
     def run(self, contender: Contender, trace: Trace, speed: float | None = None) -> Result:
         result = Result(contender.name, contender.policy, trace.scenario, trace.seed, requests=trace.requests)
+        self._adapters = trace.adapters
         lose_redis_after = (round(contender.redis_lost_at * trace.requests)
                             if contender.redis_lost_at is not None else None)
         try:
@@ -672,6 +701,8 @@ class BenchRunner:
                 pod_ttfts = _pod_ttfts(decode_urls)
                 if contender.prefill_pods:
                     result.extra.update(_per_leg(pods, legs_before, legs_after))
+                if trace.adapters:
+                    result.extra.update(_adapter_switches(trace, legs_before, legs_after))
                 if gateway_metrics:
                     result.extra.update(self._prediction_checks(gateway_metrics))
                     result.extra.update(gateway_split(gateway_before, _metrics_texts(gateway_metrics)))
@@ -817,7 +848,7 @@ class BenchRunner:
                     if ends is not None and time.monotonic() >= ends:
                         break
                     outcome = await self._send(http, next(targets), history.prompt(step), step.max_tokens,
-                                               step.headers)
+                                               step.headers, step.model)
                     outcome.session, outcome.step = index, i
                     outcomes.append(outcome)
                     if len(outcomes) == lose_redis_after:
@@ -831,8 +862,8 @@ class BenchRunner:
         return outcomes, seconds
 
     async def _send(self, http: aiohttp.ClientSession, base: str, messages: list[dict[str, object]],
-                    max_tokens: int, headers: dict[str, str]) -> Outcome:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                    max_tokens: int, headers: dict[str, str], model: str | None = None) -> Outcome:
+        body = {"model": model or self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         request_id = f"{self._run_id}-{next(self._request_ids):x}"
         started = time.monotonic()

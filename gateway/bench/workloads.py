@@ -29,6 +29,8 @@ class Step(msgspec.Struct):
     headers: dict[str, str] = {}
     # Think time before this step (after the previous answer); none: the session's ``think_s``.
     think_s: float | None = None
+    # The model the request names (a LoRA adapter of the trace's); none: the benchmark's ``--model``.
+    model: str | None = None
 
 
 class Session(msgspec.Struct):
@@ -72,6 +74,8 @@ class Trace(msgspec.Struct):
     sessions: list[Session]
     # No request is sent after this many seconds of the replay (none: every step of every session is).
     duration_s: float | None = None
+    # LoRA adapters of the base model that the steps name (served by every simulated pod).
+    adapters: list[str] = []
 
     @property
     def requests(self) -> int:
@@ -307,15 +311,42 @@ def priority_bands(seed: int = 0, batch_sessions: int = 64, batch_steps: int = 4
     return Trace("priority", seed, sessions, duration_s)
 
 
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """Popularity of ``n`` items ranked 1..n, Zipf with this exponent (summing to 1)."""
+    raw = [1.0 / (rank ** exponent) for rank in range(1, n + 1)]
+    return [w / sum(raw) for w in raw]
+
+
+def lora(seed: int = 0, requests: int = 480, adapters: int = 8, zipf: float = 1.0, preamble_words: int = 300,
+         adapter_words: int = 250, question_words: int = 40, rate: float = 12.0, max_tokens: int = 16) -> Trace:
+    """Requests for ``adapters`` LoRA adapters of one base model, their popularity Zipf(``zipf``) (the first
+    takes 37% of the requests with 8 adapters at 1.0), Poisson arrivals. Each request is its adapter's
+    system prompt (a preamble every adapter shares, the product's documentation, then the adapter's own
+    instructions) and a question of its own. An engine caches an adapter's prompts for that adapter only and
+    runs ``max_loras`` adapters in one batch: a router that ignores adapters spreads each over every pod (each
+    pod caches and switches between all of them); one that follows the text's prefix sees the shared preamble
+    cached where no other adapter can use it."""
+    rng = random.Random(seed)
+    preamble = "Product documentation: " + text(rng, preamble_words)
+    names = [f"lora-{a}" for a in range(adapters)]
+    systems = {name: f"{preamble}\nYou are {name}. " + text(rng, adapter_words) for name in names}
+    chosen = rng.choices(names, zipf_weights(adapters, zipf), k=requests)
+    sessions = [Session(f"l{i}", start, [Step([{"role": "system", "content": systems[name]},
+                                               {"role": "user", "content": f"Q{i}: " + text(rng, question_words)}],
+                                              max_tokens, model=name)])
+                for i, (name, start) in enumerate(zip(chosen, poisson_starts(rng, requests, rate), strict=True))]
+    return Trace("lora", seed, sessions, adapters=names)
+
+
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
               "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload,
-              "noisy-neighbor": noisy_neighbor, "priority": priority_bands}
+              "noisy-neighbor": noisy_neighbor, "priority": priority_bands, "lora": lora}
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
     with open(path, "wb") as f:
         f.write(msgspec.json.encode({"scenario": trace.scenario, "seed": trace.seed,
-                                     "duration_s": trace.duration_s}) + b"\n")
+                                     "duration_s": trace.duration_s, "adapters": trace.adapters}) + b"\n")
         for session in trace.sessions:
             f.write(msgspec.json.encode(session) + b"\n")
 
@@ -324,4 +355,4 @@ def read_trace(path: str | Path) -> Trace:
     lines = Path(path).read_bytes().splitlines()
     head = msgspec.json.decode(lines[0])
     sessions = [msgspec.json.decode(line, type=Session) for line in lines[1:] if line.strip()]
-    return Trace(head["scenario"], head["seed"], sessions, head.get("duration_s"))
+    return Trace(head["scenario"], head["seed"], sessions, head.get("duration_s"), head.get("adapters") or [])

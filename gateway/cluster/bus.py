@@ -11,7 +11,8 @@ Nothing on the request path waits for the bus: :meth:`publish` appends to a list
 goes through a Redis pub/sub channel, by a background task. Redis down or slow: batches wait in a
 bounded queue (the oldest dropped beyond it), one warning is logged, ``gateway_shared_state_redis_up``
 drops to 0, and every replica goes on with its own state until Redis is back. Every ``heartbeat_s`` a
-process sends its in-flight owner counts whole, which repairs any count a lost batch left wrong; a peer
+process sends its in-flight owner counts (and its keys' usage) whole, which repairs any count a lost batch
+left wrong; a peer
 silent for ``peer_timeout_s`` is gone and whatever it had in flight with it.
 """
 
@@ -66,7 +67,7 @@ class StateBus:
         self.metrics = BusMetrics(registry)
         self._handlers: dict[type[Fact], list[Callable[[str, Any], None]]] = {}
         self._gone: list[Callable[[str], None]] = []
-        self._heartbeat: Callable[[], Fact | None] = lambda: None
+        self._heartbeat: list[Callable[[], Fact | None]] = []
         self._pending: list[Fact] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self.peers: dict[str, float] = {}  # origin → when last heard from (monotonic)
@@ -96,8 +97,8 @@ class StateBus:
         self._gone.append(handler)
 
     def heartbeat_with(self, make: Callable[[], Fact | None]) -> None:
-        """The fact every heartbeat carries (a snapshot that repairs what lost batches left wrong)."""
-        self._heartbeat = make
+        """A fact every heartbeat carries (a snapshot that repairs what lost batches left wrong)."""
+        self._heartbeat.append(make)
 
     # Sending
 
@@ -174,9 +175,9 @@ class StateBus:
 
     async def _beat(self) -> None:
         while True:
-            fact = self._heartbeat()
-            if fact is not None:
-                self.publish(fact)
+            for make in self._heartbeat:
+                if (fact := make()) is not None:
+                    self.publish(fact)
             self.flush()  # an empty batch still says we are alive
             now = time.monotonic()
             for origin in [o for o, seen in self.peers.items() if now - seen > self.config.peer_timeout_s]:

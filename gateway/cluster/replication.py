@@ -5,10 +5,13 @@ other workers and replicas (:func:`replicate`).
 What is shared (``shared_state.share``):
 
 - ``workflows``: the workflow tracker's stages, dispatches, finishes and completions;
-- ``sessions``: session pins;
+- ``sessions``: session pins, and the targets of model splits pinned to sticky keys;
 - ``contexts``: the resumable working set's holds, idles and releases (what placement weighs);
 - ``speculative``: the prefix index's just-routed blocks;
 - ``flows``: flow control's service counters (charges and lifts) and the flow each workflow began with;
+- ``adapters``: which LoRA adapters each pod served lately (what stays resident, and what idles);
+- ``limits``: the tokens and requests in flight of each API key and tenant with limits (each heartbeat
+  carries a process's own whole);
 - with any of the first three, the in-flight ledger's per-context and per-stage counts, the one count of
   requests in flight that the tracker, the session map and the working set all read.
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from gateway.cluster.bus import StateBus
 from gateway.core.facts import (
+    AdapterServed,
     BlocksExpected,
     ContextHeld,
     ContextIdled,
@@ -30,12 +34,16 @@ from gateway.core.facts import (
     OwnersSnapshot,
     PreserveDropped,
     Publish,
+    ScopeRequests,
     ServiceCharged,
     ServiceLifted,
     SessionPinned,
+    SplitPinned,
     StageBegan,
     StageDispatched,
     StageFinished,
+    UsageCharged,
+    UsageSnapshot,
     WorkflowCompleted,
     WorkflowFlow,
     unshared,
@@ -43,7 +51,10 @@ from gateway.core.facts import (
 from gateway.flow.service import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
+from gateway.limits.shared import SharedUsage
 from gateway.load.ledger import InFlightLedger
+from gateway.models.adapters import AdapterUse
+from gateway.models.rules import ModelRules
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
@@ -60,6 +71,9 @@ class Sinks:
     working_set: Publish = unshared
     index: Publish = unshared
     flows: Publish = unshared
+    models: Publish = unshared
+    adapters: Publish = unshared
+    limits: Publish = unshared
 
     @classmethod
     def of(cls, bus: StateBus) -> Sinks:
@@ -70,12 +84,15 @@ class Sinks:
 
         return cls(ledger=sink(bool(share & _COUNTED)), tracker=sink("workflows" in share),
                    sessions=sink("sessions" in share), working_set=sink("contexts" in share),
-                   index=sink("speculative" in share), flows=sink("flows" in share))
+                   index=sink("speculative" in share), flows=sink("flows" in share),
+                   models=sink("sessions" in share), adapters=sink("adapters" in share),
+                   limits=sink("limits" in share))
 
 
 def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, sessions: SessionAffinity,
               working_set: ResumableWorkingSet, index: PrefixIndex, service: ServiceCounters,
-              workflow_flows: WorkflowFlows) -> None:
+              workflow_flows: WorkflowFlows, rules: ModelRules | None = None,
+              adapters: AdapterUse | None = None, usage: SharedUsage | None = None) -> None:
     """Apply the facts of the other processes to the owners whose state is shared."""
     if not bus.active:
         return
@@ -93,6 +110,8 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
                tracker.apply_remote)
     if "sessions" in share:
         bus.on((SessionPinned,), sessions.apply_remote)
+        if rules is not None:
+            bus.on((SplitPinned,), rules.apply_remote)
     if "contexts" in share:
         bus.on((ContextHeld, ContextIdled, ContextReleased), working_set.apply_remote)
     if "speculative" in share:
@@ -100,3 +119,9 @@ def replicate(bus: StateBus, ledger: InFlightLedger, tracker: WorkflowTracker, s
     if "flows" in share:
         bus.on((ServiceCharged, ServiceLifted), service.apply_remote)
         bus.on((WorkflowFlow,), workflow_flows.apply_remote)
+    if "adapters" in share and adapters is not None:
+        bus.on((AdapterServed,), adapters.apply_remote)
+    if "limits" in share and usage is not None:
+        bus.on((UsageCharged, ScopeRequests, UsageSnapshot), usage.apply_remote)
+        bus.heartbeat_with(usage.snapshot)
+        bus.on_peer_gone(usage.forget_origin)

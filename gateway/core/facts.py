@@ -116,6 +116,41 @@ class WorkflowFlow(Fact):
     priority: int
 
 
+# Model rules: a split's sticky key (a workflow, session, conversation or response) was given this target.
+class SplitPinned(Fact):
+    key: str
+    public: str
+    target: str
+
+
+# LoRA adapters: the pod served a request of the adapter (sent at most every few seconds per pod and adapter).
+class AdapterServed(Fact):
+    pod: str
+    adapter: str
+
+
+# Key and tenant limits: tokens a scope (``key:<name>``, ``tenant:<id>``) used in a wall-clock minute (a
+# correction may be negative), its requests began (+1) or ended (-1), and every heartbeat a process's own
+# counts whole (minutes and days: (scope, index, input, output)), replacing what came before.
+class UsageCharged(Fact):
+    scope: str
+    minute: int
+    input_tokens: int
+    output_tokens: int
+
+
+class ScopeRequests(Fact):
+    scope: str
+    delta: int
+
+
+class UsageSnapshot(Fact):
+    minutes: list[tuple[str, int, int, int]]
+    days: list[tuple[str, int, int, int]]
+    scopes: list[str]
+    in_flight: list[int]
+
+
 # Not state: a wake-up call to the workers of one replica, sent at once, when room frees up on a pod while
 # they hold requests (``gateway/flow/release_order.py``).
 class RoomFreed(Fact):
@@ -124,7 +159,8 @@ class RoomFreed(Fact):
 
 AnyFact = (OwnersChanged | OwnersSnapshot | SessionPinned | BlocksExpected | ContextHeld | ContextIdled
            | ContextReleased | StageBegan | StageDispatched | StageFinished | WorkflowCompleted | PreserveDropped
-           | ServiceCharged | ServiceLifted | WorkflowFlow | RoomFreed)
+           | ServiceCharged | ServiceLifted | WorkflowFlow | SplitPinned | AdapterServed | UsageCharged | ScopeRequests
+           | UsageSnapshot | RoomFreed)
 
 
 # Where an owner puts the facts about its own changes: the state bus, or nowhere when nothing is shared.

@@ -46,6 +46,9 @@ class InferenceRequest(msgspec.Struct):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     instructions: Any = None
+    # Responses API: the conversation it belongs to (an id, or an object with one), the answer it continues.
+    conversation: Any = None
+    previous_response_id: str | None = None
     # Anthropic Messages: the system prompt, and what changes how the engine renders the conversation.
     system: Any = None
     thinking: Any = None

@@ -101,6 +101,22 @@ class EvictionListener(Protocol):
     def dropped(self, pod: str) -> None: ...
 
 
+def _extras(event: BlockStored) -> list[bytes] | None:
+    """Per block, what else the engine hashed into it besides the tokens, as bytes for the own hash (a block
+    with any can never match a prompt the gateway hashes). A LoRA request's blocks lead their keys with the
+    adapter's name (vLLM 0.32): that is the namespace the event already names (``lora_name``), not more."""
+    keys = event.extra_keys
+    if not keys:
+        return None
+    lora = event.lora_name
+    out = []
+    for key in keys:
+        if key and lora is not None and key[0] == lora:
+            key = key[1:]
+        out.append(repr(key).encode() if key else b"")
+    return out if any(out) else None
+
+
 class PrefixIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
                  publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None,
@@ -246,7 +262,7 @@ class PrefixIndex:
         one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
         tier = self._gpu if one == _GPU_ONE else self._offload
         bit = 1 << view.bit
-        extras = [repr(key).encode() if key else b"" for key in event.extra_keys] if event.extra_keys else None
+        extras = _extras(event)
         try:
             owns = prefix_hashes(chained, tokens, bs, extras)
         except (OverflowError, TypeError):  # a token id that is no uint32

@@ -34,6 +34,11 @@ class EngineStats:
     requests_finished: float = 0.0
     kv_capacity_tokens: float = 0.0  # 0: the engine does not say
     block_size: float = 0.0  # tokens per KV block (vLLM's cache_config_info); 0: the engine does not say
+    # vLLM's lora_requests_info (its latest series): the adapters running and waiting, and its --max-loras
+    # (0: the engine does not say: no LoRA).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
     scraped_at: float = 0.0
     stale: bool = True
     failures: int = 0

@@ -28,8 +28,12 @@ _MASK64 = (1 << 64) - 1
 _DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
+# What else goes into a block's hash, as vLLM tags it: a LoRA request's ``("lora", name, path)``.
+ExtraKeys = tuple[tuple[str, ...], ...] | None
+
+
 class BlockHasher(Protocol):
-    def __call__(self, parent: Hash | None, tokens: list[int]) -> Hash: ...
+    def __call__(self, parent: Hash | None, tokens: list[int], extra: ExtraKeys = None) -> Hash: ...
 
     def reseed(self) -> None:
         """What an engine restart does to its hashes."""
@@ -51,12 +55,12 @@ class VllmBlockHasher:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         return hashlib.sha256(data).digest() if self.algo == "sha256" else xxhash.xxh3_128_digest(data)
 
-    def __call__(self, parent: Hash | None, tokens: list[int]) -> Hash:
+    def __call__(self, parent: Hash | None, tokens: list[int], extra: ExtraKeys = None) -> Hash:
         if parent is None:
             parent_digest = self._none_hash
         else:
             parent_digest = self._digests[parent] if self.int_hashes else parent
-        digest = self._digest((parent_digest, tuple(tokens), None))
+        digest = self._digest((parent_digest, tuple(tokens), extra))
         if not self.int_hashes:
             return digest
         published = int.from_bytes(digest, "big") & _MASK64
@@ -74,10 +78,12 @@ class SeededBlockHasher:
         self.signed = signed
         self.seed = os.urandom(16)
 
-    def __call__(self, parent: Hash | None, tokens: list[int]) -> Hash:
+    def __call__(self, parent: Hash | None, tokens: list[int], extra: ExtraKeys = None) -> Hash:
         h = hashlib.sha256(self.seed)
         h.update(b"\x00" * 8 if parent is None else (int(parent) & _MASK64).to_bytes(8, "little"))
         h.update(array("I", tokens).tobytes())
+        if extra:
+            h.update(repr(extra).encode())
         value = int.from_bytes(h.digest()[-8:], "little")
         return value - (1 << 64) if self.signed and value >= 1 << 63 else value
 

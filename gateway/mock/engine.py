@@ -9,6 +9,12 @@ while slots and blocks allow). A step takes ``base + prefill_tokens * per_token 
 per_seq`` seconds, times the speed factor. Cached prompt tokens are not prefilled, so TTFT falls with
 cache hits and rises with load, as on a real engine. The KV events of a step leave as one batch.
 
+LoRA adapters, as vLLM runs them (:class:`LoraSlots`): a step's batch holds requests of at most
+``max_loras`` adapters (a waiting request of another adapter is skipped until one drains), each active in a
+batch slot; switching an adapter into a slot costs ``lora_activate_s``, and reading one that is not in host
+memory (``max_cpu_loras``, least recently used first) from its path costs ``lora_load_s``. An adapter's
+requests cache their own blocks (their hashes carry it).
+
 With a KV connector (:mod:`gateway.mock.kv_transfer`), prompt tokens may also come from outside, as vLLM's
 connectors bring them: a sequence admitted with tokens the connector holds loads them (a small cost per
 token, not their prefill) and recomputes at least the last prompt token; a producer's finished sequence
@@ -30,7 +36,7 @@ import msgspec
 from gateway.background import cancel_and_wait
 from gateway.kv.events import KvEvent
 from gateway.lru import LruCache
-from gateway.mock.kvcache import PagedKvCache, SequenceBlocks
+from gateway.mock.kvcache import LoraKey, PagedKvCache, SequenceBlocks
 
 
 class TimingModel(msgspec.Struct, frozen=True):
@@ -39,13 +45,18 @@ class TimingModel(msgspec.Struct, frozen=True):
     decode_per_seq_s: float = 0.0002
     # Loading a token's KV from a connector (another pod's memory, shared storage): far less than its prefill.
     kv_load_per_token_s: float = 0.000005
+    # A LoRA adapter switched into a batch slot (its weights copied in), and read from its path into memory.
+    lora_activate_s: float = 0.01
+    lora_load_s: float = 0.2
     # Multiplies every simulated duration: 1 is a mid-size GPU, 0.1 ten times faster, 0 no delay at all.
     speed: float = 1.0
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, loaded_tokens: int = 0) -> float:
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, loaded_tokens: int = 0, activations: int = 0,
+                     lora_loads: int = 0) -> float:
         """Simulated duration of one step at speed 1 (the engine sleeps this times ``speed``)."""
         return (self.step_base_s + prefill_tokens * self.prefill_per_token_s + decode_seqs * self.decode_per_seq_s
-                + loaded_tokens * self.kv_load_per_token_s)
+                + loaded_tokens * self.kv_load_per_token_s + activations * self.lora_activate_s
+                + lora_loads * self.lora_load_s)
 
 
 # The context length of the simulated model (a Llama-3.1-shaped one).
@@ -57,6 +68,56 @@ class EngineLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
     max_model_len: int = MODEL_MAX_LEN
+    # vLLM's --max-loras (adapters in one batch) and --max-cpu-loras (kept in memory; none: max_loras).
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+
+
+class LoraSlots:
+    """One engine's LoRA memory: ``max_loras`` batch slots (a batch runs only adapters active in one) and
+    ``max_cpu_loras`` adapters in host memory, each least recently used first to go. Counts the adapters
+    switched into a slot (``activations``) and read from their path (``loads``)."""
+
+    def __init__(self, max_loras: int, max_cpu_loras: int | None) -> None:
+        self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.active: dict[str, None] = {}  # least recently used first
+        self.memory: dict[str, None] = {}
+        self.activations = 0
+        self.loads = 0
+
+    def load(self, name: str) -> bool:
+        """``name`` in memory (registering an adapter preloads it); whether it had to be read."""
+        if name in self.memory:
+            self.memory[name] = self.memory.pop(name)
+            return False
+        while len(self.memory) >= self.max_cpu_loras:
+            victim = next((n for n in self.memory if n not in self.active), next(iter(self.memory)))
+            del self.memory[victim]
+            self.active.pop(victim, None)
+        self.memory[name] = None
+        self.loads += 1
+        return True
+
+    def remove(self, name: str) -> None:
+        self.memory.pop(name, None)
+        self.active.pop(name, None)
+
+    def activate(self, batch: set[str]) -> tuple[int, int]:
+        """Every adapter of a step's ``batch`` in a slot: (switched in, read from their path) this step."""
+        switched = loaded = 0
+        for name in batch:
+            if name in self.active:
+                self.active[name] = self.active.pop(name)
+                continue
+            loaded += self.load(name)
+            if len(self.active) >= self.max_loras:
+                victim = next(n for n in self.active if n not in batch)
+                del self.active[victim]
+            self.active[name] = None
+            switched += 1
+        self.activations += switched
+        return switched, loaded
 
 
 class PromptRejected(ValueError):
@@ -101,6 +162,10 @@ class Sequence:
     finished: bool = False
     outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
 
+    @property
+    def lora(self) -> LoraKey | None:
+        return self.blocks.lora
+
     async def tokens(self) -> AsyncIterator[int]:
         while (token := await self.outputs.get()) is not None:
             yield token
@@ -111,6 +176,8 @@ class _Step:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     loaded_tokens: int = 0
+    lora_activations: int = 0
+    lora_loads: int = 0
 
     @property
     def prefill_tokens(self) -> int:
@@ -137,6 +204,7 @@ class MockEngine:
         self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.lora = LoraSlots(self.limits.max_loras, self.limits.max_cpu_loras)
         self._reserved = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -162,7 +230,8 @@ class MockEngine:
         await cancel_and_wait(self._task)
 
     def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, pulled_tokens: int = 0,
-               reported_cached_tokens: int | None = None, hold_blocks: bool = False) -> Sequence:
+               reported_cached_tokens: int | None = None, hold_blocks: bool = False, lora: LoraKey | None = None,
+               token_hash_root: int | None = None) -> Sequence:
         if not prompt:
             raise PromptRejected("The prompt is empty.")
         if max_tokens < 1:  # as vLLM's sampling parameters refuse it
@@ -178,7 +247,8 @@ class MockEngine:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
                        time.monotonic(), submitted_clock=self.clock, pulled_tokens=pulled_tokens,
-                       reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks)
+                       reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks,
+                       blocks=SequenceBlocks(lora=lora, token_hash_root=token_hash_root))
         self.waiting.append(seq)
         self._wake.set()
         return seq
@@ -211,7 +281,8 @@ class MockEngine:
                 self._wake.clear()
                 await self._wake.wait()
             step = self._schedule()
-            seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode), step.loaded_tokens)
+            seconds = self.timing.step_seconds(step.prefill_tokens, len(step.decode), step.loaded_tokens,
+                                               step.lora_activations, step.lora_loads)
             self.clock += seconds
             # Even with no simulated delay, yield so HTTP handlers run between steps.
             await asyncio.sleep(seconds * self.timing.speed)
@@ -226,14 +297,24 @@ class MockEngine:
                 break
             if seq.num_computed < seq.prompt_len:
                 budget -= self._prefill_chunk(step, seq, budget)
+        adapters = {s.lora.name for s in self.running if s.lora is not None}
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and seq.lora.name not in adapters and len(adapters) >= self.limits.max_loras:
+                skipped.append(self.waiting.popleft())  # as vLLM: no batch slot for its adapter, the next may go
+                continue
             if not self._admit(seq):
                 break  # first-come first-served: the head waits for blocks, the rest wait behind it
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora.name)
             step.loaded_tokens += seq.loaded_tokens
             budget -= self._prefill_chunk(step, seq, budget)
+        self.waiting.extendleft(reversed(skipped))
+        if adapters:
+            step.lora_activations, step.lora_loads = self.lora.activate(adapters)
         return step
 
     def _prefill_chunk(self, step: _Step, seq: Sequence, budget: int) -> int:
@@ -247,7 +328,7 @@ class MockEngine:
     def _admit(self, seq: Sequence) -> bool:
         cache, bs = self.cache, self.cache.block_size
         if not seq.blocks.hashes:
-            seq.blocks.hashes = cache.chain_hashes(seq.token_ids)
+            seq.blocks.hashes = cache.chain_hashes(seq.token_ids, lora=seq.lora)
         # The engine always computes the last prompt token, so it can never be a hit.
         hit = cache.cached_prefix(seq.blocks.hashes[: (seq.prompt_len - 1) // bs])
         prompt_blocks = -(-seq.prompt_len // bs)

@@ -40,6 +40,20 @@ class CacheStats:
     evictions: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class LoraKey:
+    """The LoRA adapter a request runs with: its blocks are its own (vLLM hashes ``("lora", name, path)``
+    into each block, and its events name it)."""
+
+    name: str
+    path: str
+    adapter_id: int
+
+    @property
+    def extra(self) -> tuple[tuple[str, ...], ...]:
+        return (("lora", self.name, self.path),)
+
+
 @dataclass(slots=True)
 class SequenceBlocks:
     """The blocks one request holds, and the hashes of its full blocks so far."""
@@ -49,6 +63,8 @@ class SequenceBlocks:
     token_hashes: list[int] = field(default_factory=list)
     # How many of ``blocks`` are already cached (hashed and announced).
     num_cached: int = 0
+    lora: LoraKey | None = None
+    token_hash_root: int | None = None  # the gateway's own root for it (None: the cache's)
 
 
 class PagedKvCache:
@@ -73,12 +89,14 @@ class PagedKvCache:
 
     # Hashing
 
-    def chain_hashes(self, token_ids: list[int], parent: Hash | None = None, start: int = 0) -> list[Hash]:
+    def chain_hashes(self, token_ids: list[int], parent: Hash | None = None, start: int = 0,
+                     lora: LoraKey | None = None) -> list[Hash]:
         """Hashes of the full blocks of ``token_ids[start:]``, chained from ``parent``."""
         bs = self.block_size
+        extra = lora.extra if lora is not None else None
         out: list[Hash] = []
         for i in range(start, len(token_ids) - bs + 1, bs):
-            parent = self.hasher(parent, token_ids[i : i + bs])
+            parent = self.hasher(parent, token_ids[i : i + bs], extra)
             out.append(parent)
         return out
 
@@ -161,11 +179,12 @@ class PagedKvCache:
         start = seq.num_cached * bs
         new_hashes = seq.hashes[seq.num_cached : num_full]
         if len(new_hashes) < num_full - seq.num_cached:
-            new_hashes = self.chain_hashes(token_ids[: num_full * bs], parent, start)
+            new_hashes = self.chain_hashes(token_ids[: num_full * bs], parent, start, seq.lora)
             seq.hashes[seq.num_cached :] = new_hashes
         done = len(seq.token_hashes)
+        root = self.token_hash_root if seq.token_hash_root is None else seq.token_hash_root
         seq.token_hashes += prefix_hashes(
-            seq.token_hashes[-1] if done else self.token_hash_root, token_ids[done * bs : num_full * bs], bs
+            seq.token_hashes[-1] if done else root, token_ids[done * bs : num_full * bs], bs
         )
         for offset, h in enumerate(new_hashes):
             block = seq.blocks[seq.num_cached + offset]
@@ -175,9 +194,14 @@ class PagedKvCache:
             block.token_hash = seq.token_hashes[seq.num_cached + offset]
             # A second copy of a hash is cached and announced again, as vLLM does.
             self._cached.setdefault(h, {})[block.block_id] = block
+        lora = seq.lora
         self.events.append(BlockStored(
             block_hashes=new_hashes, parent_block_hash=parent, token_ids=token_ids[start : num_full * bs],
             block_size=bs, medium=self.medium,
+            # As vLLM 0.32 publishes a LoRA request's blocks: its id and name, and per block the untagged
+            # extra keys (the name).
+            lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+            extra_keys=[[lora.name]] * len(new_hashes) if lora else None,
         ))
         seq.num_cached = num_full
 

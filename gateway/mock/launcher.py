@@ -76,6 +76,11 @@ class MockPodFleet:
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.enable_lora or c.lora_adapters:
+            cmd += ["--enable-lora", "--max-loras", str(c.max_loras)]
+            cmd += [f"--lora-adapter={name}" for name in c.lora_adapters]
+            if c.max_cpu_loras is not None:
+                cmd += ["--max-cpu-loras", str(c.max_cpu_loras)]
         role = ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]

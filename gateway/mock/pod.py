@@ -1,15 +1,25 @@
 """A simulated vLLM or SGLang pod: the engine's HTTP API, metrics and KV events, without a GPU.
 
-Owner: a :class:`MockPod` owns its engine, cache, publisher and fault switches. Its HTTP API is the
-subset of vLLM's (and SGLang's) that routing depends on, in the same shapes: OpenAI endpoints with
-``usage.prompt_tokens_details.cached_tokens``, ``/tokenize``, the ``/render`` endpoints of vLLM 0.32's
-scale-out mode, ``/metrics`` with the engines' metric names, and the cache-reset endpoints.
+Owner: a :class:`MockPod` owns its engine, cache, publisher, registered LoRA adapters and fault switches.
+Its HTTP API is the subset of vLLM's (and SGLang's) that routing depends on, in the same shapes: OpenAI
+endpoints with ``usage.prompt_tokens_details.cached_tokens``, ``/tokenize``, the ``/render`` endpoints of
+vLLM 0.32's scale-out mode, ``/metrics`` with the engines' metric names, and the cache-reset endpoints.
+
+LoRA (``enable_lora``, vLLM's ``--enable-lora`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): adapters are
+registered by name and path (``lora_adapters`` at start, ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` later, which answer as vLLM 0.32 does), listed at ``/v1/models`` with their
+``parent``, and a request naming one runs with it (:class:`~gateway.mock.engine.LoraSlots`: batch slots,
+host memory, the cost of a switch); a name the pod does not serve is a 404, as in vLLM.
+``vllm:lora_requests_info`` says which adapters run and wait, one series per label set as vLLM's gauge
+keeps them; ``mock_lora_activations_total`` and ``mock_lora_loads_total`` (the simulator's own) count the
+switches into a slot and the reads from a path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import random
 import socket
@@ -35,7 +45,7 @@ from gateway.mock.kv_transfer import (
     SharedStorage,
     parse_kv_transfer_config,
 )
-from gateway.mock.kvcache import PagedKvCache
+from gateway.mock.kvcache import LoraKey, PagedKvCache
 from gateway.mock.publisher import KvEventPublisher
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
@@ -71,10 +81,20 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Longest prompt plus answer, in tokens; by default the simulated model's own (Llama 3.1's 128k context),
     # as vLLM defaults to the model's.
     max_model_len: int = MODEL_MAX_LEN
+    # LoRA: adapters registered at start (each read from ``/adapters/<name>``), whether adapters may be
+    # registered at all, and vLLM's --max-loras and --max-cpu-loras.
     lora_adapters: list[str] = []
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
     timing: TimingModel | None = None
     # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`gateway.mock.kv_transfer`).
     kv_transfer_config: str | None = None
+
+
+class UnknownModel(Exception):
+    def __init__(self, model: object) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
 
 
 class Faults(msgspec.Struct):
@@ -149,6 +169,14 @@ class MockPod:
                 self.shared_storage = SharedStorage(
                     str(transfer.kv_connector_extra_config.get("shared_storage_path", "/tmp")), config.block_size)
         self.engine = self._new_engine()
+        # Registered LoRA adapters by name (vLLM's serving models' lora_requests), and the ids they got.
+        self.adapters: dict[str, LoraKey] = {}
+        self._adapter_ids = itertools.count(1)
+        for name in config.lora_adapters:  # vLLM's static adapters: registered, and read into memory
+            self._register(name, f"/adapters/{name}")
+            self.engine.lora.load(name)
+        # vLLM's lora_requests_info gauge: one series per label set it was ever set with, its last time.
+        self._lora_info: dict[tuple[str, str], float] = {}
         self._runner: web.AppRunner | None = None
         self.port = config.port
 
@@ -161,7 +189,7 @@ class MockPod:
         cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model),
                              null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
-        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
+        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len, c.max_loras, c.max_cpu_loras)
         return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)
 
     def _publish(self, events: list[KvEvent]) -> None:
@@ -198,6 +226,15 @@ class MockPod:
         if self.publisher:
             await self.publisher.stop()
 
+    async def kill(self) -> None:
+        """Die as a crashed pod does: every connection cut at once (requests in flight get no answer), then
+        nothing listens."""
+        server = self._runner.server if self._runner is not None else None
+        for handler in list(server.connections) if server is not None else []:
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.stop()
+
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
@@ -207,7 +244,7 @@ class MockPod:
         pub = self.publisher
         return PodConfig(
             url=self.url,
-            models=[self.config.model, *self.config.lora_adapters],
+            models=[self.config.model, *self.adapters],
             flavor=self.config.flavor,
             kv_events=pub.endpoint if pub else None,
             kv_replay=pub.replay_endpoint if pub else None,
@@ -247,6 +284,9 @@ class MockPod:
         r.add_get("/debug/blocks", self._debug_blocks)
         r.add_get("/debug/ttft", self._debug_ttft)
         r.add_post("/debug/faults", self._set_faults)
+        if self.lora_enabled:
+            r.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         if self.nixl is not None:
             r.add_post(SIDE_CHANNEL_PATH, self._nixl_read)
         if self.config.flavor == "sglang":
@@ -257,9 +297,60 @@ class MockPod:
         return app
 
     @staticmethod
-    def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
-        body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> web.Response:
+        body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
         return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+    # LoRA
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.config.enable_lora or bool(self.config.lora_adapters)
+
+    def _register(self, name: str, path: str) -> None:
+        self.adapters[name] = LoraKey(name, path, next(self._adapter_ids))
+
+    def _served(self, body: dict[str, Any]) -> LoraKey | None:
+        """The adapter a request names (None: the base model); a model the pod does not serve is refused."""
+        model = body.get("model")
+        if model is None or model == self.config.model:
+            return None
+        adapter = self.adapters.get(model) if isinstance(model, str) else None
+        if adapter is None:
+            raise UnknownModel(model)
+        return adapter
+
+    def _lora_args(self, lora: LoraKey | None) -> dict[str, Any]:
+        if lora is None:
+            return {}
+        return {"lora": lora, "token_hash_root": namespace_root(self.config.model, lora.name)}
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return self._error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name == self.config.model:
+            return self._error(400, f"The lora adapter '{name}' conflicts with a served base model.",
+                               "InvalidUserInput")
+        if name in self.adapters and not body.get("load_inplace"):
+            return self._error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                               "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+        # vLLM's add_lora reads the adapter into memory before it answers.
+        if self.engine.lora.load(name):
+            await asyncio.sleep(self.engine.timing.lora_load_s * self.engine.timing.speed)
+        self._register(name, str(path))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name = (await self._body(request)).get("lora_name")
+        if not name:
+            return self._error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        if name not in self.adapters:
+            return self._error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.adapters[name]
+        self.engine.lora.remove(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -323,21 +414,26 @@ class MockPod:
             return failure
         body = await self._body(request)
         try:
+            lora = self._served(body)
             ids = anthropic_api.prompt_ids(self.tokenizer, body)
             transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
             seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
-                                     request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer)
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer,
+                                     **self._lora_args(lora))
+        except UnknownModel as exc:
+            return anthropic_api.error(404, str(exc))
         except KvLoadFailed:
             return anthropic_api.error(500, "Internal server error")
         except (PromptRejected, ValueError, TypeError) as exc:
             return anthropic_api.error(400, str(exc))
+        model = lora.name if lora is not None else self.config.model
         try:
             if body.get("stream"):
-                return await anthropic_api.stream(request, seq, self.config.model, self._token_text.__getitem__,
+                return await anthropic_api.stream(request, seq, model, self._token_text.__getitem__,
                                                   self.config.block_size)
             text = "".join([self._token_text[t] async for t in seq.tokens()])
-            answer = anthropic_api.message(seq, self.config.model, text, self.config.block_size)
+            answer = anthropic_api.message(seq, model, text, self.config.block_size)
             return web.json_response(self._with_transfer_params(answer, seq))
         finally:
             if not seq.finished:
@@ -368,17 +464,22 @@ class MockPod:
         max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids))
+            lora = self._served(body)
+            seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids),
+                                     **self._lora_args(lora))
+        except UnknownModel as exc:
+            return self._error(404, str(exc), "NotFoundError", "model")
         except KvLoadFailed:
             return await self._load_failed(request, bool(body.get("stream")))
         except (PromptRejected, ValueError, TypeError) as exc:
             return self._error(400, str(exc))
+        model = lora.name if lora is not None else self.config.model
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}
-                return await self._stream(request, seq, chat, bool(options.get("include_usage")))
+                return await self._stream(request, seq, chat, bool(options.get("include_usage")), model)
             tokens = [t async for t in seq.tokens()]
-            return self._complete_response(seq, tokens, chat)
+            return self._complete_response(seq, tokens, chat, model)
         finally:
             if not seq.finished:  # the client went away: free the engine's slot, as vLLM aborts
                 self.aborted_requests += 1
@@ -436,7 +537,7 @@ class MockPod:
             "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
         }
 
-    def _complete_response(self, seq: Sequence, tokens: list[int], chat: bool) -> web.Response:
+    def _complete_response(self, seq: Sequence, tokens: list[int], chat: bool, model: str) -> web.Response:
         text = "".join(self._token_text[t] for t in tokens)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
         if chat:
@@ -447,14 +548,14 @@ class MockPod:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{seq.request_id}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.config.model,
+            "model": model,
             "choices": [choice],
             "usage": self._usage(seq),
         }
         return web.Response(body=orjson.dumps(self._with_transfer_params(body, seq)), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool
+        self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool, model: str
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
         await resp.prepare(request)
@@ -462,7 +563,7 @@ class MockPod:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{seq.request_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.config.model,
+            "model": model,
         }
         die = self.faults.die_mid_stream_fraction and self._rng.random() < self.faults.die_mid_stream_fraction
         emitted = 0
@@ -543,8 +644,8 @@ class MockPod:
         cards = [{"id": c.model, "object": "model", "created": self._started, "owned_by": owner,
                   "root": c.model, "parent": None, "max_model_len": c.max_model_len}]
         cards += [{"id": name, "object": "model", "created": self._started, "owned_by": owner,
-                   "root": name, "parent": c.model, "max_model_len": c.max_model_len}
-                  for name in c.lora_adapters]
+                   "root": adapter.path, "parent": c.model, "max_model_len": c.max_model_len}
+                  for name, adapter in self.adapters.items()]
         return web.json_response({"object": "list", "data": cards})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -574,7 +675,18 @@ class MockPod:
             f"vllm:request_success_total{{{labels},finished_reason=\"length\"}} {float(e.finished_requests)}\n",
             f'vllm:cache_config_info{{block_size="{c.block_size}",enable_prefix_caching="True",'
             f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="{self.config.hash_algo}"}} 1.0\n',
+            *(self._lora_metrics() if self.lora_enabled else []),
         ])
+
+    def _lora_metrics(self) -> list[str]:
+        e = self.engine
+        running = ",".join(dict.fromkeys(s.lora.name for s in e.running if s.lora is not None))
+        waiting = ",".join(dict.fromkeys(s.lora.name for s in e.waiting if s.lora is not None))
+        self._lora_info[(waiting, running)] = time.time()
+        return [*(f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",waiting_lora_adapters="{w}",'
+                  f'running_lora_adapters="{r}"}} {at}\n' for (w, r), at in self._lora_info.items()),
+                f"mock_lora_activations_total {float(e.lora.activations)}\n",
+                f"mock_lora_loads_total {float(e.lora.loads)}\n"]
 
     def _sglang_metrics(self) -> str:
         e, c = self.engine, self.engine.cache

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.backends.registry import Pod
 from gateway.core.errors import GatewayError
 from gateway.core.usage import Usage
+from gateway.proxy.rewrite import AnswerRewrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class UpstreamCall:
     answering: Callable[[], None] | None = None
     # The pods to try next, best first, for an edge whose data plane retries by itself (Envoy).
     fallbacks: tuple[Pod, ...] = ()
+    # What the answer needs on its way to the client (the public model name restored), if anything.
+    rewrite: AnswerRewrite | None = None
 
 
 class Ending(enum.Enum):
@@ -54,6 +57,8 @@ class RelayOutcome:
     streamed_events: int = 0
     # Monotonic, when the pod's answer's headers reached the gateway (the step timings' connect ends there).
     headers_at: float | None = None
+    # A Responses answer's id, where the call asked for it (``UpstreamCall.rewrite``).
+    response_id: str | None = None
 
     @property
     def complete(self) -> bool:

@@ -80,8 +80,11 @@ class Relay:
             text = data[:ERROR_SNIPPET].decode(errors="replace").strip()
             raise upstream_answer(pod, upstream.status, text)
         usage = usage_of_body(data) if upstream.status == 200 else None
+        if call.rewrite is not None and upstream.status == 200:
+            data = call.rewrite.body(data)
         response = web.Response(status=upstream.status, body=data, headers=self.answer_headers(call, upstream))
-        return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage, headers_at=headers_at)
+        return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage, headers_at=headers_at,
+                                      response_id=call.rewrite.response_id if call.rewrite is not None else None)
 
     async def stream(self, call: UpstreamCall, client: web.Request, upstream: aiohttp.ClientResponse,
                      headers_at: float | None = None) -> tuple[web.StreamResponse, RelayOutcome]:
@@ -91,10 +94,12 @@ class Relay:
         last_chunks: deque[bytes] = deque(maxlen=4)
         first_byte_at: float | None = None
         events = 0
+        rewrite = call.rewrite
 
         def ended(status: int, ending: Ending) -> RelayOutcome:
             usage = usage_of_stream_tail(last_chunks) if ending is Ending.COMPLETE else None
-            return RelayOutcome(status, ending, first_byte_at, usage, events, headers_at)
+            return RelayOutcome(status, ending, first_byte_at, usage, events, headers_at,
+                                rewrite.response_id if rewrite is not None else None)
 
         try:
             transport = client.transport
@@ -103,6 +108,8 @@ class Relay:
                     first_byte_at = time.monotonic()
                     if call.answering is not None:
                         call.answering()
+                if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
+                    continue  # an event cut in two: the rest comes with the next chunk
                 if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
                     # A backlog (or a chunk that could fill the socket): the client may read slower than
                     # the pod writes. Wait for it, but not forever.
@@ -111,6 +118,9 @@ class Relay:
                     await response.write(chunk)
                 last_chunks.append(chunk)
                 events += chunk.count(b"data: ")
+            if rewrite is not None and (rest := rewrite.rest()):
+                await response.write(rest)  # a last event without its blank line
+                last_chunks.append(rest)
         except ClientStalled:
             self._metrics.stream_aborts.labels(pod, "client_stalled").inc()
             log.warning("request %s: client stalled for %g s; stream cut", call.request_id, self._client_stall_s)

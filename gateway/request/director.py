@@ -9,9 +9,12 @@ proxy, or Envoy through the endpoint picker) only reads the request and delivers
 model whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a
 collaborator (:mod:`gateway.request.disaggregation`).
 
-One request, phase by phase: read and parse (the edge's body), prepare, admit, plan, then per attempt
-route, dispatch, deliver (the edge) and finish; a failure before the first byte goes back to route,
-on another pod (behind Envoy, on the fallback endpoint the data plane already took); then complete.
+One request, phase by phase: read and parse (the edge's body), its model name resolved to the targets to
+try (:mod:`gateway.models.rules`: an alias, a split's sticky target, then its fallbacks), then per target
+prepare, admit, plan (once), then per attempt route, dispatch, deliver (the edge) and finish; a failure
+before the first byte goes back to route, on another pod (behind Envoy, on the fallback endpoint the data
+plane already took); a target that has no pod, would keep the request waiting longer than its rule allows,
+or whose pods all failed before the first byte hands the request to the next target; then complete.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ from typing import Protocol
 from gateway.api.errors import status_of
 from gateway.auth import ApiKey
 from gateway.backends.registry import Pod, PodRegistry
-from gateway.core.errors import GatewayError
+from gateway.core.errors import GatewayError, upstream_failed
 from gateway.core.requests import InferenceRequest, parse_inference_request
 from gateway.load.ledger import InFlightLedger
+from gateway.models.adapters import AdapterUnavailable
+from gateway.models.rules import ModelRoute, ModelRules, as_is
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
+from gateway.proxy.rewrite import AnswerRewrite, with_model
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.edge import Edge
 from gateway.request.pipeline import RequestPipeline
@@ -61,6 +67,30 @@ class RequestPlanner(Protocol):
     def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan: ...
 
 
+class AdapterLoader(Protocol):
+    """Registers a request's LoRA adapter on the pod an attempt goes to, when the pod does not list it yet;
+    raises :class:`AdapterUnavailable` when it cannot (the request then tries another pod)."""
+
+    def needed(self, routing: RoutingRequest, pod: Pod) -> bool: ...
+
+    async def ready(self, routing: RoutingRequest, pod: Pod) -> None: ...
+
+
+# What a target's failure is, when the next target may take the request instead: it has no pod, or its
+# requests would wait too long for one (flow control's limit, or the rule's ``fallback_wait_s``).
+_FALLBACK_CODES = frozenset({"no_healthy_pod", "queue_timeout", "queue_full", "target_saturated",
+                             "slo_unreachable"})
+
+
+class _TargetFailed(Exception):
+    """This target cannot serve the request (``error`` says why); the next one may."""
+
+    def __init__(self, error: GatewayError, cause: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.cause = cause
+
+
 class NoPlanner:
     """For requests that belong to no workflow (Anthropic's count_tokens)."""
 
@@ -72,10 +102,17 @@ class RequestDirector:
     def __init__(self, pipeline: RequestPipeline, router: Router, planner: RequestPlanner, ledger: InFlightLedger,
                  proxy: Proxy, pods: PodRegistry, *, max_retries: int, default_consumption: float,
                  allow_strategy_header: bool, max_body_bytes: int, prefill: PrefillLegs | None = None,
+                 models: ModelRules | None = None, adapters: AdapterLoader | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
-        # The prepare steps, each with the step of the request's timings its time counts to.
-        self._prepare = tuple((step, timed_as(step)) for step in pipeline.prepare)
+        # The prepare steps, each with the step of the request's timings its time counts to, and whether it
+        # judges the request itself (run once) rather than its target (run again for a fallback).
+        self._prepare = tuple((step, timed_as(step), getattr(step, "per_request", False))
+                              for step in pipeline.prepare)
+        # Public model names and their targets (none: every name is served as it is).
+        self._models = models
+        # LoRA adapters registered on demand (none: an adapter is routed only where a pod lists it).
+        self._adapters = adapters
         self._router = router
         self._planner = planner
         self._ledger = ledger
@@ -118,33 +155,51 @@ class RequestDirector:
             raise
         finally:
             done = CompletedRequest(run.request, status, self._clock(), run.attempts, run.routing, run.admitted,
-                                    run.last, run.outcome, run.prefill, run.times)
+                                    run.last, run.outcome, run.prefill, run.times, run.route, tuple(run.fallbacks))
             for step in self._pipeline.complete:
                 step.completed(done)
 
     async def _serve(self, run: _Run) -> None:
+        request = run.request
+        route = run.route = (self._models.route(request.model, request.kind, request.headers, request.parsed)
+                             if self._models is not None else as_is(request.model))
+        for target in route.targets:
+            try:
+                await self._serve_target(run, route, target)
+                return
+            except _TargetFailed as failed:
+                if not route.fallback_after(target):
+                    raise failed.error from None
+                run.fallbacks.append((target, failed.cause))
+                log.warning("request %s: target %s of %s cannot serve it (%s: %s); trying the next",
+                            request.id, target, route.public, failed.cause, failed.error.message)
+
+    async def _serve_target(self, run: _Run, route: ModelRoute, target: str) -> None:
+        """Serve the request with one of its targets, or raise :class:`_TargetFailed` when that target
+        cannot (and nothing reached the client)."""
         request, times = run.request, run.times
-        policy, routing = self._resolve(request)
+        fallback = run.routing is not None
+        policy, routing = self._resolve(request, route, target)
         run.routing = routing
-        for prepare, timed in self._prepare:
+        run.body = request.body if target == request.model else with_model(request.body, request.model, target)
+        for prepare, timed, per_request in self._prepare:
+            if fallback and per_request:
+                continue
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
             times.mark(timed)
-        for admit in self._pipeline.admit:
-            admitting = admit.admit(request, policy, routing)
-            if isinstance(admitting, Admitted):
-                run.admitted = admitting
-            elif admitting is not None and (admitted := await admitting) is not None:
-                run.admitted = admitted
+        await self._admit(run, policy, routing)
         times.mark(Step.ADMIT)
-        plan = self._planner.plan(request, policy, routing)
+        if run.plan is None:  # a workflow's stage begins once, whichever target serves it
+            run.plan = self._planner.plan(request, policy, routing)
+        plan = run.plan
         headers = self._proxy.upstream_headers(request.headers, request.id)
         allowed = run.edge.allowed_pods
         exclude = {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
         failure: RetryableFailure | None = None
         served_by: Pod | None = None  # where the data plane took the request after a failure
-        number = 0
-        while failure is None or served_by is not None or number <= self._max_retries:
+        tries = 0
+        while failure is None or served_by is not None or tries <= self._max_retries:
             started = self._clock()
             if served_by is not None:
                 decision = _fallback(served_by, policy, routing, exclude)
@@ -152,9 +207,11 @@ class RequestDirector:
                 try:
                     decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
                                                   binding=plan.pin_binding)
-                except GatewayError:
+                except GatewayError as err:
                     if failure:  # every pod we could try has failed: say why, not just "none left"
-                        raise failure.error from None
+                        raise _TargetFailed(failure.error, "failed") from None
+                    if err.code in _FALLBACK_CODES:
+                        raise _TargetFailed(err, "no_pod") from None
                     raise
             times.mark(Step.ROUTE)
             estimate = routing.estimates.get(decision.pod.name)
@@ -162,11 +219,13 @@ class RequestDirector:
                 request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
                 request.kind, context=routing.context_key, stage=plan.stage_owner,
                 prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
-            run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, number, started,
-                                         upstream_headers(headers, run.admitted, decision.pod))
-            run.attempts = number = number + 1
+            run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, run.attempts, started,
+                                         upstream_headers(headers, run.admitted, decision.pod),
+                                         run.body if run.body is not request.body else None)
+            run.attempts += 1
+            tries += 1
             try:
-                await self._attempt(run, attempt, exclude)
+                await self._attempt(run, attempt, exclude, route)
                 return
             except RetryableFailure as exc:
                 failure, served_by = exc, exc.served_by
@@ -174,17 +233,33 @@ class RequestDirector:
                 log.warning("request %s: pod %s failed before the first byte (%s: %s)%s",
                             request.id, decision.pod.name, exc.cause, exc.error.message,
                             f"; the data plane took it to {served_by.name}" if served_by is not None else "")
-        raise failure.error
+        raise _TargetFailed(failure.error, "failed")
 
-    def _resolve(self, request: ClientRequest) -> tuple[Policy, RoutingRequest]:
+    async def _admit(self, run: _Run, policy: Policy, routing: RoutingRequest) -> None:
+        """The admit steps, in order; a target that would keep the request waiting too long (or has no pod)
+        is :class:`_TargetFailed`."""
+        try:
+            for admit in self._pipeline.admit:
+                admitting = admit.admit(run.request, policy, routing)
+                if isinstance(admitting, Admitted):
+                    run.admitted = admitting
+                elif admitting is not None and (admitted := await admitting) is not None:
+                    run.admitted = admitted
+        except GatewayError as err:
+            if err.code in _FALLBACK_CODES:
+                raise _TargetFailed(err, "saturated" if err.code != "no_healthy_pod" else "no_pod") from None
+            raise
+
+    def _resolve(self, request: ClientRequest, route: ModelRoute, target: str) -> tuple[Policy, RoutingRequest]:
         """The routing policy (the default, or ``x-routing-strategy`` where allowed) and the routing view
-        of the request, which the prepare steps fill."""
+        of the request served by ``target``, which the prepare steps fill."""
         override = request.headers.get("x-routing-strategy") if self._allow_strategy_header else None
-        base = self._pods.base_model(request.model)
+        base = self._pods.base_model(target)
         return self._router.resolve(override), RoutingRequest(
-            request.id, request.model, request.kind, request.parsed, base_model=base,
-            lora_name=request.model if base != request.model else None,
-            leg=self._prefill.leg_of(request.kind, request.model) if self._prefill is not None else None)
+            request.id, target, request.kind, request.parsed, base_model=base,
+            lora_name=target if base != target else None,
+            leg=self._prefill.leg_of(request.kind, target) if self._prefill is not None else None,
+            max_wait_s=route.fallback_wait_s if route.fallback_after(target) else None)
 
     def _fallbacks(self, attempt: Attempt, count: int, excluded: set[str]) -> tuple[Pod, ...]:
         """The next best pods after the decision's, for an edge whose data plane retries by itself: by
@@ -201,20 +276,26 @@ class RequestDirector:
             pods = self._pods.candidates(routing.model, frozenset(exclude), routing.leg)[:count]
         return tuple(pods)
 
-    async def _attempt(self, run: _Run, attempt: Attempt, exclude: set[str]) -> None:
-        """One attempt: dispatched, its prefill leg first when it is a decode leg, delivered, finished."""
+    async def _attempt(self, run: _Run, attempt: Attempt, exclude: set[str], route: ModelRoute) -> None:
+        """One attempt: dispatched, its adapter registered on its pod where needed, its prefill leg first
+        when it is a decode leg, delivered, finished."""
         times = run.times
         for step in self._pipeline.dispatch:
             step.dispatched(attempt)
         outcome: RelayOutcome | None = None
         run.prefill = None
         try:
+            if self._adapters is not None and self._adapters.needed(attempt.routing, attempt.decision.pod):
+                try:
+                    await self._adapters.ready(attempt.routing, attempt.decision.pod)
+                except AdapterUnavailable as exc:
+                    raise RetryableFailure(upstream_failed(str(exc)), "adapter_load") from None
             if self._prefill is not None and attempt.routing.leg == "decode":
                 times.mark(Step.DISPATCH)
                 run.prefill = await self._prefill.run(attempt)
                 times.mark(Step.PREFILL)
             call = _call(attempt, run.prefill, self._fallbacks(attempt, run.edge.fallbacks, exclude),
-                         partial(self._ledger.answering, attempt.dispatch))
+                         partial(self._ledger.answering, attempt.dispatch), route)
             delivering = times.mark(Step.DISPATCH)
             outcome = run.outcome = await run.edge.deliver(call)
             headers_at = outcome.headers_at if outcome.headers_at is not None else outcome.first_byte_at
@@ -238,20 +319,25 @@ class RequestDirector:
 
 
 def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ...],
-          answering: Callable[[], None]) -> UpstreamCall:
-    request, decision = attempt.request, attempt.decision
+          answering: Callable[[], None], route: ModelRoute) -> UpstreamCall:
+    request, decision, target = attempt.request, attempt.decision, attempt.routing.model
     answer_headers = {
         "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
         "x-gateway-prefix-tokens": str(decision.prefix_tokens),
-        "x-gateway-cache-action": attempt.plan.header_for(decision),
+        "x-gateway-cache-action": attempt.plan.header_for(decision), "x-gateway-model": target,
     }
-    body = request.body
+    body = attempt.sent_body
     if prefill is not None and (prefill_pod := prefill.pod) is not None:
         answer_headers["x-gateway-prefill-pod"] = prefill_pod.name
         body = prefill.decode_body or body
+    # The answer names what the client asked for, unless the rule shows the target; a split's Responses
+    # answer is read for its id (the response that continues it gets the same target).
+    restore = target != route.public and not route.expose_target
+    capture = route.split and request.kind == "responses"
+    rewrite = AnswerRewrite(target, route.public if restore else target, capture) if restore or capture else None
     return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
                         anthropic=request.kind in ("messages", "count_tokens"), answering=answering,
-                        fallbacks=fallbacks)
+                        fallbacks=fallbacks, rewrite=rewrite)
 
 
 def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) -> dict[str, str]:
@@ -273,11 +359,16 @@ def _fallback(pod: Pod, policy: Policy, routing: RoutingRequest, failed: set[str
 class _Run:
     """The director's own record of one request as it goes: what :class:`CompletedRequest` is built from."""
 
-    __slots__ = ("admitted", "attempts", "edge", "last", "outcome", "prefill", "request", "routing", "times")
+    __slots__ = ("admitted", "attempts", "body", "edge", "fallbacks", "last", "outcome", "plan", "prefill", "request",
+                 "route", "routing", "times")
 
     def __init__(self, request: ClientRequest, edge: Edge) -> None:
         self.request = request
         self.edge = edge
+        self.route: ModelRoute | None = None
+        self.body = request.body  # what the attempts send: the client's, its model rewritten for the target
+        self.fallbacks: list[tuple[str, str]] = []  # (target, why) of each target that could not serve it
+        self.plan: RequestPlan | None = None
         self.routing: RoutingRequest | None = None
         self.admitted: Admitted | None = None
         self.last: Attempt | None = None

@@ -91,7 +91,7 @@ class PrefillLegs:
         if skipped is not None:
             return PrefillLeg(skipped)
         try:  # the client's body as a dict, to write the legs' own bodies from (its numbers kept exact)
-            client_body = msgspec.json.decode(attempt.request.body)
+            client_body = msgspec.json.decode(attempt.sent_body)
         except msgspec.DecodeError:  # a number out of any float's range, in a field the gateway does not read
             return PrefillLeg(Split.UNSUPPORTED)
         started = self._clock()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gateway.admission import Slo, SloPolicy
 from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
-from gateway.core.errors import GatewayError
+from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController, Held
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
@@ -65,6 +65,9 @@ class FlowControl:
     def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest
               ) -> Admitted | Awaitable[Admitted]:
         """Admitted at once when a pod has room and nothing waits (no coroutine is made), else the wait."""
+        earlier = self._requests.pop(request, None)
+        if earlier is not None and earlier.released is not None:  # released for a target it then left
+            self._controller.landed(earlier.released)
         workflow = workflow_id_of(routing.context_key) if routing.context_key else None
         inherited = self._workflows.get(workflow) if workflow is not None else None
         key_name = request.key.config.name if request.key is not None else None
@@ -86,8 +89,17 @@ class FlowControl:
         room = controller.room_now(pods, demand)
         if room is None:
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
-            return self._held(request, routing, demand, flow, key, slo,
-                              flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s))
+            wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
+            detector = controller.detector
+            if routing.max_wait_s is not None and all(detector.saturated_by(p.name, demand) for p in pods):
+                # Every pod of this target is saturated: its model rule's fallback takes the request after
+                # that long (a target with room waits its turn behind others as any request does).
+                if routing.max_wait_s <= 0:
+                    self._metrics.rejected(key, "target_saturated")
+                    raise GatewayError(ErrorKind.RATE_LIMITED, f"Every pod of `{routing.model}` is saturated.",
+                                       code="target_saturated", retry_after_s=1)
+                wait_s = min(wait_s, routing.max_wait_s)
+            return self._held(request, routing, demand, flow, key, slo, wait_s)
         # Going on at once, it is routed among every pod: the policy weighs a busy pod's cached prefix
         # against its queue itself (kept to the pods with room, shared-prefix bursts lost 0.024 hit ratio).
         self._metrics.at_once(key)

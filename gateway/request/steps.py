@@ -3,7 +3,7 @@ flow control's: :mod:`gateway.request.flow`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
@@ -28,6 +28,7 @@ class RequestValidation:
     model the key may not use or no pod serves)."""
 
     timed_as = Step.PARSE  # the request's timings count it with the body's parse
+    per_request = True  # it judges the request, not its target: a fallback target is not validated again
 
     def __init__(self, pods: PodRegistry, key_auth: ApiKeyAuth, server: ServerConfig) -> None:
         self._pods = pods
@@ -42,7 +43,8 @@ class RequestValidation:
             raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",
                               param="messages", code="too_many_messages")
         self._key_auth.authorize(request.key, request.model)
-        if not self._pods.knows_model(request.model):
+        # A public name's targets are the router's to find (none with a pod: the next target, or a 503).
+        if routing.model == request.model and not self._pods.knows_model(request.model):
             raise unknown_model(request.model)
 
 
@@ -59,14 +61,17 @@ class PromptTokenization:
     timed_as = Step.TOKENIZE
 
     def __init__(self, pods: PodRegistry, tokens: TokenizationService, verifier: PredictionVerifier,
-                 server: ServerConfig) -> None:
+                 server: ServerConfig, counted: Callable[[str], bool] = lambda key: False) -> None:
         self._pods = pods
         self._tokens = tokens
         self._verifier = verifier
         self._max_prompt_tokens = server.max_prompt_tokens
+        # Whether the prompts of the key with this name are counted exactly whatever the policy (its input
+        # tokens are limited: an estimate would let a burst pass the limit).
+        self._counted = counted
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
-        if not policy.needs_tokens:
+        if not policy.needs_tokens and not (request.key is not None and self._counted(request.key.config.name)):
             return None
         if self._verifier.drifting(routing.base_model):
             return self._tokenize_drifting(request, routing)
@@ -74,17 +79,18 @@ class PromptTokenization:
 
     async def _tokenize_drifting(self, request: ClientRequest, routing: RoutingRequest) -> None:
         if self._verifier.probe_due(routing.base_model):
-            probe = await self._tokens.tokenize(request.model, request.kind, request.parsed)
+            probe = await self._tokens.tokenize(routing.model, request.kind, request.parsed)
             routing.probe_tokens = len(probe.ids) if probe is not None else None
-        if self._tokens.has_local(request.model):
+        if self._tokens.has_local(routing.model):
             await self._tokenize(request, routing, avoid_local=True)
 
     async def _tokenize(self, request: ClientRequest, routing: RoutingRequest, avoid_local: bool = False) -> None:
-        tokens = await self._tokens.tokenize(request.model, request.kind, request.parsed, avoid_local=avoid_local)
+        tokens = await self._tokens.tokenize(routing.model, request.kind, request.parsed, avoid_local=avoid_local)
         if tokens is None:
             return
         ids = tokens.ids
-        limit = self._max_prompt_tokens or self._pods.max_model_len(request.model)
+        limit = self._max_prompt_tokens or self._pods.max_model_len(routing.model) \
+            or self._pods.max_model_len(routing.base_model)
         if limit and len(ids) > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)}.",
@@ -94,7 +100,7 @@ class PromptTokenization:
         routing.hashes = PromptHashes(namespace_root(routing.base_model or routing.model, routing.lora_name), ids,
                                       earlier.hashes if earlier else None, earlier.length if earlier else 0)
         routing.continued_tokens = earlier.tokens if earlier else None
-        self._tokens.remember(request.model, tokens, routing.hashes)
+        self._tokens.remember(routing.model, tokens, routing.hashes)
 
 
 class LoadEstimation:

@@ -63,6 +63,8 @@ class RequestTracing:
 
     Owner: the spans of the requests in flight, each kept from prepare to complete."""
 
+    per_request = True  # one span per request, whichever targets of its model serve it
+
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
         self._spans: dict[ClientRequest, RequestSpans] = {}
@@ -110,6 +112,10 @@ class RequestTracing:
             return
         spans.root.set_attribute("http.response.status_code", done.status)
         spans.root.set_attribute("gateway.attempts", done.attempts)
+        if done.routing is not None:  # the target that served it (the public name is the request's model)
+            spans.root.set_attribute("gen_ai.response.model", done.routing.model)
+        if done.fallbacks:
+            spans.root.set_attribute("gateway.model.fallbacks", [f"{t}:{why}" for t, why in done.fallbacks])
         if done.admitted is not None and (flow := done.admitted.flow) is not None:
             spans.root.set_attribute("gateway.flow.fairness_id", flow.fairness_id)
             spans.root.set_attribute("gateway.flow.priority", flow.priority)
@@ -164,6 +170,7 @@ class TracedPrepare:
         self._step = step
         self._spanned = spanned
         self.timed_as = timed_as(step)  # the step's, for the request's timings
+        self.per_request = getattr(step, "per_request", False)
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
         waiting = self._step.prepare(request, policy, routing)

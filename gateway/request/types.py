@@ -25,6 +25,7 @@ from gateway.core.requests import InferenceRequest
 from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
+from gateway.models.rules import ModelRoute
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
@@ -88,6 +89,12 @@ class Attempt:
     routing_started: float  # monotonic, when this attempt's routing began (a prefill leg: once routed)
     # Sent to the pod; a dispatch step may add to it (the trace context).
     upstream_headers: dict[str, str]
+    # The body sent when it is not the client's: its model rewritten for the target (gateway.models.rules).
+    body: bytes | None = None
+
+    @property
+    def sent_body(self) -> bytes:
+        return self.body if self.body is not None else self.request.body
 
 
 class Split(enum.Enum):
@@ -133,6 +140,10 @@ class CompletedRequest:
     outcome: RelayOutcome | None = None  # of the last attempt, when it relayed anything
     prefill: PrefillLeg | None = None  # the last attempt's prefill leg (disaggregated models only)
     steps: StepTimes | None = None  # the time of each step it reached (gateway.request.timings)
+    # What its model name meant: the targets tried in order (the routing view's model is the last one).
+    route: ModelRoute | None = None
+    # (target, why) of each target that could not serve it before the last one.
+    fallbacks: tuple[tuple[str, str], ...] = ()
 
     @property
     def model(self) -> str:

@@ -44,10 +44,11 @@ class PlacementCost:
 
     uncached: int
     overflow: float
+    switch: float = 0.0  # a LoRA request's adapter switched into the pod's batch slots, or loaded there
 
     @property
     def total(self) -> float:
-        return self.uncached + self.overflow
+        return self.uncached + self.overflow + self.switch
 
 
 @dataclass(slots=True)
@@ -87,6 +88,12 @@ class RoutingRequest:
     # Flow control: the pods that had room when the request was released after waiting (None: it did not
     # wait); the router keeps to them unless none is left.
     room: frozenset[str] | None = None
+    # The director: how long the request may wait in flow control for this target before the next target
+    # of its model rule is tried (None: as long as its flow allows).
+    max_wait_s: float | None = None
+    # The gateway's adapter placement (gateway.models.adapters), per candidate pod: what placing this LoRA
+    # request there costs besides its prompt, in tokens (its adapter switched into a batch slot, or loaded).
+    switch_cost: dict[str, float] = field(default_factory=dict)
     # The router, per attempt: the pod the request's workflow or session is pinned to (its filters see
     # that the request continues a context there), and filter name → the pods it removed.
     pin: str | None = None

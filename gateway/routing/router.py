@@ -7,13 +7,13 @@ the request's ``filtered_out``. It reads pods from the registry and never change
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
-from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, RoutingRequest
+from gateway.routing.policy import Decision, Filter, Pick, Policy, PolicyContext, RoutingRequest
 
 log = logging.getLogger("gateway.routing")
 
@@ -29,11 +29,14 @@ class Router:
         default_policy: str,
         options: Mapping[str, Mapping[str, Any]],
         context: PolicyContext,
+        gateway_filters: Sequence[Filter] = (),
     ) -> None:
         self._pods = pods
         self._plugins = plugins
         self._options = options
         self._context = context
+        # Filters every policy runs first (the LoRA adapter placement), after flow control's room.
+        self._gateway_filters = tuple(gateway_filters)
         self._policies: dict[str, Policy] = {}
         self.default_policy = default_policy
         # Fail at start on an unknown default, and on any policy's bad options (not at its first use).
@@ -95,8 +98,7 @@ class Router:
             return "placement"
         return next((name for name, dropped in request.filtered_out.items() if pin in dropped), "pod_unavailable")
 
-    @staticmethod
-    def _filtered(request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
+    def _filtered(self, request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
         request.filtered_out = {}
         room = request.room
         if room and request.pin is None:  # flow control: the pods with room, while any is left
@@ -104,7 +106,7 @@ class Router:
             if kept and len(kept) < len(pods):
                 request.filtered_out[SATURATED] = [p.name for p in pods if p.name not in room]
                 pods = kept
-        for f in policy.filters:
+        for f in (*self._gateway_filters, *policy.filters):
             if not pods:
                 break
             kept = f.filter(request, pods)

@@ -21,12 +21,15 @@ recomputed when its owner comes back. Consequences:
   the role prompt there (``hit``) costs less than what its growth would push out (``F - hit``): a hot
   shared prefix is copied to a second pod instead of piling up;
 - a later stage stays with its cache: elsewhere it pays its whole context again;
-- a pod whose capacity is unknown never overflows (the model degrades to prefix affinity).
+- a pod whose capacity is unknown never overflows (the model degrades to prefix affinity);
+- a LoRA request pays ``switch_p`` more where its adapter is not in the pod's batch slots
+  (:mod:`gateway.models.adapters`): its prefix is in the adapter's own namespace, so it sticks to the
+  pods that ran the adapter, unless they are loaded.
 
 The :class:`PlacementPlanner` computes these costs once per attempt (it owns the request's ``placement``
 and ``context``); the :class:`PlacementScorer` turns them into scores.
 
-Score = ``1 - cost_p / (P + max overflow)``, in ``[0, 1]``: with no overflow anywhere it is exactly the
+Score = ``1 - cost_p / (P + max overflow + max switch)``, in ``[0, 1]``: with no overflow anywhere it is exactly the
 share of the prompt cached, so traffic that fits the fleet routes as before.
 """
 
@@ -77,7 +80,7 @@ class PlacementPlanner:
             if capacity:
                 demand = self._working_set.demand_tokens(pod.name, now, exclude=context)
                 overflow = max(0.0, demand + footprint - hit - capacity) - max(0.0, demand - capacity)
-            request.placement[pod.name] = PlacementCost(prompt - hit, overflow)
+            request.placement[pod.name] = PlacementCost(prompt - hit, overflow, request.switch_cost.get(pod.name, 0.0))
 
 
 class ContextBalance:
@@ -125,7 +128,8 @@ class PlacementScorer:
         costs = request.placement
         if not costs or request.token_ids is None:
             return self._prefix.score(request, pods)
-        worst = len(request.token_ids) + max(costs[p.name].overflow for p in pods)
+        worst = len(request.token_ids) + max(costs[p.name].overflow for p in pods) \
+            + max(costs[p.name].switch for p in pods)
         return [max(0.0, 1.0 - costs[p.name].total / worst) for p in pods]
 
 

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
      "decide", ("gateway.auth", "gateway.admission", "gateway.flow", "gateway.routing", "gateway.workflow",
-                "gateway.pressure", "plugins")),
+                "gateway.pressure", "gateway.models", "gateway.limits", "plugins")),
     ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
     ("request path: domain errors as HTTP, forwarding, the pipeline",
      ("gateway.api.errors", "gateway.proxy", "gateway.request")),

@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from gateway.backends.scraper import parse_engine_metrics
+from gateway.backends.scraper import parse_engine_metrics, parse_lora_info
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
@@ -129,3 +129,12 @@ def test_parse_engine_metrics_both_flavours():
     sglang = 'sglang:num_running_reqs{model_name="m"} 7.0\nsglang:num_queue_reqs{model_name="m"} 0.0\n' \
              'sglang:token_usage{model_name="m"} 0.9\n'
     assert parse_engine_metrics(sglang) == {"running": 7.0, "waiting": 0.0, "kv_usage": 0.9}
+
+
+def test_vllms_lora_gauge_is_read_from_its_latest_series():
+    # vLLM keeps a series per label set it ever set, its value the time: the latest one is the state now.
+    series = [('', 'sql', '100.5'), ('poem', 'sql,code', '101.0'), ('', '', '99.0')]
+    text = "".join(f'vllm:lora_requests_info{{max_lora="2",waiting_lora_adapters="{w}",running_lora_adapters="{r}"}}'
+                   f" {at}\n" for w, r, at in series)
+    assert parse_lora_info(text) == (("sql", "code"), ("poem",), 2)
+    assert parse_lora_info("vllm:num_requests_running 1\n") is None

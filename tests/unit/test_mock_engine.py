@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from gateway.mock.engine import EngineLimits, MockEngine, PromptRejected, TimingModel
-from gateway.mock.kvcache import PagedKvCache
+from gateway.mock.engine import EngineLimits, LoraSlots, MockEngine, PromptRejected, TimingModel
+from gateway.mock.kvcache import LoraKey, PagedKvCache
 
 OUTPUT = [900, 901, 902, 903, 904]
 
@@ -197,3 +197,40 @@ def test_vllm_block_hashes_are_vllms_own(monkeypatch):
     hasher.reseed()
     assert hasher(None, [1, 2, 3, 4]) == first
     assert VllmBlockHasher("xxhash")(None, [1, 2]) != VllmBlockHasher("xxhash")(None, [1, 2])
+
+
+async def test_a_batch_runs_at_most_max_loras_adapters_and_skips_to_those_it_can():
+    h = Harness(max_loras=1)
+    sql, poem = LoraKey("sql", "/a/sql", 1), LoraKey("poem", "/a/poem", 2)
+    first = h.engine.submit(list(range(1, 9)), 4, lora=sql)
+    blocked = h.engine.submit(list(range(11, 19)), 4, lora=poem)
+    base = h.engine.submit(list(range(21, 29)), 4)  # the base model takes no slot: it passes the waiting one
+    h.engine._schedule()
+    assert h.engine.running == [first, base] and list(h.engine.waiting) == [blocked]
+    assert (h.engine.lora.activations, h.engine.lora.loads) == (1, 1)
+    h.engine.start()
+    await asyncio.gather(drain(first), drain(blocked), drain(base))
+    await h.engine.stop()
+    assert h.engine.lora.activations == 2 and list(h.engine.lora.active) == ["poem"]
+
+
+async def test_an_adapters_blocks_are_its_own_and_say_whose_they_are():
+    h = Harness()
+    h.engine.start()
+    prompt = list(range(1, 10))
+    for lora in (LoraKey("sql", "/a/sql", 1), None, LoraKey("sql", "/a/sql", 1)):
+        seq = h.engine.submit(prompt, 1, lora=lora)
+        await drain(seq)
+    await h.engine.stop()
+    stored = [e for e in h.events if isinstance(e, BlockStored)]
+    assert [s.lora_name for s in stored] == ["sql", None]  # the third found the adapter's blocks cached
+    assert stored[0].extra_keys == [["sql"], ["sql"]] and stored[0].block_hashes != stored[1].block_hashes
+
+
+def test_slots_and_memory_are_least_recently_used_first():
+    slots = LoraSlots(max_loras=2, max_cpu_loras=3)
+    assert slots.activate({"a", "b"}) == (2, 2)
+    assert slots.activate({"a"}) == (0, 0)
+    assert slots.activate({"a", "c"}) == (1, 1) and set(slots.active) == {"a", "c"}  # b left its slot
+    assert slots.activate({"b", "c"}) == (1, 0)  # b was still in memory
+    assert slots.activate({"d", "b"}) == (1, 1) and "a" not in slots.memory  # a: least recently used

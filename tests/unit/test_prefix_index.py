@@ -117,6 +117,16 @@ def test_lora_and_extra_keys_never_match_plain_blocks(index):
     assert match(index) == {"a": 0, "b": 0}  # a salted first block poisons the whole chain
 
 
+def test_an_adapters_blocks_match_its_prompts_as_vllm_marks_them(index):
+    # vLLM 0.32 leads each LoRA block's extra keys with the adapter's name, the event's lora_name.
+    view = index.view("a", 0, "m", BS)
+    index.apply(view, [stored([1, 2], None, PROMPT[:8], lora_name="sql", lora_id=1, extra_keys=[["sql"], ["sql"]])])
+    assert match(index, lora="sql") == {"a": 8, "b": 0}
+    assert match(index) == {"a": 0, "b": 0} and match(index, lora="other") == {"a": 0, "b": 0}
+    index.apply(view, [stored([7, 8], None, PROMPT[:8], lora_name="sql", extra_keys=[["sql", "salt"], ["sql"]])])
+    assert match(index, lora="sql") == {"a": 8, "b": 0}  # the salted copy is another chain
+
+
 def test_malformed_stores_are_rejected(index):
     view = index.view("a", 0, "m", BS)
     index.apply(view, [stored([1, 2], None, PROMPT[:7])])  # token count does not fill the blocks

@@ -1,0 +1,122 @@
+"""Whether an API key's request may start now, against its key's and its tenant's limits (``limits``).
+
+A request is refused (429, with a Retry-After) when, for its key or its key's tenant:
+
+- ``max_concurrent`` of its requests are already in flight;
+- the sliding minute's (or day's) input tokens plus its prompt would pass the limit (a window with nothing in
+  it takes one request of any size: a prompt larger than the limit is not refused for ever);
+- the sliding minute's (or day's) output tokens already reached the limit.
+
+An admitted request is charged its prompt and its ``max_tokens`` (what it may generate) at once, so that a
+burst cannot pass the limit while its answers run; when it ends, the charge is corrected to the engine's
+own usage (nothing, if no pod answered it). Limits are held across workers and replicas
+(:mod:`gateway.limits.shared`); while this replica cannot hear the others, it enforces its share of each.
+
+Owner: :class:`KeyLimits` owns the limits in force (replaced on reload); the use is :class:`SharedUsage`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.config import LimitsConfig, UsageLimits
+from gateway.core.errors import ErrorKind, GatewayError
+from gateway.limits.shared import DAY_S, MINUTE_S, SharedUsage, Used
+
+
+@dataclass(slots=True)
+class Admission:
+    """What an admitted request was charged, and to which scopes."""
+
+    scopes: tuple[str, ...]
+    input_tokens: int
+    output_tokens: int
+
+
+class KeyLimits:
+    def __init__(self, config: LimitsConfig, usage: SharedUsage, tenant_of: Callable[[str], str]) -> None:
+        self.usage = usage
+        self._tenant_of = tenant_of
+        self.reconfigure(config)
+
+    def reconfigure(self, config: LimitsConfig) -> None:
+        """A reloaded config: from the next request on (those in flight end against the scopes they began in)."""
+        self.config = config
+
+    def scopes(self, key: str) -> list[tuple[str, UsageLimits, str]]:
+        """The limited scopes of the key named ``key``: (scope, its limits, who it is in a message)."""
+        out = []
+        if (limits := self.config.keys.get(key)) is not None:
+            out.append((f"key:{key}", limits, "this API key"))
+        tenant = self._tenant_of(key)
+        if (limits := self.config.tenants.get(tenant)) is not None:
+            out.append((f"tenant:{tenant}", limits, f"tenant {tenant}"))
+        return out
+
+    def counts_input(self, key: str) -> bool:
+        """Whether the input tokens of the key named ``key`` are limited (its prompts are counted exactly)."""
+        return bool(key) and any(limits.input_tokens_per_minute is not None or limits.input_tokens_per_day is not None
+                                 for _, limits, _ in self.scopes(key))
+
+    def admit(self, key: str, input_tokens: int, output_tokens: int) -> Admission | None:
+        """Charge the request to its scopes, or raise the 429 of the first limit it would pass (None: the key
+        has no limits)."""
+        scopes = self.scopes(key)
+        if not scopes:
+            return None
+        share = self.usage.share()
+        for scope, limits, who in scopes:
+            _check(self.usage.used(scope), limits, share, input_tokens, who)
+        for scope, _, _ in scopes:
+            self.usage.began(scope)
+            self.usage.charge(scope, input_tokens, output_tokens)
+        return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens)
+
+    def finish(self, admission: Admission, input_tokens: int, output_tokens: int) -> None:
+        """The request ended having used this much (the engine's usage): the charge corrected to it."""
+        for scope in admission.scopes:
+            self.usage.ended(scope)
+            self.usage.charge(scope, input_tokens - admission.input_tokens, output_tokens - admission.output_tokens)
+
+
+def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str) -> None:
+    if limits.max_concurrent is not None:
+        allowed = max(1, math.floor(limits.max_concurrent * share))
+        if used.in_flight >= allowed or _past_its_part(used.in_flight, used.unconfirmed_requests, 1, allowed, used):
+            raise GatewayError(ErrorKind.RATE_LIMITED, f"Concurrency limit reached for {who}: "
+                               f"{limits.max_concurrent} requests at once.", code="concurrency_limit_exceeded",
+                               retry_after_s=1)
+    for limit, window_used, unconfirmed, need, what, span_s in (
+            (limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
+             "input tokens per minute", MINUTE_S),
+            (limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt, "input tokens per day",
+             DAY_S),
+            (limits.output_tokens_per_minute, used.output_minute, used.unconfirmed_output, 0,
+             "output tokens per minute", MINUTE_S),
+            (limits.output_tokens_per_day, used.output_day, used.unconfirmed_output, 0, "output tokens per day",
+             DAY_S)):
+        if limit is None:
+            continue
+        allowed = limit * share
+        over = window_used + need - allowed if need else window_used - allowed + 1
+        if window_used > 0 and over > 0:
+            # The window's use leaves it at about the limit's own pace.
+            retry = max(1, min(math.ceil(span_s), math.ceil(span_s * over / allowed)))
+            raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit reached for {who}: {limit} {what}; retry "
+                               f"after {retry} s.", code="token_limit_exceeded", retry_after_s=retry)
+        if _past_its_part(window_used, unconfirmed, need, allowed, used):
+            raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit nearly reached for {who}: {limit} {what}.",
+                               code="token_limit_exceeded", retry_after_s=1)
+
+
+def _past_its_part(window_used: float, unconfirmed: float, need: float, allowed: float, used: Used) -> bool:
+    """Whether this process would have more than its part of what is left under the limit unconfirmed: what
+    the others may not know yet. Each of the processes that share the limit takes at most its part, so that
+    together they cannot pass it before they hear of each other. A process with nothing unconfirmed may
+    always take one more (no one waits for room that never comes)."""
+    if unconfirmed <= 0 or used.processes <= 1:
+        return False
+    left = allowed - (window_used - unconfirmed)
+    return unconfirmed + need > left / used.processes

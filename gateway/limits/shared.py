@@ -1,0 +1,239 @@
+"""What every key and tenant (a *scope*: ``key:<name>``, ``tenant:<id>``) used, summed over every worker
+and replica: tokens per wall-clock minute and day, and requests in flight.
+
+Each process counts its own and tells the others (:class:`~gateway.core.facts.UsageCharged` and
+:class:`~gateway.core.facts.ScopeRequests` as they happen, a snapshot of its own counts every heartbeat,
+which repairs what a lost batch left wrong); it keeps the others' per origin. Minutes and days are the
+wall clock's, the same in every process, so one process's minute is everyone's.
+
+A window's use is *sliding*: the current minute's tokens plus the previous minute's, weighted by the part of
+it still inside the last 60 seconds (the same for days). Any 60 seconds then hold about the limit, not twice
+it across a boundary.
+
+What a process charged in the last ``confirm_s`` the others may not know yet (a batch and a hop later); it
+says so (:attr:`Used.unconfirmed_input` ...), and the enforcer lets each of the processes it hears from have
+at most its part of what is left unconfirmed at once, so that together they do not pass a limit they each
+still see room under.
+
+Partition: while the link to the other replicas is down (Redis, when configured), their counts stop moving
+and their requests are unseen; each replica then counts only its own workers' use against its *share* of
+each limit, one over the replicas it last saw. Its workers still share through their own link.
+
+Owner: :class:`SharedUsage` owns its own counts and its copy of every other process's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.core.facts import Publish, ScopeRequests, UsageCharged, UsageSnapshot, unshared
+
+MINUTE_S = 60.0
+DAY_S = 86_400.0
+MINUTES_A_DAY = 1440
+# A replica not heard from for this long (while the link works) no longer counts as one the limits are shared by.
+REPLICA_GONE_S = 60.0
+
+
+@dataclass(slots=True)
+class _Counts:
+    """One process's use: per scope, tokens (input, output) per minute and per day (the last two of each),
+    and requests in flight."""
+
+    minutes: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    days: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    in_flight: Counter[str] = field(default_factory=Counter)
+
+    def add(self, scope: str, minute: int, input_tokens: int, output_tokens: int) -> None:
+        for windows, index in ((self.minutes, minute), (self.days, minute // MINUTES_A_DAY)):
+            per = windows.setdefault(scope, {})
+            tokens = per.get(index)
+            if tokens is None:
+                tokens = per[index] = [0, 0]
+                for old in [i for i in per if i < index - 1]:
+                    del per[old]
+            tokens[0] += input_tokens
+            tokens[1] += output_tokens
+
+
+class _Recent:
+    """One scope's charges of late, oldest first, and their running totals."""
+
+    __slots__ = ("charges", "totals")
+
+    def __init__(self) -> None:
+        self.charges: deque[tuple[float, int, int, int]] = deque()
+        self.totals = [0, 0, 0]  # input, output, requests
+
+    def add(self, at: float, input_tokens: int, output_tokens: int, requests: int) -> None:
+        self.charges.append((at, input_tokens, output_tokens, requests))
+        totals = self.totals
+        totals[0] += input_tokens
+        totals[1] += output_tokens
+        totals[2] += requests
+
+    def since(self, when: float) -> tuple[int, int, int]:
+        """The totals of the charges made at ``when`` or later (older ones forgotten)."""
+        charges, totals = self.charges, self.totals
+        while charges and charges[0][0] < when:
+            _, input_tokens, output_tokens, requests = charges.popleft()
+            totals[0] -= input_tokens
+            totals[1] -= output_tokens
+            totals[2] -= requests
+        return totals[0], totals[1], totals[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Used:
+    """A scope's use over the sliding minute and day, in tokens, and its requests in flight; of them, what
+    this process added in the last ``confirm_s`` (the others may not know it yet), and how many processes
+    share the scope's limits."""
+
+    input_minute: float = 0.0
+    output_minute: float = 0.0
+    input_day: float = 0.0
+    output_day: float = 0.0
+    in_flight: int = 0
+    unconfirmed_input: int = 0
+    unconfirmed_output: int = 0
+    unconfirmed_requests: int = 0
+    processes: int = 1
+
+
+class SharedUsage:
+    def __init__(self, origin: str, publish: Publish = unshared, partitioned: Callable[[], bool] = lambda: False,
+                 confirm_s: float = 0.05, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._origin = origin
+        self._replica = origin.split("/", 1)[0]
+        self._publish = publish
+        self._partitioned = partitioned
+        self._confirm_s = confirm_s
+        self._clock = clock
+        self._monotonic = monotonic
+        self._own = _Counts()
+        self._remote: dict[str, _Counts] = {}
+        # Per scope, this process's charges of the last ``confirm_s``: what the others may not know yet.
+        self._recent: dict[str, _Recent] = {}
+        self._origins_seen: dict[str, float] = {}  # other process → when last heard from (monotonic)
+        self._replicas = 1  # the replicas the limits were last shared by (while the link worked)
+
+    # This process's use
+
+    def charge(self, scope: str, input_tokens: int, output_tokens: int) -> None:
+        """Tokens used by ``scope`` now (a correction may be negative)."""
+        if input_tokens or output_tokens:
+            minute = int(self._clock() // MINUTE_S)
+            self._own.add(scope, minute, input_tokens, output_tokens)
+            self._publish(UsageCharged(scope, minute, input_tokens, output_tokens))
+            if input_tokens > 0 or output_tokens > 0:
+                self._unconfirmed(scope, max(0, input_tokens), max(0, output_tokens), 0)
+
+    def began(self, scope: str) -> None:
+        self._own.in_flight[scope] += 1
+        self._publish(ScopeRequests(scope, 1))
+        self._unconfirmed(scope, 0, 0, 1)
+
+    def _unconfirmed(self, scope: str, input_tokens: int, output_tokens: int, requests: int) -> None:
+        recent = self._recent.get(scope)
+        if recent is None:
+            recent = self._recent[scope] = _Recent()
+        recent.add(self._monotonic(), input_tokens, output_tokens, requests)
+
+    def ended(self, scope: str) -> None:
+        self._own.in_flight[scope] -= 1
+        if self._own.in_flight[scope] <= 0:
+            del self._own.in_flight[scope]
+        self._publish(ScopeRequests(scope, -1))
+
+    # The others'
+
+    def apply_remote(self, origin: str, fact: UsageCharged | ScopeRequests | UsageSnapshot) -> None:
+        self._origins_seen[origin] = self._monotonic()
+        if isinstance(fact, UsageSnapshot):
+            counts = self._remote[origin] = _Counts()
+            for scope, minute, input_tokens, output_tokens in fact.minutes:
+                counts.minutes.setdefault(scope, {})[minute] = [input_tokens, output_tokens]
+            for scope, day, input_tokens, output_tokens in fact.days:
+                counts.days.setdefault(scope, {})[day] = [input_tokens, output_tokens]
+            counts.in_flight.update(dict(zip(fact.scopes, fact.in_flight, strict=True)))
+            return
+        counts = self._remote.setdefault(origin, _Counts())
+        if isinstance(fact, UsageCharged):
+            counts.add(fact.scope, fact.minute, fact.input_tokens, fact.output_tokens)
+        else:
+            counts.in_flight[fact.scope] += fact.delta
+
+    def snapshot(self) -> UsageSnapshot:
+        own = self._own
+        return UsageSnapshot(
+            [(scope, index, t[0], t[1]) for scope, per in own.minutes.items() for index, t in per.items()],
+            [(scope, index, t[0], t[1]) for scope, per in own.days.items() for index, t in per.items()],
+            list(own.in_flight), list(own.in_flight.values()))
+
+    def forget_origin(self, origin: str) -> None:
+        """A process gone silent: its requests are no longer in flight (the tokens it served stay counted)."""
+        counts = self._remote.get(origin)
+        if counts is not None:
+            counts.in_flight.clear()
+
+    # Reads
+
+    def share(self) -> float:
+        """Of each limit, the part this replica enforces: all of it while it hears the others, else one over
+        the replicas it last heard."""
+        if not self._partitioned():
+            self._replicas = 1 + len({o.split("/", 1)[0] for o in self._heard(REPLICA_GONE_S)} - {self._replica})
+            return 1.0
+        return 1.0 / self._replicas
+
+    def _heard(self, within_s: float) -> list[str]:
+        now = self._monotonic()
+        return [o for o, seen in self._origins_seen.items() if now - seen < within_s]
+
+    def used(self, scope: str) -> Used:
+        """``scope``'s use over the sliding minute and day, and its requests in flight, over every process
+        (while partitioned: this replica's)."""
+        now = self._clock()
+        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        into_minute, into_day = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
+        partitioned = self._partitioned()
+        in_minute, in_day = [0.0, 0.0], [0.0, 0.0]
+        in_flight = 0
+        for origin, counts in [("", self._own), *self._remote.items()]:
+            if partitioned and origin and origin.split("/", 1)[0] != self._replica:
+                continue
+            _slide(counts.minutes.get(scope), minute, into_minute, in_minute)
+            _slide(counts.days.get(scope), day, into_day, in_day)
+            in_flight += counts.in_flight.get(scope, 0)
+        unconfirmed = self._recent_of(scope)
+        heard = self._heard(REPLICA_GONE_S)
+        processes = 1 + sum(1 for o in heard if not partitioned or o.split("/", 1)[0] == self._replica)
+        return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), *unconfirmed, processes)
+
+    def _recent_of(self, scope: str) -> tuple[int, int, int]:
+        recent = self._recent.get(scope)
+        if recent is None:
+            return 0, 0, 0
+        return recent.since(self._monotonic() - self._confirm_s)
+
+    def debug(self, scope: str) -> dict[str, float]:
+        used = self.used(scope)
+        return {"input_tokens_minute": round(used.input_minute), "output_tokens_minute": round(used.output_minute),
+                "input_tokens_day": round(used.input_day), "output_tokens_day": round(used.output_day),
+                "in_flight": used.in_flight}
+
+
+def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: list[float]) -> None:
+    """Add a window's sliding use to ``out``: all of the current one, the previous one's part still inside."""
+    if not per:
+        return
+    for index, weight in ((current, 1.0), (current - 1, 1.0 - into)):
+        tokens = per.get(index)
+        if tokens is not None:
+            out[0] += tokens[0] * weight
+            out[1] += tokens[1] * weight
+

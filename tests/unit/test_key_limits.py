@@ -1,0 +1,136 @@
+"""Key and tenant limits: the sliding windows every process shares, the share a partitioned replica keeps,
+and which request is refused, why and for how long."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import LimitsConfig, UsageLimits
+from gateway.core.errors import GatewayError
+from gateway.core.facts import Fact, ScopeRequests, UsageCharged, UsageSnapshot
+from gateway.limits.enforcer import KeyLimits
+from gateway.limits.shared import SharedUsage
+
+
+class Clock:
+    def __init__(self, now: float = 6_000_000.0) -> None:  # a minute's start (and a day's 40th minute)
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def usage(clock: Clock, origin: str = "ra/w0/1", sent: list[Fact] | None = None) -> SharedUsage:
+    return SharedUsage(origin, sent.append if sent is not None else lambda fact: None, clock=clock, monotonic=clock)
+
+
+def test_a_minute_slides_the_previous_one_out_as_it_goes():
+    clock = Clock()
+    shared = usage(clock)
+    shared.charge("key:a", 600, 60)
+    assert shared.used("key:a").input_minute == 600 and shared.used("key:a").output_day == 60
+    clock.now += 60  # the next minute begins: all of the last one is still inside the last 60 s
+    assert shared.used("key:a").input_minute == 600
+    clock.now += 15  # a quarter of the way: three quarters of it left
+    shared.charge("key:a", 100, 0)
+    assert shared.used("key:a").input_minute == pytest.approx(450 + 100)
+    clock.now += 60
+    assert shared.used("key:a").input_minute == pytest.approx(75)  # 100, a quarter gone
+    assert shared.used("key:a").input_day == 700  # the day has it all
+
+
+def test_every_process_counts_the_others_and_a_snapshot_repairs_a_lost_batch():
+    clock, sent = Clock(), []
+    one, other = usage(clock, "ra/w0/1", sent=sent), usage(clock, "ra/w1/2")
+    one.charge("key:a", 500, 10)
+    one.began("key:a")
+    for fact in sent[:1]:  # the began is lost in transit
+        other.apply_remote("ra/w0/1", fact)
+    assert other.used("key:a").input_minute == 500 and other.used("key:a").in_flight == 0
+    other.apply_remote("ra/w0/1", one.snapshot())
+    assert other.used("key:a").input_minute == 500 and other.used("key:a").in_flight == 1
+    other.forget_origin("ra/w0/1")  # gone silent: its requests are not in flight, its tokens stay served
+    assert other.used("key:a").in_flight == 0 and other.used("key:a").input_minute == 500
+    assert isinstance(sent[0], UsageCharged) and isinstance(sent[1], ScopeRequests)
+    assert isinstance(one.snapshot(), UsageSnapshot)
+
+
+def test_a_replica_cut_off_from_the_others_enforces_its_share_on_its_own_use():
+    clock = Clock()
+    cut = [False]
+    shared = SharedUsage("ra/w0/1", partitioned=lambda: cut[0], clock=clock, monotonic=clock)
+    shared.apply_remote("rb/w0/9", UsageCharged("key:a", int(clock.now // 60), 900, 0))  # the other replica
+    shared.apply_remote("ra/w1/3", UsageCharged("key:a", int(clock.now // 60), 100, 0))  # a sibling worker
+    assert shared.share() == 1.0 and shared.used("key:a").input_minute == 1000
+    cut[0] = True
+    assert shared.share() == 0.5  # two replicas were seen; the link is down
+    assert shared.used("key:a").input_minute == 100  # its own replica's use only
+
+
+def limits(keys=None, tenants=None, tenant_of=lambda key: "team", clock=None, cut=None):
+    clock = clock or Clock()
+    config = LimitsConfig(keys={k: UsageLimits(**v) for k, v in (keys or {}).items()},
+                          tenants={t: UsageLimits(**v) for t, v in (tenants or {}).items()})
+    shared = SharedUsage("ra/w0/1", partitioned=lambda: bool(cut and cut[0]), clock=clock, monotonic=clock)
+    return KeyLimits(config, shared, tenant_of), clock
+
+
+def refused(limiter: KeyLimits, key: str, prompt: int, output: int = 0) -> GatewayError:
+    with pytest.raises(GatewayError) as caught:
+        limiter.admit(key, prompt, output)
+    return caught.value
+
+
+def test_input_tokens_per_minute_refuse_what_would_pass_the_limit_until_it_slides_out():
+    limiter, clock = limits({"alice": {"input_tokens_per_minute": 1000}})
+    first = limiter.admit("alice", 700, 0)
+    assert first is not None and first.scopes == ("key:alice",)
+    error = refused(limiter, "alice", 400)
+    assert error.code == "token_limit_exceeded" and error.retry_after_s == 6  # 100 over: 6 s of the limit's pace
+    assert limiter.admit("alice", 300, 0) is not None  # exactly up to it
+    clock.now += 60 + 30  # half of that minute left in the window: 500
+    assert limiter.admit("alice", 500, 0) is not None
+    assert refused(limiter, "alice", 1).code == "token_limit_exceeded"
+    assert limiter.admit("bob", 10**6, 0) is None  # no limits for bob
+
+
+def test_an_empty_window_takes_one_request_of_any_size():
+    limiter, _ = limits({"alice": {"input_tokens_per_minute": 100}})
+    assert limiter.admit("alice", 5000, 0) is not None
+    assert refused(limiter, "alice", 1).retry_after_s == 60
+
+
+def test_output_is_charged_what_may_be_generated_then_what_was():
+    limiter, _ = limits({"alice": {"output_tokens_per_minute": 100}})
+    admission = limiter.admit("alice", 10, 100)
+    assert refused(limiter, "alice", 10).code == "token_limit_exceeded"  # its max_tokens, reserved
+    limiter.finish(admission, 10, 20)  # it generated 20
+    assert limiter.admit("alice", 10, 50) is not None and limiter.usage.used("key:alice").output_minute == 70
+
+
+def test_concurrency_per_key_and_per_tenant():
+    tenants = {"alice": "team", "bob": "team", "carol": "other"}
+    limiter, _ = limits({"alice": {"max_concurrent": 2}}, {"team": {"max_concurrent": 3}},
+                        tenant_of=tenants.__getitem__)
+    held = [limiter.admit("alice", 1, 1), limiter.admit("alice", 1, 1)]
+    assert refused(limiter, "alice", 1).code == "concurrency_limit_exceeded"
+    held.append(limiter.admit("bob", 1, 1))
+    error = refused(limiter, "bob", 1)
+    assert "tenant team" in error.message and error.retry_after_s == 1
+    assert limiter.admit("carol", 1, 1) is None
+    limiter.finish(held[0], 1, 1)
+    assert limiter.admit("bob", 1, 1) is not None
+
+
+def test_a_partitioned_replica_holds_half_of_each_limit():
+    cut = [False]
+    limiter, _ = limits({"alice": {"input_tokens_per_minute": 1000, "max_concurrent": 4}}, cut=cut)
+    limiter.usage.apply_remote("rb/w0/9", ScopeRequests("key:bob", 1))  # another replica is heard
+    first = limiter.admit("alice", 1, 0)
+    assert first is not None and limiter.usage.share() == 1.0
+    limiter.finish(first, 1, 0)
+    cut[0] = True  # then no more
+    assert limiter.admit("alice", 399, 0) is not None
+    assert refused(limiter, "alice", 200).code == "token_limit_exceeded"  # 600 > 500
+    limiter.admit("alice", 100, 0)
+    assert refused(limiter, "alice", 0).code == "concurrency_limit_exceeded"  # 2 of its 4 at once
