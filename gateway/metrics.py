@@ -236,25 +236,28 @@ def prediction_checks(metrics_text: str) -> dict[str, float]:
 
 
 class KeepWarmSpent(NamedTuple):
-    """What a pod spent on keep-warm refreshes, as its own counters see them."""
+    """What a pod spent on keep-warm refreshes, as its own counters see them: the refreshes it finished
+    (its finished-requests counter includes them), those it aborted when they gave way to a client (that
+    counter does not: vLLM counts no aborted request), and the prompt tokens of both (those found cached
+    among them), which its prefix-cache counters include."""
 
     requests: float = 0.0
     prompt_tokens: float = 0.0
     cached_tokens: float = 0.0
+    cancelled: float = 0.0
 
 
 def keep_warm_spent(metrics_text: str) -> dict[str, KeepWarmSpent]:
-    """From a gateway's ``/metrics`` text: per pod, the keep-warm refreshes it answered or ran before they
-    gave way, and their prompt tokens (those found cached among them), which its prefix-cache counters
-    include."""
+    """From a gateway's ``/metrics`` text: per pod, what its keep-warm refreshes spent (:class:`KeepWarmSpent`)."""
+    slot = {"ok": 0, "cancelled": 3}
     spent: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] in ("ok", "cancelled"):
-                spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[0] += sample.value
+            if sample.name == "gateway_keep_warm_requests_total" and sample.labels["outcome"] in slot:
+                spent.setdefault(sample.labels["pod"], [0.0] * 4)[slot[sample.labels["outcome"]]] += sample.value
             elif sample.name == "gateway_keep_warm_tokens_total":
                 i = 1 if sample.labels["kind"] == "prompt" else 2
-                spent.setdefault(sample.labels["pod"], [0.0, 0.0, 0.0])[i] += sample.value
+                spent.setdefault(sample.labels["pod"], [0.0] * 4)[i] += sample.value
     return {pod: KeepWarmSpent(*values) for pod, values in spent.items()}
 
 

@@ -719,7 +719,8 @@ class BenchRunner:
         finally:
             result.package, result.version, result.reported_version, command = self.served_by
             result.command = list(command)
-        # The pods' counters count the gateway's keep-warm refreshes too: they are no client's requests.
+        # The pods' counters count the gateway's keep-warm refreshes too (those they finished, and the prompt
+        # tokens of those they aborted): they are no client's requests.
         refreshes = [spent.get(p.name or "", KeepWarmSpent()) for p in pods]
         queries = sum(a[0] - b[0] - r.prompt_tokens for a, b, r in zip(after, before, refreshes, strict=True))
         hits = sum(a[1] - b[1] - r.cached_tokens for a, b, r in zip(after, before, refreshes, strict=True))
@@ -812,7 +813,7 @@ class BenchRunner:
     @staticmethod
     def _keep_warm_cost(result: Result, refreshes: list[KeepWarmSpent]) -> None:
         """What keep-warm spent: refreshes, and the prompt tokens the pods computed for them (the rest hit)."""
-        sent = sum(r.requests for r in refreshes)
+        sent = sum(r.requests + r.cancelled for r in refreshes)
         if sent:
             result.extra["keep_warm_refreshes"] = sent
             result.extra["keep_warm_computed_tokens"] = sum(r.prompt_tokens - r.cached_tokens for r in refreshes)

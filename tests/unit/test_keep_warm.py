@@ -271,7 +271,7 @@ def test_a_refresh_that_gave_way_is_counted_as_the_pod_counted_it():
     metrics = GatewayMetrics()
     Refresher(PodRegistry([], HealthConfig()), AuthConfig(), HttpClient(), metrics).cancelled("p", 65, 64)
     spent = keep_warm_spent(generate_latest(metrics.registry).decode())["p"]
-    assert (spent.requests, spent.prompt_tokens, spent.cached_tokens) == (1, 65, 64)
+    assert (spent.requests, spent.cancelled, spent.prompt_tokens, spent.cached_tokens) == (0, 1, 65, 64)
     assert prediction_checks(generate_latest(metrics.registry).decode())["keep_warm_cancelled"] == 1
 
 
