@@ -58,7 +58,10 @@ def bench(fleet: VllmFleet, model_dir: str, contender: str) -> Result:
     result = runner.run(CONTENDERS[contender], trace)
     assert result.skipped is None, result.skipped
     assert result.errors == 0 and result.rejected == 0
-    assert sum(result.pod_requests) == trace.requests
+    # Every request reached a pod once. A keep-warm refresh that gave way to a client request was aborted by
+    # the engine (not counted) unless it had just finished there (counted): the only slack allowed.
+    cancelled = round(result.extra.get("keep_warm_cancelled", 0.0))
+    assert trace.requests <= sum(result.pod_requests) <= trace.requests + cancelled, cancelled
     # The trace's oracle, for the block size and capacity the pods' cache_config_info says: no placement
     # passes the infinite cache (up to requests overlapping in another order than the oracle's).
     assert result.infinite is not None and result.sticky_lru is not None and result.sticky_lru <= result.infinite
