@@ -29,6 +29,7 @@ from gateway.background import Doorbell, LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
+from gateway.cluster.sibling_responses import SiblingResponses
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
@@ -76,12 +77,10 @@ from gateway.request.placement import (
     RoomForNewContexts,
     RoutedPrefix,
 )
-from gateway.request.steps import (
-    LoadEstimation,
-    PromptTokenization,
-    RequestValidation,
-    WorkflowPlanning,
-)
+from gateway.request.responses import ResponsesState
+from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
+from gateway.request.validation import RequestValidation
+from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -166,6 +165,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
              if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server)
+    responses_metrics = ResponsesMetrics(metrics.registry)
+    own_responses, response_store = responses_stores(config, identity, responses_metrics)
+    responses = ResponsesState(config.responses, response_store, pods, responses_metrics)
     planning = WorkflowPlanning(workflows)
     losses = PlacementLosses(metrics)
     placement = ContextPlacement(index, working_set, losses)
@@ -177,6 +179,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                              Refresher(pods, config.auth, http, metrics), metrics)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
+        resolve=[responses],
         prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
@@ -228,8 +231,21 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
         shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
         pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader,
+        responses=responses, own_responses=own_responses,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
+
+
+def responses_stores(config: GatewayConfig, identity: WorkerIdentity, metrics: ResponsesMetrics
+                     ) -> tuple[MemoryResponses | None, ResponseStore]:
+    """Where the Responses API's responses are kept: Redis with ``shared_state.redis_url``; else this
+    process's memory, which, with several workers, asks its siblings for the others' (the first of the
+    pair: this worker's own, which the siblings may ask for)."""
+    shared = config.shared_state
+    if shared.redis_url:
+        return None, RedisResponses(config.responses, shared.redis_url, shared.redis_timeout_s)
+    own = MemoryResponses(config.responses, metrics)
+    return own, SiblingResponses(own, identity) if identity.count > 1 else own
 
 
 def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float | None]:
@@ -328,6 +344,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
+        lifecycle(gw.responses.store.start, gw.responses.store.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),

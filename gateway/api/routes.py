@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
+from gateway.api.responses import add_response_routes
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
 
@@ -30,6 +31,7 @@ def add_routes(app: web.Application) -> None:
     for path, kind in PROXIED_ROUTES.items():
         app.router.add_post(path, partial(_proxied, gateway, kind))
     app.router.add_post("/v1/messages/count_tokens", partial(_counted, gateway))
+    add_response_routes(app, gateway)
     app.router.add_get("/v1/models", partial(_models, gateway))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
@@ -61,7 +63,7 @@ def _check_admin(gateway: Gateway, request: web.Request) -> None:
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
     key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
-    edge = HttpEdge(request, gateway.proxy)
+    edge = HttpEdge(request, gateway.proxy, gateway.config.server.body_timeout_s)
     await gateway.director.handle(edge, kind, key)
     assert edge.response is not None  # the director returns only once an answer was relayed
     return edge.response
@@ -69,15 +71,18 @@ async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.Str
 
 async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
     key = gateway.auth.check(request.headers)
-    edge = HttpEdge(request, gateway.proxy)
+    edge = HttpEdge(request, gateway.proxy, gateway.config.server.body_timeout_s)
     await gateway.counting.handle(edge, "count_tokens", key)
     assert edge.response is not None
     return edge.response
 
 
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request.headers)
-    return web.json_response({"object": "list", "data": gateway.pods.model_cards()})
+    """The models the fleet serves that the caller's key may use."""
+    key = gateway.auth.check(request.headers)
+    allowed = key.config.models if key is not None else None
+    cards = [c for c in gateway.pods.model_cards() if not allowed or c.get("id") in allowed]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -26,6 +26,7 @@ from gateway.config import PodConfig
 from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
 from gateway.mock import anthropic as anthropic_api
+from gateway.mock import responses as responses_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
 from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from gateway.mock.kv_transfer import (
@@ -75,6 +76,8 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     timing: TimingModel | None = None
     # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`gateway.mock.kv_transfer`).
     kv_transfer_config: str | None = None
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: keep the Responses API's responses in the pod's memory.
+    responses_store: bool = False
 
 
 class Faults(msgspec.Struct):
@@ -149,6 +152,7 @@ class MockPod:
                 self.shared_storage = SharedStorage(
                     str(transfer.kv_connector_extra_config.get("shared_storage_path", "/tmp")), config.block_size)
         self.engine = self._new_engine()
+        self.responses = responses_api.ResponseStore() if config.responses_store else None
         self._runner: web.AppRunner | None = None
         self.port = config.port
 
@@ -237,6 +241,9 @@ class MockPod:
         r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/messages/count_tokens", self._count_tokens)
         r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/responses", self._responses)
+        r.add_get("/v1/responses/{response_id}", self._get_response)
+        r.add_post("/v1/responses/{response_id}/cancel", self._cancel_response)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/v1/completions/render", self._render_completions)
@@ -343,6 +350,47 @@ class MockPod:
             if not seq.finished:
                 self.aborted_requests += 1
                 self.engine.abort(seq)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, as vLLM 0.32 answers it (:mod:`gateway.mock.responses`)."""
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            messages = responses_api.conversation(body, self.responses)
+            ids = responses_api.prompt_ids(self.tokenizer, body, messages)
+            max_tokens = body.get("max_output_tokens")
+            seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex)
+        except KeyError as exc:
+            return responses_api.not_found(str(exc.args[0]))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return self._error(400, str(exc))
+        writer = responses_api.ResponseWriter(body, seq, self.config.model, self.config.block_size,
+                                              self._token_text.__getitem__)
+        try:
+            if body.get("stream"):
+                return await writer.stream(request, self.responses, messages)
+            answer = writer.whole("".join([self._token_text[t] async for t in seq.tokens()]))
+            writer.keep(self.responses, answer, messages)
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
+        finally:
+            if not seq.finished:
+                self.aborted_requests += 1
+                self.engine.abort(seq)
+
+    async def _get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.responses.get(response_id) if self.responses is not None else None
+        if stored is None:
+            return responses_api.not_found(response_id)
+        return web.Response(body=orjson.dumps(stored), content_type="application/json")
+
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if self.responses is None or response_id not in self.responses.responses:
+            return responses_api.not_found(response_id)
+        return responses_api.error(400, "Cannot cancel a synchronous response.", "response_id")
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         try:

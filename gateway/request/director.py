@@ -9,7 +9,7 @@ proxy, or Envoy through the endpoint picker) only reads the request and delivers
 model whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a
 collaborator (:mod:`gateway.request.disaggregation`).
 
-One request, phase by phase: read and parse (the edge's body), prepare, admit, plan, then per attempt
+One request, phase by phase: read and parse (the edge's body), resolve, prepare, admit, plan, then per attempt
 route, dispatch, deliver (the edge) and finish; a failure before the first byte goes back to route,
 on another pod (behind Envoy, on the fallback endpoint the data plane already took); then complete.
 """
@@ -106,6 +106,9 @@ class RequestDirector:
             body = await edge.read_body(self._max_body_bytes)
             run.request = ClientRequest(request_id, kind, started, body, parse_inference_request(body), key, headers,
                                         edge.method, edge.path)
+            for step in self._pipeline.resolve:
+                if (resolved := step.resolve(run.request)) is not None:
+                    run.request = resolved if isinstance(resolved, ClientRequest) else await resolved
             run.times.mark(Step.PARSE)
             await self._serve(run)
             assert run.outcome is not None  # an attempt that returns has delivered
@@ -140,6 +143,8 @@ class RequestDirector:
         plan = self._planner.plan(request, policy, routing)
         headers = self._proxy.upstream_headers(request.headers, request.id)
         allowed = run.edge.allowed_pods
+        if request.only_pod is not None:
+            allowed = frozenset({request.only_pod} if allowed is None else {request.only_pod} & allowed)
         exclude = {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
         failure: RetryableFailure | None = None
         served_by: Pod | None = None  # where the data plane took the request after a failure
@@ -251,7 +256,7 @@ def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ..
         body = prefill.decode_body or body
     return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
                         anthropic=request.kind in ("messages", "count_tokens"), answering=answering,
-                        fallbacks=fallbacks)
+                        fallbacks=fallbacks, tap=request.answer_tap)
 
 
 def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) -> dict[str, str]:

@@ -56,8 +56,9 @@ from gateway.request.placement import (
     RoomForNewContexts,
     RoutedPrefix,
 )
-from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, WorkflowPlanning
+from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.request.validation import RequestValidation
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
