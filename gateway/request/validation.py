@@ -57,14 +57,14 @@ class RequestValidation:
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
         check_headers(request.headers)
+        self._key_auth.authorize(request.key, request.model)
+        if not self._pods.knows_model(request.model):
+            raise unknown_model(request.model)
         check_body(request.kind, request.parsed)
         messages = request.parsed.messages
         if messages is not None and len(messages) > self._max_messages:
             raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",
                               param="messages", code="too_many_messages")
-        self._key_auth.authorize(request.key, request.model)
-        if not self._pods.knows_model(request.model):
-            raise unknown_model(request.model)
 
 
 def check_body(kind: str, req: InferenceRequest) -> None:
