@@ -78,11 +78,16 @@ class ApiKeyAuth:
             raise unauthenticated()
         return key
 
+    @staticmethod
+    def may_use(key: ApiKey | None, model: str) -> bool:
+        """Whether the key's model list allows ``model`` (any model with keys off or no list)."""
+        return key is None or not key.config.models or model in key.config.models
+
     def authorize(self, key: ApiKey | None, model: str) -> None:
         """Once the model is known: the key's model list and its rate."""
         if key is None:
             return
-        if key.config.models and model not in key.config.models:
+        if not self.may_use(key, model):
             raise GatewayError(ErrorKind.FORBIDDEN, f"This API key may not use model `{model}`.",
                                code="model_not_allowed", param="model")
         self._take(key)

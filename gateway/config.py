@@ -590,6 +590,9 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     base_port: int = 0
     # Longest prompt plus answer in tokens; none: the simulated model's own.
     max_model_len: int | None = None
+    # Each answer ends after the pods' text (finish_reason stop), as a model's does, instead of running to
+    # max_tokens: for agent tools (Claude Code, Codex) tried against simulated pods.
+    ends_answers: bool = False
     # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0

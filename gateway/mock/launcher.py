@@ -76,6 +76,8 @@ class MockPodFleet:
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.ends_answers:
+            cmd.append("--ends-answers")
         role = ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]

@@ -78,6 +78,9 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_config: str | None = None
     # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: keep the Responses API's responses in the pod's memory.
     responses_store: bool = False
+    # End each answer after the pod's text, as a model emits end-of-sequence (finish_reason stop), instead of
+    # writing until max_tokens (what benchmarks want: outputs as long as their traces say).
+    ends_answers: bool = False
 
 
 class Faults(msgspec.Struct):
@@ -166,7 +169,8 @@ class MockPod:
                              null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
         limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
-        return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)
+        return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage,
+                          ends_answers=c.ends_answers)
 
     def _publish(self, events: list[KvEvent]) -> None:
         if self.publisher:
@@ -486,7 +490,7 @@ class MockPod:
 
     def _complete_response(self, seq: Sequence, tokens: list[int], chat: bool) -> web.Response:
         text = "".join(self._token_text[t] for t in tokens)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(seq)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -520,7 +524,7 @@ class MockPod:
                         "finish_reason": None}
                 await resp.write(_sse({**base, "choices": [role]}))
             emitted += 1
-            finish = "length" if emitted >= seq.max_tokens else None
+            finish = _finish_reason(seq) if emitted >= seq.answer_length else None
             text = self._token_text[token]
             choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
@@ -689,6 +693,10 @@ class MockPod:
         if change.restart:
             self.restart()
         return web.json_response(msgspec.to_builtins(self.faults))
+
+
+def _finish_reason(seq: Sequence) -> str:
+    return "stop" if seq.ended else "length"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -147,7 +147,7 @@ class ResponseWriter:
 
     @property
     def status(self) -> str:
-        return "incomplete" if self.seq.generated >= self.seq.max_tokens else "completed"
+        return "completed" if self.seq.ended else "incomplete"
 
     def event(self, kind: str, data: dict[str, Any]) -> bytes:
         data = {**data, "sequence_number": self._sequence, "type": kind}

@@ -125,6 +125,17 @@ class RequestDirector:
             for step in self._pipeline.complete:
                 step.completed(done)
 
+    def refused(self, edge: Edge, kind: str, error: GatewayError) -> None:
+        """A request turned away before it was handed over (its API key): recorded as any other, with the
+        status it was answered with."""
+        request_id = edge.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
+        edge.identified(request_id)
+        now = self._clock()
+        request = ClientRequest(request_id, kind, now, b"", _UNREAD, None, edge.headers, edge.method, edge.path)
+        done = CompletedRequest(request, status_of(error), now, 0, steps=StepTimes())
+        for step in self._pipeline.complete:
+            step.completed(done)
+
     async def _serve(self, run: _Run) -> None:
         request, times = run.request, run.times
         policy, routing = self._resolve(request)
