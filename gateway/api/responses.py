@@ -92,8 +92,7 @@ async def _input_items(gateway: Gateway, request: web.Request) -> web.Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order: must be asc or desc.", param="order")
-    items = [item if "id" in item else {"id": f"{stored.id}_input_{i}", **item}
-             for i, item in enumerate(orjson.loads(stored.input))]
+    items = [_listed(item, f"{stored.id}_input_{i}") for i, item in enumerate(orjson.loads(stored.input))]
     if order == "desc":
         items.reverse()
     start = 0
@@ -103,6 +102,13 @@ async def _input_items(gateway: Gateway, request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None,
                               "has_more": start + limit < len(items)}, dumps=_dumps)
+
+
+def _listed(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id, and a message's type (the client may have left them out)."""
+    if "id" in item and "type" in item:
+        return item
+    return {"id": item.get("id", item_id), "type": item.get("type", "message"), **item}
 
 
 def _dumps(value: Any) -> str:

@@ -156,6 +156,9 @@ class MockPod:
                     str(transfer.kv_connector_extra_config.get("shared_storage_path", "/tmp")), config.block_size)
         self.engine = self._new_engine()
         self.responses = responses_api.ResponseStore() if config.responses_store else None
+        # A request without max_tokens: vLLM writes until the model ends (or the context is full).
+        self._default_max_tokens = max(config.default_max_tokens, len(self._output_tokens) if config.ends_answers
+                                       else 0)
         self._runner: web.AppRunner | None = None
         self.port = config.port
 
@@ -337,7 +340,7 @@ class MockPod:
             ids = anthropic_api.prompt_ids(self.tokenizer, body)
             transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
-            seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
+            seq = self.engine.submit(ids, self._default_max_tokens if max_tokens is None else int(max_tokens),
                                      request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer)
         except KvLoadFailed:
             return anthropic_api.error(500, "Internal server error")
@@ -364,7 +367,7 @@ class MockPod:
             messages = responses_api.conversation(body, self.responses)
             ids = responses_api.prompt_ids(self.tokenizer, body, messages)
             max_tokens = body.get("max_output_tokens")
-            seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
+            seq = self.engine.submit(ids, self._default_max_tokens if max_tokens is None else int(max_tokens),
                                      request.headers.get("x-request-id") or uuid.uuid4().hex)
         except KeyError as exc:
             return responses_api.not_found(str(exc.args[0]))
@@ -417,7 +420,7 @@ class MockPod:
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
+        max_tokens = self._default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids))

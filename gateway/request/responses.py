@@ -153,8 +153,10 @@ class ResponsesState:
 
 
 def _items(value: Any) -> list[Any]:
-    """A request's input as items: a string is one user message."""
-    return [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+    """A request's input as items: a string is one user message (as OpenAI lists it; rendered the same)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    return list(value)
 
 
 class _EventCapture:

@@ -10,7 +10,8 @@ precisely, the gateway converts it the same way:
   (or ``custom_tool_call``) joins the preceding assistant message's ``tool_calls`` (or starts one), a
   ``function_call_output`` (or ``custom_tool_call_output``) is a ``tool`` message, a ``reasoning`` item
   the assistant's ``reasoning``;
-- function ``tools`` become chat function tools (``{"type": "function", "function": {...}}``).
+- function ``tools`` become chat function tools (``{"type": "function", "function": {...}}``), a namespace's
+  functions too (``<namespace>__<name>``), a custom tool a function of one string argument.
 
 vLLM then tokenizes the rendered prompt *with* the tokenizer's special tokens (chat completions do not add
 them): a Llama prompt starts with a second BOS (:data:`SPECIAL_TOKENS`). An item the gateway cannot
@@ -110,15 +111,35 @@ def _assistant_text(content: Any) -> str | None:
 
 
 def chat_tools(tools: Any, tool_choice: Any = None) -> list[dict[str, Any]] | None:
-    """The function tools as the chat template sees them (vLLM's ``construct_tool_dicts``)."""
+    """The tools as the chat template sees them (vLLM's ``construct_tool_dicts``): function tools; a
+    namespace's functions as ``<namespace>__<name>``; a custom tool as a function of one string argument.
+    Other Responses tools (web search, ...) are never shown to the model."""
     if not isinstance(tools, list) or not tools:
         return None
     out = []
     for tool in tools:
-        if not isinstance(tool, dict) or tool.get("type") != "function":
+        if not isinstance(tool, dict):
             continue
-        function = {k: tool.get(k) for k in ("name", "description", "parameters")}
-        if tool.get("strict") is not None:
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(tool, tool.get("name")))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += [_function(t, f"{tool.get('name')}{_NAMESPACE_SEPARATOR}{t.get('name')}")
+                    for t in tool["tools"] if isinstance(t, dict) and t.get("type") == "function"]
+        elif kind == "custom":
+            out.append(_function({"description": tool.get("description"), "parameters": _CUSTOM_PARAMETERS},
+                                 tool.get("name")))
     return out or None
+
+
+_NAMESPACE_SEPARATOR = "__"
+_CUSTOM_PARAMETERS = {"type": "object", "properties": {_CUSTOM_INPUT_KEY: {
+    "type": "string", "description": "The freeform text payload for this tool."}},
+    "required": [_CUSTOM_INPUT_KEY], "additionalProperties": False}
+
+
+def _function(tool: dict[str, Any], name: Any) -> dict[str, Any]:
+    function = {"name": name, "description": tool.get("description"), "parameters": tool.get("parameters")}
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
