@@ -179,8 +179,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                              Refresher(pods, config.auth, http, metrics), metrics)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
-        resolve=[responses],
-        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server),
+        resolve=[validation, responses],
+        prepare=[PromptTokenization(pods, tokens, verifier, config.server),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
@@ -206,7 +206,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     director = RequestDirector(pipeline, router, planning, ledger, proxy, pods, prefill=prefill, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
-    counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
+    counting = RequestDirector(RequestPipeline(resolve=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
                                router, NoPlanner(), ledger, proxy, pods, **directing)
     pressure = None
     if config.pressure.enabled:

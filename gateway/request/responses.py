@@ -35,7 +35,6 @@ from gateway.backends.registry import PodRegistry
 from gateway.config import ResponsesConfig
 from gateway.core.errors import ErrorKind, GatewayError, not_implemented
 from gateway.request.types import ClientRequest
-from gateway.request.validation import check_body
 from gateway.responses.store import ResponsesMetrics, ResponseStore, StoredResponse, StoreUnavailable
 
 log = logging.getLogger("gateway.responses")
@@ -124,7 +123,6 @@ class ResponsesState:
 
     async def _continued(self, request: ClientRequest) -> ClientRequest:
         parsed = request.parsed
-        check_body("responses", parsed)  # the client's own input, named as it sent it
         assert parsed.previous_response_id is not None
         previous = await self.find(parsed.previous_response_id, request.key, "previous_response_id")
         earlier = orjson.loads(previous.input)

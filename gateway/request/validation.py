@@ -30,9 +30,7 @@ from gateway.config import ServerConfig
 from gateway.core.errors import bad_request, unknown_model
 from gateway.core.requests import InferenceRequest
 from gateway.flow.flows import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS, OBJECTIVE_HEADER, PRIORITY_HEADER
-from gateway.request.timings import Step
 from gateway.request.types import ClientRequest
-from gateway.routing.policy import Policy, RoutingRequest
 from gateway.tokenization import anthropic
 from gateway.workflow.context import AGENT_HEADERS, SESSION_SIGNALS, STAGE_HEADERS, WORKFLOW_HEADERS
 
@@ -45,17 +43,16 @@ MAX_N = 128
 
 
 class RequestValidation:
-    """prepare: refuse what no pod should see (a body its API does not allow, a header the gateway cannot
-    mean, too many messages, a model the key may not use or no pod serves)."""
-
-    timed_as = Step.PARSE  # the request's timings count it with the body's parse
+    """resolve (first): refuse what no pod should see (a body its API does not allow, a header the gateway
+    cannot mean, too many messages, a model the key may not use or no pod serves), before anything reads
+    the request."""
 
     def __init__(self, pods: PodRegistry, key_auth: ApiKeyAuth, server: ServerConfig) -> None:
         self._pods = pods
         self._key_auth = key_auth
         self._max_messages = server.max_messages
 
-    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+    def resolve(self, request: ClientRequest) -> None:
         check_headers(request.headers)
         self._key_auth.authorize(request.key, request.model)
         if not self._pods.knows_model(request.model):
