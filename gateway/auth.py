@@ -88,7 +88,7 @@ class ApiKeyAuth:
         if key is None:
             return
         if not self.may_use(key, model):
-            raise GatewayError(ErrorKind.FORBIDDEN, f"This API key may not use model `{model}`.",
+            raise GatewayError(ErrorKind.FORBIDDEN, f"model: this API key may not use model `{model}`.",
                                code="model_not_allowed", param="model")
         self._take(key)
 

@@ -46,7 +46,7 @@ def bad_request(message: str, *, param: str | None = None, code: str = "invalid_
 
 
 def unknown_model(model: str) -> GatewayError:
-    return GatewayError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", code="model_not_found",
+    return GatewayError(ErrorKind.NOT_FOUND, f"model: the model `{model}` does not exist.", code="model_not_found",
                         param="model")
 
 

@@ -83,11 +83,11 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
     except RecursionError:
         raise bad_request("The request body nests JSON too deeply.", code="invalid_json") from None
     if not req.model:
-        raise bad_request("You must provide a model parameter.", param="model", code="missing_model")
+        raise bad_request("model: you must provide a model parameter.", param="model", code="missing_model")
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = getattr(req, name)
         if value is not None and value < 1:
-            raise bad_request(f"{name} must be at least 1, got {value}.", param=name)
+            raise bad_request(f"{name}: must be at least 1, got {value}.", param=name)
     return req
 
 
@@ -98,4 +98,4 @@ def _field_error(detail: str) -> GatewayError:
         param = detail.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
     if detail.startswith("Expected `object`, got") and "at `$" not in detail:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
-    return bad_request(f"Invalid request: {detail}", param=param)
+    return bad_request(f"{param}: {detail}" if param else f"Invalid request: {detail}", param=param)

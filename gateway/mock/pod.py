@@ -271,8 +271,9 @@ class MockPod:
         return app
 
     @staticmethod
-    def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
-        body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> web.Response:
+        """vLLM's error shape: a Python class as the type, the status as the code, the field it names."""
+        body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
         return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -328,7 +329,7 @@ class MockPod:
         try:
             ids = self._chat_ids(body)
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="messages")
         return await self._generate(request, body, ids, chat=True)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
@@ -372,7 +373,7 @@ class MockPod:
         except KeyError as exc:
             return responses_api.not_found(str(exc.args[0]))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return responses_api.error(400, str(exc), "input")  # vLLM names the input
         writer = responses_api.ResponseWriter(body, seq, self.config.model, self.config.block_size,
                                               self._token_text.__getitem__)
         try:
@@ -413,7 +414,7 @@ class MockPod:
         try:
             prompts = self._prompt_ids(body.get("prompt"), body.get("add_special_tokens", True))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="prompt")
         return await self._generate(request, body, prompts[0], chat=False)
 
     async def _generate(
@@ -427,7 +428,7 @@ class MockPod:
         except KvLoadFailed:
             return await self._load_failed(request, bool(body.get("stream")))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="messages" if chat else "prompt")
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}
@@ -549,7 +550,7 @@ class MockPod:
         try:
             inputs = self._prompt_ids(body.get("input"))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="input")
         data = [{"object": "embedding", "index": i, "embedding": _pseudo_embedding(ids)}
                 for i, ids in enumerate(inputs)]
         n = sum(len(ids) for ids in inputs)

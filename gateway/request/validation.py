@@ -8,7 +8,9 @@ laxer or answer with their own error shapes (vLLM's ``'int' object is not iterab
 - chat: ``messages``, a non-empty list of objects with a known ``role`` and a string or a list of parts
   as ``content`` (an assistant's may be absent: tool calls alone);
 - completions: ``prompt``, a string, token ids, or a non-empty list of either; embeddings: ``input``, the same;
-- responses: ``input``, a string or a list of items (objects with a ``role`` or a ``type``);
+- responses: ``input``, a string or a list of items: messages (a ``role`` and content) and the items vLLM
+  renders with the fields it reads (``function_call``: ``call_id``, ``name``, ``arguments``; its output:
+  ``call_id``, ``output``; ``reasoning``: ``summary``); other types pass, for the pod to judge;
 - Messages (Anthropic): :func:`gateway.tokenization.anthropic.check_request`;
 - every API: ``n`` in 1..128, ``temperature`` in 0..2 (Anthropic's 0..1), ``top_p`` in 0..1 (token
   counts and types are the parser's: :func:`gateway.core.requests.parse_inference_request`);
@@ -60,7 +62,7 @@ class RequestValidation:
         check_body(request.kind, request.parsed)
         messages = request.parsed.messages
         if messages is not None and len(messages) > self._max_messages:
-            raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",
+            raise bad_request(f"messages: too many ({len(messages)}, at most {self._max_messages}).",
                               param="messages", code="too_many_messages")
 
 
@@ -148,6 +150,21 @@ def _check_input(items: Any) -> None:
             _check_content(item.get("content"), f"{where}.content")
         elif not isinstance(kind, str):
             raise bad_request(f"{where}: must have a `role` or a string `type`.", param=where)
+        else:
+            for name, types in _ITEM_FIELDS.get(kind, {}).items():
+                if not isinstance(item.get(name), types):
+                    raise bad_request(f"{where}.{name}: required for a {kind} item, of type "
+                                      f"{' or '.join(t.__name__ for t in types)}.", param=f"{where}.{name}")
+
+
+# The fields of the input items vLLM renders, as the Responses API defines them.
+_ITEM_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "function_call": {"call_id": (str,), "name": (str,), "arguments": (str,)},
+    "function_call_output": {"call_id": (str,), "output": (str, list)},
+    "custom_tool_call": {"call_id": (str,), "name": (str,), "input": (str,)},
+    "custom_tool_call_output": {"call_id": (str,), "output": (str, list)},
+    "reasoning": {"summary": (list,)},
+}
 
 
 def _integer(low: int, high: int) -> Callable[[str], bool]:
