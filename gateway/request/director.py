@@ -97,8 +97,7 @@ class RequestDirector:
         """Serve one request that ``edge`` received; how it ended is the edge's to answer (a
         :class:`GatewayError` raised here is the client's error, in the API's shape)."""
         headers = edge.headers
-        request_id = headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
-        edge.identified(request_id)
+        request_id = self._identify(edge)
         started = self._clock()
         run = _Run(ClientRequest(request_id, kind, started, b"", _UNREAD, key, headers, edge.method, edge.path), edge)
         status = 500
@@ -128,13 +127,18 @@ class RequestDirector:
     def refused(self, edge: Edge, kind: str, error: GatewayError) -> None:
         """A request turned away before it was handed over (its API key): recorded as any other, with the
         status it was answered with."""
-        request_id = edge.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
-        edge.identified(request_id)
         now = self._clock()
-        request = ClientRequest(request_id, kind, now, b"", _UNREAD, None, edge.headers, edge.method, edge.path)
+        request = ClientRequest(self._identify(edge), kind, now, b"", _UNREAD, None, edge.headers, edge.method,
+                                edge.path)
         done = CompletedRequest(request, status_of(error), now, 0, steps=StepTimes())
         for step in self._pipeline.complete:
             step.completed(done)
+
+    def _identify(self, edge: Edge) -> str:
+        """The request's id: the client's ``x-request-id``, or one made here."""
+        request_id = edge.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
+        edge.identified(request_id)
+        return request_id
 
     async def _serve(self, run: _Run) -> None:
         request, times = run.request, run.times
