@@ -107,9 +107,10 @@ class RequestTracing:
         spans.upstream = None
 
     def completed(self, done: CompletedRequest) -> None:
-        spans = self._spans.pop((done.request.id, done.request.started), None)
-        if spans is None:
-            return
+        key = done.request.id, done.request.started
+        if key not in self._spans:  # refused before it was resolved (its key, its body): a span all the same
+            self.resolve(done.request)
+        spans = self._spans.pop(key)
         spans.root.set_attribute("http.response.status_code", done.status)
         spans.root.set_attribute("gateway.attempts", done.attempts)
         if done.admitted is not None and (flow := done.admitted.flow) is not None:
