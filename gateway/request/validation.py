@@ -195,25 +195,28 @@ def _identifier(limit: int) -> Callable[[str], bool]:
 
 _IDENTIFIERS = {"x-request-id", *WORKFLOW_HEADERS, *STAGE_HEADERS, *AGENT_HEADERS,
                 *(s.name for s in SESSION_SIGNALS if s.where == "header" and s.name.startswith("x-"))}
-# Each ``x-`` header the gateway reads on the request path, what its value must be, and how to say so.
-HEADERS: dict[str, tuple[Callable[[str], bool], str]] = {
-    PRIORITY_HEADER: (_integer(-MAX_PRIORITY, MAX_PRIORITY), f"an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}"),
-    "x-workflow-complete": (_one_of("true", "false"), "true or false"),
-    "x-stage-cache-policy": (_one_of("auto", "preserve", "flush"), "auto, preserve or flush"),
-    "x-stage-preserve-threshold": (_integer(0, 2**62), "a number of tokens"),
-    "x-slo-ttft-ms": (_positive_number, "a positive number of milliseconds"),
-    "x-slo-e2e-ms": (_positive_number, "a positive number of milliseconds"),
+# Each ``x-`` header the gateway reads on the request path: what its value must be, how to say so, and the
+# error's code.
+HEADERS: dict[str, tuple[Callable[[str], bool], str, str]] = {
+    PRIORITY_HEADER: (_integer(-MAX_PRIORITY, MAX_PRIORITY), f"an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}",
+                      "invalid_slo_header"),
+    "x-slo-ttft-ms": (_positive_number, "a positive number of milliseconds", "invalid_slo_header"),
+    "x-slo-e2e-ms": (_positive_number, "a positive number of milliseconds", "invalid_slo_header"),
     FAIRNESS_HEADER: (lambda v: 0 < len(v.strip()) <= MAX_FAIRNESS_ID_CHARS and v.isprintable(),
-                      f"1 to {MAX_FAIRNESS_ID_CHARS} printable characters"),
-    OBJECTIVE_HEADER: (_identifier(MAX_FAIRNESS_ID_CHARS), f"at most {MAX_FAIRNESS_ID_CHARS} printable characters"),
-    **{name: (_identifier(MAX_ID_CHARS), f"at most {MAX_ID_CHARS} printable characters")
+                      f"1 to {MAX_FAIRNESS_ID_CHARS} printable characters", "invalid_fairness_id"),
+    OBJECTIVE_HEADER: (_identifier(MAX_FAIRNESS_ID_CHARS), f"at most {MAX_FAIRNESS_ID_CHARS} printable characters",
+                       "invalid_header"),
+    "x-workflow-complete": (_one_of("true", "false"), "true or false", "invalid_header"),
+    "x-stage-cache-policy": (_one_of("auto", "preserve", "flush"), "auto, preserve or flush", "invalid_header"),
+    "x-stage-preserve-threshold": (_integer(0, 2**62), "a number of tokens", "invalid_header"),
+    **{name: (_identifier(MAX_ID_CHARS), f"at most {MAX_ID_CHARS} printable characters", "invalid_header")
        for name in sorted(_IDENTIFIERS)},
 }
 
 
 def check_headers(headers: Mapping[str, str]) -> None:
     """Refuse (400, naming the header) a value of a gateway header it cannot mean."""
-    for name, (valid, expected) in HEADERS.items():
+    for name, (valid, expected, code) in HEADERS.items():
         value = headers.get(name)
         if value is not None and not valid(value):
-            raise bad_request(f"{name}: must be {expected}, got {value[:40]!r}.", param=name, code="invalid_header")
+            raise bad_request(f"{name}: must be {expected}, got {value[:40]!r}.", param=name, code=code)
