@@ -31,7 +31,7 @@ class ApiKey:
     refreshed: float  # monotonic time of the last refill
 
 
-def presented_key(headers: Mapping[str, str]) -> str | None:
+def _presented_key(headers: Mapping[str, str]) -> str | None:
     """The key the client sent: its bearer token, else its ``x-api-key`` (None: neither)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -40,7 +40,7 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 
 def _key_digest(headers: Mapping[str, str]) -> bytes | None:
-    key = presented_key(headers)
+    key = _presented_key(headers)
     return hashlib.sha256(key.encode()).digest() if key is not None else None
 
 

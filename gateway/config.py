@@ -99,6 +99,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.loop_lag_interval_s < 0 or self.config_watch_interval_s < 0:
             raise ValueError("loop_lag_interval_s and config_watch_interval_s must not be negative")
+        if self.body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be positive")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be in 1..256, got {self.workers}")
         if not 0 <= self.port <= 65535:
