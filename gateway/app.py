@@ -29,6 +29,7 @@ from gateway.background import Doorbell, LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
+from gateway.cluster.sibling_responses import SiblingResponses
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig, ModelsConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
@@ -83,12 +84,10 @@ from gateway.request.placement import (
     RoomForNewContexts,
     RoutedPrefix,
 )
-from gateway.request.steps import (
-    LoadEstimation,
-    PromptTokenization,
-    RequestValidation,
-    WorkflowPlanning,
-)
+from gateway.request.responses import ResponsesState
+from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
+from gateway.request.validation import RequestValidation
+from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
@@ -186,7 +185,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     admit = (FlowControl(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
              if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
-    validation = RequestValidation(pods, auth, config.server)
+    validation = RequestValidation(pods, auth, config.server, rules.is_public)
+    responses_metrics = ResponsesMetrics(metrics.registry)
+    own_responses, response_store = responses_stores(config, identity, responses_metrics)
+    responses = ResponsesState(config.responses, response_store, pods, responses_metrics)
     planning = WorkflowPlanning(workflows)
     losses = PlacementLosses(metrics)
     placement = ContextPlacement(index, working_set, losses)
@@ -199,7 +201,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                              Refresher(pods, config.auth, http, metrics), metrics, client_due=flow.waits_for)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
-        prepare=[validation, PromptTokenization(pods, tokens, verifier, config.server, limits.counts_input),
+        resolve=[validation, responses],
+        prepare=[PromptTokenization(pods, tokens, verifier, config.server, limits.counts_input),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
         # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
@@ -228,8 +231,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                adapters=adapters, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
-    counting = RequestDirector(RequestPipeline(prepare=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
-                               router, NoPlanner(), ledger, proxy, pods, **directing)
+    counting = RequestDirector(RequestPipeline(resolve=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
+                               router, NoPlanner(), ledger, proxy, pods, models=rules, **directing)
     pressure = None
     if config.pressure.enabled:
         readings = pressure_source(config, PressureContext(load, working_set, capacity_of))
@@ -260,8 +263,21 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
         shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
         pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader,
+        responses=responses, own_responses=own_responses,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
+
+
+def responses_stores(config: GatewayConfig, identity: WorkerIdentity, metrics: ResponsesMetrics
+                     ) -> tuple[MemoryResponses | None, ResponseStore]:
+    """Where the Responses API's responses are kept: Redis with ``shared_state.redis_url``; else this
+    process's memory, which, with several workers, asks its siblings for the others' (the first of the
+    pair: this worker's own, which the siblings may ask for)."""
+    shared = config.shared_state
+    if shared.redis_url:
+        return None, RedisResponses(config.responses, shared.redis_url, shared.redis_timeout_s)
+    own = MemoryResponses(config.responses, metrics)
+    return own, SiblingResponses(own, identity) if identity.count > 1 else own
 
 
 def kv_capacity(pods: PodRegistry, load: PendingLoad) -> Callable[[str], float | None]:
@@ -360,6 +376,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
+        lifecycle(gw.responses.store.start, gw.responses.store.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),

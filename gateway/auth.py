@@ -1,5 +1,9 @@
-"""Gateway API keys: the client's bearer token, hashed, compared in constant time with the config's;
-per key, the models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics.
+"""Gateway API keys: the client's key, hashed, compared in constant time with the config's; per key, the
+models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics.
+
+A key arrives the way the client's SDK sends it, on every route: ``Authorization: Bearer <key>`` (the
+OpenAI SDK, Codex, Claude Code with ``ANTHROPIC_AUTH_TOKEN``) or ``x-api-key: <key>`` (the Anthropic SDK,
+Claude Code with ``ANTHROPIC_API_KEY``). Both are looked up in the same key table.
 
 Owner: :class:`ApiKeyAuth` owns the per-key buckets.
 """
@@ -27,11 +31,17 @@ class ApiKey:
     refreshed: float  # monotonic time of the last refill
 
 
-def _bearer_digest(headers: Mapping[str, str]) -> bytes | None:
+def _presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key the client sent: its bearer token, else its ``x-api-key`` (None: neither)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return hashlib.sha256(token.strip().encode()).digest()
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip() or None
+
+
+def _key_digest(headers: Mapping[str, str]) -> bytes | None:
+    key = _presented_key(headers)
+    return hashlib.sha256(key.encode()).digest() if key is not None else None
 
 
 def _match(digest: bytes | None, keys: list[ApiKey]) -> ApiKey | None:
@@ -63,17 +73,22 @@ class ApiKeyAuth:
         """Who is asking (before the body is read): the matched key, or None when keys are off."""
         if not self._keys:
             return None
-        key = _match(_bearer_digest(headers), self._keys)
+        key = _match(_key_digest(headers), self._keys)
         if key is None:
             raise unauthenticated()
         return key
+
+    @staticmethod
+    def may_use(key: ApiKey | None, model: str) -> bool:
+        """Whether the key's model list allows ``model`` (any model with keys off or no list)."""
+        return key is None or not key.config.models or model in key.config.models
 
     def authorize(self, key: ApiKey | None, model: str) -> None:
         """Once the model is known: the key's model list and its rate."""
         if key is None:
             return
-        if key.config.models and model not in key.config.models:
-            raise GatewayError(ErrorKind.FORBIDDEN, f"This API key may not use model `{model}`.",
+        if not self.may_use(key, model):
+            raise GatewayError(ErrorKind.FORBIDDEN, f"model: this API key may not use model `{model}`.",
                                code="model_not_allowed", param="model")
         self._take(key)
 
@@ -94,5 +109,5 @@ class ApiKeyAuth:
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """``/debug/*`` and ``/metrics`` (when debug endpoints are on: the routes hide them otherwise):
         behind an admin key, if one is configured."""
-        if self._admin and _match(_bearer_digest(headers), self._admin) is None:
+        if self._admin and _match(_key_digest(headers), self._admin) is None:
             raise unauthenticated()

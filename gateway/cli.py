@@ -68,6 +68,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         mock: dict[str, Any] = {"count": args.mock_pods}
         if args.mock_speed is not None:
             mock["speed"] = args.mock_speed
+        if args.mock_ends_answers:
+            mock["ends_answers"] = True
         if args.mock_prefill_pods:
             mock["prefill_pods"] = args.mock_prefill_pods
             mock["connector"] = args.mock_connector
@@ -155,6 +157,7 @@ async def mock(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
+        ends_answers=args.ends_answers, responses_store=args.responses_store,
     )
     pod = MockPod(config)
     await pod.start()
@@ -217,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-batched-tokens", type=int, default=2048)
     m.add_argument("--default-max-tokens", type=int, default=16)
+    m.add_argument("--ends-answers", action="store_true",
+                   help="end each answer after the pod's text (finish_reason stop) instead of at max_tokens")
+    m.add_argument("--responses-store", action="store_true",
+                   help="keep Responses API responses in memory (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
     m.add_argument("--max-model-len", type=int, default=MODEL_MAX_LEN,
                    help="longest prompt plus answer in tokens (default: the simulated model's, 131072)")
     m.add_argument("--lora-adapter", action="append", help="a LoRA adapter registered at start (repeatable)")
@@ -260,6 +267,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable)")
     parser.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
     parser.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
+    parser.add_argument("--mock-ends-answers", action="store_true",
+                        help="the simulated pods end each answer after their text, as a model does (for agent "
+                             "tools), instead of writing until max_tokens")
     parser.add_argument("--mock-prefill-pods", type=int,
                         help="of the simulated pods, this many take the prefill leg and the others decode "
                              "(prefill/decode disaggregation)")

@@ -44,6 +44,8 @@ from gateway.proxy.forward import Proxy
 from gateway.request.director import RequestDirector
 from gateway.request.observers import StepMetrics
 from gateway.request.placement import PlacementLosses
+from gateway.request.responses import ResponsesState
+from gateway.responses.store import MemoryResponses
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.keep_warm import KeepWarm
@@ -86,6 +88,8 @@ class Gateway:
     keep_warm: KeepWarm | None  # workflow.keep_warm on
     shared_load: SharedLoadTable | None  # with several workers
     loop_lag: LoopLagProbe
+    responses: ResponsesState  # the Responses API's stored responses
+    own_responses: MemoryResponses | None  # this worker's, which its siblings may ask for (no Redis)
     # Present only when their config turns them on.
     pressure: PressureMonitor | None
     scraper: MetricsScraper | None

@@ -81,6 +81,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_prompt_tokens: int | None = None
     # A streaming client that reads nothing for this long (while its buffer is full) is cut off.
     client_stall_s: float = 30.0
+    # A request body that has not arrived whole after this long is refused (408).
+    body_timeout_s: float = 60.0
     # How long SIGTERM waits for in-flight requests before closing them.
     shutdown_grace_s: float = 30.0
     tls_cert: str | None = None
@@ -97,6 +99,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.loop_lag_interval_s < 0 or self.config_watch_interval_s < 0:
             raise ValueError("loop_lag_interval_s and config_watch_interval_s must not be negative")
+        if self.body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be positive")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be in 1..256, got {self.workers}")
         if not 0 <= self.port <= 65535:
@@ -436,6 +440,25 @@ class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_timeout_s: float = 0.5
 
 
+class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The Responses API's state: what ``previous_response_id`` continues and ``GET /v1/responses/{id}``
+    returns. ``gateway``: the gateway keeps each response (its input and output), pods stay stateless, and
+    any worker or replica continues a conversation (in this process's memory; in Redis when
+    ``shared_state.redis_url`` is set). ``pods``: the pod that answered keeps it (vLLM with
+    ``VLLM_ENABLE_RESPONSES_API_STORE=1``) and gets the conversation's follow-ups, GETs and cancels."""
+
+    store: Literal["gateway", "pods"] = "gateway"
+    # Per process, in memory (least recently used first out); in Redis, only ``ttl_s`` applies.
+    max_responses: int = 10_000
+    max_bytes: int = 256 * 1024 * 1024
+    ttl_s: float = 24 * 3600.0
+    redis_key_prefix: str = "gateway:response:"
+
+    def __post_init__(self) -> None:
+        if self.max_responses < 1 or self.max_bytes < 1 or self.ttl_s <= 0:
+            raise ValueError("responses: max_responses, max_bytes and ttl_s must be positive")
+
+
 class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
     """OpenTelemetry spans per request (the ``otel`` extra). The exporter is OTLP over HTTP, configured by
     the standard ``OTEL_EXPORTER_OTLP_*`` and ``OTEL_SERVICE_NAME`` variables. Off: nothing is done."""
@@ -570,6 +593,9 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     base_port: int = 0
     # Longest prompt plus answer in tokens; none: the simulated model's own.
     max_model_len: int | None = None
+    # Each answer ends after the pods' text (finish_reason stop), as a model's does, instead of running to
+    # max_tokens: for agent tools (Claude Code, Codex) tried against simulated pods.
+    ends_answers: bool = False
     # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
@@ -737,6 +763,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     verification: VerificationConfig = msgspec.field(default_factory=VerificationConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     shared_state: SharedStateConfig = msgspec.field(default_factory=SharedStateConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

@@ -36,20 +36,24 @@ class AnthropicErrorEnvelope(msgspec.Struct):
     type: str = "error"
 
 
-# Status and OpenAI error type of each kind (UPSTREAM_ANSWER: the pod's own status).
+# Status and OpenAI error type of each kind.
 _HTTP: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
     ErrorKind.FORBIDDEN: (403, "permission_error"),
     ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.REQUEST_TIMEOUT: (408, "invalid_request_error"),
     ErrorKind.TOO_LARGE: (413, "invalid_request_error"),
     ErrorKind.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorKind.NOT_IMPLEMENTED: (501, "invalid_request_error"),
     ErrorKind.UPSTREAM_FAILED: (502, "upstream_error"),
     ErrorKind.NO_POD: (503, "service_unavailable"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
     ErrorKind.UPSTREAM_TIMEOUT: (504, "upstream_error"),
-    ErrorKind.UPSTREAM_ANSWER: (502, "upstream_error"),
     ErrorKind.INTERNAL: (500, "server_error"),
 }
+# OpenAI's error type for an answer's status (a pod's own error, relayed in OpenAI's shape).
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # Anthropic's error types by status (its docs); 503 (no pod can take it) reads as overloaded.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -75,8 +79,6 @@ class HttpError:
     @classmethod
     def of(cls, err: GatewayError) -> HttpError:
         status, kind = _HTTP[err.kind]
-        if err.kind is ErrorKind.UPSTREAM_ANSWER and err.upstream_status:
-            status = err.upstream_status
         headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else {}
         return cls(status, err.message, kind, err.code, err.param, headers)
 
@@ -89,6 +91,10 @@ class HttpError:
     def to_response(self, anthropic: bool = False) -> web.Response:
         return web.Response(status=self.status, body=self.body(anthropic), content_type="application/json",
                             headers=self.headers)
+
+
+def openai_error_type(status: int) -> str:
+    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 def status_of(err: GatewayError) -> int:

@@ -14,13 +14,14 @@ class HttpEdge:
     """One request received by the gateway's own HTTP server (:class:`~gateway.request.edge.Edge`). After
     the director is done, ``response`` is what the client was answered with (None: it raised instead)."""
 
-    __slots__ = ("_http", "_proxy", "headers", "method", "path", "response")
+    __slots__ = ("_body_timeout_s", "_http", "_proxy", "headers", "method", "path", "response")
     fallbacks = 0  # the director itself retries on another pod
     allowed_pods = None
 
-    def __init__(self, http: web.Request, proxy: Proxy) -> None:
+    def __init__(self, http: web.Request, proxy: Proxy, body_timeout_s: float | None = None) -> None:
         self._http = http
         self._proxy = proxy
+        self._body_timeout_s = body_timeout_s
         self.headers = http.headers
         self.method = http.method
         self.path = http.path_qs
@@ -30,7 +31,7 @@ class HttpEdge:
         self._http[REQUEST_ID] = request_id  # the middleware echoes it on errors
 
     async def read_body(self, max_bytes: int) -> bytes:
-        return await read_body(self._http, max_bytes)
+        return await read_body(self._http, max_bytes, self._body_timeout_s)
 
     async def deliver(self, call: UpstreamCall) -> RelayOutcome:
         self.response, outcome = await self._proxy.forward(call, self._http)

@@ -40,6 +40,7 @@ def _get(summary: str, parameters: list[dict[str, Any]] | None = None) -> dict[s
 
 
 _WORKFLOW_ID = [{"name": "workflow_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 40}}]
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 40}}]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -59,7 +60,19 @@ def openapi_document() -> dict[str, Any]:
                                     {"type": "array", "maxItems": 8, "items": {"type": "string"}}]}},
                 ["model", "input"]),
             "/v1/responses": _post("Responses API, routed like chat", {
-                "input": {"type": "string", "maxLength": 2000}, "instructions": {"type": "string"}}, ["model"]),
+                "input": {"type": "string", "maxLength": 2000}, "instructions": {"type": "string"},
+                "previous_response_id": {"type": "string", "maxLength": 40}, "store": {"type": "boolean"}},
+                ["model", "input"]),
+            "/v1/responses/{response_id}": {**_get("A stored response", _RESPONSE_ID), "delete": {
+                "summary": "Delete a stored response", "parameters": _RESPONSE_ID,
+                "responses": {"200": {"description": "OK"}, "default": _ERROR}}},
+            "/v1/responses/{response_id}/input_items": _get("The input a stored response answered", [
+                *_RESPONSE_ID, {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"}},
+                {"name": "order", "in": "query", "required": False, "schema": {"type": "string"}},
+                {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}]),
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a response", "parameters": _RESPONSE_ID,
+                "responses": {"200": {"description": "OK"}, "default": _ERROR}}},
             "/v1/models": _get("The union of the pods' models"),
             "/v1/workflows/{workflow_id}": _get("A workflow's tracked state", _WORKFLOW_ID),
             "/v1/workflows/{workflow_id}/complete": {"post": {

@@ -6,13 +6,18 @@ import asyncio
 import os
 import time
 from functools import partial
+from typing import Any
 
 from aiohttp import web
 
 from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
+from gateway.api.responses import add_response_routes
+from gateway.auth import ApiKey
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
+from gateway.core.errors import GatewayError
+from gateway.request.director import RequestDirector
 
 # Path → request kind; responses are routed like chat.
 PROXIED_ROUTES = {
@@ -30,6 +35,7 @@ def add_routes(app: web.Application) -> None:
     for path, kind in PROXIED_ROUTES.items():
         app.router.add_post(path, partial(_proxied, gateway, kind))
     app.router.add_post("/v1/messages/count_tokens", partial(_counted, gateway))
+    add_response_routes(app, gateway)
     app.router.add_get("/v1/models", partial(_models, gateway))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
@@ -62,24 +68,36 @@ def _check_admin(gateway: Gateway, request: web.Request) -> None:
 
 
 async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
-    key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
-    edge = HttpEdge(request, gateway.proxy)
-    await gateway.director.handle(edge, kind, key)
+    return await _directed(gateway, gateway.director, kind, request)
+
+
+async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    return await _directed(gateway, gateway.counting, "count_tokens", request)
+
+
+async def _directed(gateway: Gateway, director: RequestDirector, kind: str, request: web.Request
+                    ) -> web.StreamResponse:
+    edge = HttpEdge(request, gateway.proxy, gateway.config.server.body_timeout_s)
+    try:
+        key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
+    except GatewayError as err:
+        director.refused(edge, kind, err)
+        raise
+    await director.handle(edge, kind, key)
     assert edge.response is not None  # the director returns only once an answer was relayed
     return edge.response
 
 
-async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    key = gateway.auth.check(request.headers)
-    edge = HttpEdge(request, gateway.proxy)
-    await gateway.counting.handle(edge, "count_tokens", key)
-    assert edge.response is not None
-    return edge.response
-
-
 async def _models(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request.headers)
-    return web.json_response({"object": "list", "data": gateway.models.cards(gateway.pods.model_cards())})
+    """The models the fleet serves that the caller's key may use."""
+    key = gateway.auth.check(request.headers)
+    return web.json_response({"object": "list", "data": model_cards(gateway, key)})
+
+
+def model_cards(gateway: Gateway, key: ApiKey | None) -> list[dict[str, Any]]:
+    """The pods' models and the public names (:meth:`gateway.models.rules.ModelRules.cards`), those ``key``
+    may use."""
+    return [c for c in gateway.models.cards(gateway.pods.model_cards()) if gateway.auth.may_use(key, str(c.get("id")))]
 
 
 async def _healthz(request: web.Request) -> web.Response:

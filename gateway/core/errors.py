@@ -16,12 +16,14 @@ class ErrorKind(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
+    REQUEST_TIMEOUT = "request_timeout"  # the client did not send its request in time
     TOO_LARGE = "too_large"  # the request is larger than the gateway accepts
+    NOT_IMPLEMENTED = "not_implemented"  # an endpoint or feature the gateway or its pods do not serve
     RATE_LIMITED = "rate_limited"  # this client, or the gateway's admission: retry after ``retry_after_s``
     NO_POD = "no_pod"  # no healthy pod serves the model right now
+    UNAVAILABLE = "unavailable"  # a store the gateway needs (the Responses API's) is not answering
     UPSTREAM_FAILED = "upstream_failed"  # the pod failed (refused, reset, 5xx)
     UPSTREAM_TIMEOUT = "upstream_timeout"
-    UPSTREAM_ANSWER = "upstream_answer"  # the pod's own error answer, not JSON: ``upstream_status`` says which
     INTERNAL = "internal"
 
 
@@ -30,14 +32,13 @@ class GatewayError(Exception):
     ``param`` the request field at fault."""
 
     def __init__(self, kind: ErrorKind, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: int | None = None, upstream_status: int | None = None) -> None:
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
-        self.upstream_status = upstream_status
 
 
 def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> GatewayError:
@@ -45,12 +46,16 @@ def bad_request(message: str, *, param: str | None = None, code: str = "invalid_
 
 
 def unknown_model(model: str) -> GatewayError:
-    return GatewayError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", code="model_not_found",
+    return GatewayError(ErrorKind.NOT_FOUND, f"model: the model `{model}` does not exist.", code="model_not_found",
                         param="model")
 
 
 def unauthenticated() -> GatewayError:
     return GatewayError(ErrorKind.UNAUTHENTICATED, "Invalid API key.", code="invalid_api_key")
+
+
+def not_implemented(message: str, *, param: str | None = None) -> GatewayError:
+    return GatewayError(ErrorKind.NOT_IMPLEMENTED, message, code="not_implemented", param=param)
 
 
 def no_pod_available(model: str) -> GatewayError:

@@ -36,6 +36,10 @@ class InferenceRequest(msgspec.Struct):
     input: Any = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    max_output_tokens: int | None = None  # the Responses API's
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None  # checked by gateway.core.retention
@@ -46,9 +50,14 @@ class InferenceRequest(msgspec.Struct):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     instructions: Any = None
-    # Responses API: the conversation it belongs to (an id, or an object with one), the answer it continues.
-    conversation: Any = None
+    # The Responses API's state: the response this one continues, whether to keep this one, and the
+    # background mode (kept by the pod that runs it).
     previous_response_id: str | None = None
+    store: bool | None = None
+    background: bool | None = None
+    # The OpenAI Responses API's conversation (a string id, or an object with one); the gateway also names
+    # here the conversation a ``previous_response_id`` continues (a session for placement).
+    conversation: Any = None
     # Anthropic Messages: the system prompt, and what changes how the engine renders the conversation.
     system: Any = None
     thinking: Any = None
@@ -74,11 +83,11 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
     except RecursionError:
         raise bad_request("The request body nests JSON too deeply.", code="invalid_json") from None
     if not req.model:
-        raise bad_request("You must provide a model parameter.", param="model", code="missing_model")
-    for name in ("max_tokens", "max_completion_tokens"):
+        raise bad_request("model: you must provide a model parameter.", param="model", code="missing_model")
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = getattr(req, name)
         if value is not None and value < 1:
-            raise bad_request(f"{name} must be at least 1, got {value}.", param=name)
+            raise bad_request(f"{name}: must be at least 1, got {value}.", param=name)
     return req
 
 
@@ -89,4 +98,4 @@ def _field_error(detail: str) -> GatewayError:
         param = detail.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
     if detail.startswith("Expected `object`, got") and "at `$" not in detail:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
-    return bad_request(f"Invalid request: {detail}", param=param)
+    return bad_request(f"{param}: {detail}" if param else f"Invalid request: {detail}", param=param)

@@ -2,7 +2,8 @@
 
 OpenAI's names (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``) are
 the gateway's; Anthropic's (``input_tokens`` not cached, ``cache_read_input_tokens``, ``output_tokens``)
-are read into them.
+and the Responses API's (``input_tokens`` all of them, ``input_tokens_details.cached_tokens``) are read into
+them. A Responses stream carries its usage in the ``response`` of its last event.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ class Usage(msgspec.Struct):
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
+    input_tokens_details: PromptTokensDetails | None = None  # the Responses API's
 
     def __post_init__(self) -> None:
         if self.input_tokens is None:
             return
+        self.completion_tokens = self.output_tokens or 0
+        if self.input_tokens_details is not None:  # Responses: input_tokens counts the cached ones
+            self.prompt_tokens = self.input_tokens
+            self.prompt_tokens_details = self.input_tokens_details
+            return
         cached = self.cache_read_input_tokens
         self.prompt_tokens = self.input_tokens + (cached or 0) + (self.cache_creation_input_tokens or 0)
-        self.completion_tokens = self.output_tokens or 0
         if cached is not None:
             self.prompt_tokens_details = PromptTokensDetails(cached)
 
@@ -41,8 +47,12 @@ class Usage(msgspec.Struct):
         return details.cached_tokens if details is not None else None
 
 
-class _UsageCarrier(msgspec.Struct):
+class _Usage(msgspec.Struct):
     usage: Usage | None = None
+
+
+class _UsageCarrier(_Usage):
+    response: _Usage | None = None  # a Responses stream's last event: the whole response
 
 
 _usage_decoder = msgspec.json.Decoder(_UsageCarrier)
@@ -50,9 +60,10 @@ _usage_decoder = msgspec.json.Decoder(_UsageCarrier)
 
 def usage_of_body(body: bytes) -> Usage | None:
     try:
-        return _usage_decoder.decode(body).usage
+        carrier = _usage_decoder.decode(body)
     except msgspec.MsgspecError:
         return None
+    return carrier.usage or (carrier.response.usage if carrier.response is not None else None)
 
 
 def usage_of_stream_tail(chunks: deque[bytes]) -> Usage | None:

@@ -14,7 +14,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2
 
 from gateway.api.middleware import ANTHROPIC_PATHS
-from gateway.api.routes import PROXIED_ROUTES
+from gateway.api.routes import PROXIED_ROUTES, model_cards
+from gateway.auth import ApiKey
 from gateway.components import Gateway
 from gateway.config import EppConfig
 from gateway.core.errors import ErrorKind, GatewayError, internal_error
@@ -55,18 +56,27 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 serving.cancel()
             raise
 
+    def _key(self, edge: EnvoyEdge, kind: str | None) -> ApiKey | None:
+        """Who is asking; a generating request refused for its key is recorded as any other."""
+        try:
+            return self._gateway.auth.check(edge.headers)
+        except GatewayError as err:
+            if kind is not None:
+                self._gateway.director.refused(edge, kind, err)
+            raise
+
     async def _serve(self, edge: EnvoyEdge) -> None:
         gateway = self._gateway
         path = edge.path.partition("?")[0]
         anthropic = path in ANTHROPIC_PATHS
         try:
-            key = gateway.auth.check(edge.headers)
+            key = self._key(edge, PROXIED_ROUTES.get(path))
             if (kind := PROXIED_ROUTES.get(path)) is not None:
                 await gateway.director.handle(edge, kind, key)
             elif path == "/v1/messages/count_tokens":
                 await gateway.counting.handle(edge, "count_tokens", key)
             elif path == "/v1/models" and edge.method == "GET":
-                await edge.answer(200, msgspec.json.encode({"object": "list", "data": gateway.pods.model_cards()}))
+                await edge.answer(200, msgspec.json.encode({"object": "list", "data": model_cards(gateway, key)}))
             else:
                 raise GatewayError(ErrorKind.NOT_FOUND, f"No route for {edge.method} {path}.", code="not_found")
         except GatewayError as err:

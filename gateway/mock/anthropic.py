@@ -20,10 +20,12 @@ from gateway.tokenization.hf import HfTokenizer
 
 
 def prompt_ids(tokenizer: HfTokenizer, body: dict[str, Any]) -> list[int]:
-    """The prompt vLLM renders for a Messages request (ValueError when it cannot be rendered here)."""
+    """The prompt vLLM renders for a Messages request (ValueError when it cannot be rendered here).
+    ``thinking`` and ``output_config`` become chat-template arguments on vLLM, which the simulated model's
+    template does not read: they change nothing here (the gateway, not knowing the template, routes such a
+    request by its approximate prefix)."""
     req = InferenceRequest(messages=body.get("messages"), system=body.get("system"), tools=body.get("tools"),
-                           tool_choice=body.get("tool_choice"), thinking=body.get("thinking"),
-                           output_config=body.get("output_config"))
+                           tool_choice=body.get("tool_choice"))
     if not isinstance(req.messages, list) or not req.messages:
         raise ValueError("messages must be a non-empty list")
     try:
@@ -42,7 +44,7 @@ def usage(seq: Sequence, block_size: int) -> dict[str, int]:
 
 def message(seq: Sequence, model: str, text: str, block_size: int) -> dict[str, Any]:
     return {"id": f"msg_{seq.request_id}", "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": None,
+            "content": [{"type": "text", "text": text}], "stop_reason": _stop_reason(seq), "stop_sequence": None,
             "usage": usage(seq, block_size)}
 
 
@@ -66,10 +68,14 @@ async def stream(request: web.Request, seq: Sequence, model: str, text_of: Calla
                                                         "delta": {"type": "text_delta", "text": text_of(token)}}))
     await resp.write(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
     await resp.write(_event("message_delta", {"type": "message_delta", "usage": usage(seq, block_size),
-                                              "delta": {"stop_reason": "max_tokens", "stop_sequence": None}}))
+                                              "delta": {"stop_reason": _stop_reason(seq), "stop_sequence": None}}))
     await resp.write(_event("message_stop", {"type": "message_stop"}))
     await resp.write_eof()
     return resp
+
+
+def _stop_reason(seq: Sequence) -> str:
+    return "end_turn" if seq.ended else "max_tokens"
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

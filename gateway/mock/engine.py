@@ -143,6 +143,8 @@ class Sequence:
     prompt_len: int
     max_tokens: int
     arrived: float
+    # How many tokens it will generate: ``max_tokens``, or fewer when the model ends its answer first.
+    answer_length: int = 0
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     num_computed: int = 0
     cached_tokens: int = 0
@@ -165,6 +167,11 @@ class Sequence:
     @property
     def lora(self) -> LoraKey | None:
         return self.blocks.lora
+
+    @property
+    def ended(self) -> bool:
+        """Whether the model ended its answer (an end-of-sequence token) before ``max_tokens``."""
+        return self.answer_length < self.max_tokens
 
     async def tokens(self) -> AsyncIterator[int]:
         while (token := await self.outputs.get()) is not None:
@@ -193,6 +200,7 @@ class MockEngine:
         timing: TimingModel | None = None,
         limits: EngineLimits | None = None,
         connector: EngineConnector | None = None,
+        ends_answers: bool = False,
     ) -> None:
         if not output_tokens:
             raise ValueError("output_tokens must not be empty")
@@ -200,6 +208,9 @@ class MockEngine:
         self.timing = timing or TimingModel()
         self.limits = limits or EngineLimits()
         self._output_tokens = output_tokens
+        # A real model ends its answer (end of sequence) when it is done; a benchmark's pod writes until
+        # ``max_tokens``, so that outputs are as long as its trace says.
+        self._answer_cap = len(output_tokens) if ends_answers else None
         self._publish = publish
         self.connector = connector
         self.waiting: deque[Sequence] = deque()
@@ -245,8 +256,9 @@ class MockEngine:
         bs = self.cache.block_size
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.usable_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
+        length = max_tokens if self._answer_cap is None else min(max_tokens, self._answer_cap)
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
-                       time.monotonic(), submitted_clock=self.clock, pulled_tokens=pulled_tokens,
+                       time.monotonic(), length, submitted_clock=self.clock, pulled_tokens=pulled_tokens,
                        reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks,
                        blocks=SequenceBlocks(lora=lora, token_hash_root=token_hash_root))
         self.waiting.append(seq)
@@ -386,7 +398,7 @@ class MockEngine:
             self.ttft_count += 1
             self.ttft_by_request.put(seq.request_id, ttft)
         seq.outputs.put_nowait(token)
-        if seq.generated >= seq.max_tokens:
+        if seq.generated >= seq.answer_length:
             self.finished_requests += 1
             self._finish(seq)
         elif len(seq.token_ids) > len(seq.blocks.blocks) * self.cache.block_size:

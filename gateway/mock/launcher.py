@@ -81,6 +81,8 @@ class MockPodFleet:
             cmd += [f"--lora-adapter={name}" for name in c.lora_adapters]
             if c.max_cpu_loras is not None:
                 cmd += ["--max-cpu-loras", str(c.max_cpu_loras)]
+        if c.ends_answers:
+            cmd.append("--ends-answers")
         role = ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]

@@ -36,6 +36,7 @@ from gateway.config import PodConfig
 from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
 from gateway.mock import anthropic as anthropic_api
+from gateway.mock import responses as responses_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
 from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from gateway.mock.kv_transfer import (
@@ -90,6 +91,11 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     timing: TimingModel | None = None
     # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`gateway.mock.kv_transfer`).
     kv_transfer_config: str | None = None
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: keep the Responses API's responses in the pod's memory.
+    responses_store: bool = False
+    # End each answer after the pod's text, as a model emits end-of-sequence (finish_reason stop), instead of
+    # writing until max_tokens (what benchmarks want: outputs as long as their traces say).
+    ends_answers: bool = False
 
 
 class UnknownModel(Exception):
@@ -177,6 +183,10 @@ class MockPod:
             self.engine.lora.load(name)
         # vLLM's lora_requests_info gauge: one series per label set it was ever set with, its last time.
         self._lora_info: dict[tuple[str, str], float] = {}
+        self.responses = responses_api.ResponseStore() if config.responses_store else None
+        # A request without max_tokens: vLLM writes until the model ends (or the context is full).
+        self._default_max_tokens = max(config.default_max_tokens, len(self._output_tokens) if config.ends_answers
+                                       else 0)
         self._runner: web.AppRunner | None = None
         self.port = config.port
 
@@ -190,7 +200,8 @@ class MockPod:
                              null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
         limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len, c.max_loras, c.max_cpu_loras)
-        return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)
+        return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage,
+                          ends_answers=c.ends_answers)
 
     def _publish(self, events: list[KvEvent]) -> None:
         if self.publisher:
@@ -274,6 +285,9 @@ class MockPod:
         r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/messages/count_tokens", self._count_tokens)
         r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/responses", self._responses)
+        r.add_get("/v1/responses/{response_id}", self._get_response)
+        r.add_post("/v1/responses/{response_id}/cancel", self._cancel_response)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/v1/completions/render", self._render_completions)
@@ -298,6 +312,7 @@ class MockPod:
 
     @staticmethod
     def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> web.Response:
+        """vLLM's error shape: a Python class as the type, the status as the code, the field it names."""
         body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
         return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
@@ -405,7 +420,7 @@ class MockPod:
         try:
             ids = self._chat_ids(body)
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="messages")
         return await self._generate(request, body, ids, chat=True)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
@@ -418,7 +433,7 @@ class MockPod:
             ids = anthropic_api.prompt_ids(self.tokenizer, body)
             transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
-            seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
+            seq = self.engine.submit(ids, self._default_max_tokens if max_tokens is None else int(max_tokens),
                                      request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer,
                                      **self._lora_args(lora))
         except UnknownModel as exc:
@@ -440,6 +455,47 @@ class MockPod:
                 self.aborted_requests += 1
                 self.engine.abort(seq)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, as vLLM 0.32 answers it (:mod:`gateway.mock.responses`)."""
+        if failure := await self._inference_faults():
+            return failure
+        body = await self._body(request)
+        try:
+            messages = responses_api.conversation(body, self.responses)
+            ids = responses_api.prompt_ids(self.tokenizer, body, messages)
+            max_tokens = body.get("max_output_tokens")
+            seq = self.engine.submit(ids, self._default_max_tokens if max_tokens is None else int(max_tokens),
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex)
+        except KeyError as exc:
+            return responses_api.not_found(str(exc.args[0]))
+        except (PromptRejected, ValueError, TypeError) as exc:
+            return responses_api.error(400, str(exc), "input")  # vLLM names the input
+        writer = responses_api.ResponseWriter(body, seq, self.config.model, self.config.block_size,
+                                              self._token_text.__getitem__)
+        try:
+            if body.get("stream"):
+                return await writer.stream(request, self.responses, messages)
+            answer = writer.whole("".join([self._token_text[t] async for t in seq.tokens()]))
+            writer.keep(self.responses, answer, messages)
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
+        finally:
+            if not seq.finished:
+                self.aborted_requests += 1
+                self.engine.abort(seq)
+
+    async def _get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.responses.get(response_id) if self.responses is not None else None
+        if stored is None:
+            return responses_api.not_found(response_id)
+        return web.Response(body=orjson.dumps(stored), content_type="application/json")
+
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if self.responses is None or response_id not in self.responses.responses:
+            return responses_api.not_found(response_id)
+        return responses_api.error(400, "Cannot cancel a synchronous response.", "response_id")
+
     async def _count_tokens(self, request: web.Request) -> web.Response:
         try:
             ids = anthropic_api.prompt_ids(self.tokenizer, await self._body(request))
@@ -454,14 +510,14 @@ class MockPod:
         try:
             prompts = self._prompt_ids(body.get("prompt"), body.get("add_special_tokens", True))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="prompt")
         return await self._generate(request, body, prompts[0], chat=False)
 
     async def _generate(
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
+        max_tokens = self._default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             lora = self._served(body)
@@ -472,7 +528,7 @@ class MockPod:
         except KvLoadFailed:
             return await self._load_failed(request, bool(body.get("stream")))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="messages" if chat else "prompt")
         model = lora.name if lora is not None else self.config.model
         try:
             if body.get("stream"):
@@ -539,7 +595,7 @@ class MockPod:
 
     def _complete_response(self, seq: Sequence, tokens: list[int], chat: bool, model: str) -> web.Response:
         text = "".join(self._token_text[t] for t in tokens)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(seq)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -573,7 +629,7 @@ class MockPod:
                         "finish_reason": None}
                 await resp.write(_sse({**base, "choices": [role]}))
             emitted += 1
-            finish = "length" if emitted >= seq.max_tokens else None
+            finish = _finish_reason(seq) if emitted >= seq.answer_length else None
             text = self._token_text[token]
             choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
@@ -595,7 +651,7 @@ class MockPod:
         try:
             inputs = self._prompt_ids(body.get("input"))
         except (PromptRejected, ValueError, TypeError) as exc:
-            return self._error(400, str(exc))
+            return self._error(400, str(exc), param="input")
         data = [{"object": "embedding", "index": i, "embedding": _pseudo_embedding(ids)}
                 for i, ids in enumerate(inputs)]
         n = sum(len(ids) for ids in inputs)
@@ -753,6 +809,10 @@ class MockPod:
         if change.restart:
             self.restart()
         return web.json_response(msgspec.to_builtins(self.faults))
+
+
+def _finish_reason(seq: Sequence) -> str:
+    return "stop" if seq.ended else "length"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -93,6 +93,10 @@ class ModelRules:
         if route.split and response_id:
             self._pin(RESPONSE_KEY + response_id, route.public, target)
 
+    def is_public(self, model: str) -> bool:
+        """Whether ``model`` is a public name of a rule (its targets are the router's to find)."""
+        return model in self._rules
+
     def public_names(self) -> dict[str, list[str]]:
         """Each public name and the targets it may be served by, fallbacks last."""
         return {public: [*rule.choices(), *rule.fallbacks] for public, rule in self._rules.items()}
@@ -112,14 +116,10 @@ class ModelRules:
         self._pins.put(fact.key, (fact.public, fact.target))
 
     def _sticky_key(self, kind: str, headers: Any, body: InferenceRequest) -> str | None:
+        # A workflow, a session or a Responses conversation (the one a stored response continues included).
         if (context := self._signals.context_key(headers, body)) is not None:
             return context
-        conversation = body.conversation
-        if isinstance(conversation, dict):
-            conversation = conversation.get("id")
-        if isinstance(conversation, str) and conversation:
-            return f"conversation:{conversation}"
-        if body.previous_response_id:
+        if body.previous_response_id:  # continued on the pods' own store
             return RESPONSE_KEY + body.previous_response_id
         return _opening(kind, body)
 

@@ -33,9 +33,12 @@ log = logging.getLogger("gateway.proxy")
 _SKIP_REQUEST_HEADERS = frozenset(
     h.lower() for h in (
         "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-        "upgrade", "proxy-authorization", "proxy-connection", "authorization", "expect", "content-encoding",
+        "upgrade", "proxy-authorization", "proxy-connection", "authorization", "x-api-key", "expect",
+        "content-encoding",
     )
 )
+# The client's key, however its SDK sent it: passed to the pod only with ``auth.upstream: pass``.
+_KEY_HEADERS = ("authorization", "x-api-key")
 
 
 class Proxy:
@@ -96,8 +99,7 @@ class Proxy:
         headers = {k: v for k, v in incoming.items() if k.lower() not in _SKIP_REQUEST_HEADERS}
         headers["x-request-id"] = request_id
         if self._auth.upstream == "pass":
-            if "authorization" in incoming:
-                headers["authorization"] = incoming["authorization"]
+            headers.update((h, incoming[h]) for h in _KEY_HEADERS if h in incoming)
         elif self._auth.upstream == "replace":
             headers["authorization"] = f"Bearer {self._auth.upstream_api_key}"
         return headers

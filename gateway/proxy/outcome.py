@@ -9,13 +9,26 @@ records the outcome once; nobody else decides a request's status.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.backends.registry import Pod
 from gateway.core.errors import GatewayError
 from gateway.core.usage import Usage
 from gateway.proxy.rewrite import AnswerRewrite
+
+
+class AnswerTap(Protocol):
+    """Reads a pod's successful answer as it passes, before the client has its end (the Responses API's
+    store keeps the response this way). Each method returns an awaitable only when it has work to wait for;
+    the relay waits for it before writing what it was shown."""
+
+    def whole(self, pod: str, body: bytes) -> Awaitable[None] | None:
+        """A whole (not streamed) answer of ``pod``."""
+
+    def chunk(self, pod: str, chunk: bytes) -> Awaitable[None] | None:
+        """The next chunk of ``pod``'s streamed answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +48,8 @@ class UpstreamCall:
     fallbacks: tuple[Pod, ...] = ()
     # What the answer needs on its way to the client (the public model name restored), if anything.
     rewrite: AnswerRewrite | None = None
+    # Reads the answer as it passes (the HTTP proxy's edge; Envoy relays answers itself).
+    tap: AnswerTap | None = None
 
 
 class Ending(enum.Enum):

@@ -24,10 +24,11 @@ from aiohttp import web
 
 from gateway.api.errors import error_event
 from gateway.config import TimeoutConfig
-from gateway.core.errors import ErrorKind, GatewayError, upstream_failed, upstream_timeout
+from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.core.usage import usage_of_body, usage_of_stream_tail
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
+from gateway.proxy.pod_errors import translated
 
 log = logging.getLogger("gateway.proxy")
 
@@ -75,13 +76,16 @@ class Relay:
         first_byte_at = time.monotonic()
         if call.answering is not None:
             call.answering()
-        if upstream.status >= 400 and not upstream.headers.get("content-type", "").startswith("application/json"):
-            # An engine's own errors are OpenAI JSON and pass as they are; anything else gets that shape.
-            text = data[:ERROR_SNIPPET].decode(errors="replace").strip()
-            raise upstream_answer(pod, upstream.status, text)
+        if upstream.status >= 400:  # the pod's own error, in the route's shape, its status and text kept
+            error = translated(upstream.status, data, call.path)
+            response = error.to_response(call.anthropic)
+            response.headers.update(call.answer_headers)
+            return response, RelayOutcome(error.status, Ending.COMPLETE, first_byte_at, headers_at=headers_at)
         usage = usage_of_body(data) if upstream.status == 200 else None
         if call.rewrite is not None and upstream.status == 200:
             data = call.rewrite.body(data)
+        if call.tap is not None and upstream.status == 200 and (keeping := call.tap.whole(pod, data)) is not None:
+            await keeping
         response = web.Response(status=upstream.status, body=data, headers=self.answer_headers(call, upstream))
         return response, RelayOutcome(upstream.status, Ending.COMPLETE, first_byte_at, usage, headers_at=headers_at,
                                       response_id=call.rewrite.response_id if call.rewrite is not None else None)
@@ -102,7 +106,7 @@ class Relay:
                                 rewrite.response_id if rewrite is not None else None)
 
         try:
-            transport = client.transport
+            transport, tap = client.transport, call.tap
             async for chunk in self._chunks(upstream):
                 if first_byte_at is None:
                     first_byte_at = time.monotonic()
@@ -110,6 +114,8 @@ class Relay:
                         call.answering()
                 if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
                     continue  # an event cut in two: the rest comes with the next chunk
+                if tap is not None and (reading := tap.chunk(pod, chunk)) is not None:
+                    await reading
                 if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
                     # A backlog (or a chunk that could fill the socket): the client may read slower than
                     # the pod writes. Wait for it, but not forever.
@@ -163,8 +169,3 @@ class Relay:
                 return
             yield chunk
 
-
-def upstream_answer(pod: str, status: int, text: str) -> GatewayError:
-    """A pod's error answer that is not the API's JSON, passed on with its status in the API's shape."""
-    return GatewayError(ErrorKind.UPSTREAM_ANSWER, f"Pod {pod} answered HTTP {status}: {text}",
-                        code=f"upstream_{status}", upstream_status=status)

@@ -3,12 +3,14 @@
 The server hands the gateway the bytes as sent (``auto_decompress`` off: aiohttp's own decoding refuses a
 bad body in plain text, sometimes before any handler runs); here they are decoded with each codec the
 header lists, last applied first, and a body that cannot be is the client's fault (400 in the route's own
-error shape), as is one that decodes past ``server.max_body_bytes`` (413; a small compressed body may
-expand without bound). The pod receives the decoded bytes, without the header.
+error shape), as is one larger than ``server.max_body_bytes``, sent or decoded (413; a small compressed body
+may expand without bound), or one that takes longer than ``server.body_timeout_s`` to arrive (408). The pod
+receives the decoded bytes, without the header.
 """
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Callable
 
@@ -87,13 +89,24 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
 }
 
 
-async def read_body(http: web.Request, max_bytes: int) -> bytes:
-    """The body, decoded; raises a :class:`GatewayError` for one that cannot be read or is too large."""
+async def read_body(http: web.Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The body, decoded; raises a :class:`GatewayError` for one that cannot be read, is too large (413),
+    or has not arrived whole within ``timeout_s`` (408)."""
     try:
-        data = await http.read()
+        async with asyncio.timeout(timeout_s):
+            data = await http.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(f"The request body is larger than {max_bytes} bytes.") from None
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         raise bad_request(f"The request body could not be read: {exc}", code="invalid_body") from None
+    except TimeoutError:
+        raise GatewayError(ErrorKind.REQUEST_TIMEOUT, f"The request body did not arrive within {timeout_s:g} s.",
+                           code="request_timeout") from None
     return decode_body(data, http.headers.get("content-encoding"), max_bytes)
+
+
+def too_large(message: str) -> GatewayError:
+    return GatewayError(ErrorKind.TOO_LARGE, message, code="request_too_large")
 
 
 def decode_body(data: bytes, header: str | None, max_bytes: int) -> bytes:
@@ -112,6 +125,5 @@ def decode_body(data: bytes, header: str | None, max_bytes: int) -> bytes:
         except Exception as exc:  # each codec has its own error type; any failure is the body's
             raise bad_request(f"The request body is not valid {encoding} data ({exc}).", code="invalid_body") from None
         if len(data) > max_bytes:
-            raise GatewayError(ErrorKind.TOO_LARGE, f"The request body decodes to more than {max_bytes} bytes.",
-                               code="request_too_large")
+            raise too_large(f"The request body decodes to more than {max_bytes} bytes.")
     return data

@@ -9,8 +9,9 @@ proxy, or Envoy through the endpoint picker) only reads the request and delivers
 model whose pods have roles, each attempt is the decode leg, and its prefill leg is run first by a
 collaborator (:mod:`gateway.request.disaggregation`).
 
-One request, phase by phase: read and parse (the edge's body), its model name resolved to the targets to
-try (:mod:`gateway.models.rules`: an alias, a split's sticky target, then its fallbacks), then per target
+One request, phase by phase: read and parse (the edge's body), resolve (validation, a Responses
+conversation's history), its model name resolved to the targets to try (:mod:`gateway.models.rules`: an
+alias, a split's sticky target, then its fallbacks), then per target
 prepare, admit, plan (once), then per attempt route, dispatch, deliver (the edge) and finish; a failure
 before the first byte goes back to route, on another pod (behind Envoy, on the fallback endpoint the data
 plane already took); a target that has no pod, would keep the request waiting longer than its rule allows,
@@ -105,10 +106,9 @@ class RequestDirector:
                  models: ModelRules | None = None, adapters: AdapterLoader | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
-        # The prepare steps, each with the step of the request's timings its time counts to, and whether it
-        # judges the request itself (run once) rather than its target (run again for a fallback).
-        self._prepare = tuple((step, timed_as(step), getattr(step, "per_request", False))
-                              for step in pipeline.prepare)
+        # The prepare steps (run again for each target), each with the step of the request's timings its time
+        # counts to. What judges the request itself runs once, in resolve.
+        self._prepare = tuple((step, timed_as(step)) for step in pipeline.prepare)
         # Public model names and their targets (none: every name is served as it is).
         self._models = models
         # LoRA adapters registered on demand (none: an adapter is routed only where a pod lists it).
@@ -134,8 +134,7 @@ class RequestDirector:
         """Serve one request that ``edge`` received; how it ended is the edge's to answer (a
         :class:`GatewayError` raised here is the client's error, in the API's shape)."""
         headers = edge.headers
-        request_id = headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
-        edge.identified(request_id)
+        request_id = self._identify(edge)
         started = self._clock()
         run = _Run(ClientRequest(request_id, kind, started, b"", _UNREAD, key, headers, edge.method, edge.path), edge)
         status = 500
@@ -143,6 +142,9 @@ class RequestDirector:
             body = await edge.read_body(self._max_body_bytes)
             run.request = ClientRequest(request_id, kind, started, body, parse_inference_request(body), key, headers,
                                         edge.method, edge.path)
+            for step in self._pipeline.resolve:
+                if (resolved := step.resolve(run.request)) is not None:
+                    run.request = resolved if isinstance(resolved, ClientRequest) else await resolved
             run.times.mark(Step.PARSE)
             await self._serve(run)
             assert run.outcome is not None  # an attempt that returns has delivered
@@ -158,6 +160,22 @@ class RequestDirector:
                                     run.last, run.outcome, run.prefill, run.times, run.route, tuple(run.fallbacks))
             for step in self._pipeline.complete:
                 step.completed(done)
+
+    def refused(self, edge: Edge, kind: str, error: GatewayError) -> None:
+        """A request turned away before it was handed over (its API key): recorded as any other, with the
+        status it was answered with."""
+        now = self._clock()
+        request = ClientRequest(self._identify(edge), kind, now, b"", _UNREAD, None, edge.headers, edge.method,
+                                edge.path)
+        done = CompletedRequest(request, status_of(error), now, 0, steps=StepTimes())
+        for step in self._pipeline.complete:
+            step.completed(done)
+
+    def _identify(self, edge: Edge) -> str:
+        """The request's id: the client's ``x-request-id``, or one made here."""
+        request_id = edge.headers.get("x-request-id") or f"{self._id_prefix}{next(self._id_counter):x}"
+        edge.identified(request_id)
+        return request_id
 
     async def _serve(self, run: _Run) -> None:
         request = run.request
@@ -178,13 +196,10 @@ class RequestDirector:
         """Serve the request with one of its targets, or raise :class:`_TargetFailed` when that target
         cannot (and nothing reached the client)."""
         request, times = run.request, run.times
-        fallback = run.routing is not None
         policy, routing = self._resolve(request, route, target)
         run.routing = routing
         run.body = request.body if target == request.model else with_model(request.body, request.model, target)
-        for prepare, timed, per_request in self._prepare:
-            if fallback and per_request:
-                continue
+        for prepare, timed in self._prepare:
             if (waiting := prepare.prepare(request, policy, routing)) is not None:
                 await waiting
             times.mark(timed)
@@ -195,6 +210,8 @@ class RequestDirector:
         plan = run.plan
         headers = self._proxy.upstream_headers(request.headers, request.id)
         allowed = run.edge.allowed_pods
+        if request.only_pod is not None:
+            allowed = frozenset({request.only_pod} if allowed is None else {request.only_pod} & allowed)
         exclude = {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
         failure: RetryableFailure | None = None
         served_by: Pod | None = None  # where the data plane took the request after a failure
@@ -337,7 +354,7 @@ def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ..
     rewrite = AnswerRewrite(target, route.public if restore else target, capture) if restore or capture else None
     return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
                         anthropic=request.kind in ("messages", "count_tokens"), answering=answering,
-                        fallbacks=fallbacks, rewrite=rewrite)
+                        fallbacks=fallbacks, rewrite=rewrite, tap=request.answer_tap)
 
 
 def upstream_headers(base: dict[str, str], admitted: Admitted | None, pod: Pod) -> dict[str, str]:

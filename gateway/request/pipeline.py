@@ -2,8 +2,13 @@
 
 A request passes through them in this order (:class:`~gateway.request.director.RequestDirector`):
 
-1. **prepare** ``(request, policy, routing)``: what routing needs, read from the request (validation, token ids,
-   the context it continues, the load estimate per pod). A step fills the fields of the routing view it
+0. **resolve** ``(request) -> ClientRequest | None``: what the request stands for, once its body is parsed:
+   a step refuses it (validation: a :class:`~gateway.core.errors.GatewayError`), or returns it rewritten (a
+   Responses request continuing a stored response becomes the whole conversation), bound to one pod, or with
+   a tap that reads its answer as it passes; None leaves it as it is. Its time counts to the request's
+   ``parse``.
+1. **prepare** ``(request, policy, routing)``: what routing needs, read from the request (token ids, the
+   context it continues, the load estimate per pod). A step fills the fields of the routing view it
    owns, or refuses the request by raising a :class:`~gateway.core.errors.GatewayError`.
 2. **admit** ``(request, policy, routing) -> Admitted | None``: whether the request may start now, later (it
    waits: an awaitable of the result) or never (it is refused); a step that decides the SLO says so.
@@ -38,6 +43,10 @@ from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedReq
 from gateway.routing.policy import Policy, RoutingRequest
 
 
+class ResolveStep(Protocol):
+    def resolve(self, request: ClientRequest) -> ClientRequest | Awaitable[ClientRequest] | None: ...
+
+
 class PrepareStep(Protocol):
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None: ...
 
@@ -62,6 +71,7 @@ class CompleteStep(Protocol):
 
 @dataclass(slots=True)
 class RequestPipeline:
+    resolve: list[ResolveStep] = field(default_factory=list)
     prepare: list[PrepareStep] = field(default_factory=list)
     admit: list[AdmitStep] = field(default_factory=list)
     dispatch: list[DispatchStep] = field(default_factory=list)

@@ -1,14 +1,13 @@
-"""The built-in steps that shape a request: validation, token ids, load and workflow planning (admission is
-flow control's: :mod:`gateway.request.flow`)."""
+"""The built-in steps that shape a request: token ids, load and workflow planning (validation is
+:mod:`gateway.request.validation`'s, admission flow control's: :mod:`gateway.request.flow`)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
-from gateway.core.errors import bad_request, unknown_model
+from gateway.core.errors import bad_request
 from gateway.kv.hashing import PromptHashes, namespace_root
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.pending import PendingLoad
@@ -18,34 +17,8 @@ from gateway.proxy.outcome import RelayOutcome
 from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.tokenization import anthropic
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.service import RequestPlan, WorkflowService
-
-
-class RequestValidation:
-    """prepare: refuse what no pod should see (an Anthropic body of the wrong shape, too many messages, a
-    model the key may not use or no pod serves)."""
-
-    timed_as = Step.PARSE  # the request's timings count it with the body's parse
-    per_request = True  # it judges the request, not its target: a fallback target is not validated again
-
-    def __init__(self, pods: PodRegistry, key_auth: ApiKeyAuth, server: ServerConfig) -> None:
-        self._pods = pods
-        self._key_auth = key_auth
-        self._max_messages = server.max_messages
-
-    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
-        if request.kind in ("messages", "count_tokens"):
-            anthropic.check_request(request.parsed, counting=request.kind == "count_tokens")
-        messages = request.parsed.messages
-        if messages is not None and len(messages) > self._max_messages:
-            raise bad_request(f"Too many messages: {len(messages)} (at most {self._max_messages}).",
-                              param="messages", code="too_many_messages")
-        self._key_auth.authorize(request.key, request.model)
-        # A public name's targets are the router's to find (none with a pod: the next target, or a 503).
-        if routing.model == request.model and not self._pods.knows_model(request.model):
-            raise unknown_model(request.model)
 
 
 class PromptTokenization:

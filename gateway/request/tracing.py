@@ -56,33 +56,33 @@ def tracer_provider() -> TracerProvider:
 
 
 class RequestTracing:
-    """prepare (first): the request's span; dispatch: the decision's span (from when the router began),
+    """resolve (first): the request's span; dispatch: the decision's span (from when the router began),
     and the attempt's span whose context goes upstream; finish: the attempt's span ends; complete: the
     request's span ends with its outcome, and the time of each step it reached
     (:mod:`gateway.request.timings`) as ``gateway.step.<step>_ms`` attributes.
 
-    Owner: the spans of the requests in flight, each kept from prepare to complete."""
-
-    per_request = True  # one span per request, whichever targets of its model serve it
+    Owner: the spans of the requests in flight, each kept from resolve to complete, under the request's id
+    and arrival (a resolve step may hand on a rewritten request: the same request)."""
 
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
-        self._spans: dict[ClientRequest, RequestSpans] = {}
+        self._spans: dict[tuple[str, float], RequestSpans] = {}
 
-    def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
+    def resolve(self, request: ClientRequest) -> None:
         parent = propagate.extract(request.headers)
         attributes = {"gateway.request_id": request.id, "gen_ai.request.model": request.model,
                       "gateway.kind": request.kind}
         root = self._tracer.start_span(f"{request.method} {request.path.partition('?')[0]}", context=parent,
                                        kind=SpanKind.SERVER, attributes=attributes)
-        self._spans[request] = RequestSpans(root)
+        self._spans[request.id, request.started] = RequestSpans(root)
 
     def root_of(self, request: ClientRequest) -> Span | None:
-        spans = self._spans.get(request)
+        spans = self._spans.get((request.id, request.started))
         return spans.root if spans is not None else None
 
     def dispatched(self, attempt: Attempt) -> None:
-        spans, decision = self._spans.get(attempt.request), attempt.decision
+        request = attempt.request
+        spans, decision = self._spans.get((request.id, request.started)), attempt.decision
         if spans is None:
             return
         parent = trace.set_span_in_context(spans.root)
@@ -97,7 +97,7 @@ class RequestTracing:
         propagate.inject(attempt.upstream_headers, context=trace.set_span_in_context(spans.upstream))
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
-        spans = self._spans.get(attempt.request)
+        spans = self._spans.get((attempt.request.id, attempt.request.started))
         if spans is None or spans.upstream is None:
             return
         if outcome.first_byte_at is None:
@@ -107,9 +107,10 @@ class RequestTracing:
         spans.upstream = None
 
     def completed(self, done: CompletedRequest) -> None:
-        spans = self._spans.pop(done.request, None)
-        if spans is None:
-            return
+        key = done.request.id, done.request.started
+        if key not in self._spans:  # refused before it was resolved (its key, its body): a span all the same
+            self.resolve(done.request)
+        spans = self._spans.pop(key)
         spans.root.set_attribute("http.response.status_code", done.status)
         spans.root.set_attribute("gateway.attempts", done.attempts)
         if done.routing is not None:  # the target that served it (the public name is the request's model)
@@ -143,7 +144,8 @@ def traced(pipeline: RequestPipeline, tracer: Tracer) -> RequestPipeline:
     spans = RequestTracing(tracer)
     wrap = _Spanned(spans, tracer)
     return RequestPipeline(
-        prepare=[spans, *(TracedPrepare(s, wrap) for s in pipeline.prepare)],
+        resolve=[spans, *pipeline.resolve],
+        prepare=[TracedPrepare(s, wrap) for s in pipeline.prepare],
         admit=[TracedAdmit(s, wrap) for s in pipeline.admit],
         dispatch=[*pipeline.dispatch, spans],
         finish=[spans, *pipeline.finish],
@@ -170,7 +172,6 @@ class TracedPrepare:
         self._step = step
         self._spanned = spanned
         self.timed_as = timed_as(step)  # the step's, for the request's timings
-        self.per_request = getattr(step, "per_request", False)
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
         waiting = self._step.prepare(request, policy, routing)

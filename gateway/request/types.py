@@ -1,6 +1,6 @@
 """What the director hands the steps of the pipeline: one typed, read-only view per extension point.
 
-- :class:`ClientRequest`: what the client sent (prepare, admit, plan);
+- :class:`ClientRequest`: what the client sent, as the resolve steps made it (prepare, admit, plan);
 - :class:`Attempt`: one try on one pod (dispatch, finish);
 - :class:`CompletedRequest`: how the request ended (complete), with its :class:`PrefillLeg` when its
   model is disaggregated (prefill and decode on two pods).
@@ -26,7 +26,7 @@ from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
 from gateway.models.rules import ModelRoute
-from gateway.proxy.outcome import RelayOutcome
+from gateway.proxy.outcome import AnswerTap, RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.workflow.service import RequestPlan
@@ -49,6 +49,10 @@ class ClientRequest:
     headers: Headers
     method: str
     path: str  # with its query string, as sent upstream
+    # A resolve step's: the one pod that may serve it (the pod that keeps the state it continues), and what
+    # reads the pod's answer as it passes (the Responses API's store).
+    only_pod: str | None = None
+    answer_tap: AnswerTap | None = None
     model: str = field(init=False)  # "" until the body is understood
 
     def __post_init__(self) -> None:

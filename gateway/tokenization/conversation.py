@@ -1,10 +1,11 @@
 """A request's conversation in one shape, for every part that reads it: the tokenizers (the chat
 template sees what vLLM's would) and the approximate prefix index (a canonical text of the prompt).
 
-Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` (a string or a
-list of messages); Anthropic Messages requests carry ``system`` and content blocks
-(:mod:`gateway.tokenization.anthropic`); content is a string or a list of parts, of which only text parts are
-flattened.
+Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` items
+(:mod:`gateway.tokenization.responses`); Anthropic Messages requests carry ``system`` and content blocks
+(:mod:`gateway.tokenization.anthropic`); content is a string or a list of parts, of which only text parts
+(``text``, and the Responses API's ``input_text`` and ``output_text``) are flattened, joined by newlines as
+vLLM joins them for a template that takes string content.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.core.requests import InferenceRequest
-from gateway.tokenization import anthropic
+from gateway.tokenization import anthropic, responses
 
 CHAT_KINDS = frozenset({"chat", "responses", "messages"})
+
+
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
 def text_of_content(content: Any) -> str | None:
@@ -22,17 +26,20 @@ def text_of_content(content: Any) -> str | None:
     string-content chat template (None when some part is not text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
         return "\n".join(str(p.get("text", "")) for p in content)
     return None
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with all-text content lists flattened to strings (others left as they are)."""
+    """Messages with all-text content lists flattened to strings, and no content (an assistant's tool
+    calls alone) as the empty string vLLM gives a string-content template (others left as they are)."""
     out = []
     for message in messages:
         content = message.get("content")
-        if isinstance(content, list) and (text := text_of_content(content)) is not None:
+        if content is None and message.get("role") == "assistant":
+            message = {**message, "content": ""}
+        elif isinstance(content, list) and (text := text_of_content(content)) is not None:
             message = {**message, "content": text}
         out.append(message)
     return out
@@ -49,20 +56,16 @@ def chat_messages(kind: str, req: InferenceRequest, merge_inline_system: bool = 
         return anthropic.chat_messages(req, merge_inline_system) or None
     if kind != "responses":
         return None
-    # Responses API: instructions become the system message; input is a string or a list of messages.
-    messages: list[dict[str, Any]] = []
-    if isinstance(req.instructions, str):
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    elif isinstance(req.input, list):
-        messages.extend(m for m in req.input if isinstance(m, dict) and "role" in m)
-    return normalize_messages(messages) or None
+    return normalize_messages(responses.chat_messages(req.instructions, req.input)) or None
 
 
 def chat_tools(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
-    """The tools the chat template renders (Messages requests' converted to OpenAI's form)."""
-    return anthropic.chat_tools(req) if kind == "messages" else req.tools
+    """The tools the chat template renders (Messages and Responses requests' converted to chat's form)."""
+    if kind == "messages":
+        return anthropic.chat_tools(req)
+    if kind == "responses":
+        return responses.chat_tools(req.tools, req.tool_choice)
+    return req.tools
 
 
 def request_text(kind: str, req: InferenceRequest) -> str:

@@ -82,8 +82,21 @@ class HfTokenizer:
             return True
         return False
 
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False, **kwargs: Any
+                    ) -> list[int]:
+        """A conversation's prompt ids. vLLM adds the tokenizer's special tokens to the rendered template
+        for the Responses API only (``add_special_tokens``), not for chat completions."""
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=add_special_tokens)
+
+    @cached_property
+    def special_prefix(self) -> tuple[int, ...] | None:
+        """The tokens the tokenizer adds before a text with its special tokens (Llama: BOS), or None
+        when it adds any after it too (then they are not a prefix that can be put before a prompt)."""
+        plain = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        if full[len(full) - len(plain):] != plain:
+            return None
+        return tuple(full[: len(full) - len(plain)])
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self._encode_batch is not None:

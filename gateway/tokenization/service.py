@@ -28,6 +28,7 @@ from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.lru import LruCache
 from gateway.metrics import GatewayMetrics
+from gateway.tokenization import responses
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.conversation import CHAT_KINDS, chat_messages, chat_tools
 from gateway.tokenization.hf import HfTokenizer
@@ -83,14 +84,17 @@ class LocalTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest,
-                   tools: list[dict[str, Any]] | None) -> Tokens:
+                   tools: list[dict[str, Any]] | None, prefix: Sequence[int] = ()) -> Tokens:
+        """A conversation's prompt, after ``prefix`` (the special tokens vLLM puts before a Responses
+        prompt; a conversation's next turn reuses only an earlier prompt with the same prefix)."""
         render = {"add_generation_prompt": req.add_generation_prompt if req.add_generation_prompt is not None else True,
                   "continue_final_message": bool(req.continue_final_message), "tools": tools,
                   "chat_template_kwargs": req.chat_template_kwargs}
         reuse = self.reuse
         if reuse is None or not reuse.plain or render["continue_final_message"]:
-            return Tokens(await self._whole(messages, render))
-        prints = fingerprints(messages, [tools, req.chat_template_kwargs, render["add_generation_prompt"]])
+            return Tokens(await self._whole(messages, render, prefix))
+        prints = fingerprints(messages, [tools, req.chat_template_kwargs, render["add_generation_prompt"],
+                                         *([tuple(prefix)] if prefix else [])])
         earlier = self.memory.longest(prints) if reuse.allows(messages, tools) else None
         if earlier is not None:
             tail = reuse.tail(messages[earlier.messages - 1], messages[earlier.messages:], **render)
@@ -98,7 +102,7 @@ class LocalTokenizer:
                 ids = earlier.ids[: earlier.length]  # one copy, grown in place (a 100k-token prompt is 400 kB)
                 ids.extend(await self._encode(tail))
                 return Tokens(ids, earlier, prints[-1], len(messages))
-        return Tokens(await self._whole(messages, render), None, prints[-1], len(messages))
+        return Tokens(await self._whole(messages, render, prefix), None, prints[-1], len(messages))
 
     def remember(self, tokens: Tokens, hashes: PromptHashes) -> None:
         """Remember a chat prompt (with its block hashes, once made) for the conversation's next turn."""
@@ -108,7 +112,8 @@ class LocalTokenizer:
         self.memory.remember(RememberedPrompt(tokens.fingerprint, tokens.messages, ids, len(ids) - len(generation),
                                               hashes), supersedes=tokens.earlier)
 
-    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any]) -> array[int]:
+    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any], prefix: Sequence[int] = ()
+                     ) -> array[int]:
         """A prompt rendered and tokenized from its first message: a long conversation's template on the
         tokenization threads, long new text too (:meth:`_encode`), the piece cache read and filled on the
         event loop (it is not shared)."""
@@ -116,7 +121,11 @@ class LocalTokenizer:
             text = await self._off_loop(lambda: self.tokenizer.render_chat(messages, **render))
         else:
             text = self.tokenizer.render_chat(messages, **render)
-        return await self._encode(text)
+        if not prefix:
+            return await self._encode(text)
+        ids = array("I", prefix)
+        ids.extend(await self._encode(text))
+        return ids
 
     async def _encode(self, text: str) -> array[int]:
         if not self.segments.exact:
@@ -233,7 +242,9 @@ class TokenizationService:
         try:
             if kind in CHAT_KINDS:
                 messages = chat_messages(kind, req, merge_inline_system=local.tokenizer.system_first)
-                return await local.chat(messages, req, chat_tools(kind, req)) if messages else None
+                if not messages:
+                    return None
+                return await local.chat(messages, req, chat_tools(kind, req), self._special_prefix(local, kind))
             prompt = first_prompt(req.prompt)
             if isinstance(prompt, str):
                 return Tokens(await local.prompt(prompt))
@@ -255,6 +266,8 @@ class TokenizationService:
                 return None
             body: dict[str, Any] = {"model": model, "messages": messages,
                                     "add_generation_prompt": req.add_generation_prompt is not False}
+            if kind == "responses":
+                body["add_special_tokens"] = responses.SPECIAL_TOKENS
             if (tools := chat_tools(kind, req)) is not None:
                 body["tools"] = tools
             for key in ("chat_template_kwargs", "continue_final_message"):
@@ -279,6 +292,16 @@ class TokenizationService:
         if not isinstance(tokens, list):
             raise _NotTokenizable("remote_error")
         return tokens
+
+    @staticmethod
+    def _special_prefix(local: LocalTokenizer, kind: str) -> tuple[int, ...]:
+        """What vLLM puts before the rendered prompt: the tokenizer's special tokens, for Responses only."""
+        if kind != "responses":
+            return ()
+        prefix = local.tokenizer.special_prefix
+        if prefix is None:  # it adds tokens after the text too: not exactly reproducible from the template
+            raise NotRenderable("the tokenizer adds special tokens after a Responses prompt")
+        return prefix
 
     @staticmethod
     def _remote_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:

@@ -34,7 +34,7 @@ STAGE_HEADERS = ("x-stage-id", "x-orla-stage")
 class Signal:
     """Where a session id may come from, and who sends it."""
 
-    where: Literal["header", "prompt_cache_key", "metadata.user_id", "user"]
+    where: Literal["header", "conversation", "prompt_cache_key", "metadata.user_id", "user"]
     name: str
     sender: str
 
@@ -48,6 +48,8 @@ SESSION_SIGNALS: tuple[Signal, ...] = (
     Signal("header", "conversation_id", "Codex (Responses API)"),
     Signal("header", "session-id", "generic"),
     Signal("header", "thread-id", "generic"),
+    Signal("conversation", "conversation", "OpenAI Responses API (its conversation, or the one a "
+           "previous_response_id continues)"),
     Signal("prompt_cache_key", "prompt_cache_key", "OpenAI API, Codex"),
     Signal("metadata.user_id", "metadata.user_id", "Anthropic API (Claude Code puts its session in it)"),
     Signal("user", "user", "OpenAI API (an end user: their conversations share one context)"),
@@ -73,6 +75,13 @@ def _first(headers: CIMultiDictProxy[str], names: Sequence[str]) -> str | None:
     return None
 
 
+def _conversation(value: object) -> str | None:
+    """The Responses API's ``conversation``: an id, or an object with one."""
+    if isinstance(value, dict):
+        value = value.get("id")
+    return value if isinstance(value, str) and value else None
+
+
 class ContextSignals:
     """Reads a request's workflow and session: the built-in signals, then ``extra_headers`` (config
     ``workflow.session_headers``) for the tools the table does not know."""
@@ -88,7 +97,7 @@ class ContextSignals:
     def session_id(self, headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
         """The session, exactly as sent; a sub-agent's is its own (``<session>/agent:<agent>``)."""
         meta = body.metadata
-        session = (_first(headers, self._session_headers) or body.prompt_cache_key
+        session = (_first(headers, self._session_headers) or _conversation(body.conversation) or body.prompt_cache_key
                    or (meta.user_id if meta else None) or body.user)
         if session and (agent := _first(headers, AGENT_HEADERS)):
             return f"{session}/agent:{agent}"

@@ -120,16 +120,25 @@ async def test_backend_500_is_502_with_its_message(start_backend, start_gateway,
         assert "HTTP 500" in error["message"] and "CUDA out of memory" in error["message"]
 
 
-async def test_backend_4xx_is_relayed_as_is(start_backend, start_gateway, http):
-    body = {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}}
+async def test_a_pods_4xx_keeps_its_status_and_text_in_the_routes_shape(start_backend, start_gateway, http):
+    """vLLM's own error shape (a Python class as the type, an integer code) becomes OpenAI's, or Anthropic's on
+    its route; the pod's status and text are kept, and its param."""
+    body = {"error": {"message": "too long", "type": "BadRequestError", "param": "messages", "code": 400}}
 
     async def refuses(request: web.Request) -> web.Response:
         return web.json_response(body, status=400)
 
-    gw = await start_gateway([await start_backend(backend(refuses))])
+    app = backend(refuses)
+    app.router.add_post("/v1/messages", refuses)
+    gw = await start_gateway([await start_backend(app)])
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+        assert resp.status == 400 and resp.headers["x-gateway-pod"]
+        assert await resp.json() == {"error": {"message": "too long", "type": "invalid_request_error", "code": None,
+                                               "param": "messages"}}
+    messages = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"{gw.url}/v1/messages", json=messages) as resp:
         assert resp.status == 400
-        assert await resp.json() == body
+        assert await resp.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "too long"}}
 
 
 async def test_backend_timeout_is_504(start_backend, start_gateway, http):
@@ -147,24 +156,26 @@ async def test_gateway_api_keys(start_backend, start_gateway, http):
     seen_auth = []
 
     async def record(request: web.Request) -> web.Response:
-        seen_auth.append(request.headers.get("authorization"))
+        seen_auth.append((request.headers.get("authorization"), request.headers.get("x-api-key")))
         return web.json_response({"ok": True})
 
     gw = await start_gateway(
         [await start_backend(backend(record))],
         auth={"api_key_hashes": [hash_api_key("sk-good")], "upstream": "replace", "upstream_api_key": "pod-key"},
     )
-    for headers in ({}, {"authorization": "Bearer sk-bad"}, {"authorization": "Basic sk-good"}):
+    for headers in ({}, {"authorization": "Bearer sk-bad"}, {"authorization": "Basic sk-good"},
+                    {"x-api-key": "sk-bad"}, {"x-api-key": ""}):
         async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"), headers=headers) as resp:
             assert resp.status == 401
             assert_openai_error(await resp.json(), "invalid_api_key")
         async with http.get(f"{gw.url}/v1/models", headers=headers) as resp:
             assert resp.status == 401
-    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
-                         headers={"authorization": "Bearer sk-good"}) as resp:
-        assert resp.status == 200
+    # The key as the OpenAI SDK sends it (Bearer) and as the Anthropic SDK and Claude Code send it (x-api-key).
+    for headers in ({"authorization": "Bearer sk-good"}, {"x-api-key": "sk-good"}):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"), headers=headers) as resp:
+            assert resp.status == 200
     # The pod got the configured upstream key, never the client's gateway key.
-    assert seen_auth == ["Bearer pod-key"]
+    assert seen_auth == [("Bearer pod-key", None)] * 2
 
 
 async def test_authorization_passthrough_by_default(start_backend, start_gateway, http):
@@ -177,18 +188,28 @@ async def test_authorization_passthrough_by_default(start_backend, start_gateway
     gw = await start_gateway([await start_backend(backend(record))])
     await http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
                     headers={"authorization": "Bearer client-token"})
-    assert seen_auth == ["Bearer client-token"]
+    await http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"), headers={"x-api-key": "client-key"})
+    assert seen_auth == ["Bearer client-token", None]
 
 
 async def test_non_json_upstream_errors_get_the_openai_shape(start_backend, start_gateway, http):
     async def plain(request: web.Request) -> web.Response:
-        return web.Response(status=404, text="404: Not Found")
+        return web.Response(status=409, text="busy elsewhere")
 
     gw = await start_gateway([await start_backend(backend(plain))])
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
-        assert resp.status == 404
-        error = assert_openai_error(await resp.json(), "upstream_404")
-        assert "404: Not Found" in error["message"]
+        assert resp.status == 409
+        assert assert_openai_error(await resp.json())["message"] == "busy elsewhere"
+
+
+async def test_an_endpoint_the_pods_do_not_serve_says_so(start_backend, start_gateway, http):
+    """A pod answering 404 for the path itself (FastAPI's {"detail": "Not Found"}, aiohttp's text) is an
+    endpoint the fleet does not implement (501), not a routing fault."""
+    gw = await start_gateway([await start_backend(backend(ok))])
+    async with http.post(f"{gw.url}/v1/responses", json={"model": "m", "input": "hi"}) as resp:
+        assert resp.status == 501
+        error = assert_openai_error(await resp.json(), "unsupported_endpoint")
+        assert error["message"] == "The pods serving this model do not implement /v1/responses (they answered 404)."
 
 
 async def test_out_of_range_token_ids_are_a_clean_400(start_mock_pod, start_gateway, http):
@@ -197,7 +218,8 @@ async def test_out_of_range_token_ids_are_a_clean_400(start_mock_pod, start_gate
     for prompt in ([-1, 5], [2**40], [[3, -2]]):
         async with http.post(f"{gw.url}/v1/completions", json={"model": "mock-llama", "prompt": prompt}) as resp:
             assert resp.status == 400
-            assert "Token ids" in (await resp.json())["error"]["message"]
+            error = (await resp.json())["error"]
+            assert ("Token ids" in error["message"]) if prompt == [2**40] else error["param"] == "prompt"
     async with http.post(f"{gw.url}/v1/completions", json={"model": "mock-llama", "prompt": [1, 2, 3]}) as resp:
         assert resp.status == 200  # the engine loop survived
 

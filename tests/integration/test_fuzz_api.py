@@ -1,6 +1,8 @@
 """Fuzzing the HTTP API of a real gateway process (kv_aware, admission and workflows on) in front of a
-simulated pod: whatever the body, its encoding and the headers, on either API, never a 5xx from the gateway
-and never a traceback; every error is in the route's own shape (OpenAI's, or Anthropic's on /v1/messages)."""
+simulated pod: whatever the body, its encoding and the headers, on any API, never a 5xx (the gateway's or a
+pod's) and never a traceback; every error is in the route's own shape (OpenAI's standard types and string
+codes, or Anthropic's on /v1/messages), never the pod's; a refused JSON body names the field or header at
+fault. The four generating routes (chat, completions, responses, messages) get well over 500 bodies."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ bodies = st.fixed_dictionaries({"model": models}, optional={
     "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 2**33), min_size=1, max_size=6),
                         st.lists(st.lists(st.integers(-5, 9), max_size=3), max_size=2), json_values),
     "max_tokens": st.one_of(st.integers(-3, 8), json_scalars),
+    "n": st.one_of(st.integers(-2, 200), json_scalars),
+    "temperature": st.one_of(st.floats(-1, 3), json_scalars),
     "stream": st.one_of(st.booleans(), json_scalars),
     "stream_options": json_values,
     "tools": json_values,
@@ -45,11 +49,14 @@ bodies = st.fixed_dictionaries({"model": models}, optional={
     "user": json_values,
     "input": json_values,
 })
-header_values = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=12)
+header_values = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=12),
+                          st.integers(-(10**25), 10**25).map(str), st.sampled_from(["true", "false", "maybe", ""]),
+                          st.text(alphabet="ab", min_size=300, max_size=600))
 headers = st.dictionaries(st.sampled_from([
     "x-workflow-id", "x-stage-id", "x-stage-cache-policy", "x-stage-preserve-threshold", "x-workflow-complete",
     "x-session-id", "x-routing-strategy", "x-slo-ttft-ms", "x-slo-e2e-ms", "x-priority", "x-request-id",
-    "authorization"]), header_values, max_size=5)
+    "x-gateway-inference-fairness-id", "x-gateway-inference-objective", "x-claude-code-session-id",
+    "x-claude-code-agent-id", "session-id", "authorization", "x-api-key"]), header_values, max_size=5)
 paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"])
 anthropic_paths = st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"])
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -71,6 +78,27 @@ anthropic_bodies = st.fixed_dictionaries({"model": models}, optional={
     "thinking": json_values, "tools": json_values, "tool_choice": json_values, "metadata": json_values,
     "stream": st.one_of(st.booleans(), json_scalars), "output_config": json_values,
 })
+# Responses input items: messages, tool calls and their outputs, reasoning, and anything else.
+items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", ""]),
+                           "content": st.one_of(st.text(max_size=30), blocks, json_values)},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning",
+                                                    "custom_tool_call", "web_search_call", "x"])},
+                          optional={"call_id": json_values, "name": json_values, "arguments": json_values,
+                                    "output": json_values, "summary": json_values, "content": json_values}),
+    json_values), max_size=4)
+responses_bodies = st.fixed_dictionaries({"model": models}, optional={
+    "input": st.one_of(st.text(max_size=40), items, json_values),
+    "instructions": st.one_of(st.text(max_size=20), json_values),
+    "previous_response_id": st.one_of(st.text(max_size=12), json_scalars),
+    "store": st.one_of(st.booleans(), json_scalars), "background": st.one_of(st.booleans(), json_scalars),
+    "max_output_tokens": st.one_of(st.integers(-3, 8), json_scalars), "stream": st.one_of(st.booleans(), json_scalars),
+    "tools": json_values, "tool_choice": json_values, "temperature": st.one_of(st.floats(-1, 3), json_scalars),
+    "top_p": st.one_of(st.floats(-1, 2), json_scalars), "reasoning": json_values, "include": json_values,
+})
+OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "rate_limit_error",
+                "server_error", "service_unavailable", "upstream_error"}
 ENCODERS = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress, "identity": lambda b: b}
 
 
@@ -93,16 +121,28 @@ def post(url: str, path: str, body: bytes, hdrs: dict[str, str]) -> tuple[int, b
         return err.code, err.read(), err.headers.get("content-type", ""), "x-gateway-pod" in err.headers
 
 
-def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "/v1/chat/completions") -> None:
-    """No 5xx of the gateway's own (a pod's, relayed, is the pod's), and an error in the route's shape."""
-    assert status < 500 or from_pod, payload[:500]
+def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "/v1/chat/completions",
+          names_field: bool = False) -> None:
+    """No 5xx (the gateway's or a pod's), and an error in the route's shape, whoever decided it; with
+    ``names_field`` (a JSON body was sent), a refusal names the field or header at fault."""
+    assert status < 500, payload[:500]
     assert b"Traceback" not in payload
-    if status >= 400:
-        assert ctype.startswith("application/json"), (status, payload[:200])
-        body = json.loads(payload)
-        assert body["error"]["message"]
-        if path in ANTHROPIC_PATHS and not from_pod:
-            assert body["type"] == "error" and body["error"]["type"], body
+    if status < 400:
+        return
+    assert ctype.startswith("application/json"), (status, payload[:200])
+    body = json.loads(payload)
+    if path in ANTHROPIC_PATHS:
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        field = body["error"]["message"].partition(":")[0]
+    else:
+        error = body["error"]
+        assert set(body) == {"error"} and set(error) == {"message", "type", "code", "param"}, body
+        assert error["message"] and error["type"] in OPENAI_TYPES, body  # not a pod's "BadRequestError"
+        assert error["code"] is None or isinstance(error["code"], str), body  # not a pod's integer code
+        field = error["param"]
+    if names_field and status in (400, 404, 422):
+        assert field and " " not in field, body
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -110,8 +150,30 @@ def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "
 @given(path=paths, body=bodies, hdrs=headers)
 def test_structured_bodies_and_headers(gateway_url, path, body, hdrs):
     url, proc = gateway_url
-    check(*post(url, path, json.dumps(body).encode(), hdrs))
+    check(*post(url, path, json.dumps(body).encode(), hdrs), names_field=True)
     assert proc.poll() is None
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(body=responses_bodies, hdrs=headers, continued=st.booleans())
+@example(body={"model": "mock-llama", "input": [{"type": "function_call_output", "output": 5}]}, hdrs={},
+         continued=True)
+def test_responses_bodies_and_headers(gateway_url, body, hdrs, continued):
+    """The Responses API: input items of every kind, stored or not, continuing a stored response or an
+    unknown one."""
+    url, proc = gateway_url
+    if continued and isinstance(body.get("previous_response_id"), str):
+        body = {**body, "previous_response_id": stored_response(url)}
+    check(*post(url, "/v1/responses", json.dumps(body).encode(), hdrs), "/v1/responses", names_field=True)
+    assert proc.poll() is None
+
+
+def stored_response(url: str) -> str:
+    status, payload, _, _ = post(url, "/v1/responses", json.dumps({"model": "mock-llama", "input": "Hi",
+                                                                   "max_output_tokens": 2}).encode(), {})
+    assert status == 200, payload
+    return json.loads(payload)["id"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -125,7 +187,8 @@ def test_structured_bodies_and_headers(gateway_url, path, body, hdrs):
                                                            "messages": [{"role": "user", "content": [5]}]})
 def test_anthropic_bodies_and_headers(gateway_url, path, body, hdrs):
     url, proc = gateway_url
-    check(*post(url, path, json.dumps(body).encode(), {**hdrs, "anthropic-version": "2023-06-01"}), path)
+    check(*post(url, path, json.dumps(body).encode(), {**hdrs, "anthropic-version": "2023-06-01"}), path,
+          names_field=True)
     assert proc.poll() is None
 
 

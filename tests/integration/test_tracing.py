@@ -39,7 +39,7 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = load_config(overrides={
         "pods": [{"url": pod_url, "name": "pod0"}], "tracing": {"enabled": True},
-        "routing": {"policy": "kv_aware"}, "admission": {"enabled": True},
+        "routing": {"policy": "kv_aware"}, "admission": {"enabled": True}, "server": {"max_body_bytes": 65536},
         "tokenization": {"models": {"m": {"path": str(MOCK_TOKENIZER_DIR)}}}}, environ={})
     runner = await serve_app(build_app(config, tracer_provider=provider))
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
@@ -48,9 +48,17 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
         headers = {"traceparent": TRACEPARENT, "x-gateway-inference-fairness-id": "team-t", "x-priority": "3"}
         async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             assert resp.status == 200
+        refused = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/chat/completions"]
+        # Refused ones have spans too, with the status they got: a bad header, a body too large.
+        async with http.post(f"{url}/v1/chat/completions", json=body, headers={"x-priority": "1e30"}) as resp:
+            assert resp.status == 400
+        async with http.post(f"{url}/v1/chat/completions", data=b"x" * 100_000) as resp:
+            assert resp.status == 413
+        refused = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/chat/completions"][len(refused):]
+        assert [s.attributes["http.response.status_code"] for s in refused] == [400, 413]
     finally:
         await runner.cleanup()
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    spans = {s.name: s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == CLIENT_TRACE}
     # A step gets a span when it waits: tokenizing did; flow control, on an idle pod, did not.
     assert set(spans) == {"POST /v1/chat/completions", "PromptTokenization", "route", "upstream"}
     root, upstream = spans["POST /v1/chat/completions"], spans["upstream"]

@@ -16,8 +16,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin lookup",
      ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs",
       "gateway.http_client", "gateway.metrics", "gateway.plugin_registry")),
-    ("state: pods, load, what each pod caches, tokens",
-     ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization")),
+    ("state: pods, load, what each pod caches, tokens, the Responses API's stored responses",
+     ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization", "gateway.responses")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
      "decide", ("gateway.auth", "gateway.admission", "gateway.flow", "gateway.routing", "gateway.workflow",
                 "gateway.pressure", "gateway.models", "gateway.limits", "plugins")),

@@ -80,7 +80,7 @@ def test_sticky_keys_workflow_conversation_response_and_a_chats_opening():
     seen = {route(r, chat(), {"x-workflow-id": "wf"}).sticky,
             route(r, chat(conversation="c1"), kind="responses").sticky,
             route(r, chat(conversation={"id": "c2"}), kind="responses").sticky}
-    assert seen == {"workflow:wf", "conversation:c1", "conversation:c2"}
+    assert seen == {"workflow:wf", "session:c1", "session:c2"}  # a Responses conversation is a session
     # An anonymous chat is known by its opening: every turn re-sends it.
     opening = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "First question"}]
     turn1 = route(r, {"model": "chat", "messages": opening})

@@ -56,8 +56,9 @@ from gateway.request.placement import (
     RoomForNewContexts,
     RoutedPrefix,
 )
-from gateway.request.steps import LoadEstimation, PromptTokenization, RequestValidation, WorkflowPlanning
+from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
+from gateway.request.validation import RequestValidation
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
@@ -119,7 +120,7 @@ def completed(request: ClientRequest, status: int = 200, outcome: RelayOutcome |
     return CompletedRequest(request, status, time.monotonic(), 1 if last else 0, routing, admitted, last, outcome)
 
 
-# prepare: RequestValidation
+# resolve: RequestValidation
 
 
 @pytest.mark.parametrize(("body", "kind", "key", "error"), [
@@ -137,10 +138,10 @@ def test_validation_refuses_what_no_pod_should_see(body, kind, key, error):
     step = RequestValidation(pods(), auth, ServerConfig(max_messages=3))
     request = client_request(body, kind, key=auth.check({"authorization": f"Bearer {key}"}) if key else None)
     if error is None:
-        assert step.prepare(request, policy(), routing_of(request)) is None
+        assert step.resolve(request) is None
     else:
         with pytest.raises(GatewayError) as info:
-            step.prepare(request, policy(), routing_of(request))
+            step.resolve(request)
         assert info.value.code == error
 
 

@@ -1,0 +1,148 @@
+"""The Responses API's routes on stored responses: ``GET``/``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``, ``GET /v1/responses/{id}/input_items``.
+
+With ``responses.store: gateway`` the gateway answers them from its store
+(:class:`~gateway.request.responses.ResponsesState`): the response as the pod answered it; its deletion;
+a cancel refused as vLLM refuses one of a finished response; the input the model saw, as a page of items.
+With ``responses.store: pods`` a GET or a cancel goes to the pod that answered, and what vLLM does not
+serve (deleting, listing input items) is a 501 that says so. Each is behind the same API keys as the
+generating routes, and a key reads only the responses it created.
+
+``/internal/responses/{id}`` (``GET``, ``DELETE``) is how the workers of one gateway without Redis reach
+each other's stored responses (:mod:`gateway.cluster.sibling_responses`): answered only on a worker's
+private Unix socket.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.cluster.sibling_responses import INTERNAL_PATH
+from gateway.components import Gateway
+from gateway.core.errors import bad_request, not_implemented, upstream_failed
+from gateway.proxy.pod_errors import translated
+from gateway.request.responses import response_not_found
+from gateway.responses.store import StoredResponse, encode
+
+PATH = "/v1/responses/{response_id}"
+MAX_PAGE = 100
+
+
+def add_response_routes(app: web.Application, gateway: Gateway) -> None:
+    r = app.router
+    r.add_get(PATH, partial(_retrieve, gateway))
+    r.add_delete(PATH, partial(_delete, gateway))
+    r.add_post(PATH + "/cancel", partial(_cancel, gateway))
+    r.add_get(PATH + "/input_items", partial(_input_items, gateway))
+    r.add_get(INTERNAL_PATH, partial(_internal, gateway))
+    r.add_delete(INTERNAL_PATH, partial(_internal, gateway))
+
+
+async def _stored(gateway: Gateway, request: web.Request) -> StoredResponse:
+    key = gateway.auth.check(request.headers)
+    return await gateway.responses.find(request.match_info["response_id"], key)
+
+
+def _pods_keep(gateway: Gateway) -> bool:
+    return gateway.config.responses.store == "pods"
+
+
+async def _retrieve(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    stored = await _stored(gateway, request)
+    if _pods_keep(gateway):
+        return await _on_pod(gateway, stored, request)
+    if request.query.get("stream", "false").lower() == "true":
+        raise not_implemented("stream: a stored response is retrieved whole here (background responses, which "
+                              "stream, need a pod's own store).", param="stream")
+    return web.Response(body=stored.response, content_type="application/json")
+
+
+async def _cancel(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    stored = await _stored(gateway, request)
+    if _pods_keep(gateway):
+        return await _on_pod(gateway, stored, request)
+    raise bad_request("Cannot cancel a synchronous response.", param="response_id")
+
+
+async def _delete(gateway: Gateway, request: web.Request) -> web.Response:
+    stored = await _stored(gateway, request)
+    if _pods_keep(gateway):
+        raise not_implemented("The pods keep the responses (responses.store: pods) and do not delete them.")
+    if not await gateway.responses.store.delete(stored.id):
+        raise response_not_found(stored.id, "response_id")
+    return web.json_response({"id": stored.id, "object": "response", "deleted": True})
+
+
+async def _input_items(gateway: Gateway, request: web.Request) -> web.Response:
+    stored = await _stored(gateway, request)
+    if _pods_keep(gateway):
+        raise not_implemented("The pods keep the responses (responses.store: pods) and do not list their input.")
+    query = request.query
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request(f"limit: must be an integer from 1 to {MAX_PAGE}.", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order: must be asc or desc.", param="order")
+    items = [_listed(item, f"{stored.id}_input_{i}") for i, item in enumerate(orjson.loads(stored.input))]
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if (after := query.get("after")) is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), len(items))
+    page = items[start:start + limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None,
+                              "has_more": start + limit < len(items)}, dumps=_dumps)
+
+
+def _listed(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id, and a message's type (the client may have left them out)."""
+    if "id" in item and "type" in item:
+        return item
+    return {"id": item.get("id", item_id), "type": item.get("type", "message"), **item}
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+async def _on_pod(gateway: Gateway, stored: StoredResponse, request: web.Request) -> web.StreamResponse:
+    """The request sent on to the pod that keeps the response, and its answer (errors in OpenAI's shape)."""
+    pod = gateway.pods.get(stored.pod)
+    if pod is None:
+        raise response_not_found(stored.id, "response_id")
+    headers = gateway.proxy.upstream_headers(request.headers, request.headers.get("x-request-id") or stored.id)
+    try:
+        async with gateway.http.session.request(request.method, pod.url + request.path_qs, headers=headers,
+                                                timeout=aiohttp.ClientTimeout(total=30)) as upstream:
+            data = await upstream.read()
+            status = upstream.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise upstream_failed(f"Pod {pod.name}, which keeps response {stored.id}, did not answer: {exc}") from None
+    if status >= 400:
+        return translated(status, data, request.path).to_response()
+    return web.Response(status=status, body=data, content_type="application/json",
+                        headers={"x-gateway-pod": pod.name})
+
+
+async def _internal(gateway: Gateway, request: web.Request) -> web.Response:
+    """A sibling worker asking for (or deleting) a response this worker holds; only on the private socket."""
+    own = gateway.own_responses
+    if own is None or request.transport is None or not isinstance(request.transport.get_extra_info("sockname"), str):
+        raise web.HTTPNotFound()
+    response_id = request.match_info["response_id"]
+    if request.method == "DELETE":
+        return web.Response(status=200 if own.drop(response_id) else 404)
+    stored = own.find(response_id)
+    if stored is None:
+        return web.Response(status=404)
+    return web.Response(body=encode(stored), content_type="application/msgpack")

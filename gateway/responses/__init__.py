@@ -1,0 +1,1 @@
+"""The Responses API's state: the stored responses (:mod:`gateway.responses.store`)."""
