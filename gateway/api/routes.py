@@ -17,16 +17,11 @@ from gateway.auth import ApiKey
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.core.errors import GatewayError
+from gateway.core.requests import PATHS, RequestKind
 from gateway.request.director import RequestDirector
 
-# Path → request kind; responses are routed like chat.
-PROXIED_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/embeddings": "embeddings",
-    "/v1/messages": "messages",  # Anthropic's Messages API
-}
+# The generating routes, each a request kind served by the director (count_tokens has its own).
+PROXIED_ROUTES = {path: kind for kind, path in PATHS.items() if kind != RequestKind.COUNT_TOKENS}
 
 
 def add_routes(app: web.Application) -> None:
@@ -34,7 +29,7 @@ def add_routes(app: web.Application) -> None:
     gateway = app[GATEWAY_KEY]
     for path, kind in PROXIED_ROUTES.items():
         app.router.add_post(path, partial(_proxied, gateway, kind))
-    app.router.add_post("/v1/messages/count_tokens", partial(_counted, gateway))
+    app.router.add_post(PATHS[RequestKind.COUNT_TOKENS], partial(_counted, gateway))
     add_response_routes(app, gateway)
     app.router.add_get("/v1/models", partial(_models, gateway))
     app.router.add_get("/healthz", _healthz)
@@ -67,15 +62,15 @@ def _check_admin(gateway: Gateway, request: web.Request) -> None:
     gateway.auth.check_admin(request.headers)
 
 
-async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
+async def _proxied(gateway: Gateway, kind: RequestKind, request: web.Request) -> web.StreamResponse:
     return await _directed(gateway, gateway.director, kind, request)
 
 
 async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    return await _directed(gateway, gateway.counting, "count_tokens", request)
+    return await _directed(gateway, gateway.counting, RequestKind.COUNT_TOKENS, request)
 
 
-async def _directed(gateway: Gateway, director: RequestDirector, kind: str, request: web.Request
+async def _directed(gateway: Gateway, director: RequestDirector, kind: RequestKind, request: web.Request
                     ) -> web.StreamResponse:
     edge = HttpEdge(request, gateway.proxy, gateway.config.server.body_timeout_s)
     try:

@@ -13,12 +13,12 @@ import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2
 
-from gateway.api.middleware import ANTHROPIC_PATHS
 from gateway.api.routes import PROXIED_ROUTES, model_cards
 from gateway.auth import ApiKey
 from gateway.components import Gateway
 from gateway.config import EppConfig
 from gateway.core.errors import ErrorKind, GatewayError, internal_error
+from gateway.core.requests import ANTHROPIC_PATHS, PATHS, RequestKind
 from gateway.epp.access_log import AccessLogs
 from gateway.epp.edge import EnvoyEdge
 
@@ -56,7 +56,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 serving.cancel()
             raise
 
-    def _key(self, edge: EnvoyEdge, kind: str | None) -> ApiKey | None:
+    def _key(self, edge: EnvoyEdge, kind: RequestKind | None) -> ApiKey | None:
         """Who is asking; a generating request refused for its key is recorded as any other."""
         try:
             return self._gateway.auth.check(edge.headers)
@@ -73,8 +73,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             key = self._key(edge, PROXIED_ROUTES.get(path))
             if (kind := PROXIED_ROUTES.get(path)) is not None:
                 await gateway.director.handle(edge, kind, key)
-            elif path == "/v1/messages/count_tokens":
-                await gateway.counting.handle(edge, "count_tokens", key)
+            elif path == PATHS[RequestKind.COUNT_TOKENS]:
+                await gateway.counting.handle(edge, RequestKind.COUNT_TOKENS, key)
             elif path == "/v1/models" and edge.method == "GET":
                 await edge.answer(200, msgspec.json.encode({"object": "list", "data": model_cards(gateway, key)}))
             else:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.core.requests import RequestKind
 from gateway.load.ledger import InFlightLedger
 from gateway.load.profiles import ProfileStore
 
@@ -91,10 +92,10 @@ class PendingLoad:
         per_request = own / in_flight if in_flight else 1.0 / self.default_capacity
         return max(own, stats.running * per_request)
 
-    def fits(self, pod: str, estimate: Estimate, kind: str) -> bool:
+    def fits(self, pod: str, estimate: Estimate, kind: RequestKind) -> bool:
         if self._blocked(pod):
             return False
-        if kind == "embeddings" and (self.ledger.embedding_consumption(pod) + estimate.consumption
+        if kind == RequestKind.EMBEDDINGS and (self.ledger.embedding_consumption(pod) + estimate.consumption
                                      > self.embedding_share):
             return False
         return self.load(pod) + estimate.consumption <= 1.0

@@ -34,6 +34,7 @@ from gateway.auth import ApiKey
 from gateway.backends.registry import PodRegistry
 from gateway.config import ResponsesConfig
 from gateway.core.errors import ErrorKind, GatewayError, not_implemented
+from gateway.core.requests import RequestKind
 from gateway.request.types import ClientRequest
 from gateway.responses.store import ResponsesMetrics, ResponseStore, StoredResponse, StoreUnavailable
 
@@ -83,7 +84,7 @@ class ResponsesState:
         self._metrics = metrics
 
     def resolve(self, request: ClientRequest) -> ClientRequest | Awaitable[ClientRequest] | None:
-        if request.kind != "responses":
+        if request.kind != RequestKind.RESPONSES:
             return None
         parsed = request.parsed
         if self._pods_keep:

@@ -30,7 +30,7 @@ from gateway.config import (
     hash_api_key,
 )
 from gateway.core.errors import ErrorKind, GatewayError, upstream_failed
-from gateway.core.requests import parse_inference_request
+from gateway.core.requests import RequestKind, parse_inference_request
 from gateway.core.usage import PromptTokensDetails, Usage
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
@@ -84,7 +84,7 @@ def pods(n: int = 2) -> PodRegistry:
 def client_request(body: dict[str, Any] | bytes, kind: str = "chat", headers: dict[str, str] | None = None,
                    key: Any = None) -> ClientRequest:
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    return ClientRequest("req-1", kind, time.monotonic(), raw, parse_inference_request(raw), key,
+    return ClientRequest("req-1", RequestKind(kind), time.monotonic(), raw, parse_inference_request(raw), key,
                          CIMultiDict(headers or {}), "POST", "/v1/chat/completions")
 
 
@@ -487,7 +487,7 @@ async def test_the_director_runs_the_stages_in_order_and_retries_before_the_firs
     broken_stream = RelayOutcome(502, Ending.UPSTREAM_BROKE, time.monotonic(), streamed_events=3)
     the_director, log, recorder = director([RetryableFailure(upstream_failed("refused"), "connect"), broken_stream])
     edge = HttpEdge(http_request(chat()), the_director._proxy)  # type: ignore[arg-type]
-    await the_director.handle(edge, "chat", None)
+    await the_director.handle(edge, RequestKind.CHAT, None)
     assert edge.response is not None and edge.response.status == 200  # what the client saw first ...
     assert log == [
         "prepare", "admit", "plan",
@@ -501,13 +501,14 @@ async def test_the_director_runs_the_stages_in_order_and_retries_before_the_firs
 async def test_the_director_records_a_refusal_before_routing_and_after_every_pod_failed():
     refusing, log, recorder = director([])
     with pytest.raises(GatewayError) as info:
-        await refusing.handle(HttpEdge(http_request({"model": MODEL, "max_tokens": -1}), refusing._proxy), "chat", None)
+        await refusing.handle(HttpEdge(http_request({"model": MODEL, "max_tokens": -1}), refusing._proxy),
+                              RequestKind.CHAT, None)
     assert info.value.kind is ErrorKind.INVALID_REQUEST and log == ["complete 400 attempts=0"]
     assert recorder.done.routing is None and recorder.done.model == "-"  # a body not understood names nothing
     failing, log, recorder = director([RetryableFailure(upstream_failed(f"pod {i} refused"), "connect")
                                        for i in range(3)])
     with pytest.raises(GatewayError) as info:
-        await failing.handle(HttpEdge(http_request(chat()), failing._proxy), "chat", None)
+        await failing.handle(HttpEdge(http_request(chat()), failing._proxy), RequestKind.CHAT, None)
     assert info.value.kind is ErrorKind.UPSTREAM_FAILED and "pod 1" in info.value.message  # the last pod's cause
     assert log[-1] == "complete 502 attempts=2" and log.count("finish p0 502 failed") == 1
     assert NoPlanner().plan(recorder.done.request, ROUND_ROBIN, routing_of(recorder.done.request)) is NO_PLAN
