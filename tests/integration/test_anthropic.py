@@ -12,7 +12,7 @@ import pytest
 
 from gateway.core.requests import InferenceRequest
 from gateway.tokenization import anthropic as conversion
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from tests.integration.test_kv_routing import MODEL, fleet, synced, system_prompt
 from tests.integration.test_verification import metric
 
@@ -93,7 +93,7 @@ def test_conversion_matches_vllms_for_tools_results_and_inline_system():
     with pytest.raises(conversion.NotRenderable):
         conversion.chat_messages(InferenceRequest(messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]), False)
-    assert HfTokenizer(MOCK_TOKENIZER_DIR).system_first is False  # the mock template takes inline system
+    assert HfTokenizer(BUNDLED_TOKENIZER_DIR).system_first is False  # the mock template takes inline system
 
 
 async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_mock_pod, start_gateway, tokenizer):

@@ -14,7 +14,7 @@ import pytest
 from gateway.cluster.identity import WorkerIdentity
 from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import eventually
 
 MODEL = "mock-llama"
@@ -37,7 +37,7 @@ async def pods_for(start_mock_pod, n: int = 4) -> list[dict]:
 async def start_group(start_gateway, pods: list[dict], identities: list[WorkerIdentity | None], policy: str,
                       **shared_state):
     return [await start_gateway(pods, identity=identity, routing={"policy": policy},
-                                tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                                tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                                 shared_state={**FAST_BUS, **shared_state})
             for identity in identities]
 

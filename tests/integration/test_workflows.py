@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from gateway.load.pending import EngineStats
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_kv_subscriber import eventually
 
 MODEL = "mock-llama"
@@ -19,7 +19,7 @@ CONTEXT = "You are an agent planning a data migration. " * 40
 async def fleet(start_mock_pod, start_gateway, n=4, flavor="vllm", **gateway_kw):
     pods = [await start_mock_pod(flavor=flavor, num_blocks=400) for _ in range(n)]
     gateway_kw.setdefault("routing", {"policy": "kv_aware"})
-    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
     gateway_kw.setdefault("workflow", {"flush_retry_base_s": 0.05, "hard_flush": True})
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(pods)],
                              **gateway_kw)

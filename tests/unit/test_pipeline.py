@@ -61,7 +61,7 @@ from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedReq
 from gateway.request.validation import RequestValidation
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals
@@ -151,7 +151,7 @@ def test_validation_refuses_what_no_pod_should_see(body, kind, key, error):
 @pytest.fixture(scope="module")
 def tokens() -> TokenizationService:
     service = TokenizationService(
-        TokenizationConfig(models={MODEL: ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}),
+        TokenizationConfig(models={MODEL: ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR))}),
         PodRegistry([], HealthConfig()), GatewayMetrics(), HttpClient(), InFlightLedger())
     service.load()
     return service
