@@ -30,7 +30,7 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.cluster.sibling_responses import SiblingResponses
-from gateway.components import GATEWAY_KEY, Gateway
+from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
 from gateway.config import ConfigSource, GatewayConfig, ModelsConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.core.facts import RoomFreed
@@ -254,16 +254,15 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
                                   config.server.config_watch_interval_s,
                                   {"models": reconfigure_models, "limits": limits.reconfigure})
+    front = FrontDoor(auth, director, counting, proxy, pods, rules, responses, workflows, config.server)
     return Gateway(
-        config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps, models=rules, adapters=adapters, limits=limits,
-        usage=usage_tally,
-        auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
-        workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
-        shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
-        pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader,
-        responses=responses, own_responses=own_responses,
+        config=config, front=front, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router,
+        steps=steps, adapters=adapters, limits=limits, usage=usage_tally, policies=policies, kv=kv, tokens=tokens,
+        profiles=profiles, load=load, flow=flow, working_set=working_set, capacity_of=capacity_of, health=health,
+        verifier=verifier, membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
+        keep_warm=keep_warm, shared_load=shared_load,
+        loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
+        pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader, own_responses=own_responses,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
@@ -376,7 +375,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
-        lifecycle(gw.responses.store.start, gw.responses.store.stop),
+        lifecycle(gw.front.responses.store.start, gw.front.responses.store.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
@@ -386,7 +385,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
-    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop),
+    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.front.workflows.start, gw.front.workflows.stop),
             lifecycle(gw.adapters.start, gw.adapters.stop)]
     if gw.keep_warm is not None:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
@@ -413,5 +412,5 @@ def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: Work
 
 async def _drain(gateway: Gateway, app: web.Application) -> None:
     """Shutting down: not ready any more, and nothing new waits for capacity."""
-    gateway.draining = True
+    gateway.front.draining = True
     gateway.flow.drain()

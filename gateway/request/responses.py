@@ -78,7 +78,7 @@ class ResponsesState:
 
     def __init__(self, config: ResponsesConfig, store: ResponseStore, pods: PodRegistry,
                  metrics: ResponsesMetrics) -> None:
-        self._pods_keep = config.store == "pods"
+        self.pods_keep = config.store == "pods"  # the pods keep them (vLLM's store), not the gateway
         self.store = store
         self._pods = pods
         self._metrics = metrics
@@ -87,7 +87,7 @@ class ResponsesState:
         if request.kind != RequestKind.RESPONSES:
             return None
         parsed = request.parsed
-        if self._pods_keep:
+        if self.pods_keep:
             if parsed.previous_response_id is not None:
                 return self._on_keeping_pod(request)
             return dataclasses.replace(request, answer_tap=_Tap(self, owner_of(request.key), None, None))

@@ -103,7 +103,7 @@ async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_m
                                                      extra_headers={"x-workflow-id": "wf-count"})
     expected = tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *messages])
     assert counted.input_tokens == len(expected)
-    assert "wf-count" not in gw.gateway.workflows.tracker.workflows  # counting is not a stage
+    assert "wf-count" not in gw.gateway.front.workflows.tracker.workflows  # counting is not a stage
     with pytest.raises(anthropic.NotFoundError):
         await client(gw).messages.count_tokens(model="nope", messages=messages)
 

@@ -78,7 +78,7 @@ async def test_a_hard_flush_waits_for_a_session_resumable_on_the_pod(start_mock_
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-session-id": "chat-1"}) as resp:
         assert resp.status == 200
     await stage(http, gw, "wf", "s1", history, **{"x-workflow-complete": "true"})
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     started = time.monotonic()
     # The session thinks for 0.3 s: the global reset waits until it lapses, then goes through.
     await eventually(lambda: executor.hard_flushes.get("pod0") == 1, within_s=10)
