@@ -28,7 +28,7 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 
 BS = 16
 

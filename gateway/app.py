@@ -39,12 +39,12 @@ from gateway.flow.controller import FlowController
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import SharedReleaseOrder, SoleRelease
 from gateway.flow.saturation import SaturationDetector
-from gateway.flow.service import ServiceCounters, WorkflowFlows
+from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
-from gateway.kv.service import KvEventService, KvMetricsCollector
+from gateway.kv.subscriptions import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.limits.enforcer import KeyLimits
@@ -64,7 +64,7 @@ from gateway.pressure import PressureContext, PressureMonitor, PressureSource, P
 from gateway.proxy.forward import Proxy
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
-from gateway.request.flow import FlowControl
+from gateway.request.flow_control import FlowControl
 from gateway.request.limits import KeyLimitsStep, UsageAccounting
 from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
@@ -90,12 +90,12 @@ from gateway.request.validation import RequestValidation
 from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
 from gateway.workflow.context import ContextSignals
 from gateway.workflow.keep_warm import KeepWarm
+from gateway.workflow.planning import WorkflowService
 from gateway.workflow.refresh import Refresher
-from gateway.workflow.service import WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 

@@ -29,7 +29,7 @@ from gateway.config_reload import ConfigReloader
 from gateway.fleet import PodMembership
 from gateway.flow.controller import FlowController
 from gateway.http_client import HttpClient
-from gateway.kv.service import KvEventService
+from gateway.kv.subscriptions import KvEventService
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.limits.enforcer import KeyLimits
@@ -51,9 +51,9 @@ from gateway.request.placement import PlacementLosses
 from gateway.request.responses import ResponsesState
 from gateway.responses.store import MemoryResponses
 from gateway.routing.router import Router
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.keep_warm import KeepWarm
-from gateway.workflow.service import WorkflowService
+from gateway.workflow.planning import WorkflowService
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from gateway.app import build_app
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
-from gateway.epp.service import ExtProcService, Readiness
+from gateway.epp.ext_proc import ExtProcService, Readiness
 from gateway.server import SERVER_OPTIONS, on_signals, start_runner
 
 log = logging.getLogger("gateway.epp")

@@ -54,9 +54,9 @@ from gateway.request.types import (
 )
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.routing.router import Router
-from gateway.workflow.service import NO_PLAN, RequestPlan
+from gateway.workflow.planning import NO_PLAN, RequestPlan
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.director")
 
 # What the director knows of a body it could not read or parse: nothing.
 _UNREAD = InferenceRequest()

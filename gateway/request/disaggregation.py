@@ -40,7 +40,7 @@ from gateway.request.types import Attempt, ClientRequest, PrefillLeg, Split
 from gateway.routing.policy import Decision, RoutingRequest
 from gateway.routing.router import Router
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.disaggregation")
 
 # The APIs whose requests are split; the rest of a disaggregated model's generating requests (responses)
 # are served whole by a decode pod.

@@ -29,7 +29,7 @@ from gateway.models.rules import ModelRoute
 from gateway.proxy.outcome import AnswerTap, RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
-from gateway.workflow.service import RequestPlan
+from gateway.workflow.planning import RequestPlan
 
 # A request's headers as the client sent them, looked up case-insensitively (whichever edge received them).
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]

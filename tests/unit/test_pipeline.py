@@ -62,10 +62,10 @@ from gateway.request.validation import RequestValidation
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals
-from gateway.workflow.service import NO_PLAN, WorkflowService
+from gateway.workflow.planning import NO_PLAN, WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
