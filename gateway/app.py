@@ -62,6 +62,14 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure.modes import PressureModes
 from gateway.pressure.monitor import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
+from gateway.request.context_steps import (
+    CacheRecency,
+    ContextPlacement,
+    ContextResolution,
+    PlacementLosses,
+    RoomForNewContexts,
+    RoutedPrefix,
+)
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow_control import FlowControl
@@ -76,14 +84,6 @@ from gateway.request.observers import (
     StepMetrics,
 )
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import (
-    CacheRecency,
-    ContextPlacement,
-    ContextResolution,
-    PlacementLosses,
-    RoomForNewContexts,
-    RoutedPrefix,
-)
 from gateway.request.responses import ResponsesState
 from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.validation import RequestValidation

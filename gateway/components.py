@@ -45,9 +45,9 @@ from gateway.plugin_registry import PluginRegistry
 from gateway.pressure.modes import PressureModes
 from gateway.pressure.monitor import PressureMonitor
 from gateway.proxy.forward import Proxy
+from gateway.request.context_steps import PlacementLosses
 from gateway.request.director import RequestDirector
 from gateway.request.observers import StepMetrics
-from gateway.request.placement import PlacementLosses
 from gateway.request.responses import ResponsesState
 from gateway.responses.store import MemoryResponses
 from gateway.routing.router import Router

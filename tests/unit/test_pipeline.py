@@ -46,16 +46,16 @@ from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure.modes import PressureModes
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
-from gateway.request.director import NoPlanner, RequestDirector
-from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
-from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import (
+from gateway.request.context_steps import (
     ContextPlacement,
     ContextResolution,
     PlacementLosses,
     RoomForNewContexts,
     RoutedPrefix,
 )
+from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
+from gateway.request.pipeline import RequestPipeline
 from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.request.validation import RequestValidation
