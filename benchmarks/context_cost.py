@@ -29,7 +29,7 @@ import msgspec
 
 from gateway.bench.runner import CONTENDERS, BenchRunner, prepare_peers
 from gateway.bench.workloads import WORDS
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 PEERS = ("smg-cache_aware", "vllm-router-cache_aware", "vllm-router-kv_aware")
 TOOL_RESULT_WORDS = 240  # ~300 tokens
@@ -165,7 +165,7 @@ def main() -> int:
     parser.add_argument("--peers", action="store_true", help="also smg and vllm-router")
     parser.add_argument("--contender", action="append", help="instead of the defaults (repeatable)")
     args = parser.parse_args()
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     names = args.contender or ["gateway-kv_aware", *(PEERS if args.peers else ())]
     table = {name: run(name, args.contexts, args.turns, tokenizer, args.warm) for name in names}
     print(f"{'contender':<28}{'context':>9}{'mix':>12}{'CPU ms/req':>12}{'added ms p50':>14}")

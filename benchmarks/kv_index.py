@@ -27,8 +27,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from gateway.tokenization.tokenizers import TokenizationService
 
 BS = 16
 
@@ -101,7 +101,7 @@ async def decisions() -> tuple[float, float]:
         pod.healthy = True
     metrics = GatewayMetrics()
     tokens = TokenizationService(
-        TokenizationConfig(models={"m": ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}, offload_chars=10**9),
+        TokenizationConfig(models={"m": ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR))}, offload_chars=10**9),
         pods, metrics, HttpClient(), InFlightLedger())
     tokens.load()
     index = PrefixIndex(speculative_ttl_s=0)

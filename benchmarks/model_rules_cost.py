@@ -40,7 +40,7 @@ from gateway.bench.workloads import WORDS
 from gateway.config import MockPodsConfig, hash_api_key
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
 MODEL = "mock-llama"
 KEY = "sk-bench"
@@ -59,7 +59,7 @@ def start_gateway(pods: list[str], config: dict[str, Any]) -> tuple[subprocess.P
     path = f"/tmp/kvgw-rules-cost-{port}.json"
     with open(path, "w") as f:
         json.dump({"pods": [{"url": u} for u in pods], "routing": {"policy": "kv_aware"},
-                   "tokenization": {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                   "tokenization": {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                    "logging": {"access_log": False}, **config}, f)
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", path, "--port", str(port),
                              "--workers", "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -36,7 +36,7 @@ from gateway.config import MockPodsConfig, PodConfig
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.request.disaggregation import NIXL_PREFILL_PARAMS
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
 MODEL = "mock-llama"
 
@@ -55,7 +55,7 @@ def start_gateway(pods: list[PodConfig], policy: str, connector: str) -> tuple[s
         cmd += ["--pod", f"{p.url},events={p.kv_events},replay={p.kv_replay},name={p.name},role={p.role}"]
     env = {**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false", "GATEWAY_DISAGGREGATION__CONNECTOR": connector,
            "GATEWAY_DISAGGREGATION__UNCACHED_TOKEN_THRESHOLD": "0",
-           "GATEWAY_TOKENIZATION__MODELS": json.dumps({MODEL: {"path": str(MOCK_TOKENIZER_DIR)}})}
+           "GATEWAY_TOKENIZATION__MODELS": json.dumps({MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}})}
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

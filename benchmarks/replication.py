@@ -33,7 +33,7 @@ from gateway.cluster.wire import DECODER
 from gateway.config import load_config
 from gateway.load.shared_table import SharedLoadTable
 from gateway.mock.pod import MockPod, MockPodConfig
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 MODEL = "mock-llama"
 WORDS = "agent tool result plan review file change test build deploy cache block".split()
@@ -43,7 +43,7 @@ def gateway_app(pods: list[dict[str, Any]], identity: WorkerIdentity) -> web.App
     SharedLoadTable.create(identity.load_table, identity.count).close()
     config = load_config(overrides={
         "pods": pods, "routing": {"policy": "kv_aware"},
-        "tokenization": {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+        "tokenization": {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
         "shared_state": {"share": ["workflows", "sessions", "contexts", "speculative"]},
     }, environ={})
     return build_app(config, identity=identity)
@@ -130,7 +130,7 @@ async def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=1500)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     mock_pods = [MockPod(MockPodConfig(speed=0.0, num_blocks=4000), tokenizer=tokenizer) for _ in range(4)]
     for pod in mock_pods:
         await pod.start()

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 
 def speedup(encode: Callable[[str], list[int]], texts: list[str], threads: int) -> tuple[float, float]:
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=16)
     parser.add_argument("--words", type=int, default=1500)
     args = parser.parse_args()
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     backend = tokenizer._backend
     assert backend is not None
     rng = random.Random(0)

@@ -30,7 +30,7 @@ from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import Sinks, replicate
 from gateway.cluster.sibling_responses import SiblingResponses
-from gateway.components import GATEWAY_KEY, Gateway
+from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
 from gateway.config import ConfigSource, GatewayConfig, ModelsConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.core.facts import RoomFreed
@@ -39,12 +39,12 @@ from gateway.flow.controller import FlowController
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import SharedReleaseOrder, SoleRelease
 from gateway.flow.saturation import SaturationDetector
-from gateway.flow.service import ServiceCounters, WorkflowFlows
+from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
-from gateway.kv.service import KvEventService, KvMetricsCollector
+from gateway.kv.subscriptions import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.limits.enforcer import KeyLimits
@@ -53,18 +53,26 @@ from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
-from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
 from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
+from gateway.pressure.modes import PressureModes
+from gateway.pressure.monitor import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
+from gateway.request.context_steps import (
+    CacheRecency,
+    ContextPlacement,
+    ContextResolution,
+    PlacementLosses,
+    RoomForNewContexts,
+    RoutedPrefix,
+)
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
-from gateway.request.flow import FlowControl
+from gateway.request.flow_control import FlowControl
 from gateway.request.limits import KeyLimitsStep, UsageAccounting
 from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
@@ -76,26 +84,18 @@ from gateway.request.observers import (
     StepMetrics,
 )
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import (
-    CacheRecency,
-    ContextPlacement,
-    ContextResolution,
-    PlacementLosses,
-    RoomForNewContexts,
-    RoutedPrefix,
-)
 from gateway.request.responses import ResponsesState
 from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.validation import RequestValidation
 from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
 from gateway.routing.router import Router
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
 from gateway.workflow.context import ContextSignals
 from gateway.workflow.keep_warm import KeepWarm
+from gateway.workflow.planning import WorkflowService
 from gateway.workflow.refresh import Refresher
-from gateway.workflow.service import WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
@@ -254,16 +254,15 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
                                   config.server.config_watch_interval_s,
                                   {"models": reconfigure_models, "limits": limits.reconfigure})
+    front = FrontDoor(auth, director, counting, proxy, pods, rules, responses, workflows, config.server)
     return Gateway(
-        config=config, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router, proxy=proxy,
-        director=director, counting=counting, steps=steps, models=rules, adapters=adapters, limits=limits,
-        usage=usage_tally,
-        auth=auth, policies=policies, kv=kv, tokens=tokens, profiles=profiles, load=load, flow=flow,
-        workflows=workflows, working_set=working_set, capacity_of=capacity_of, health=health, verifier=verifier,
-        membership=membership, modes=modes, identity=identity, bus=bus, losses=losses, keep_warm=keep_warm,
-        shared_load=shared_load, loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
-        pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader,
-        responses=responses, own_responses=own_responses,
+        config=config, front=front, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router,
+        steps=steps, adapters=adapters, limits=limits, usage=usage_tally, policies=policies, kv=kv, tokens=tokens,
+        profiles=profiles, load=load, flow=flow, working_set=working_set, capacity_of=capacity_of, health=health,
+        verifier=verifier, membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
+        keep_warm=keep_warm, shared_load=shared_load,
+        loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
+        pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader, own_responses=own_responses,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )
 
@@ -376,7 +375,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.http.start, gw.http.stop),  # first up, last down: everything else talks through it
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
-        lifecycle(gw.responses.store.start, gw.responses.store.stop),
+        lifecycle(gw.front.responses.store.start, gw.front.responses.store.stop),
         lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
@@ -386,7 +385,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
     out.append(lifecycle(gw.profiles.start, gw.profiles.stop))
     if gw.scraper is not None:
         out.append(lifecycle(gw.scraper.start, gw.scraper.stop))
-    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.workflows.start, gw.workflows.stop),
+    out += [lifecycle(gw.flow.start, gw.flow.stop), lifecycle(gw.front.workflows.start, gw.front.workflows.stop),
             lifecycle(gw.adapters.start, gw.adapters.stop)]
     if gw.keep_warm is not None:
         out.append(lifecycle(gw.keep_warm.start, gw.keep_warm.stop))
@@ -413,5 +412,5 @@ def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: Work
 
 async def _drain(gateway: Gateway, app: web.Application) -> None:
     """Shutting down: not ready any more, and nothing new waits for capacity."""
-    gateway.draining = True
+    gateway.front.draining = True
     gateway.flow.drain()

@@ -92,10 +92,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def with_mock_tokenizer(config: GatewayConfig) -> TokenizationConfig:
     """The simulated pods tokenize with the bundled tokenizer: the gateway loads the same one."""
-    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+    from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
     models = dict(config.tokenization.models)
-    models.setdefault(config.mock_pods.model, ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR)))
+    models.setdefault(config.mock_pods.model, ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR)))
     return msgspec.structs.replace(config.tokenization, models=models)
 
 

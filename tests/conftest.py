@@ -22,12 +22,12 @@ from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
 from gateway.mock.pod import MockPod, MockPodConfig, free_port
 from gateway.server import SERVER_OPTIONS
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> HfTokenizer:
-    return HfTokenizer(MOCK_TOKENIZER_DIR)
+    return HfTokenizer(BUNDLED_TOKENIZER_DIR)
 
 
 class RunningGateway:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.api.errors import REQUEST_ID
+from gateway.http_errors import REQUEST_ID
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RelayOutcome, UpstreamCall
 from gateway.request.body import read_body

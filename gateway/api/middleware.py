@@ -10,13 +10,12 @@ from itertools import chain
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.api.errors import REQUEST_ID, HttpError
 from gateway.core.errors import GatewayError, internal_error
+from gateway.core.requests import ANTHROPIC_PATHS
+from gateway.http_errors import REQUEST_ID, HttpError
 
 log = logging.getLogger("gateway.api")
 
-# Routes whose errors are written in Anthropic's shape.
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),
@@ -30,7 +29,7 @@ def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awa
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        anthropic = request.path in ANTHROPIC_PATHS
+        anthropic = request.path in ANTHROPIC_PATHS  # errors in Anthropic's shape there
         if sum(map(len, chain.from_iterable(request.raw_headers))) > max_header_bytes:
             too_large = HttpError(431, f"Request headers exceed {max_header_bytes} bytes.", code="headers_too_large")
             return _with_request_id(too_large.to_response(anthropic), request)

@@ -23,64 +23,63 @@ import orjson
 from aiohttp import web
 
 from gateway.cluster.sibling_responses import INTERNAL_PATH
-from gateway.components import Gateway
+from gateway.components import FrontDoor
 from gateway.core.errors import bad_request, not_implemented, upstream_failed
+from gateway.http_client import HttpClient
 from gateway.proxy.pod_errors import translated
 from gateway.request.responses import response_not_found
-from gateway.responses.store import StoredResponse, encode
+from gateway.responses.store import MemoryResponses, StoredResponse, encode
 
 PATH = "/v1/responses/{response_id}"
 MAX_PAGE = 100
 
 
-def add_response_routes(app: web.Application, gateway: Gateway) -> None:
+def add_response_routes(app: web.Application, front: FrontDoor, http: HttpClient,
+                        own: MemoryResponses | None) -> None:
+    """The stored responses' routes; ``own``: this worker's store, which its siblings may ask (no Redis)."""
     r = app.router
-    r.add_get(PATH, partial(_retrieve, gateway))
-    r.add_delete(PATH, partial(_delete, gateway))
-    r.add_post(PATH + "/cancel", partial(_cancel, gateway))
-    r.add_get(PATH + "/input_items", partial(_input_items, gateway))
-    r.add_get(INTERNAL_PATH, partial(_internal, gateway))
-    r.add_delete(INTERNAL_PATH, partial(_internal, gateway))
+    r.add_get(PATH, partial(_retrieve, front, http))
+    r.add_delete(PATH, partial(_delete, front))
+    r.add_post(PATH + "/cancel", partial(_cancel, front, http))
+    r.add_get(PATH + "/input_items", partial(_input_items, front))
+    r.add_get(INTERNAL_PATH, partial(_internal, own))
+    r.add_delete(INTERNAL_PATH, partial(_internal, own))
 
 
-async def _stored(gateway: Gateway, request: web.Request) -> StoredResponse:
-    key = gateway.auth.check(request.headers)
-    return await gateway.responses.find(request.match_info["response_id"], key)
+async def _stored(front: FrontDoor, request: web.Request) -> StoredResponse:
+    key = front.auth.check(request.headers)
+    return await front.responses.find(request.match_info["response_id"], key)
 
 
-def _pods_keep(gateway: Gateway) -> bool:
-    return gateway.config.responses.store == "pods"
-
-
-async def _retrieve(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    stored = await _stored(gateway, request)
-    if _pods_keep(gateway):
-        return await _on_pod(gateway, stored, request)
+async def _retrieve(front: FrontDoor, http: HttpClient, request: web.Request) -> web.StreamResponse:
+    stored = await _stored(front, request)
+    if front.responses.pods_keep:
+        return await _on_pod(front, http, stored, request)
     if request.query.get("stream", "false").lower() == "true":
         raise not_implemented("stream: a stored response is retrieved whole here (background responses, which "
                               "stream, need a pod's own store).", param="stream")
     return web.Response(body=stored.response, content_type="application/json")
 
 
-async def _cancel(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    stored = await _stored(gateway, request)
-    if _pods_keep(gateway):
-        return await _on_pod(gateway, stored, request)
+async def _cancel(front: FrontDoor, http: HttpClient, request: web.Request) -> web.StreamResponse:
+    stored = await _stored(front, request)
+    if front.responses.pods_keep:
+        return await _on_pod(front, http, stored, request)
     raise bad_request("Cannot cancel a synchronous response.", param="response_id")
 
 
-async def _delete(gateway: Gateway, request: web.Request) -> web.Response:
-    stored = await _stored(gateway, request)
-    if _pods_keep(gateway):
+async def _delete(front: FrontDoor, request: web.Request) -> web.Response:
+    stored = await _stored(front, request)
+    if front.responses.pods_keep:
         raise not_implemented("The pods keep the responses (responses.store: pods) and do not delete them.")
-    if not await gateway.responses.store.delete(stored.id):
+    if not await front.responses.store.delete(stored.id):
         raise response_not_found(stored.id, "response_id")
     return web.json_response({"id": stored.id, "object": "response", "deleted": True})
 
 
-async def _input_items(gateway: Gateway, request: web.Request) -> web.Response:
-    stored = await _stored(gateway, request)
-    if _pods_keep(gateway):
+async def _input_items(front: FrontDoor, request: web.Request) -> web.Response:
+    stored = await _stored(front, request)
+    if front.responses.pods_keep:
         raise not_implemented("The pods keep the responses (responses.store: pods) and do not list their input.")
     query = request.query
     try:
@@ -115,14 +114,15 @@ def _dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
-async def _on_pod(gateway: Gateway, stored: StoredResponse, request: web.Request) -> web.StreamResponse:
+async def _on_pod(front: FrontDoor, http: HttpClient, stored: StoredResponse, request: web.Request
+                  ) -> web.StreamResponse:
     """The request sent on to the pod that keeps the response, and its answer (errors in OpenAI's shape)."""
-    pod = gateway.pods.get(stored.pod)
+    pod = front.pods.get(stored.pod)
     if pod is None:
         raise response_not_found(stored.id, "response_id")
-    headers = gateway.proxy.upstream_headers(request.headers, request.headers.get("x-request-id") or stored.id)
+    headers = front.proxy.upstream_headers(request.headers, request.headers.get("x-request-id") or stored.id)
     try:
-        async with gateway.http.session.request(request.method, pod.url + request.path_qs, headers=headers,
+        async with http.session.request(request.method, pod.url + request.path_qs, headers=headers,
                                                 timeout=aiohttp.ClientTimeout(total=30)) as upstream:
             data = await upstream.read()
             status = upstream.status
@@ -134,9 +134,8 @@ async def _on_pod(gateway: Gateway, stored: StoredResponse, request: web.Request
                         headers={"x-gateway-pod": pod.name})
 
 
-async def _internal(gateway: Gateway, request: web.Request) -> web.Response:
+async def _internal(own: MemoryResponses | None, request: web.Request) -> web.Response:
     """A sibling worker asking for (or deleting) a response this worker holds; only on the private socket."""
-    own = gateway.own_responses
     if own is None or request.transport is None or not isinstance(request.transport.get_extra_info("sockname"), str):
         raise web.HTTPNotFound()
     response_id = request.match_info["response_id"]

@@ -6,40 +6,38 @@ import asyncio
 import os
 import time
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 
 from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
 from gateway.api.responses import add_response_routes
-from gateway.auth import ApiKey
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
-from gateway.components import GATEWAY_KEY, Gateway
+from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
 from gateway.core.errors import GatewayError
+from gateway.core.requests import PATHS, RequestKind
 from gateway.request.director import RequestDirector
 
-# Path → request kind; responses are routed like chat.
-PROXIED_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/embeddings": "embeddings",
-    "/v1/messages": "messages",  # Anthropic's Messages API
-}
+# The generating routes, each a request kind served by the director (count_tokens has its own).
+PROXIED_ROUTES = {path: kind for kind, path in PATHS.items() if kind != RequestKind.COUNT_TOKENS}
 
 
 def add_routes(app: web.Application) -> None:
-    """The routes of the gateway stored on ``app`` (under ``GATEWAY_KEY``), each handler bound to it."""
+    """The routes of the gateway stored on ``app`` (under ``GATEWAY_KEY``), each handler bound to what it
+    uses: the clients' routes to the front door, the operators' pages to the whole gateway."""
     gateway = app[GATEWAY_KEY]
+    front = gateway.front
     for path, kind in PROXIED_ROUTES.items():
-        app.router.add_post(path, partial(_proxied, gateway, kind))
-    app.router.add_post("/v1/messages/count_tokens", partial(_counted, gateway))
-    add_response_routes(app, gateway)
-    app.router.add_get("/v1/models", partial(_models, gateway))
+        app.router.add_post(path, partial(_directed, front, front.director, kind))
+    app.router.add_post(PATHS[RequestKind.COUNT_TOKENS],
+                        partial(_directed, front, front.counting, RequestKind.COUNT_TOKENS))
+    add_response_routes(app, front, gateway.http, gateway.own_responses)
+    app.router.add_get("/v1/models", partial(_models, front))
+    app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, front))
+    app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, front))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
-    app.router.add_get("/readyz", partial(_readyz, gateway))
+    app.router.add_get("/readyz", partial(_readyz, front))
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
@@ -48,8 +46,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/debug/steps", partial(_debug_steps, gateway))
     app.router.add_get("/debug/adapters", partial(_debug_adapters, gateway))
     app.router.add_get("/debug/usage", partial(_debug_usage, gateway))
-    app.router.add_post("/v1/workflows/{workflow_id}/complete", partial(_complete_workflow, gateway))
-    app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, gateway))
     app.router.add_get("/debug/workflows", partial(_debug_workflows, gateway))
     app.router.add_get("/debug/workers", partial(_debug_workers, gateway))
     if gateway.identity.count > 1:
@@ -62,24 +58,17 @@ async def _name_worker(name: str, request: web.Request, response: web.StreamResp
 
 
 def _check_admin(gateway: Gateway, request: web.Request) -> None:
-    if not gateway.auth.debug_endpoints:
+    auth = gateway.front.auth
+    if not auth.debug_endpoints:
         raise web.HTTPNotFound()  # answered exactly as a route that does not exist
-    gateway.auth.check_admin(request.headers)
+    auth.check_admin(request.headers)
 
 
-async def _proxied(gateway: Gateway, kind: str, request: web.Request) -> web.StreamResponse:
-    return await _directed(gateway, gateway.director, kind, request)
-
-
-async def _counted(gateway: Gateway, request: web.Request) -> web.StreamResponse:
-    return await _directed(gateway, gateway.counting, "count_tokens", request)
-
-
-async def _directed(gateway: Gateway, director: RequestDirector, kind: str, request: web.Request
+async def _directed(front: FrontDoor, director: RequestDirector, kind: RequestKind, request: web.Request
                     ) -> web.StreamResponse:
-    edge = HttpEdge(request, gateway.proxy, gateway.config.server.body_timeout_s)
+    edge = HttpEdge(request, front.proxy, front.config.body_timeout_s)
     try:
-        key = gateway.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
+        key = front.auth.check(request.headers)  # who; the model and rate checks run once the body is parsed
     except GatewayError as err:
         director.refused(edge, kind, err)
         raise
@@ -88,30 +77,33 @@ async def _directed(gateway: Gateway, director: RequestDirector, kind: str, requ
     return edge.response
 
 
-async def _models(gateway: Gateway, request: web.Request) -> web.Response:
+async def _models(front: FrontDoor, request: web.Request) -> web.Response:
     """The models the fleet serves that the caller's key may use."""
-    key = gateway.auth.check(request.headers)
-    return web.json_response({"object": "list", "data": model_cards(gateway, key)})
-
-
-def model_cards(gateway: Gateway, key: ApiKey | None) -> list[dict[str, Any]]:
-    """The pods' models and the public names (:meth:`gateway.models.rules.ModelRules.cards`), those ``key``
-    may use."""
-    return [c for c in gateway.models.cards(gateway.pods.model_cards()) if gateway.auth.may_use(key, str(c.get("id")))]
+    key = front.auth.check(request.headers)
+    return web.json_response({"object": "list", "data": front.model_cards(key)})
 
 
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
-    now = time.monotonic()
-    ready_pods = sum(1 for p in gateway.pods.all() if p.available(now))
-    if gateway.draining:
+async def _readyz(front: FrontDoor, request: web.Request) -> web.Response:
+    ready_pods = front.ready_pods()
+    if front.draining:
         return web.json_response({"status": "draining", "ready_pods": ready_pods}, status=503)
     if not ready_pods:
         return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
     return web.json_response({"status": "ready", "ready_pods": ready_pods})
+
+
+async def _complete_workflow(front: FrontDoor, request: web.Request) -> web.Response:
+    front.auth.check(request.headers)
+    return web.json_response(front.workflows.complete(request.match_info["workflow_id"]))
+
+
+async def _workflow_state(front: FrontDoor, request: web.Request) -> web.Response:
+    front.auth.check(request.headers)
+    return web.json_response(front.workflows.describe(request.match_info["workflow_id"]))
 
 
 async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
@@ -196,24 +188,14 @@ async def _debug_usage(gateway: Gateway, request: web.Request) -> web.Response:
                               "limited": {scope: limits.usage.debug(scope) for scope in scopes}})
 
 
-async def _complete_workflow(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request.headers)
-    return web.json_response(gateway.workflows.complete(request.match_info["workflow_id"]))
-
-
-async def _workflow_state(gateway: Gateway, request: web.Request) -> web.Response:
-    gateway.auth.check(request.headers)
-    return web.json_response(gateway.workflows.describe(request.match_info["workflow_id"]))
-
-
 async def _debug_workflows(gateway: Gateway, request: web.Request) -> web.Response:
     _check_admin(gateway, request)
-    tracker = gateway.workflows.tracker
+    workflows = gateway.front.workflows
     return web.json_response({
-        "workflows": [gateway.workflows.describe(w) for w in list(tracker.workflows)],
-        "sessions": len(gateway.workflows.sessions),
+        "workflows": [workflows.describe(w) for w in list(workflows.tracker.workflows)],
+        "sessions": len(workflows.sessions),
         "pressure": {pod: mode.name.lower() for pod, mode in gateway.modes.items()},
-        "hard_flushes": gateway.workflows.executor.hard_flushes,
+        "hard_flushes": workflows.executor.hard_flushes,
     })
 
 

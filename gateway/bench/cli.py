@@ -135,9 +135,9 @@ TokenCounter = Callable[[list[dict[str, Any]]], int]
 def mock_token_counter() -> TokenCounter:
     """The simulated pods' token count of a chat prompt."""
     from gateway.bench.oracle import ChatEncoder
-    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+    from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
-    encoder = ChatEncoder(HfTokenizer(MOCK_TOKENIZER_DIR))
+    encoder = ChatEncoder(HfTokenizer(BUNDLED_TOKENIZER_DIR))
     return lambda messages: len(encoder.chat(messages))
 
 
@@ -206,14 +206,14 @@ def run(args: argparse.Namespace) -> int:
     from gateway.bench.report import ratio, write_results
     from gateway.bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
     from gateway.config import PodConfig
-    from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+    from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
     misplaced = [f"--{f.replace('_', '-')}" for f in MOONCAKE_FLAGS if getattr(args, f) is not None]
     if misplaced and not (args.trace and args.trace_format == "mooncake"):
         print(f"gateway bench: {', '.join(misplaced)} only with --trace FILE --trace-format mooncake", file=sys.stderr)
         return 2
     existing = None
-    tokenizer = args.tokenizer or (None if args.pod_url else str(MOCK_TOKENIZER_DIR))
+    tokenizer = args.tokenizer or (None if args.pod_url else str(BUNDLED_TOKENIZER_DIR))
     if args.pod_url:
         events = dict(e.split("=", 1) for e in (args.events or []))
         replay = dict(e.split("=", 1) for e in (args.replay or []))

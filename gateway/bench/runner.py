@@ -53,7 +53,7 @@ from gateway.metrics import (
 from gateway.mock.launcher import MockPodFleet
 from gateway.mock.pod import free_port
 from gateway.request.timings import STEP_NAMES
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 Kind = Literal["direct", "gateway", "envoy-epp", "vllm-router", "sglang-router", "smg"]
 
@@ -456,7 +456,7 @@ def cache_config(url: str) -> CacheConfig | None:
 
 class BenchRunner:
     def __init__(self, *, pods: int = 4, num_blocks: int = 600, block_size: int = 16, speed: float = 0.2,
-                 model: str = "mock-llama", tokenizer: str | None = str(MOCK_TOKENIZER_DIR),
+                 model: str = "mock-llama", tokenizer: str | None = str(BUNDLED_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
                  max_model_len: int | None = None, router_logs: str | None = None,
                  peers: dict[str, PeerBinary] | None = None, max_loras: int = 2) -> None:

@@ -48,7 +48,7 @@ from gateway.core.facts import (
     WorkflowFlow,
     unshared,
 )
-from gateway.flow.service import ServiceCounters, WorkflowFlows
+from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.limits.shared import SharedUsage

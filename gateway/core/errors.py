@@ -1,7 +1,7 @@
 """The gateway's domain errors: what went wrong, in the gateway's words, with no HTTP in them.
 
 Everything below the HTTP edge raises a :class:`GatewayError` of one :class:`ErrorKind`; the edge
-(:mod:`gateway.api.errors`) maps each kind to a status and to the error shape of the route (OpenAI's or
+(:mod:`gateway.http_errors`) maps each kind to a status and to the error shape of the route (OpenAI's or
 Anthropic's). A kind says whose fault it is and what the client may do: fix the request, retry later,
 or retry elsewhere.
 """

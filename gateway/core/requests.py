@@ -8,11 +8,46 @@ a wrong type is a clear 400, not a surprise later.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
 
 from gateway.core.errors import GatewayError, bad_request
+
+
+class RequestKind(enum.StrEnum):
+    """The API a request came in by (its path's family); its values are the names metrics and logs carry."""
+
+    CHAT = "chat"  # POST /v1/chat/completions
+    COMPLETIONS = "completions"  # POST /v1/completions
+    RESPONSES = "responses"  # POST /v1/responses
+    EMBEDDINGS = "embeddings"  # POST /v1/embeddings
+    MESSAGES = "messages"  # POST /v1/messages (Anthropic)
+    COUNT_TOKENS = "count_tokens"  # POST /v1/messages/count_tokens (Anthropic)
+
+    @property
+    def anthropic(self) -> bool:
+        """Whether the client speaks Anthropic's API (its errors take Anthropic's shape)."""
+        return self in (RequestKind.MESSAGES, RequestKind.COUNT_TOKENS)
+
+    @property
+    def conversational(self) -> bool:
+        """Whether its prompt is a conversation rendered by the model's chat template."""
+        return self in (RequestKind.CHAT, RequestKind.RESPONSES, RequestKind.MESSAGES)
+
+
+# The route of each kind the gateway proxies, and back.
+PATHS: dict[RequestKind, str] = {
+    RequestKind.CHAT: "/v1/chat/completions",
+    RequestKind.COMPLETIONS: "/v1/completions",
+    RequestKind.RESPONSES: "/v1/responses",
+    RequestKind.EMBEDDINGS: "/v1/embeddings",
+    RequestKind.MESSAGES: "/v1/messages",
+    RequestKind.COUNT_TOKENS: "/v1/messages/count_tokens",
+}
+# The routes whose clients speak Anthropic's API (and get its error shape).
+ANTHROPIC_PATHS = frozenset(path for kind, path in PATHS.items() if kind.anthropic)
 
 
 class StreamOptions(msgspec.Struct):

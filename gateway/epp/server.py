@@ -21,7 +21,7 @@ from gateway.app import build_app
 from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
-from gateway.epp.service import ExtProcService, Readiness
+from gateway.epp.ext_proc import ExtProcService, Readiness
 from gateway.server import SERVER_OPTIONS, on_signals, start_runner
 
 log = logging.getLogger("gateway.epp")
@@ -38,10 +38,10 @@ class EppServer:
         self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()
-        self._readiness = Readiness(self.gateway, self._health)
+        self._readiness = Readiness(self.gateway.front, self._health)
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.gateway, self.access_logs, config.epp), self._grpc)
+            ExtProcService(self.gateway.front, self.access_logs, config.epp), self._grpc)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(self.access_logs), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_port = 0
@@ -69,7 +69,7 @@ class EppServer:
 
     async def stop(self) -> None:
         """Not ready, nothing new admitted, the streams in flight finish (up to the grace), then the rest."""
-        self.gateway.draining = True
+        self.gateway.front.draining = True
         self.gateway.flow.drain()
         try:
             await self._readiness.stop()

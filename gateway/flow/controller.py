@@ -5,7 +5,7 @@ waiting, waits here in its flow's queue instead of in a pod's. As room frees up 
 ends: the ledger rings the doorbell; engine metrics and the other workers' requests are re-read every
 ``TICK_S``, and sooner when a pod's running prefill is due to drain below its threshold) the controller
 releases, one at a time, the head of the highest band's least-served flow
-(:mod:`gateway.flow.service`; ties: the flow released least recently), within a flow the request with the
+(:mod:`gateway.flow.service_counters`; ties: the flow released least recently), within a flow the request with the
 earliest deadline (its SLO, else its arrival: first come, first served). The released request is routed
 then, among the pods that had room: a held request goes to the best pod when it leaves, not when it came.
 The next one is released once it has been dispatched. An idle fleet holds nothing: a request that finds
@@ -48,7 +48,7 @@ from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import Demand, SaturationDetector
-from gateway.flow.service import ServiceCounters
+from gateway.flow.service_counters import ServiceCounters
 
 log = logging.getLogger("gateway.flow")
 

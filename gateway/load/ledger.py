@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from gateway.core.contexts import session_key, workflow_key
 from gateway.core.facts import OwnersChanged, OwnersSnapshot, Publish, unshared
+from gateway.core.requests import RequestKind
 from gateway.load.shared_table import SharedLoadTable
 
 
@@ -45,7 +46,7 @@ class Dispatch:
     request_id: str
     pod: str
     consumption: float  # the share of the pod it takes while it runs (pending load)
-    kind: str
+    kind: RequestKind
     context: str | None = None  # the workflow, session or conversation it continues
     stage: tuple[str, str] | None = None  # (workflow id, stage id)
     # Prompt tokens the pod has to prefill (less those predicted cached), until its answer begins.
@@ -101,7 +102,7 @@ class InFlightLedger:
 
     # Writes (the request pipeline only)
 
-    def dispatch(self, request_id: str, pod: str, consumption: float, kind: str, *, context: str | None = None,
+    def dispatch(self, request_id: str, pod: str, consumption: float, kind: RequestKind, *, context: str | None = None,
                  stage: tuple[str, str] | None = None, prefill_tokens: int = 0) -> Dispatch:
         entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind, context, stage,
                          max(0, prefill_tokens))
@@ -114,7 +115,7 @@ class InFlightLedger:
         tally.prefill_tokens += entry.prefill_tokens
         if entry.prefill_tokens:
             entry.sent_at = self._clock()
-        if kind == "embeddings":
+        if kind == RequestKind.EMBEDDINGS:
             tally.embedding_consumption += entry.consumption
         if context is not None or stage is not None:
             owners = _owners_of(entry)
@@ -154,7 +155,7 @@ class InFlightLedger:
         tally.prefill_tokens = max(0, tally.prefill_tokens - entry.prefill_tokens) if tally.running else 0
         # Clamp: float sums drift, and a pod with nothing in flight has no pending load.
         tally.consumption = max(0.0, tally.consumption - entry.consumption) if tally.running else 0.0
-        if entry.kind == "embeddings":
+        if entry.kind == RequestKind.EMBEDDINGS:
             tally.embedding_consumption = (max(0.0, tally.embedding_consumption - entry.consumption)
                                            if tally.running else 0.0)
         self._share(entry.pod, tally)

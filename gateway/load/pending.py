@@ -3,7 +3,7 @@
 Owner: :class:`PendingLoad` owns no counts of its own: it reads what is in flight from the
 :class:`~gateway.load.ledger.InFlightLedger`, the engines' numbers from the :class:`EngineStats` that the
 metrics scraper alone writes, and which pods are in a KV-memory emergency from the pressure monitor's
-:class:`~gateway.pressure.PressureModes`. Routing and admission read :meth:`PendingLoad.load`.
+:class:`~gateway.pressure.modes.PressureModes`. Routing and admission read :meth:`PendingLoad.load`.
 
 A request of signature ``s`` on a pod whose profile says it sustains ``tputs[s]`` req/s at latency
 ``e2e[s]`` consumes ``1 / (tputs[s] * e2e[s])`` of that pod; a pod's load is the sum over its in-flight
@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.core.requests import RequestKind
 from gateway.load.ledger import InFlightLedger
 from gateway.load.profiles import ProfileStore
 
@@ -91,10 +92,10 @@ class PendingLoad:
         per_request = own / in_flight if in_flight else 1.0 / self.default_capacity
         return max(own, stats.running * per_request)
 
-    def fits(self, pod: str, estimate: Estimate, kind: str) -> bool:
+    def fits(self, pod: str, estimate: Estimate, kind: RequestKind) -> bool:
         if self._blocked(pod):
             return False
-        if kind == "embeddings" and (self.ledger.embedding_consumption(pod) + estimate.consumption
+        if kind == RequestKind.EMBEDDINGS and (self.ledger.embedding_consumption(pod) + estimate.consumption
                                      > self.embedding_share):
             return False
         return self.load(pod) + estimate.consumption <= 1.0

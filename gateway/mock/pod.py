@@ -48,7 +48,7 @@ from gateway.mock.kv_transfer import (
 )
 from gateway.mock.kvcache import LoraKey, PagedKvCache
 from gateway.mock.publisher import KvEventPublisher
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 log = logging.getLogger("gateway.mock")
 
@@ -155,7 +155,7 @@ def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None
 class MockPod:
     def __init__(self, config: MockPodConfig, tokenizer: HfTokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or HfTokenizer(config.tokenizer or MOCK_TOKENIZER_DIR)
+        self.tokenizer = tokenizer or HfTokenizer(config.tokenizer or BUNDLED_TOKENIZER_DIR)
         self.faults = Faults()
         self.aborted_requests = 0
         self._rng = random.Random()

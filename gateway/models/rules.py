@@ -28,7 +28,7 @@ import msgspec
 
 from gateway.config import ModelRule, ModelsConfig
 from gateway.core.facts import Publish, SplitPinned, unshared
-from gateway.core.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.lru import LruCache
 from gateway.workflow.context import ContextSignals
 
@@ -76,7 +76,7 @@ class ModelRules:
         self._rules: Mapping[str, ModelRule] = config.rules
         self._routes = {public: _route(public, rule) for public, rule in config.rules.items()}
 
-    def route(self, model: str, kind: str, headers: Any, body: InferenceRequest) -> ModelRoute:
+    def route(self, model: str, kind: RequestKind, headers: Any, body: InferenceRequest) -> ModelRoute:
         """The targets of a request naming ``model``, the chosen one first."""
         route = self._routes.get(model)
         if route is None:
@@ -115,7 +115,7 @@ class ModelRules:
     def apply_remote(self, origin: str, fact: SplitPinned) -> None:
         self._pins.put(fact.key, (fact.public, fact.target))
 
-    def _sticky_key(self, kind: str, headers: Any, body: InferenceRequest) -> str | None:
+    def _sticky_key(self, kind: RequestKind, headers: Any, body: InferenceRequest) -> str | None:
         # A workflow, a session or a Responses conversation (the one a stored response continues included).
         if (context := self._signals.context_key(headers, body)) is not None:
             return context
@@ -157,10 +157,10 @@ def _unit(key: str) -> float:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
 
 
-def _opening(kind: str, body: InferenceRequest) -> str | None:
+def _opening(kind: RequestKind, body: InferenceRequest) -> str | None:
     """A chat's first messages (the system prompt and the first user turn), which every turn of the
     conversation sends again: the conversation's key when it names no session."""
-    if kind not in ("chat", "messages") or not body.messages:
+    if kind not in (RequestKind.CHAT, RequestKind.MESSAGES) or not body.messages:
         return None
     opening = msgspec.json.encode([body.system, body.messages[:2]])
     return "opening:" + hashlib.blake2b(opening, digest_size=12).hexdigest()

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway.api.errors import HttpError, openai_error_type
+from gateway.http_errors import HttpError, openai_error_type
 
 MAX_MESSAGE_CHARS = 2000
 

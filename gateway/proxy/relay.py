@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway.api.errors import error_event
 from gateway.config import TimeoutConfig
 from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.core.usage import usage_of_body, usage_of_stream_tail
+from gateway.http_errors import error_event
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.proxy.pod_errors import translated

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
-from gateway.api.errors import status_of
 from gateway.auth import ApiKey
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import GatewayError, upstream_failed
-from gateway.core.requests import InferenceRequest, parse_inference_request
+from gateway.core.requests import InferenceRequest, RequestKind, parse_inference_request
+from gateway.http_errors import status_of
 from gateway.load.ledger import InFlightLedger
 from gateway.models.adapters import AdapterUnavailable
 from gateway.models.rules import ModelRoute, ModelRules, as_is
@@ -54,9 +54,9 @@ from gateway.request.types import (
 )
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.routing.router import Router
-from gateway.workflow.service import NO_PLAN, RequestPlan
+from gateway.workflow.planning import NO_PLAN, RequestPlan
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.director")
 
 # What the director knows of a body it could not read or parse: nothing.
 _UNREAD = InferenceRequest()
@@ -130,7 +130,7 @@ class RequestDirector:
         self._id_prefix = os.urandom(6).hex()
         self._id_counter = itertools.count()
 
-    async def handle(self, edge: Edge, kind: str, key: ApiKey | None) -> None:
+    async def handle(self, edge: Edge, kind: RequestKind, key: ApiKey | None) -> None:
         """Serve one request that ``edge`` received; how it ended is the edge's to answer (a
         :class:`GatewayError` raised here is the client's error, in the API's shape)."""
         headers = edge.headers
@@ -161,7 +161,7 @@ class RequestDirector:
             for step in self._pipeline.complete:
                 step.completed(done)
 
-    def refused(self, edge: Edge, kind: str, error: GatewayError) -> None:
+    def refused(self, edge: Edge, kind: RequestKind, error: GatewayError) -> None:
         """A request turned away before it was handed over (its API key): recorded as any other, with the
         status it was answered with."""
         now = self._clock()
@@ -350,10 +350,10 @@ def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ..
     # The answer names what the client asked for, unless the rule shows the target; a split's Responses
     # answer is read for its id (the response that continues it gets the same target).
     restore = target != route.public and not route.expose_target
-    capture = route.split and request.kind == "responses"
+    capture = route.split and request.kind == RequestKind.RESPONSES
     rewrite = AnswerRewrite(target, route.public if restore else target, capture) if restore or capture else None
     return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
-                        anthropic=request.kind in ("messages", "count_tokens"), answering=answering,
+                        anthropic=request.kind.anthropic, answering=answering,
                         fallbacks=fallbacks, rewrite=rewrite, tap=request.answer_tap)
 
 

@@ -29,6 +29,7 @@ import msgspec
 from gateway.backends.registry import Leg, PodRegistry
 from gateway.config import DisaggregationConfig
 from gateway.core.errors import ErrorKind, GatewayError
+from gateway.core.requests import RequestKind
 from gateway.core.usage import Usage
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
@@ -39,11 +40,11 @@ from gateway.request.types import Attempt, ClientRequest, PrefillLeg, Split
 from gateway.routing.policy import Decision, RoutingRequest
 from gateway.routing.router import Router
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.disaggregation")
 
 # The APIs whose requests are split; the rest of a disaggregated model's generating requests (responses)
 # are served whole by a decode pod.
-SPLIT_KINDS = frozenset({"chat", "completions", "messages"})
+SPLIT_KINDS = frozenset({RequestKind.CHAT, RequestKind.COMPLETIONS, RequestKind.MESSAGES})
 _DECODED_KINDS = SPLIT_KINDS | {"responses"}
 # What a NIXL prefill leg asks for: compute the prompt and keep its blocks for a decode pod to pull.
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -80,7 +81,7 @@ class PrefillLegs:
         self._default_consumption = default_consumption
         self._clock = clock
 
-    def leg_of(self, kind: str, model: str) -> Leg | None:
+    def leg_of(self, kind: RequestKind, model: str) -> Leg | None:
         """The leg a request's own routing chooses a pod for: the decode leg for a generating request of a
         disaggregated model, else None (any pod serves it whole)."""
         return "decode" if kind in _DECODED_KINDS and self._pods.disaggregated(model) else None
@@ -200,7 +201,7 @@ def prefill_body(request: ClientRequest, client_body: dict[str, Any], nixl: bool
     body = {k: v for k, v in client_body.items() if k not in ("stream_options", "min_tokens")}
     body["stream"] = False
     body["max_tokens"] = 1
-    if request.kind == "chat":
+    if request.kind == RequestKind.CHAT:
         body["max_completion_tokens"] = 1
     if nixl:
         body["kv_transfer_params"] = NIXL_PREFILL_PARAMS

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gateway.core.requests import RequestKind
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
@@ -76,7 +77,7 @@ class OutputLearning:
         outcome, rr = done.outcome, done.routing
         if done.status != 200 or outcome is None or not outcome.complete or rr is None:
             return
-        if done.request.kind == "embeddings":
+        if done.request.kind == RequestKind.EMBEDDINGS:
             return
         if outcome.usage is not None:
             prompt, output = outcome.usage.prompt_tokens, outcome.usage.completion_tokens

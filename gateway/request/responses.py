@@ -34,6 +34,7 @@ from gateway.auth import ApiKey
 from gateway.backends.registry import PodRegistry
 from gateway.config import ResponsesConfig
 from gateway.core.errors import ErrorKind, GatewayError, not_implemented
+from gateway.core.requests import RequestKind
 from gateway.request.types import ClientRequest
 from gateway.responses.store import ResponsesMetrics, ResponseStore, StoredResponse, StoreUnavailable
 
@@ -77,16 +78,16 @@ class ResponsesState:
 
     def __init__(self, config: ResponsesConfig, store: ResponseStore, pods: PodRegistry,
                  metrics: ResponsesMetrics) -> None:
-        self._pods_keep = config.store == "pods"
+        self.pods_keep = config.store == "pods"  # the pods keep them (vLLM's store), not the gateway
         self.store = store
         self._pods = pods
         self._metrics = metrics
 
     def resolve(self, request: ClientRequest) -> ClientRequest | Awaitable[ClientRequest] | None:
-        if request.kind != "responses":
+        if request.kind != RequestKind.RESPONSES:
             return None
         parsed = request.parsed
-        if self._pods_keep:
+        if self.pods_keep:
             if parsed.previous_response_id is not None:
                 return self._on_keeping_pod(request)
             return dataclasses.replace(request, answer_tap=_Tap(self, owner_of(request.key), None, None))

@@ -1,5 +1,5 @@
 """The built-in steps that shape a request: token ids, load and workflow planning (validation is
-:mod:`gateway.request.validation`'s, admission flow control's: :mod:`gateway.request.flow`)."""
+:mod:`gateway.request.validation`'s, admission flow control's: :mod:`gateway.request.flow_control`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from gateway.proxy.outcome import RelayOutcome
 from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.tokenization.service import TokenizationService
-from gateway.workflow.service import RequestPlan, WorkflowService
+from gateway.tokenization.tokenizers import TokenizationService
+from gateway.workflow.planning import RequestPlan, WorkflowService
 
 
 class PromptTokenization:
@@ -105,7 +105,7 @@ class LoadEstimation:
 class WorkflowPlanning:
     """The planner (a workflow's cache action and the pin of its stage or session), then dispatch (where
     the stage went, the flushes that follow) and finish (what the stage ended with) of
-    :mod:`gateway.workflow.service`."""
+    :mod:`gateway.workflow.planning`."""
 
     def __init__(self, workflows: WorkflowService) -> None:
         self._workflows = workflows

@@ -21,7 +21,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.admission import Slo
 from gateway.auth import ApiKey
 from gateway.backends.registry import Pod
-from gateway.core.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
@@ -29,7 +29,7 @@ from gateway.models.rules import ModelRoute
 from gateway.proxy.outcome import AnswerTap, RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
-from gateway.workflow.service import RequestPlan
+from gateway.workflow.planning import RequestPlan
 
 # A request's headers as the client sent them, looked up case-insensitively (whichever edge received them).
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
@@ -40,8 +40,7 @@ class ClientRequest:
     """What the client sent, whichever edge received it (the HTTP proxy, or Envoy through the EPP)."""
 
     id: str
-    # The API path family: "chat", "completions", "responses", "embeddings", "messages", "count_tokens".
-    kind: str
+    kind: RequestKind
     started: float  # monotonic
     body: bytes  # as received, decoded from its content-encoding
     parsed: InferenceRequest

@@ -30,7 +30,7 @@ from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
 from gateway.core.errors import bad_request, unknown_model
-from gateway.core.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.flow.flows import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS, OBJECTIVE_HEADER, PRIORITY_HEADER
 from gateway.request.types import ClientRequest
 from gateway.tokenization import anthropic
@@ -70,20 +70,20 @@ class RequestValidation:
                               param="messages", code="too_many_messages")
 
 
-def check_body(kind: str, req: InferenceRequest) -> None:
+def check_body(kind: RequestKind, req: InferenceRequest) -> None:
     """Refuse (400, naming the field) a body the request's API does not allow."""
-    if kind in ("messages", "count_tokens"):
-        anthropic.check_request(req, counting=kind == "count_tokens")
-    elif kind == "chat":
+    if RequestKind(kind).anthropic:
+        anthropic.check_request(req, counting=kind == RequestKind.COUNT_TOKENS)
+    elif kind == RequestKind.CHAT:
         _check_messages(req.messages)
-    elif kind == "completions":
+    elif kind == RequestKind.COMPLETIONS:
         _check_prompt(req.prompt, "prompt")
-    elif kind == "embeddings":
+    elif kind == RequestKind.EMBEDDINGS:
         _check_prompt(req.input, "input")
-    elif kind == "responses":
+    elif kind == RequestKind.RESPONSES:
         _check_input(req.input)
     _range("n", req.n, 1, MAX_N)
-    _range("temperature", req.temperature, 0, 1 if kind == "messages" else 2)
+    _range("temperature", req.temperature, 0, 1 if kind == RequestKind.MESSAGES else 2)
     _range("top_p", req.top_p, 0, 1)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.backends.registry import Leg, Pod, PodRegistry
+from gateway.core.requests import RequestKind
 
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
@@ -58,8 +59,7 @@ class RoutingRequest:
 
     request_id: str
     model: str
-    # The API path family: "chat", "completions", "responses", "messages", "count_tokens", "embeddings".
-    kind: str
+    kind: RequestKind
     body: Any = None
     # The base model and LoRA adapter the prompt's KV blocks are namespaced by.
     base_model: str = ""

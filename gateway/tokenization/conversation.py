@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.core.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.tokenization import anthropic, responses
 
-CHAT_KINDS = frozenset({"chat", "responses", "messages"})
+CHAT_KINDS = frozenset(k for k in RequestKind if k.conversational)
 
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -45,30 +45,30 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_messages(kind: str, req: InferenceRequest, merge_inline_system: bool = False
+def chat_messages(kind: RequestKind, req: InferenceRequest, merge_inline_system: bool = False
                   ) -> list[dict[str, Any]] | None:
     """The conversation of a chat, Responses or Messages request (None for other kinds, or when empty).
     ``merge_inline_system``: the chat template takes a system message only first (Messages requests);
     raises :class:`~gateway.tokenization.anthropic.NotRenderable` for what cannot be rendered exactly."""
-    if kind == "chat":
+    if kind == RequestKind.CHAT:
         return req.messages
-    if kind == "messages":
+    if kind == RequestKind.MESSAGES:
         return anthropic.chat_messages(req, merge_inline_system) or None
-    if kind != "responses":
+    if kind != RequestKind.RESPONSES:
         return None
     return normalize_messages(responses.chat_messages(req.instructions, req.input)) or None
 
 
-def chat_tools(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+def chat_tools(kind: RequestKind, req: InferenceRequest) -> list[dict[str, Any]] | None:
     """The tools the chat template renders (Messages and Responses requests' converted to chat's form)."""
-    if kind == "messages":
+    if kind == RequestKind.MESSAGES:
         return anthropic.chat_tools(req)
-    if kind == "responses":
+    if kind == RequestKind.RESPONSES:
         return responses.chat_tools(req.tools, req.tool_choice)
     return req.tools
 
 
-def request_text(kind: str, req: InferenceRequest) -> str:
+def request_text(kind: RequestKind, req: InferenceRequest) -> str:
     """A canonical text of the prompt: roles and contents in order (what a chat template would see), or
     a completion's first prompt."""
     try:

@@ -15,7 +15,9 @@ from typing import Any
 
 from gateway.tokenization.conversation import normalize_messages
 
-MOCK_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "mock" / "tokenizer"
+# The tokenizer shipped with the package (a small Llama-style BPE): the simulated pods' model and the
+# benchmark's, so tests and the demo never reach a model hub (built by gateway.mock.build_tokenizer).
+BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parent / "bundled"
 
 # Normalizers that map each character by itself (or with the marks that follow it), so a cut before a
 # space changes nothing they do.

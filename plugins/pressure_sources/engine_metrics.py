@@ -6,7 +6,7 @@ from __future__ import annotations
 from gateway.backends.registry import Pod
 from gateway.load.pending import PendingLoad
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.pressure import PressureContext
+from gateway.pressure.monitor import PressureContext
 
 
 class EngineMetricsSource:

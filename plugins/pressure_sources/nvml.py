@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.backends.registry import Pod
 from gateway.plugin_registry import PluginSpec
-from gateway.pressure import DeviceOptions, PressureContext, PressureSourceUnavailable
+from gateway.pressure.monitor import DeviceOptions, PressureContext, PressureSourceUnavailable
 
 
 class NvmlSource:

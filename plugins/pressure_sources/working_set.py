@@ -11,7 +11,7 @@ from collections.abc import Callable
 from gateway.backends.registry import Pod
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.pressure import PressureContext
+from gateway.pressure.monitor import PressureContext
 
 
 class WorkingSetSource:

@@ -50,7 +50,7 @@ CapacityOf = Callable[[str], float | None]
 class PlacementPlanner:
     """Finds the request's live context (the one context resolution named) and each candidate's cost.
     Runs after the prefix matcher, whose cached-token counts are its ``hit``. Holding the context while
-    the request runs is the pipeline's (:mod:`gateway.request.placement`)."""
+    the request runs is the pipeline's (:mod:`gateway.request.context_steps`)."""
 
     name = "placement"
 

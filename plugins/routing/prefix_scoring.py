@@ -34,7 +34,7 @@ class PrefixMatcher:
     """Finds how much of the prompt each candidate holds: precise (KV events) when the prompt has token
     ids and the policy has the index, else approximate (the gateway's own routing history of the text).
     Owner of the request's ``prefix`` and ``prefix_tokens``. What the chosen pod will hold once routed is
-    recorded by the pipeline (:class:`gateway.request.placement.RoutedPrefix`)."""
+    recorded by the pipeline (:class:`gateway.request.context_steps.RoutedPrefix`)."""
 
     name = "prefix_match"
 

@@ -14,7 +14,7 @@ cache_root=${KVGW_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kv-gateway}
 started=$(date +%s)
 
 vllm_env=$(tools/vllm-env.sh)
-tokenizer_dir=gateway/mock/tokenizer
+tokenizer_dir=gateway/tokenization/bundled
 model_key=$(cat tests/e2e/tiny_model.py "$tokenizer_dir"/tokenizer.json "$tokenizer_dir"/tokenizer_config.json \
     "$tokenizer_dir"/chat_template.jinja <(echo "$vllm_env") | sha256sum | cut -c1-16)
 model_dir=$cache_root/tiny-llama-$model_key

@@ -246,7 +246,7 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
         assert resp.status == 200, await resp.text()
         actions = (await resp.json())["actions"]
     assert any(a["pod"] == pod and a["action"] == "flush" for a in actions), actions
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     await eventually(lambda: executor.hard_flushes.get(pod, 0) == 1, WAIT_S)
     # The engine queues AllBlocksCleared and publishes it with its next step.
     await eventually(lambda: index.blocks_on(pod) == 0 and index.stats.clears > clears, WAIT_S,

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.core.requests import InferenceRequest
 from gateway.tokenization import anthropic as conversion
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from tests.integration.test_kv_routing import MODEL, fleet, synced, system_prompt
 from tests.integration.test_verification import metric
 
@@ -93,7 +93,7 @@ def test_conversion_matches_vllms_for_tools_results_and_inline_system():
     with pytest.raises(conversion.NotRenderable):
         conversion.chat_messages(InferenceRequest(messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]), False)
-    assert HfTokenizer(MOCK_TOKENIZER_DIR).system_first is False  # the mock template takes inline system
+    assert HfTokenizer(BUNDLED_TOKENIZER_DIR).system_first is False  # the mock template takes inline system
 
 
 async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_mock_pod, start_gateway, tokenizer):
@@ -103,7 +103,7 @@ async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_m
                                                      extra_headers={"x-workflow-id": "wf-count"})
     expected = tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *messages])
     assert counted.input_tokens == len(expected)
-    assert "wf-count" not in gw.gateway.workflows.tracker.workflows  # counting is not a stage
+    assert "wf-count" not in gw.gateway.front.workflows.tracker.workflows  # counting is not a stage
     with pytest.raises(anthropic.NotFoundError):
         await client(gw).messages.count_tokens(model="nope", messages=messages)
 

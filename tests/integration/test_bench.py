@@ -33,7 +33,7 @@ from gateway.bench.workloads import (
 )
 from gateway.cli import build_parser
 from gateway.mock.engine import MODEL_MAX_LEN
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from tests.unit.test_bench_peers import fake_env
 
 
@@ -203,7 +203,7 @@ def test_agentic_shared_knobs_and_working_set():
     # A's second request carries both user turns, its first answer and its own: 10 + 20 + 1 + 1.
     assert longest_request_tokens(overlap, lambda ms: sum(len(m["content"].split()) for m in ms)) == 32
     # --working-set-ratio 2 over 2 pods of 16-token blocks: the fleet holds half the peak, rounded up.
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     peak_tokens = working_set_tokens(trace, lambda m: len(tokenizer.encode_chat(m)))
     blocks = cache_blocks_for(trace, 2.0, 2, 16)
     assert blocks * 16 * 2 * 2 >= peak_tokens > (blocks - 1) * 16 * 2 * 2
@@ -286,7 +286,7 @@ def expected_infinite(tokenizer: HfTokenizer, prompts: dict[int, list[dict]], bl
 def test_mooncake_trace_groups_conversations_and_pods_see_its_blocks(tmp_path):
     path = tmp_path / "mooncake.jsonl"
     path.write_text("\n".join(mooncake_line(t, ids, n) for t, ids, n in MOONCAKE_REQUESTS) + "\n")
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     trace = read_mooncake(path, tokenizer, block_tokens=32, time_scale=2.0, session_header=True, max_output_tokens=3)
     # Grouping: a request extending an earlier one's ids is its conversation's next turn.
     assert [[st.headers["x-session-id"] for st in s.steps] for s in trace.sessions] == \
@@ -322,7 +322,7 @@ SAMPLE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "moo
 @pytest.mark.skipif(not SAMPLE.exists(), reason=f"no Mooncake sample at {SAMPLE}")
 def test_mooncake_sample_slice_replays_within_its_bounds():
     # Its requests reuse prefixes set up earlier in it: near its end, even 40 of them share a third of their blocks.
-    trace = read_mooncake(SAMPLE, HfTokenizer(MOCK_TOKENIZER_DIR), block_tokens=16, start=3900, limit=40,
+    trace = read_mooncake(SAMPLE, HfTokenizer(BUNDLED_TOKENIZER_DIR), block_tokens=16, start=3900, limit=40,
                           time_scale=0.3)
     assert trace.requests == 40 and trace.seed == 3900
     runner = BenchRunner(pods=2, num_blocks=3000, speed=0.0, progress=False)

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from gateway.mock.pod import MockPod
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import eventually, models_of
 
 MODEL = "mock-llama"
@@ -36,7 +36,7 @@ async def pd_fleet(start_mock_pod, start_gateway, tmp_path, connector: str = "sh
     decodes = [await start("decode") for _ in range(decode)]
     pods = [msgspec.to_builtins(p.pod_config()) | {"name": f"{role}{i}", "role": role}
             for role, group in (("prefill", prefills), ("decode", decodes)) for i, p in enumerate(group)]
-    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
     gateway_kw.setdefault("routing", {"policy": "kv_aware"})
     gateway_kw["disaggregation"] = {"connector": connector, **gateway_kw.get("disaggregation", {})}
     gw = await start_gateway(pods, **gateway_kw)

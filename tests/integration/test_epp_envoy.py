@@ -25,7 +25,7 @@ from gateway.config import hash_api_key, load_config
 from gateway.epp.envoy_config import bootstrap
 from gateway.epp.server import EppServer
 from gateway.mock.pod import MockPod, free_port
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import eventually
 
 MODEL = "mock-llama"
@@ -93,7 +93,7 @@ class Stack:
         return self.pods
 
     async def start_epp(self, fallbacks: int = 0, **overrides: Any) -> EppServer:
-        overrides.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+        overrides.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
         overrides.setdefault("routing", {"policy": "kv_aware"})
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5})
         overrides.setdefault("logging", {"access_log": False})

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from gateway.metrics import keep_warm_spent
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_workflows import MODEL, stage
 
 CONTEXT = "You are an agent reviewing a storage migration plan, step by step, with care. " * 6
@@ -21,7 +21,7 @@ async def gateway_with_one_small_pod(start_mock_pod, start_gateway, keep_warm: b
     pod = await start_mock_pod(num_blocks=30, block_size=16)
     gw = await start_gateway(
         [msgspec.to_builtins(pod.pod_config()) | {"name": "pod0"}], routing={"policy": "kv_aware"},
-        tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+        tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
         load={"scrape_interval_s": 0.1}, placement={"default_think_s": 5.0},
         workflow={"keep_warm": {"enabled": keep_warm, "min_tokens": 32, "interval_s": 0.05, "lead_s": 1.0,
                                 "max_share": 1.0}})

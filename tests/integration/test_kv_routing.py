@@ -8,7 +8,7 @@ from collections import Counter
 
 import msgspec
 
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_kv_subscriber import eventually
 
 MODEL = "mock-llama"
@@ -16,7 +16,7 @@ MODEL = "mock-llama"
 
 async def fleet(start_mock_pod, start_gateway, n=4, pod_kw=None, **gateway_kw):
     pods = [await start_mock_pod(**(pod_kw or {})) for _ in range(n)]
-    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
     gateway_kw.setdefault("routing", {"policy": "kv_aware"})
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(pods)],
                              **gateway_kw)
@@ -89,7 +89,7 @@ async def test_before_any_event_the_block_size_comes_from_the_engines_metrics(st
             assert resp.status == 200
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}", "block_size": None}
                               for i, p in enumerate(pods)],
-                             tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                             tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                              routing={"policy": "kv_aware"})
     index = gw.gateway.kv.index
     assert [index.block_size(f"pod{i}") for i in range(2)] == [16, 16]
@@ -169,7 +169,7 @@ async def test_restarted_gateway_rebuilds_its_index_from_replay(start_mock_pod, 
     await first.runner.cleanup()  # the gateway goes away; the pods keep their caches
     second = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"}
                                   for i, p in enumerate(pods)],
-                                 tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                                 tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                                  routing={"policy": "kv_aware"}, kv_index={"speculative_ttl_s": 0})
     await synced(second, pods)  # from the pods' replay buffers, before any new event
     routed, predicted, usage = await ask(http, second, 4, "after the restart")

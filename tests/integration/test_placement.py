@@ -8,7 +8,7 @@ import time
 
 import msgspec
 
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_kv_subscriber import eventually
 from tests.integration.test_workflows import CONTEXT, MODEL, fleet, stage
 
@@ -19,7 +19,7 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
     # Two pods of 96 blocks x 16 tokens: about three workflows' expected footprints each.
     pods = [await start_mock_pod(num_blocks=96) for _ in range(2)]
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) for p in pods], routing={"policy": "kv_aware"},
-                             tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                             tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                              placement={"default_stages": 4})
     # Each pod's capacity comes from its scraped vllm:cache_config_info.
     await eventually(lambda: all(gw.gateway.load.engine.get(p.name) and gw.gateway.load.engine[p.name]
@@ -78,7 +78,7 @@ async def test_a_hard_flush_waits_for_a_session_resumable_on_the_pod(start_mock_
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-session-id": "chat-1"}) as resp:
         assert resp.status == 200
     await stage(http, gw, "wf", "s1", history, **{"x-workflow-complete": "true"})
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     started = time.monotonic()
     # The session thinks for 0.3 s: the global reset waits until it lapses, then goes through.
     await eventually(lambda: executor.hard_flushes.get("pod0") == 1, within_s=10)

@@ -14,7 +14,7 @@ import pytest
 from gateway.cluster.identity import WorkerIdentity
 from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import eventually
 
 MODEL = "mock-llama"
@@ -37,7 +37,7 @@ async def pods_for(start_mock_pod, n: int = 4) -> list[dict]:
 async def start_group(start_gateway, pods: list[dict], identities: list[WorkerIdentity | None], policy: str,
                       **shared_state):
     return [await start_gateway(pods, identity=identity, routing={"policy": policy},
-                                tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                                tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                                 shared_state={**FAST_BUS, **shared_state})
             for identity in identities]
 
@@ -71,7 +71,7 @@ async def alternate_stages(http, gateways, workflow: str, stages: int) -> tuple[
 
 
 def stage_known(gw, workflow: str, stage: str, pod: str) -> bool:
-    wf = gw.gateway.workflows.tracker.workflows.get(workflow)
+    wf = gw.gateway.front.workflows.tracker.workflows.get(workflow)
     return wf is not None and stage in wf.stages and wf.stages[stage].pod == pod and wf.stages[stage].completed
 
 
@@ -97,7 +97,8 @@ async def test_a_session_sticks_to_one_pod_across_workers(start_mock_pod, start_
         gw = gateways[i % 2]
         pod, _, _ = await post(http, gw, history, **{"x-session-id": "sess-1"})
         seen.append(pod)
-        await eventually(lambda pod=pod: all(g.gateway.workflows.sessions.pod_of("sess-1") == pod for g in gateways))
+        await eventually(lambda pod=pod: all(g.gateway.front.workflows.sessions.pod_of("sess-1") == pod
+                                             for g in gateways))
     assert len(set(seen)) == 1
 
 

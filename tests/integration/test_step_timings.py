@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
 MODEL = "mock-llama"
 TAKEN = ("parse", "tokenize", "prepare", "admit", "route", "dispatch", "connect", "first_byte")
@@ -33,7 +33,7 @@ async def test_each_request_step_is_measured_and_they_add_up_around_the_pods_own
     pod = await start_mock_pod(speed=1.0)  # the pod takes real time to prefill: its TTFT is not nothing
     gw = await start_gateway([msgspec.to_builtins(pod.pod_config()) | {"name": "pod0"}],
                              routing={"policy": "kv_aware"},
-                             tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+                             tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
     ids = [f"steps-{i}" for i in range(3)]
     for i, request_id in enumerate(ids):
         body = {"model": MODEL, "max_tokens": 4, "stream": True,

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.app import build_app
 from gateway.config import load_config
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import serve_app
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -40,7 +40,7 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
     config = load_config(overrides={
         "pods": [{"url": pod_url, "name": "pod0"}], "tracing": {"enabled": True},
         "routing": {"policy": "kv_aware"}, "admission": {"enabled": True}, "server": {"max_body_bytes": 65536},
-        "tokenization": {"models": {"m": {"path": str(MOCK_TOKENIZER_DIR)}}}}, environ={})
+        "tokenization": {"models": {"m": {"path": str(BUNDLED_TOKENIZER_DIR)}}}}, environ={})
     runner = await serve_app(build_app(config, tracer_provider=provider))
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:

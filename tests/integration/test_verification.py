@@ -9,7 +9,7 @@ import shutil
 import msgspec
 
 from gateway.mock.pod import MockPod, MockPodConfig
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from tests.integration.test_kv_routing import MODEL, ask, fleet, synced
 
 CHECKS = {"window": 10, "min_samples": 6, "probe_every": 2, "recover_after": 2}
@@ -40,14 +40,14 @@ async def test_a_template_drift_is_caught_and_routing_degrades_then_recovers(sta
                                                                               tokenizer):
     # The engines run a new revision of the model's chat template; the gateway still has the old one.
     revised = tmp_path / "revised"
-    shutil.copytree(MOCK_TOKENIZER_DIR, revised)
+    shutil.copytree(BUNDLED_TOKENIZER_DIR, revised)
     template = revised / "chat_template.jinja"
     template.write_text(template.read_text().replace("{{ bos_token }}", "{{ bos_token }}Revision 2.\n", 1))
     pod = MockPod(MockPodConfig(speed=0.0), tokenizer=HfTokenizer(revised))
     await pod.start()
     try:
         gw = await start_gateway([msgspec.to_builtins(pod.pod_config()) | {"name": "pod0"}],
-                                 tokenization={"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}},
+                                 tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                                  routing={"policy": "kv_aware"}, verification=CHECKS)
         for i in range(6):
             await ask(http, gw, 0, f"Question {i}?")

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from gateway.load.pending import EngineStats
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_kv_subscriber import eventually
 
 MODEL = "mock-llama"
@@ -19,7 +19,7 @@ CONTEXT = "You are an agent planning a data migration. " * 40
 async def fleet(start_mock_pod, start_gateway, n=4, flavor="vllm", **gateway_kw):
     pods = [await start_mock_pod(flavor=flavor, num_blocks=400) for _ in range(n)]
     gateway_kw.setdefault("routing", {"policy": "kv_aware"})
-    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(MOCK_TOKENIZER_DIR)}}})
+    gateway_kw.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
     gateway_kw.setdefault("workflow", {"flush_retry_base_s": 0.05, "hard_flush": True})
     gw = await start_gateway([msgspec.to_builtins(p.pod_config()) | {"name": f"pod{i}"} for i, p in enumerate(pods)],
                              **gateway_kw)
@@ -89,7 +89,7 @@ async def test_flush_override_and_completion_reach_the_right_pod(start_mock_pod,
     # The stage that asks for the flush goes where its cache is; the flush waits for it to end there (sent
     # before the stage reached the engine, it would have been undone by it).
     assert (await stage(http, gw, "wf-2", "s2", history, **{"x-stage-cache-policy": "flush"}))[0] == pod
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     await eventually(lambda: executor.hard_flushes.get(pod) == 1)
     assert gw.gateway.metrics.registry.get_sample_value("gateway_cache_actions_total", {
         "action": "hard_flush_deferred", "reason": "own_requests_running", "pod": pod}) >= 1
@@ -118,7 +118,7 @@ async def test_no_hard_flush_while_another_workflow_uses_the_pod(start_mock_pod,
     async with http.post(f"{gw.url}/v1/workflows/wf-a/complete") as resp:
         assert resp.status == 200
     await asyncio.sleep(0.3)
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     assert executor.hard_flushes.get("pod0") is None  # wf-b is running there: the flush waits
     await running.read()
     await asyncio.sleep(0.3)
@@ -142,7 +142,7 @@ async def test_sglang_refusal_is_retried(start_mock_pod, start_gateway, http):
     labels = {"action": "hard_flush_refused", "reason": "workflow_complete", "pod": "pod0"}
     await eventually(lambda: (registry.get_sample_value("gateway_cache_actions_total", labels) or 0) >= 1)
     await direct.read()
-    await eventually(lambda: gw.gateway.workflows.executor.hard_flushes.get("pod0") == 1, within_s=10)
+    await eventually(lambda: gw.gateway.front.workflows.executor.hard_flushes.get("pod0") == 1, within_s=10)
     assert not pod.engine.cache.cached_blocks()
 
 
@@ -154,7 +154,7 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     for wf in ("old", "newer"):
         for s in ("s1", "s2"):
             await stage(http, gw, wf, s, history)
-    tracker = gw.gateway.workflows.tracker
+    tracker = gw.gateway.front.workflows.tracker
     assert [w.id for w in tracker.idle_preserved("pod0")] == ["old", "newer"]
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     busy = await http.post(f"{gw.url}/v1/chat/completions", headers={"x-workflow-id": "busy", "x-stage-id": "s2"},
@@ -198,7 +198,7 @@ async def test_session_affinity_sticks_and_moves_off_a_sick_pod(start_mock_pod, 
 async def test_by_default_only_a_stage_that_asks_for_it_is_flushed_hard(start_mock_pod, start_gateway, http):
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1, workflow={"flush_retry_base_s": 0.05})
     history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "go"}]
-    executor = gw.gateway.workflows.executor
+    executor = gw.gateway.front.workflows.executor
     await stage(http, gw, "wf-done", "s1", history, **{"x-workflow-complete": "true"})
     await asyncio.sleep(0.3)
     assert executor.hard_flushes.get("pod0") is None and mock_pods[0].engine.cache.cached_blocks()  # soft only
@@ -212,7 +212,8 @@ async def test_a_declared_retention_is_never_flushed_inside_its_ttl(start_mock_p
     the pod keeps its cache (the hard flush waits, saying why). A flush the client asks for itself wins."""
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1,
                                 workflow={"flush_retry_base_s": 0.05, "flush_retries": 2, "hard_flush": True})
-    cache, executor, metrics = mock_pods[0].engine.cache, gw.gateway.workflows.executor, gw.gateway.metrics.registry
+    cache, metrics = mock_pods[0].engine.cache, gw.gateway.metrics.registry
+    executor = gw.gateway.front.workflows.executor
 
     async def stage_declaring(workflow: str, stage_id: str, retention: str | None = "24h", **headers: str) -> int:
         body = {"model": MODEL, "messages": [{"role": "system", "content": CONTEXT},

@@ -49,6 +49,11 @@ def test_json_file(tmp_path):
         ({"disaggregation": {"connector": "p2p"}}, {}, "$.disaggregation.connector"),
         ({"disaggregation": {"prefill_attempts": 0}}, {}, "prefill_attempts"),
         ({"mock_pods": {"count": 2, "prefill_pods": 2}}, {}, "decode pod"),
+        # Ranges declared on the fields: the message names the field's path and the bound.
+        ({"server": {"workers": 0}}, {}, "$.server.workers"),
+        ({"flow_control": {"saturation": {"kv_usage": 1.5}}}, {}, "<= 1.0 - at `$.flow_control.saturation.kv_usage`"),
+        ({}, {"GATEWAY_RESPONSES__TTL_S": "0"}, "> 0.0 - at `$.responses.ttl_s`"),
+        ({"models": {"lora": {"idle_unload_s": -1}}}, {}, "$.models.lora.idle_unload_s"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, env, fragment):

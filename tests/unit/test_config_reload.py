@@ -139,14 +139,14 @@ async def test_model_rules_adapters_and_limits_apply_to_a_running_gateway(tmp_pa
     source = ConfigSource.read(str(path))
     gateway = build_gateway(source.loaded, source=source)
     body = parse_inference_request(b'{"model": "mini"}')
-    assert gateway.models.route("mini", "chat", CIMultiDict(), body).targets == ("llama",)
+    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("llama",)
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "qwen", "fallbacks": ["llama"]}},
                                     "adapters": {"sql": {"path": "/a/sql", "base_model": "qwen"}}},
                  "limits": {"tenants": {"team": {"max_concurrent": 3}}}})
     assert gateway.reloader is not None and await gateway.reloader.reload() == "applied"
-    assert gateway.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
+    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
     assert gateway.pods.loadable == {"sql": "qwen"} and gateway.pods.base_model("sql") == "qwen"
     assert gateway.limits.config.tenants["team"].max_concurrent == 3
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "mini"}}}})  # a bad rule: nothing changes
     assert await gateway.reloader.reload() == "invalid"
-    assert gateway.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
+    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")

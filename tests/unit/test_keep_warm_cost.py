@@ -24,7 +24,7 @@ from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome
-from gateway.request.placement import CacheRecency
+from gateway.request.context_steps import CacheRecency
 from gateway.routing.policy import Decision, Policy, PrefixMatch, RoutingRequest
 from gateway.workflow.keep_warm import KeepWarm
 from tests.unit.test_keep_warm import RecordingRefresher

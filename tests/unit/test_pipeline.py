@@ -30,7 +30,7 @@ from gateway.config import (
     hash_api_key,
 )
 from gateway.core.errors import ErrorKind, GatewayError, upstream_failed
-from gateway.core.requests import parse_inference_request
+from gateway.core.requests import RequestKind, parse_inference_request
 from gateway.core.usage import PromptTokensDetails, Usage
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
@@ -40,32 +40,32 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
-from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
+from gateway.pressure.modes import PressureModes
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
-from gateway.request.director import NoPlanner, RequestDirector
-from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
-from gateway.request.pipeline import RequestPipeline
-from gateway.request.placement import (
+from gateway.request.context_steps import (
     ContextPlacement,
     ContextResolution,
     PlacementLosses,
     RoomForNewContexts,
     RoutedPrefix,
 )
+from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.observers import AccessLog, OutputLearning, PredictionCheck, RequestMetrics, RoutingMetrics
+from gateway.request.pipeline import RequestPipeline
 from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPlanning
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.request.validation import RequestValidation
 from gateway.routing.policy import Decision, Policy, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.routing.router import Router
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR
-from gateway.tokenization.service import TokenizationService
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals
-from gateway.workflow.service import NO_PLAN, WorkflowService
+from gateway.workflow.planning import NO_PLAN, WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
@@ -84,7 +84,7 @@ def pods(n: int = 2) -> PodRegistry:
 def client_request(body: dict[str, Any] | bytes, kind: str = "chat", headers: dict[str, str] | None = None,
                    key: Any = None) -> ClientRequest:
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    return ClientRequest("req-1", kind, time.monotonic(), raw, parse_inference_request(raw), key,
+    return ClientRequest("req-1", RequestKind(kind), time.monotonic(), raw, parse_inference_request(raw), key,
                          CIMultiDict(headers or {}), "POST", "/v1/chat/completions")
 
 
@@ -151,7 +151,7 @@ def test_validation_refuses_what_no_pod_should_see(body, kind, key, error):
 @pytest.fixture(scope="module")
 def tokens() -> TokenizationService:
     service = TokenizationService(
-        TokenizationConfig(models={MODEL: ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}),
+        TokenizationConfig(models={MODEL: ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR))}),
         PodRegistry([], HealthConfig()), GatewayMetrics(), HttpClient(), InFlightLedger())
     service.load()
     return service
@@ -487,7 +487,7 @@ async def test_the_director_runs_the_stages_in_order_and_retries_before_the_firs
     broken_stream = RelayOutcome(502, Ending.UPSTREAM_BROKE, time.monotonic(), streamed_events=3)
     the_director, log, recorder = director([RetryableFailure(upstream_failed("refused"), "connect"), broken_stream])
     edge = HttpEdge(http_request(chat()), the_director._proxy)  # type: ignore[arg-type]
-    await the_director.handle(edge, "chat", None)
+    await the_director.handle(edge, RequestKind.CHAT, None)
     assert edge.response is not None and edge.response.status == 200  # what the client saw first ...
     assert log == [
         "prepare", "admit", "plan",
@@ -501,13 +501,14 @@ async def test_the_director_runs_the_stages_in_order_and_retries_before_the_firs
 async def test_the_director_records_a_refusal_before_routing_and_after_every_pod_failed():
     refusing, log, recorder = director([])
     with pytest.raises(GatewayError) as info:
-        await refusing.handle(HttpEdge(http_request({"model": MODEL, "max_tokens": -1}), refusing._proxy), "chat", None)
+        await refusing.handle(HttpEdge(http_request({"model": MODEL, "max_tokens": -1}), refusing._proxy),
+                              RequestKind.CHAT, None)
     assert info.value.kind is ErrorKind.INVALID_REQUEST and log == ["complete 400 attempts=0"]
     assert recorder.done.routing is None and recorder.done.model == "-"  # a body not understood names nothing
     failing, log, recorder = director([RetryableFailure(upstream_failed(f"pod {i} refused"), "connect")
                                        for i in range(3)])
     with pytest.raises(GatewayError) as info:
-        await failing.handle(HttpEdge(http_request(chat()), failing._proxy), "chat", None)
+        await failing.handle(HttpEdge(http_request(chat()), failing._proxy), RequestKind.CHAT, None)
     assert info.value.kind is ErrorKind.UPSTREAM_FAILED and "pod 1" in info.value.message  # the last pod's cause
     assert log[-1] == "complete 502 attempts=2" and log.count("finish p0 502 failed") == 1
     assert NoPlanner().plan(recorder.done.request, ROUND_ROBIN, routing_of(recorder.done.request)) is NO_PLAN

@@ -184,7 +184,9 @@ def extras() -> frozenset[str]:
 def served_routes() -> tuple[tuple[str, re.Pattern[str]], ...]:
     """(method, path pattern) of every route the gateway's HTTP server adds."""
     app = web.Application()
-    app[GATEWAY_KEY] = SimpleNamespace(identity=SimpleNamespace(count=1))  # handlers are only bound to it
+    # Handlers are only bound to what they use.
+    app[GATEWAY_KEY] = SimpleNamespace(identity=SimpleNamespace(count=1), http=None, own_responses=None,
+                                       front=SimpleNamespace(director=None, counting=None))
     add_routes(app)
     routes = []
     for route in app.router.routes():

@@ -22,7 +22,7 @@ from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import STALE_S, Contender, SharedReleaseOrder
 from gateway.flow.saturation import Demand, SaturationDetector
-from gateway.flow.service import ServiceCounters
+from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.profiles import ProfileStore

@@ -19,8 +19,8 @@ from gateway.request.responses import _EventCapture
 from gateway.request.validation import check_body, check_headers
 from gateway.responses.store import MemoryResponses, ResponsesMetrics, StoredResponse, decode, encode
 from gateway.tokenization import responses
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
-from gateway.tokenization.service import LocalTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.tokenizers import LocalTokenizer
 
 CODEX = json.loads((Path(__file__).parents[1] / "fixtures" / "codex_responses_request.json").read_text())
 
@@ -39,7 +39,7 @@ def test_codex_input_items_and_tools_render_as_vllm_renders_them():
 
 
 async def test_a_responses_prompt_starts_with_the_special_tokens_and_its_next_turn_reuses_it():
-    tokenizer = HfTokenizer(MOCK_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
     local = LocalTokenizer(tokenizer, TokenizationConfig())
     first = InferenceRequest(instructions="Be brief.", input=[{"role": "user", "content": "A question " * 30}])
     messages = responses.chat_messages(first.instructions, first.input)

@@ -14,9 +14,9 @@ import pytest
 from gateway.config import TokenizationConfig
 from gateway.core.requests import InferenceRequest
 from gateway.kv.hashing import PromptHashes
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from gateway.tokenization.reuse import ConversationMemory, RememberedPrompt, fingerprints
-from gateway.tokenization.service import LocalTokenizer
+from gateway.tokenization.tokenizers import LocalTokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 # What each template's probes must conclude: reuse for every conversation, for plain ones, or never.
@@ -36,7 +36,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LocalToken
     for name in VERDICTS:
         directory = tmp_path_factory.mktemp(name)
         for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(MOCK_TOKENIZER_DIR / file, directory / file)
+            shutil.copy(BUNDLED_TOKENIZER_DIR / file, directory / file)
         shutil.copy(TEMPLATES / f"{name}.jinja", directory / "chat_template.jinja")
         out[name] = LocalTokenizer(HfTokenizer(directory), TokenizationConfig())
     return out

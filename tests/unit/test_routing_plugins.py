@@ -94,7 +94,7 @@ def test_prefix_matcher_precise_then_counts_the_chosen_pods_speculative_blocks(p
     rr = request(token_ids=list(range(12)))
     matcher.prepare(rr, pods)
     assert rr.precise and rr.prefix_tokens == {"p0": 0, "p1": 8, "p2": 0}
-    index.expect("p2", "m", None, rr.prefix.hashes)  # routed there (gateway.request.placement.RoutedPrefix)
+    index.expect("p2", "m", None, rr.prefix.hashes)  # routed there (gateway.request.context_steps.RoutedPrefix)
     matcher.prepare(rr, pods)  # the next attempt (or request) expects p2 to hold the prompt's blocks too
     assert rr.prefix_tokens == {"p0": 0, "p1": 8, "p2": 8}
     assert rr.prefix.pods["p2"].speculative_tokens == 8 and rr.prefix.pods["p1"].speculative_tokens == 0

@@ -12,6 +12,7 @@ import pytest
 from gateway.api.http_edge import HttpEdge
 from gateway.bench.runner import gateway_split
 from gateway.core.errors import GatewayError, upstream_failed
+from gateway.core.requests import RequestKind
 from gateway.metrics import GatewayMetrics, bucket_quantile, buckets_since, histogram_buckets
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.observers import StepMetrics
@@ -92,7 +93,7 @@ async def test_the_director_times_each_step_up_to_the_first_byte():
     headers_at = time.monotonic() + 1000
     answer = RelayOutcome(200, Ending.COMPLETE, headers_at + 0.25, headers_at=headers_at)
     the_director, _, recorder = director([RetryableFailure(upstream_failed("refused"), "connect"), answer])
-    await the_director.handle(HttpEdge(http_request(chat()), the_director._proxy), "chat", None)  # type: ignore[arg-type]
+    await the_director.handle(HttpEdge(http_request(chat()), the_director._proxy), RequestKind.CHAT, None)  # type: ignore[arg-type]
     done = recorder.done
     times = done.steps
     assert times is not None
@@ -109,7 +110,7 @@ async def test_a_body_that_does_not_parse_times_no_step():
     the_director, _, recorder = director([])
     edge = HttpEdge(http_request({"model": "mock-llama", "max_tokens": -1}), the_director._proxy)  # type: ignore[arg-type]
     with pytest.raises(GatewayError):
-        await the_director.handle(edge, "chat", None)
+        await the_director.handle(edge, RequestKind.CHAT, None)
     assert recorder.done.steps is not None and reached(recorder.done.steps) == set()
 
 

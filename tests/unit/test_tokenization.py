@@ -17,9 +17,9 @@ from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
-from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder, cut_at_spaces
-from gateway.tokenization.service import LocalTokenizer, TokenizationService
+from gateway.tokenization.tokenizers import LocalTokenizer, TokenizationService
 
 WORDS = ["the", "gateway", " routes", "naïve", "東京", "  ", "\n", "\n\n", "\t", "x=1;", "<|eot_id|>", "🙂",
          "<|start_header_id|>", "Ünïcödé", "12345", " ", ".", "KV-cache", "'quoted'", "<|", "|>"]
@@ -99,7 +99,7 @@ def test_prompts_sharing_a_long_prefix_tokenize_only_the_pieces_after_it(tokeniz
 def tokenizer_variant(tmp_path, pre_tokenizer: dict) -> HfTokenizer:
     """The mock tokenizer with another pre-tokenizer, and merges of a letter with the space after it first
     (as a tokenizer trained on pre-tokens that hold both would have: only there can a cut change the ids)."""
-    shutil.copytree(MOCK_TOKENIZER_DIR, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(BUNDLED_TOKENIZER_DIR, tmp_path, dirs_exist_ok=True)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     spec["pre_tokenizer"] = pre_tokenizer
     model = spec["model"]
@@ -148,7 +148,7 @@ def make_service(models=None, default_mode="none", **kw) -> TokenizationService:
 
 
 def local_models() -> dict:
-    return {"m": ModelTokenizerConfig(path=str(MOCK_TOKENIZER_DIR))}
+    return {"m": ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR))}
 
 
 async def test_service_local_chat_and_completions(tokenizer):

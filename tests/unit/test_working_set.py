@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.config import PlacementConfig
+from gateway.config import PlacementConfig, load_config
 from gateway.kv.working_set import Context, ResumableWorkingSet, shared_blocks
 from gateway.load.ledger import Dispatch, InFlightLedger
 
@@ -166,8 +166,8 @@ def test_idle_contexts_oldest_first_and_the_bound():
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(ValueError, match="protect"):
-        PlacementConfig(protect_margin=0)
+    with pytest.raises(ValueError, match="protect"):  # a declared constraint, checked as the config is read
+        load_config(overrides={"placement": {"protect_margin": 0}}, environ={})
 
 
 def test_shared_blocks_is_the_common_prefix_of_chained_hashes():

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2
 
-from gateway.api.middleware import ANTHROPIC_PATHS
-from gateway.api.routes import PROXIED_ROUTES, model_cards
+from gateway.api.routes import PROXIED_ROUTES
 from gateway.auth import ApiKey
-from gateway.components import Gateway
+from gateway.components import FrontDoor
 from gateway.config import EppConfig
 from gateway.core.errors import ErrorKind, GatewayError, internal_error
+from gateway.core.requests import ANTHROPIC_PATHS, PATHS, RequestKind
 from gateway.epp.access_log import AccessLogs
 from gateway.epp.edge import EnvoyEdge
 
@@ -31,8 +30,8 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     """Each ext_proc stream is one client request: its path picks the director, as the HTTP routes do."""
 
-    def __init__(self, gateway: Gateway, access_logs: AccessLogs, config: EppConfig) -> None:
-        self._gateway = gateway
+    def __init__(self, front: FrontDoor, access_logs: AccessLogs, config: EppConfig) -> None:
+        self._front = front
         self._access_logs = access_logs
         self._config = config
         self._serving: set[asyncio.Task[None]] = set()  # requests whose stream Envoy may close before they end
@@ -41,8 +40,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("request") != "request_headers":
             return
-        gateway = self._gateway
-        edge = EnvoyEdge(first, context, gateway.pods, self._access_logs, fallbacks=self._config.fallbacks,
+        edge = EnvoyEdge(first, context, self._front.pods, self._access_logs, fallbacks=self._config.fallbacks,
                          access_log_wait_s=self._config.access_log_wait_s)
         serving = asyncio.create_task(self._serve(edge))
         self._serving.add(serving)
@@ -56,27 +54,27 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 serving.cancel()
             raise
 
-    def _key(self, edge: EnvoyEdge, kind: str | None) -> ApiKey | None:
+    def _key(self, edge: EnvoyEdge, kind: RequestKind | None) -> ApiKey | None:
         """Who is asking; a generating request refused for its key is recorded as any other."""
         try:
-            return self._gateway.auth.check(edge.headers)
+            return self._front.auth.check(edge.headers)
         except GatewayError as err:
             if kind is not None:
-                self._gateway.director.refused(edge, kind, err)
+                self._front.director.refused(edge, kind, err)
             raise
 
     async def _serve(self, edge: EnvoyEdge) -> None:
-        gateway = self._gateway
+        front = self._front
         path = edge.path.partition("?")[0]
         anthropic = path in ANTHROPIC_PATHS
         try:
             key = self._key(edge, PROXIED_ROUTES.get(path))
             if (kind := PROXIED_ROUTES.get(path)) is not None:
-                await gateway.director.handle(edge, kind, key)
-            elif path == "/v1/messages/count_tokens":
-                await gateway.counting.handle(edge, "count_tokens", key)
+                await front.director.handle(edge, kind, key)
+            elif path == PATHS[RequestKind.COUNT_TOKENS]:
+                await front.counting.handle(edge, RequestKind.COUNT_TOKENS, key)
             elif path == "/v1/models" and edge.method == "GET":
-                await edge.answer(200, msgspec.json.encode({"object": "list", "data": model_cards(gateway, key)}))
+                await edge.answer(200, msgspec.json.encode({"object": "list", "data": front.model_cards(key)}))
             else:
                 raise GatewayError(ErrorKind.NOT_FOUND, f"No route for {edge.method} {path}.", code="not_found")
         except GatewayError as err:
@@ -92,8 +90,8 @@ class Readiness:
     """Keeps the gRPC health statuses true: live while the process serves; ready (and the ext_proc service
     serving) while a pod can take requests and the EPP is not draining."""
 
-    def __init__(self, gateway: Gateway, servicer: health.aio.HealthServicer, interval_s: float = 1.0) -> None:
-        self._gateway = gateway
+    def __init__(self, front: FrontDoor, servicer: health.aio.HealthServicer, interval_s: float = 1.0) -> None:
+        self._front = front
         self._servicer = servicer
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -110,8 +108,7 @@ class Readiness:
             await self._servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def update(self) -> None:
-        now = time.monotonic()
-        ready = not self._gateway.draining and any(p.available(now) for p in self._gateway.pods.all())
+        ready = not self._front.draining and self._front.ready_pods() > 0
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", "readiness", EXT_PROC_SERVICE):
             await self._servicer.set(service, status)

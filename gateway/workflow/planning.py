@@ -19,7 +19,7 @@ from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import InferenceRequest
-from gateway.load.pressure_modes import PressureModes
+from gateway.pressure.modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals, WorkflowContext

@@ -1,6 +1,6 @@
 """Each pod's KV-memory pressure mode: five levels, relaxed to emergency.
 
-Owner: the pressure monitor (:mod:`gateway.pressure`) alone sets a pod's mode; pending load, workflow
+Owner: the pressure monitor (:mod:`gateway.pressure.monitor`) alone sets a pod's mode; pending load, workflow
 planning and ``/debug/workflows`` read it.
 """
 

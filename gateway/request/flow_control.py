@@ -28,7 +28,7 @@ from gateway.flow.controller import FlowController, Held
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand
-from gateway.flow.service import WorkflowFlows
+from gateway.flow.service_counters import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Policy, RoutingRequest

@@ -22,7 +22,7 @@ import aiohttp
 
 from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
-from gateway.core.requests import InferenceRequest
+from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
@@ -204,7 +204,7 @@ class TokenizationService:
         base = self._pods.base_model(model)
         return base in self._local and self.mode_of(base) == "local"
 
-    async def tokenize(self, model: str, kind: str, req: InferenceRequest, *, avoid_local: bool = False
+    async def tokenize(self, model: str, kind: RequestKind, req: InferenceRequest, *, avoid_local: bool = False
                        ) -> Tokens | None:
         """The prompt's token ids, or None. ``avoid_local``: ask a pod even if a local tokenizer is
         configured (its predictions drift from the engines')."""
@@ -238,7 +238,7 @@ class TokenizationService:
         if local is not None and tokens.fingerprint is not None:
             local.remember(tokens, hashes)
 
-    async def _local_tokens(self, local: LocalTokenizer, kind: str, req: InferenceRequest) -> Tokens | None:
+    async def _local_tokens(self, local: LocalTokenizer, kind: RequestKind, req: InferenceRequest) -> Tokens | None:
         try:
             if kind in CHAT_KINDS:
                 messages = chat_messages(kind, req, merge_inline_system=local.tokenizer.system_first)
@@ -256,7 +256,7 @@ class TokenizationService:
             log.debug("local tokenization failed: %s", exc)
             raise _NotTokenizable("render_error") from None
 
-    async def _remote_tokens(self, model: str, kind: str, req: InferenceRequest) -> list[int] | None:
+    async def _remote_tokens(self, model: str, kind: RequestKind, req: InferenceRequest) -> list[int] | None:
         if kind in CHAT_KINDS:
             try:
                 messages = self._remote_messages(kind, req)
@@ -266,7 +266,7 @@ class TokenizationService:
                 return None
             body: dict[str, Any] = {"model": model, "messages": messages,
                                     "add_generation_prompt": req.add_generation_prompt is not False}
-            if kind == "responses":
+            if kind == RequestKind.RESPONSES:
                 body["add_special_tokens"] = responses.SPECIAL_TOKENS
             if (tools := chat_tools(kind, req)) is not None:
                 body["tools"] = tools
@@ -294,9 +294,9 @@ class TokenizationService:
         return tokens
 
     @staticmethod
-    def _special_prefix(local: LocalTokenizer, kind: str) -> tuple[int, ...]:
+    def _special_prefix(local: LocalTokenizer, kind: RequestKind) -> tuple[int, ...]:
         """What vLLM puts before the rendered prompt: the tokenizer's special tokens, for Responses only."""
-        if kind != "responses":
+        if kind != RequestKind.RESPONSES:
             return ()
         prefix = local.tokenizer.special_prefix
         if prefix is None:  # it adds tokens after the text too: not exactly reproducible from the template
@@ -304,10 +304,10 @@ class TokenizationService:
         return prefix
 
     @staticmethod
-    def _remote_messages(kind: str, req: InferenceRequest) -> list[dict[str, Any]] | None:
+    def _remote_messages(kind: RequestKind, req: InferenceRequest) -> list[dict[str, Any]] | None:
         """The conversation for a pod's ``/tokenize``. Whether the pod's template merges a Messages
         request's inline system messages is not known here: such a request is not tokenized remotely."""
-        if kind == "messages" and any(m.get("role") == "system" for m in req.messages or ()):
+        if kind == RequestKind.MESSAGES and any(m.get("role") == "system" for m in req.messages or ()):
             raise NotRenderable("inline system messages, with the pod's template unknown")
         return chat_messages(kind, req)
 
