@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.bench.workloads import (
+from bench.workloads import (
     GENERATORS,
     Trace,
     longest_request_tokens,
@@ -26,7 +26,7 @@ from gateway.bench.workloads import (
 )
 
 if TYPE_CHECKING:
-    from gateway.bench.runner import BenchRunner
+    from bench.runner import BenchRunner
 
 DEFAULT_CONTENDERS = {
     "shared-prefix": ["direct", "gateway-round_robin", "gateway-prefix_cache", "gateway-kv_aware", "gateway-slo",
@@ -134,7 +134,7 @@ TokenCounter = Callable[[list[dict[str, Any]]], int]
 
 def mock_token_counter() -> TokenCounter:
     """The simulated pods' token count of a chat prompt."""
-    from gateway.bench.oracle import ChatEncoder
+    from bench.oracle import ChatEncoder
     from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
     encoder = ChatEncoder(HfTokenizer(BUNDLED_TOKENIZER_DIR))
@@ -159,7 +159,7 @@ def cache_blocks_for(trace: Trace, ratio: float, pods: int, block_size: int, cou
 def size_simulated_pods(runner: BenchRunner, trace: Trace, args: argparse.Namespace) -> None:
     """Blocks per pod (``--num-blocks``, or by ``--working-set-ratio``) and context length (the model's) enough
     for the trace's longest request, as a real fleet serving it would have."""
-    from gateway.mock.engine import MODEL_MAX_LEN
+    from simulator.engine import MODEL_MAX_LEN
 
     count = mock_token_counter()
     longest = longest_tokens_for(trace, count)
@@ -176,7 +176,7 @@ def load_trace(args: argparse.Namespace, scenario: str | None, tokenizer: str | 
         return scaled_trace(scenario, args.seed, args.scale, args.rate, args.set)
     if args.trace_format == "bench":
         return read_trace(args.trace)
-    from gateway.bench.mooncake import TRACE_BLOCK_TOKENS, read_mooncake
+    from bench.mooncake import TRACE_BLOCK_TOKENS, read_mooncake
     from gateway.tokenization.hf import HfTokenizer
 
     if tokenizer is None:
@@ -202,9 +202,9 @@ def time_split(extra: dict[str, float]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.bench.peers import PeerMissing, PeerRefused
-    from gateway.bench.report import ratio, write_results
-    from gateway.bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
+    from bench.peers import PeerMissing, PeerRefused
+    from bench.report import ratio, write_results
+    from bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
     from gateway.config import PodConfig
     from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 

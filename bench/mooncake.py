@@ -1,6 +1,6 @@
 """Replaying traces in the Mooncake FAST'25 format (kvcache-ai/Mooncake, ``FAST25-release/traces``).
 
-Owner: nothing with a lifetime: a Mooncake JSONL file to a :class:`~gateway.bench.workloads.Trace`.
+Owner: nothing with a lifetime: a Mooncake JSONL file to a :class:`~bench.workloads.Trace`.
 
 One JSON object per line: ``timestamp`` (ms from the start), ``input_length`` and ``output_length``
 (tokens), and ``hash_ids``, the prompt's blocks of 512 tokens: equal ids at the same position mean the same
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.bench.workloads import Session, Step, Trace
+from bench.workloads import Session, Step, Trace
 from gateway.tokenization.hf import HfTokenizer
 
 TRACE_BLOCK_TOKENS = 512

@@ -9,7 +9,7 @@ and KV capacity to hit ratios.
   it starts, and all its requests with it: among the pods assigned at most one session more than the least
   loaded (sessions assigned so far), the one holding the longest cached prefix of its first prompt (ties:
   the least loaded, then the first). Each pod is the simulated pod's own cache
-  (:class:`~gateway.mock.kvcache.PagedKvCache`, vLLM's block pool: LRU over free blocks, a finished
+  (:class:`~simulator.kvcache.PagedKvCache`, vLLM's block pool: LRU over free blocks, a finished
   request's blocks freed tail first, ``num_blocks`` of them with one kept as the null block).
 - ``keep_warm``: the same placement, each pod evicting the free cached block whose next use on it is the
   farthest (Belady's MIN; one never used again first). It is what refreshes could reach if they cost
@@ -18,7 +18,7 @@ and KV capacity to hit ratios.
   can win at this placement.
 
 Hits are counted as the pods count them (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, and
-:meth:`gateway.mock.engine.MockEngine._admit`): each prompt token of an admitted request is a query, the
+:meth:`simulator.engine.MockEngine._admit`): each prompt token of an admitted request is a query, the
 hits are the whole blocks of its longest cached prefix, at most ``(n - 1) // block_size`` blocks of an
 ``n``-token prompt (the engine always computes the last prompt token). A request needing more blocks than
 the smallest pod has is left out of both (that pod would refuse it, and it would count nothing). Once a
@@ -32,7 +32,7 @@ answers re-encode to the tokens they generated; a real engine's may differ by a 
 that the text lacks). A request that failed recorded an empty answer, as its session's next prompt did.
 
 Requests are taken in the replay's order without service time: each session's start plus its think
-times (:meth:`~gateway.bench.workloads.Session.send_times`), ties by session then step; each runs alone
+times (:meth:`~bench.workloads.Session.send_times`), ties by session then step; each runs alone
 and ends before the next begins. A measured run overlaps requests, so a request may miss blocks another
 is still computing: ``sticky_lru`` is a reference a router can beat, ``infinite`` a bound it cannot (but
 for such reordering).
@@ -50,11 +50,11 @@ from typing import Any
 
 import msgspec
 
-from gateway.bench.workloads import History, Trace
+from bench.workloads import History, Trace
 from gateway.kv.hashing import namespace_root, prefix_hashes
-from gateway.mock.kvcache import Block, PagedKvCache, SequenceBlocks
 from gateway.tokenization.hf import HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder
+from simulator.kvcache import Block, PagedKvCache, SequenceBlocks
 
 # Recorded answers by (session index, step index).
 Answers = Mapping[tuple[int, int], str]

@@ -58,7 +58,7 @@ class PeerRefused(RuntimeError):
     """The peer's script is not the package and version its row claims."""
 
 
-# Keyed by the contenders' kind (gateway.bench.runner.Contender.kind).
+# Keyed by the contenders' kind (bench.runner.Contender.kind).
 PEERS = {
     "vllm-router": PeerPackage("vllm-router", "0.1.17", "vllm-router"),
     "sglang-router": PeerPackage("sglang-router", "0.3.2", "smg", banner="sgl-model-gateway"),

@@ -1,7 +1,7 @@
 """Bench output: ``latest.json``, a CSV of every figure, a Markdown table and PNG plots.
 
 Owner: nothing with a lifetime: results to files. Beside each hit ratio stand the trace's references
-(``infinite``, ``sticky_lru``, ``keep_warm``: :mod:`gateway.bench.oracle`) and the ``distance`` to the sticky
+(``infinite``, ``sticky_lru``, ``keep_warm``: :mod:`bench.oracle`) and the ``distance`` to the sticky
 one; beside each contender, what served it: package, version (the gateway's: its commit) and command line.
 """
 
@@ -13,8 +13,8 @@ import json
 import shlex
 from pathlib import Path
 
-from gateway.bench.runner import Result
-from gateway.bench.tenants import tenant_table
+from bench.runner import Result
+from bench.tenants import tenant_table
 
 COLUMNS = ["scenario", "name", "policy", "hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
            "e2e_p90_ms", "e2e_p99_ms", "session_p50_ms", "req_per_s", "errors", "rejected", "requests",

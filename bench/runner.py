@@ -2,7 +2,7 @@
 
 Owner: a :class:`BenchRunner` owns the processes it starts (pods, routers) and stops them all, by pid,
 whatever happens. Cache hits are read from the pods' own prefix-cache counters, latency on the client.
-Beside each measured hit ratio it puts the trace's references (:mod:`gateway.bench.oracle`), computed
+Beside each measured hit ratio it puts the trace's references (:mod:`bench.oracle`), computed
 from the answers that run recorded, for the pods' block size and capacity as their metrics say them.
 """
 
@@ -34,11 +34,11 @@ import msgspec
 import orjson
 from tqdm import tqdm
 
+from bench.oracle import ChatEncoder, Oracle, trace_oracle
+from bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
+from bench.tenants import tenant_stats
+from bench.workloads import History, Session, Trace
 from gateway.backends.scraper import parse_engine_metrics
-from gateway.bench.oracle import ChatEncoder, Oracle, trace_oracle
-from gateway.bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
-from gateway.bench.tenants import tenant_stats
-from gateway.bench.workloads import History, Session, Trace
 from gateway.config import MockPodsConfig, PodConfig
 from gateway.epp.envoy_config import bootstrap_yaml
 from gateway.metrics import (
@@ -50,17 +50,17 @@ from gateway.metrics import (
     keep_warm_spent,
     prediction_checks,
 )
-from gateway.mock.launcher import MockPodFleet
-from gateway.mock.pod import free_port
 from gateway.request.timings import STEP_NAMES
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.launcher import MockPodFleet
+from simulator.pod import free_port
 
 Kind = Literal["direct", "gateway", "envoy-epp", "vllm-router", "sglang-router", "smg"]
 
 
 class Contender(msgspec.Struct, frozen=True):
     name: str
-    kind: Kind  # a peer's kind is its package's key in gateway.bench.peers.PEERS
+    kind: Kind  # a peer's kind is its package's key in bench.peers.PEERS
     policy: str = "round_robin"
     env: dict[str, str] = {}
     # Gateway replicas, each with its own index; the client spreads requests over them round-robin,
@@ -172,7 +172,7 @@ class Result:
     # Requests each pod finished (its own counter) and the busiest pod's share of them.
     pod_requests: list[int] = field(default_factory=list)
     largest_share: float = 0.0
-    # The trace's references (gateway.bench.oracle) and how far below the sticky one the hit ratio is
+    # The trace's references (bench.oracle) and how far below the sticky one the hit ratio is
     # (negative: above it); none where they could not be computed (no local tokenizer, no cache size).
     infinite: float | None = None
     sticky_lru: float | None = None
@@ -185,7 +185,7 @@ class Result:
     version: str | None = None
     reported_version: str | None = None
     command: list[str] = field(default_factory=list)
-    # Per tenant (the fairness id its requests named), for traces with tenants (gateway.bench.tenants).
+    # Per tenant (the fairness id its requests named), for traces with tenants (bench.tenants).
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Protocol
 
-from gateway.bench.workloads import Trace, tenant_of
+from bench.workloads import Trace, tenant_of
 from gateway.config import TokenWeightsConfig
 
 

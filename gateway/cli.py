@@ -29,7 +29,7 @@ from gateway.config import (
     load_config,
 )
 from gateway.kv.events import Encoding
-from gateway.mock.engine import MODEL_MAX_LEN
+from simulator.engine import MODEL_MAX_LEN
 
 log = logging.getLogger("gateway.cli")
 
@@ -112,9 +112,9 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
     """``gateway serve`` (the HTTP proxy, one process or a supervisor of workers), or ``gateway epp``
     (the endpoint picker: one process), with the simulated pods the config asks for. ``source``: where
     ``config`` was read from, to reload it (SIGHUP, or the file changing)."""
-    from gateway.mock.launcher import MockPodFleet
     from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
+    from simulator.launcher import MockPodFleet
 
     fleet = None
     if config.mock_pods.count:
@@ -144,7 +144,7 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
 
 
 async def mock(args: argparse.Namespace) -> None:
-    from gateway.mock.pod import MockPod, MockPodConfig
+    from simulator.pod import MockPod, MockPodConfig
 
     config = MockPodConfig(
         host=args.host, port=args.port,
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.load.cli import add_profiles_parser
 
     add_profiles_parser(sub)
-    from gateway.bench.cli import add_bench_parser
+    from bench.cli import add_bench_parser
 
     add_bench_parser(sub)
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return check_config(args.file, args.json)
     if args.command == "bench":
-        from gateway.bench.cli import run as run_bench
+        from bench.cli import run as run_bench
 
         configure_logging_early()
         return run_bench(args)

@@ -14,9 +14,9 @@ import orjson
 from aiohttp import web
 
 from gateway.core.requests import InferenceRequest
-from gateway.mock.engine import Sequence
 from gateway.tokenization import anthropic
 from gateway.tokenization.hf import HfTokenizer
+from simulator.engine import Sequence
 
 
 def prompt_ids(tokenizer: HfTokenizer, body: dict[str, Any]) -> list[int]:

@@ -1,6 +1,6 @@
 """Build the small byte-level BPE tokenizer shipped for the simulated pods.
 
-Run as ``python -m gateway.mock.build_tokenizer OUT_DIR``. The result is committed under
+Run as ``python -m simulator.build_tokenizer OUT_DIR``. The result is committed under
 ``gateway/tokenization/bundled/`` so tests and the demo never reach a model hub; this script only documents
 (and can redo) how it was made. The chat template follows Llama 3's layout, which is what real
 engines render for the models our users run most.

@@ -1,7 +1,7 @@
 """The simulated engine: continuous batching over a paged KV cache, with a timing model.
 
 Owner: the :class:`MockEngine` owns its waiting queue, running batch and the pod's
-:class:`~gateway.mock.kvcache.PagedKvCache`; the HTTP layer only submits and aborts sequences.
+:class:`~simulator.kvcache.PagedKvCache`; the HTTP layer only submits and aborts sequences.
 
 Each scheduler step, as in vLLM: every running sequence that finished prefill decodes one token, and
 the rest of a token budget goes to prefill chunks (admitting waiting sequences first-come first-served
@@ -15,7 +15,7 @@ batch slot; switching an adapter into a slot costs ``lora_activate_s``, and read
 memory (``max_cpu_loras``, least recently used first) from its path costs ``lora_load_s``. An adapter's
 requests cache their own blocks (their hashes carry it).
 
-With a KV connector (:mod:`gateway.mock.kv_transfer`), prompt tokens may also come from outside, as vLLM's
+With a KV connector (:mod:`simulator.kv_transfer`), prompt tokens may also come from outside, as vLLM's
 connectors bring them: a sequence admitted with tokens the connector holds loads them (a small cost per
 token, not their prefill) and recomputes at least the last prompt token; a producer's finished sequence
 may keep its blocks until a consumer has pulled them.
@@ -36,7 +36,7 @@ import msgspec
 from gateway.background import cancel_and_wait
 from gateway.kv.events import KvEvent
 from gateway.lru import LruCache
-from gateway.mock.kvcache import LoraKey, PagedKvCache, SequenceBlocks
+from simulator.kvcache import LoraKey, PagedKvCache, SequenceBlocks
 
 
 class TimingModel(msgspec.Struct, frozen=True):
@@ -125,7 +125,7 @@ class PromptRejected(ValueError):
 
 
 class EngineConnector(Protocol):
-    """What the engine asks a KV connector (:mod:`gateway.mock.kv_transfer`)."""
+    """What the engine asks a KV connector (:mod:`simulator.kv_transfer`)."""
 
     def loadable(self, seq: Sequence) -> int:
         """Prompt tokens of ``seq``, from the first, that the connector can load."""

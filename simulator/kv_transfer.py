@@ -29,9 +29,9 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from gateway.mock.engine import Sequence
+from simulator.engine import Sequence
 
-log = logging.getLogger("gateway.mock")
+log = logging.getLogger("simulator")
 
 # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long a producer keeps blocks nobody pulls.
 NIXL_LEASE_S = 480.0

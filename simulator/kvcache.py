@@ -4,7 +4,7 @@ Owner: one :class:`PagedKvCache` per simulated pod, driven only by that pod's en
 
 As in vLLM 0.32's ``BlockPool`` (checked event for event against a real pod: ``tests/e2e/test_mock_fidelity.py``):
 blocks have a fixed size, and block 0 is the null block, never handed out; a full block is cached under a
-chained hash of its tokens (vLLM's own, or a per-process seeded one: :mod:`gateway.mock.block_hashes`);
+chained hash of its tokens (vLLM's own, or a per-process seeded one: :mod:`simulator.block_hashes`);
 blocks referenced by a running request are never evicted; a finished request frees its blocks tail first,
 those that cache nothing (a partial last block) to the *front* of the free queue, to be reused first, and
 cached ones to its back, so that cached blocks are evicted least recently freed first; a prefix hit takes
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import prefix_hashes
-from gateway.mock.block_hashes import BlockHasher, SeededBlockHasher
+from simulator.block_hashes import BlockHasher, SeededBlockHasher
 
 
 @dataclass(eq=False, slots=True)

@@ -22,9 +22,9 @@ import urllib.request
 from dataclasses import dataclass
 
 from gateway.config import MockPodsConfig, PodConfig
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 
-log = logging.getLogger("gateway.mock")
+log = logging.getLogger("simulator")
 
 
 class PodExited(RuntimeError):

@@ -8,7 +8,7 @@ vLLM 0.32's scale-out mode, ``/metrics`` with the engines' metric names, and the
 LoRA (``enable_lora``, vLLM's ``--enable-lora`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): adapters are
 registered by name and path (``lora_adapters`` at start, ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` later, which answer as vLLM 0.32 does), listed at ``/v1/models`` with their
-``parent``, and a request naming one runs with it (:class:`~gateway.mock.engine.LoraSlots`: batch slots,
+``parent``, and a request naming one runs with it (:class:`~simulator.engine.LoraSlots`: batch slots,
 host memory, the cost of a switch); a name the pod does not serve is a 404, as in vLLM.
 ``vllm:lora_requests_info`` says which adapters run and wait, one series per label set as vLLM's gauge
 keeps them; ``mock_lora_activations_total`` and ``mock_lora_loads_total`` (the simulator's own) count the
@@ -35,22 +35,22 @@ from aiohttp import web
 from gateway.config import PodConfig
 from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
-from gateway.mock import anthropic as anthropic_api
-from gateway.mock import responses as responses_api
-from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
-from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
-from gateway.mock.kv_transfer import (
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator import anthropic as anthropic_api
+from simulator import responses as responses_api
+from simulator.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
+from simulator.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from simulator.kv_transfer import (
     SIDE_CHANNEL_PATH,
     KvLoadFailed,
     Nixl,
     SharedStorage,
     parse_kv_transfer_config,
 )
-from gateway.mock.kvcache import LoraKey, PagedKvCache
-from gateway.mock.publisher import KvEventPublisher
-from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.kvcache import LoraKey, PagedKvCache
+from simulator.publisher import KvEventPublisher
 
-log = logging.getLogger("gateway.mock")
+log = logging.getLogger("simulator")
 
 OUTPUT_TEXT = (
     " The quick brown fox jumps over the lazy dog while the gateway routes every request to the pod"
@@ -89,7 +89,7 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_loras: int = 1
     max_cpu_loras: int | None = None
     timing: TimingModel | None = None
-    # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`gateway.mock.kv_transfer`).
+    # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`simulator.kv_transfer`).
     kv_transfer_config: str | None = None
     # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: keep the Responses API's responses in the pod's memory.
     responses_store: bool = False
@@ -424,7 +424,7 @@ class MockPod:
         return await self._generate(request, body, ids, chat=True)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
-        """Anthropic's Messages API, as vLLM 0.32 serves it (:mod:`gateway.mock.anthropic`)."""
+        """Anthropic's Messages API, as vLLM 0.32 serves it (:mod:`simulator.anthropic`)."""
         if failure := await self._inference_faults():
             return failure
         body = await self._body(request)
@@ -456,7 +456,7 @@ class MockPod:
                 self.engine.abort(seq)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """The Responses API, as vLLM 0.32 answers it (:mod:`gateway.mock.responses`)."""
+        """The Responses API, as vLLM 0.32 answers it (:mod:`simulator.responses`)."""
         if failure := await self._inference_faults():
             return failure
         body = await self._body(request)

@@ -29,7 +29,7 @@ from gateway.kv.events import (
     replay_message,
 )
 
-log = logging.getLogger("gateway.mock.events")
+log = logging.getLogger("simulator.events")
 
 
 def _bind(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:

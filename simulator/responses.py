@@ -27,10 +27,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.mock.engine import Sequence
 from gateway.tokenization import responses
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.hf import HfTokenizer
+from simulator.engine import Sequence
 
 # A function tool's fields as vLLM echoes them in the response, in its order, with its defaults.
 _TOOL_FIELDS = ("name", "parameters", "strict", "type", "allowed_callers", "async", "defer_loading", "description",

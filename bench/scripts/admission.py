@@ -1,6 +1,6 @@
 """SLO admission under overload: the same Poisson load through the gateway with admission off and on.
 
-    python benchmarks/admission.py [--rate 80] [--seconds 15] [--ttft-ms 500]
+    python bench/scripts/admission.py [--rate 80] [--seconds 15] [--ttft-ms 500]
 
 Two simulated pods (speed 1) behind the gateway; every request carries ``x-slo-ttft-ms``. Reports the
 TTFT p50/p90 of answered requests and the share rejected with 429.
@@ -20,8 +20,8 @@ import time
 
 import aiohttp
 
-from gateway.bench.runner import wait_http
-from gateway.mock.pod import free_port
+from bench.runner import wait_http
+from simulator.pod import free_port
 
 
 async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, ttft_ms: float) -> tuple[int, float]:

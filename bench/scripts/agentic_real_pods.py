@@ -1,7 +1,7 @@
 """Agentic traffic over two small real vLLM pods (CPU): the gateway's contenders, several seeds, the oracle.
 
     E2E_VLLM_PYTHON=$(tools/vllm-env.sh)/bin/python E2E_MODEL_DIR=<the e2e suite's tiny model> \\
-        python benchmarks/agentic_real_pods.py --contender gateway-kv_aware \\
+        python bench/scripts/agentic_real_pods.py --contender gateway-kv_aware \\
         --contender gateway-kv_aware-no-workflow --seed 3 --seed 4 --seed 5 [--think 1 4] [--blocks 48]
 
 Two pods, each on a core of its own, with ``--blocks`` KV blocks of 128 tokens (one is vLLM's null block),
@@ -22,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gateway.bench.runner import CONTENDERS, BenchRunner
-from gateway.bench.workloads import agentic_shared
+from bench.runner import CONTENDERS, BenchRunner
+from bench.workloads import agentic_shared
 from gateway.config import PodConfig
 from tests.e2e.conftest import MODEL, VllmPod
 

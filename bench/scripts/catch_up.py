@@ -1,6 +1,6 @@
 """How long the gateway's event loop stalls while it catches up on warm pods' KV events.
 
-    python benchmarks/catch_up.py [--pods 8] [--blocks 20000] [--blocks-per-batch 16]
+    python bench/scripts/catch_up.py [--pods 8] [--blocks 20000] [--blocks-per-batch 16]
 
 A helper process plays ``--pods`` engines whose caches are already warm: each has published
 ``--blocks`` blocks (in batches of ``--blocks-per-batch``) and keeps them in its replay buffer, as a
@@ -23,8 +23,8 @@ from gateway.background import LoopShare
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
-from gateway.mock.pod import free_ports
-from gateway.mock.publisher import KvEventPublisher
+from simulator.pod import free_ports
+from simulator.publisher import KvEventPublisher
 
 BLOCK_SIZE = 16
 

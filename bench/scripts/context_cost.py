@@ -1,7 +1,7 @@
 """What precise routing costs as contexts grow: the router's CPU per request and the latency it adds, at
 agent-sized contexts, for sessions that continue and for prompts that are all new.
 
-    python benchmarks/context_cost.py [--contexts 2000 8000 32000 128000] [--peers] [--turns 12]
+    python bench/scripts/context_cost.py [--contexts 2000 8000 32000 128000] [--peers] [--turns 12]
 
 For each context length: a session first grows to that many tokens (not measured), then sends ``--turns``
 more requests, each adding a ~300-token tool result, one at a time over one connection, as an agent does
@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.bench.runner import CONTENDERS, BenchRunner, prepare_peers
-from gateway.bench.workloads import WORDS
+from bench.runner import CONTENDERS, BenchRunner, prepare_peers
+from bench.workloads import WORDS
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 
 PEERS = ("smg-cache_aware", "vllm-router-cache_aware", "vllm-router-kv_aware")

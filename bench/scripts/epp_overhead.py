@@ -1,7 +1,7 @@
 """What the endpoint picker costs: Envoy alone, Envoy + ``gateway epp``, and ``gateway serve`` (proxy mode)
 in front of one simulated pod at speed 0.
 
-    python benchmarks/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
+    python bench/scripts/epp_overhead.py [--requests 400] [--policy round_robin] [--tokens 1 256 2048]
                                       [--bodies buffered|full_duplex] [--setups envoy envoy+epp gateway ...]
 
 For each setup, requests one at a time over one kept-alive connection: a 4 KB chat request answered with 1
@@ -10,7 +10,7 @@ time and then ``--concurrency`` (16) at a time. It prints
 the median latency and the CPU time per request of each process of the setup (Envoy, the EPP, the gateway),
 from the kernel's counters, and checks that the EPP learnt every answer's exact output length (its
 ``gateway_output_tokens`` histogram). The setups ``envoy+floor`` and ``envoy+floor-grpclib`` put
-``benchmarks/ext_proc_floor.py`` (the same messages, no decisions; on grpc.aio or grpclib) where the EPP
+``bench/scripts/ext_proc_floor.py`` (the same messages, no decisions; on grpc.aio or grpclib) where the EPP
 was: the gRPC stack's own share. Compare within one run: everything shares this machine.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.bench.runner import wait_http, wait_tcp
+from bench.runner import wait_http, wait_tcp
 from gateway.epp.envoy_config import BodyModes, bootstrap
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 
 IDLE_S = 5.0
 FILLER = "The gateway routes each request to the pod holding its prefix. " * 60

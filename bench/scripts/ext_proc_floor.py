@@ -1,12 +1,12 @@
 """The floor under the endpoint picker's cost: an ext_proc server that makes no decision.
 
-    python benchmarks/ext_proc_floor.py --grpc-port 9002 --endpoint 127.0.0.1:8000 [--stack grpc_aio|grpclib]
+    python bench/scripts/ext_proc_floor.py --grpc-port 9002 --endpoint 127.0.0.1:8000 [--stack grpc_aio|grpclib]
 
 It speaks the same messages as ``gateway epp`` with buffered request bodies (gateway/epp/protocol.py): the
 request headers go on, the body is answered with ``--endpoint`` in the destination header and metadata,
 the answer's headers go on, and Envoy's access-log entries are read and dropped. No parsing, auth,
 tokenizing or routing: what is left is the gRPC stack's own cost per request, on uvloop as the EPP runs.
-``benchmarks/epp_overhead.py --setups envoy+floor`` runs it behind the same Envoy as the EPP, so the two
+``bench/scripts/epp_overhead.py --setups envoy+floor`` runs it behind the same Envoy as the EPP, so the two
 compare request for request. ``grpclib`` (pure Python, no threads of its own) is not a dependency of the
 gateway; install it to compare the stacks.
 """

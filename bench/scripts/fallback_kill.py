@@ -1,6 +1,6 @@
 """A model rule's target whose pods all die mid-run: what its requests became.
 
-    python benchmarks/fallback_kill.py [--requests 600] [--clients 32] [--kill-after 0.4]
+    python bench/scripts/fallback_kill.py [--requests 600] [--clients 32] [--kill-after 0.4]
 
 Simulated pods as processes (speed 1): two serve ``stable``, one ``fallback``. The gateway
 (``serve --workers 1``) maps ``chat`` to ``stable`` with ``fallback`` after it. ``--clients`` clients send
@@ -24,10 +24,10 @@ from collections import Counter
 
 import aiohttp
 
-from gateway.bench.runner import wait_http
+from bench.runner import wait_http
 from gateway.config import MockPodsConfig
-from gateway.mock.launcher import MockPodFleet
-from gateway.mock.pod import free_port
+from simulator.launcher import MockPodFleet
+from simulator.pod import free_port
 
 
 async def run(url: str, requests: int, clients: int, kill_after: float, kill) -> Counter[str]:

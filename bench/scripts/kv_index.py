@@ -1,6 +1,6 @@
 """Prefix-index and routing-decision speed, in one process on one core.
 
-    python benchmarks/kv_index.py
+    python bench/scripts/kv_index.py
 
 Reports: event ingest (msgpack decode + apply) in blocks/s; lookup time of a 2,048-token prompt against
 16 pods; memory per (pod, block) at 1 million blocks; and a kv_aware routing decision including the

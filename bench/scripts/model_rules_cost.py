@@ -1,7 +1,7 @@
 """What model rules and key limits cost a request: the gateway's CPU per request with none configured, and
 with them, measured side by side and alternated so that drift on a shared machine falls on both.
 
-    python benchmarks/model_rules_cost.py [--rounds 12] [--requests 40] [--context-words 1200]
+    python bench/scripts/model_rules_cost.py [--rounds 12] [--requests 40] [--context-words 1200]
 
 Four ``gateway serve`` processes (one worker each, ``kv_aware``) in front of the same two simulated pods
 (speed 0: sixteen-token answers at once, streamed, so that the answer's rewriting is measured):
@@ -35,12 +35,12 @@ from typing import Any
 
 import msgspec
 
-from gateway.bench.runner import wait_http
-from gateway.bench.workloads import WORDS
+from bench.runner import wait_http
+from bench.workloads import WORDS
 from gateway.config import MockPodsConfig, hash_api_key
-from gateway.mock.launcher import MockPodFleet
-from gateway.mock.pod import free_port
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.launcher import MockPodFleet
+from simulator.pod import free_port
 
 MODEL = "mock-llama"
 KEY = "sk-bench"

@@ -1,7 +1,7 @@
 """What the gateway adds when it splits a request into a prefill leg and a decode leg: simulated pods at
 speed 0 (no simulated compute), one client, one request at a time.
 
-    python benchmarks/pd_overhead.py [--requests 300] [--connector nixl|shared_storage] [--policy kv_aware]
+    python bench/scripts/pd_overhead.py [--requests 300] [--connector nixl|shared_storage] [--policy kv_aware]
 
 For each request (16 prompts of ~1,000 tokens in turn, interleaved A B C D, D C B A so that drift hits
 every way alike):
@@ -31,12 +31,12 @@ import time
 import aiohttp
 import orjson
 
-from gateway.bench.runner import wait_http
+from bench.runner import wait_http
 from gateway.config import MockPodsConfig, PodConfig
-from gateway.mock.launcher import MockPodFleet
-from gateway.mock.pod import free_port
 from gateway.request.disaggregation import NIXL_PREFILL_PARAMS
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.launcher import MockPodFleet
+from simulator.pod import free_port
 
 MODEL = "mock-llama"
 

@@ -1,6 +1,6 @@
 """What the gateway adds to a request: wrk against a trivial backend, direct vs through the gateway.
 
-    python benchmarks/proxy_overhead.py [--duration 10] [--policy round_robin] [--workers 1 2]
+    python bench/scripts/proxy_overhead.py [--duration 10] [--policy round_robin] [--workers 1 2]
                                         [--flow-control on off]
 
 A 4 KB non-streaming chat request; 1 connection (added latency) and 16 connections (throughput), and
@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway.bench.peers import PEERS, install_peer
-from gateway.bench.runner import wait_http
-from gateway.mock.pod import free_ports
+from bench.peers import PEERS, install_peer
+from bench.runner import wait_http
+from simulator.pod import free_ports
 
 HERE = Path(__file__).resolve().parent
 

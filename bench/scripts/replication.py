@@ -1,6 +1,6 @@
 """What one request routed by another gateway process costs every process that learns of it.
 
-    python benchmarks/replication.py [--workflows 50] [--stages 4] [--prompt-words 1500]
+    python bench/scripts/replication.py [--workflows 50] [--stages 4] [--prompt-words 1500]
 
 A gateway worker (``kv_aware``, workflows, sessions, contexts and speculative blocks all shared) serves
 agentic workflows over simulated pods: each workflow's stages grow one conversation over a long role
@@ -32,8 +32,8 @@ from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.wire import DECODER
 from gateway.config import load_config
 from gateway.load.shared_table import SharedLoadTable
-from gateway.mock.pod import MockPod, MockPodConfig
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.pod import MockPod, MockPodConfig
 
 MODEL = "mock-llama"
 WORDS = "agent tool result plan review file change test build deploy cache block".split()

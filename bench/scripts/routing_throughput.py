@@ -1,6 +1,6 @@
 """How many requests per second a router can route precisely when every prompt must be looked at.
 
-    python benchmarks/routing_throughput.py [--workers 1 2] [--peers] [--pods 8] [--connections 64]
+    python bench/scripts/routing_throughput.py [--workers 1 2] [--peers] [--pods 8] [--connections 64]
 
 Simulated pods at speed 0 (they answer at once) behind each router; wrk sends ~2k-token chat prompts
 (``--prompt-words``) with one answer token, in two mixes:
@@ -28,9 +28,9 @@ from pathlib import Path
 import msgspec
 from proxy_overhead import run_wrk  # this folder is on the path when a benchmark runs
 
-from gateway.bench.peers import PeerMissing, PeerRefused
-from gateway.bench.runner import CONTENDERS, BenchRunner, Contender, prepare_peers
-from gateway.bench.workloads import WORDS
+from bench.peers import PeerMissing, PeerRefused
+from bench.runner import CONTENDERS, BenchRunner, Contender, prepare_peers
+from bench.workloads import WORDS
 
 SYSTEM_PROMPTS = 16
 PEERS = ("smg-cache_aware", "vllm-router-cache_aware", "vllm-router-kv_aware")

@@ -1,6 +1,6 @@
 """Token limits held by several gateway processes: tokens served per wall-clock minute against the limit.
 
-    python benchmarks/token_limits.py [--replicas 2] [--workers 2] [--limit 60000] [--minutes 2] [--clients 24]
+    python bench/scripts/token_limits.py [--replicas 2] [--workers 2] [--limit 60000] [--minutes 2] [--clients 24]
 
 ``--replicas`` ``gateway serve --workers N`` processes share one Redis (each replica's workers share through
 their own link) in front of two simulated pods (speed 0). One API key has ``input_tokens_per_minute:
@@ -24,11 +24,11 @@ from collections import Counter
 
 import aiohttp
 
-from gateway.bench.runner import start_redis_server, wait_http
-from gateway.bench.workloads import WORDS
+from bench.runner import start_redis_server, wait_http
+from bench.workloads import WORDS
 from gateway.config import MockPodsConfig, hash_api_key
-from gateway.mock.launcher import MockPodFleet
-from gateway.mock.pod import free_port
+from simulator.launcher import MockPodFleet
+from simulator.pod import free_port
 
 KEY = "sk-limited"
 

@@ -2,7 +2,7 @@
 GIL, ``encode_batch`` releases it. The gateway tokenizes long new text in a worker thread (past
 ``tokenization.offload_chars``), which only helps the event loop if the GIL is released.
 
-    python benchmarks/tokenize_threads.py [--threads 2] [--texts 16] [--words 1500]
+    python bench/scripts/tokenize_threads.py [--threads 2] [--texts 16] [--words 1500]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A backend that answers every chat request with the same small completion, as fast as aiohttp can.
 
-Used to measure what the gateway itself adds (``benchmarks/proxy_overhead.py``).
+Used to measure what the gateway itself adds (``bench/scripts/proxy_overhead.py``).
 """
 
 from __future__ import annotations
