@@ -1,4 +1,4 @@
-"""``gateway bench``: the side-by-side router benchmark.
+"""``gateway bench``: the side-by-side router benchmark (plugged into ``gateway`` as :data:`COMMAND`).
 
 Owner: the command line: which traces (generated, saved, or a Mooncake file), which contenders, and the
 size of the simulated pods for each trace.
@@ -24,6 +24,7 @@ from bench.workloads import (
     working_set_tokens,
     write_trace,
 )
+from gateway.extensions import Command
 
 if TYPE_CHECKING:
     from bench.runner import BenchRunner
@@ -51,8 +52,7 @@ DEFAULT_CONTENDERS = {
 MOONCAKE_FLAGS = ("block_tokens", "time_scale", "session_header", "max_output_tokens", "start", "limit")
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="replay a workload through each router, side by side")
+def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--scenario", action="append", choices=sorted(GENERATORS), help="repeatable (default: shared-prefix"
                    " and agentic)")
     b.add_argument("--contender", action="append", help="repeatable; default: a set per scenario")
@@ -281,3 +281,6 @@ def run(args: argparse.Namespace) -> int:
     print(paths["md"].read_text())
     print(json.dumps({k: str(v) for k, v in paths.items()}), file=sys.stderr)
     return 0
+
+
+COMMAND = Command(help="replay a workload through each router, side by side", add_arguments=add_arguments, run=run)

@@ -39,7 +39,7 @@ from bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
 from bench.tenants import tenant_stats
 from bench.workloads import History, Session, Trace
 from gateway.backends.scraper import parse_engine_metrics
-from gateway.config import MockPodsConfig, PodConfig
+from gateway.config import PodConfig
 from gateway.epp.envoy_config import bootstrap_yaml
 from gateway.metrics import (
     Buckets,
@@ -52,6 +52,8 @@ from gateway.metrics import (
 )
 from gateway.request.timings import STEP_NAMES
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.config import MockPodsConfig
+from simulator.engine import MODEL_MAX_LEN
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 
@@ -499,8 +501,8 @@ class BenchRunner:
             self._reset_existing()
             return None, self.existing_pods
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
-                                            num_blocks=self.num_blocks, speed=speed,
-                                            max_model_len=self.max_model_len, prefill_pods=prefill_pods,
+                                            num_blocks=self.num_blocks, speed=speed, prefill_pods=prefill_pods,
+                                            max_model_len=self.max_model_len or MODEL_MAX_LEN,
                                             connector="nixl", enable_lora=bool(self._adapters),
                                             lora_adapters=[] if lora_on_demand else self._adapters,
                                             max_loras=self.max_loras), quiet=True)

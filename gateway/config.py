@@ -19,6 +19,8 @@ from typing import Any, Literal, get_args
 import msgspec
 import yaml
 
+from gateway.extensions import NotInstalled, simulator
+
 ENV_PREFIX = "GATEWAY_"
 
 
@@ -581,37 +583,6 @@ class DisaggregationConfig(msgspec.Struct, forbid_unknown_fields=True):
         return pool.connector if pool is not None else self.connector
 
 
-class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Simulated pods started beside the gateway (``gateway serve --mock-pods N``)."""
-
-    count: int = 0
-    model: str = "mock-llama"
-    block_size: int = 16
-    num_blocks: int = 2048
-    speed: float = 1.0
-    flavor: Literal["vllm", "sglang"] = "vllm"
-    base_port: int = 0
-    # Longest prompt plus answer in tokens; none: the simulated model's own.
-    max_model_len: int | None = None
-    # Each answer ends after the pods' text (finish_reason stop), as a model's does, instead of running to
-    # max_tokens: for agent tools (Claude Code, Codex) tried against simulated pods.
-    ends_answers: bool = False
-    # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others
-    # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
-    prefill_pods: int = 0
-    connector: Literal["shared_storage", "nixl"] = "shared_storage"
-    # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many
-    # run in one batch (vLLM's --max-loras) and stay in memory (--max-cpu-loras; none: max_loras).
-    lora_adapters: list[str] = []
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.prefill_pods < max(1, self.count):
-            raise ValueError("mock_pods.prefill_pods must leave at least one decode pod")
-
-
 class EppConfig(msgspec.Struct, forbid_unknown_fields=True):
     """``gateway epp``: the endpoint picker Envoy calls over ext_proc (``gateway/epp/``)."""
 
@@ -767,16 +738,29 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
-    mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
+    # Simulated pods started beside the gateway (``gateway serve --mock-pods N``): a section the simulator
+    # declares (gateway/extensions.py) and decodes into its own struct; None: none asked for.
+    mock_pods: Any = None
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.mock_pods, Mapping):
+            self.mock_pods = simulator_section(self.mock_pods)
         named = {k.name for k in self.auth.keys if k.name}
         unknown = sorted(set(self.limits.keys) - named)
         if unknown:
             raise ValueError(f"limits.keys names no key of auth.keys: {', '.join(unknown)}")
+
+
+def simulator_section(raw: Mapping[str, Any]) -> msgspec.Struct:
+    """``mock_pods`` decoded by the simulator's struct (``ValueError`` naming the extra that brings the
+    simulator when it is not installed)."""
+    try:
+        return msgspec.convert(raw, simulator().section, strict=False)
+    except (NotInstalled, msgspec.ValidationError) as exc:
+        raise ValueError(f"mock_pods: {exc}") from None
 
 
 def hash_api_key(key: str) -> str:

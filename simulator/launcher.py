@@ -21,7 +21,18 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from gateway.config import MockPodsConfig, PodConfig
+import msgspec
+
+from gateway.config import (
+    ConnectorConfig,
+    DisaggregationConfig,
+    GatewayConfig,
+    ModelTokenizerConfig,
+    PodConfig,
+    TokenizationConfig,
+)
+from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.config import MockPodsConfig
 from simulator.pod import free_port
 
 log = logging.getLogger("simulator")
@@ -72,10 +83,8 @@ class MockPodFleet:
             sys.executable, "-m", "gateway", "mock", "--host", self.host, "--port", str(port),
             "--events-port", str(events), "--replay-port", str(replay), "--block-size", str(c.block_size),
             "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
-            "--model", c.model,
+            "--model", c.model, "--max-model-len", str(c.max_model_len),
         ]
-        if c.max_model_len is not None:
-            cmd += ["--max-model-len", str(c.max_model_len)]
         if c.enable_lora or c.lora_adapters:
             cmd += ["--enable-lora", "--max-loras", str(c.max_loras)]
             cmd += [f"--lora-adapter={name}" for name in c.lora_adapters]
@@ -130,3 +139,33 @@ class MockPodFleet:
 
     async def astart(self, timeout_s: float = 60.0) -> list[PodConfig]:
         return await asyncio.to_thread(self.start, timeout_s)
+
+
+async def start_beside_gateway(config: GatewayConfig) -> tuple[GatewayConfig, MockPodFleet]:
+    """The pods ``config.mock_pods`` asks for, started; and the config with them among its pods, loading
+    the tokenizer they use and passing KV over the connector they were started with."""
+    fleet = MockPodFleet(config.mock_pods)
+    try:
+        pods = await fleet.astart()
+    except BaseException:
+        fleet.stop()
+        raise
+    log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
+    return msgspec.structs.replace(config, pods=[*config.pods, *pods], tokenization=_with_tokenizer(config),
+                                   disaggregation=_with_connector(config)), fleet
+
+
+def _with_tokenizer(config: GatewayConfig) -> TokenizationConfig:
+    """The simulated pods tokenize with the bundled tokenizer: the gateway loads the same one."""
+    models = dict(config.tokenization.models)
+    models.setdefault(config.mock_pods.model, ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR)))
+    return msgspec.structs.replace(config.tokenization, models=models)
+
+
+def _with_connector(config: GatewayConfig) -> DisaggregationConfig:
+    """Simulated prefill and decode pods pass their KV over the connector they were started with."""
+    mock, disaggregation = config.mock_pods, config.disaggregation
+    if not mock.prefill_pods:
+        return disaggregation
+    models = {**disaggregation.models, mock.model: ConnectorConfig(mock.connector)}
+    return msgspec.structs.replace(disaggregation, models=models)

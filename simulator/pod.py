@@ -25,7 +25,7 @@ import random
 import socket
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import orjson
@@ -38,8 +38,9 @@ from gateway.kv.hashing import namespace_root
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from simulator import anthropic as anthropic_api
 from simulator import responses as responses_api
-from simulator.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
-from simulator.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from simulator.block_hashes import SeededBlockHasher, VllmBlockHasher
+from simulator.config import MockPodConfig
+from simulator.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from simulator.kv_transfer import (
     SIDE_CHANNEL_PATH,
     KvLoadFailed,
@@ -56,46 +57,6 @@ OUTPUT_TEXT = (
     " The quick brown fox jumps over the lazy dog while the gateway routes every request to the pod"
     " that already holds its prefix, and the cache stays warm from one stage to the next."
 )
-
-
-class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
-    port: int = 0
-    host: str = "127.0.0.1"
-    # None: no KV events (or no replay); 0: any free port.
-    events_port: int | None = 0
-    replay_port: int | None = 0
-    block_size: int = 16
-    num_blocks: int = 2048
-    speed: float = 1.0
-    flavor: Literal["vllm", "sglang"] = "vllm"
-    model: str = "mock-llama"
-    tokenizer: str | None = None
-    encoding: Encoding | None = None
-    # vLLM >= 0.26 (current encoding): its own block hashes, by this --prefix-caching-hash-algo, as bytes
-    # or (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) 64-bit ints. Older vLLM and SGLang: seeded per process.
-    hash_algo: HashAlgo = "sha256"
-    int_block_hashes: bool = False
-    topic: str = ""
-    default_max_tokens: int = 16
-    max_num_seqs: int = 128
-    max_batched_tokens: int = 2048
-    # Longest prompt plus answer, in tokens; by default the simulated model's own (Llama 3.1's 128k context),
-    # as vLLM defaults to the model's.
-    max_model_len: int = MODEL_MAX_LEN
-    # LoRA: adapters registered at start (each read from ``/adapters/<name>``), whether adapters may be
-    # registered at all, and vLLM's --max-loras and --max-cpu-loras.
-    lora_adapters: list[str] = []
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    timing: TimingModel | None = None
-    # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`simulator.kv_transfer`).
-    kv_transfer_config: str | None = None
-    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: keep the Responses API's responses in the pod's memory.
-    responses_store: bool = False
-    # End each answer after the pod's text, as a model emits end-of-sequence (finish_reason stop), instead of
-    # writing until max_tokens (what benchmarks want: outputs as long as their traces say).
-    ends_answers: bool = False
 
 
 class UnknownModel(Exception):

@@ -25,7 +25,7 @@ from collections import Counter
 import aiohttp
 
 from bench.runner import wait_http
-from gateway.config import MockPodsConfig
+from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 

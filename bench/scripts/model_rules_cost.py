@@ -37,8 +37,9 @@ import msgspec
 
 from bench.runner import wait_http
 from bench.workloads import WORDS
-from gateway.config import MockPodsConfig, hash_api_key
+from gateway.config import hash_api_key
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 

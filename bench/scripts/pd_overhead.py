@@ -32,9 +32,10 @@ import aiohttp
 import orjson
 
 from bench.runner import wait_http
-from gateway.config import MockPodsConfig, PodConfig
+from gateway.config import PodConfig
 from gateway.request.disaggregation import NIXL_PREFILL_PARAMS
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 

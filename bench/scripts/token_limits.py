@@ -26,7 +26,8 @@ import aiohttp
 
 from bench.runner import start_redis_server, wait_http
 from bench.workloads import WORDS
-from gateway.config import MockPodsConfig, hash_api_key
+from gateway.config import hash_api_key
+from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 

@@ -14,9 +14,9 @@ PACKAGES = ("gateway", "plugins", "simulator", "bench")
 # draws the same picture.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core: request and answer types, domain errors, context names, shared facts", ("gateway.core",)),
-    ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin lookup",
+    ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin and extension lookup",
      ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs",
-      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry")),
+      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry", "gateway.extensions")),
     ("state: pods, load, what each pod caches, tokens, the Responses API's stored responses",
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization", "gateway.responses")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
