@@ -86,7 +86,7 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
 
     fleet = None
     if wants_simulated_pods(config):
-        config, fleet = await simulator().start(config)
+        config, fleet = await simulator("gateway serve --mock-pods").start(config)
     workers = worker_count(config)
     try:
         if epp:
@@ -188,7 +188,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="of the simulated pods, this many take the prefill leg and the others decode "
                              "(prefill/decode disaggregation)")
     parser.add_argument("--mock-connector", choices=["shared_storage", "nixl"],
-                        help="how the simulated prefill pods pass their KV to the decode pods (default shared_storage)")
+                        help="how the simulated prefill pods pass their KV to the decode pods")
     parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
     parser.add_argument("--redis", help="Redis URL holding GPU profiles (aibrix:profile_*)")
     parser.add_argument("--shared-state-redis", help="Redis URL through which replicas share workflow state")

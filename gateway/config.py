@@ -758,7 +758,7 @@ def simulator_section(raw: Mapping[str, Any]) -> msgspec.Struct:
     """``mock_pods`` decoded by the simulator's struct (``ValueError`` naming the extra that brings the
     simulator when it is not installed)."""
     try:
-        return msgspec.convert(raw, simulator().section, strict=False)
+        return msgspec.convert(raw, simulator("this section").section, strict=False)
     except (NotInstalled, msgspec.ValidationError) as exc:
         raise ValueError(f"mock_pods: {exc}") from None
 

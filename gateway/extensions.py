@@ -83,7 +83,7 @@ def commands() -> tuple[dict[str, Command], dict[str, str]]:
     return found, missing
 
 
-def simulator(what: str = "mock_pods") -> Simulator:
+def simulator(what: str) -> Simulator:
     """The simulator, or :class:`NotInstalled` saying which extra brings it for ``what``."""
     for entry in entry_points(group=SIMULATOR_GROUP):
         package = missing_package(entry)

@@ -60,7 +60,8 @@ def test_without_the_packages_help_and_each_command_say_how_to_install_them(noth
 
 
 def test_without_the_simulator_mock_pods_name_the_extra(nothing_beside_the_runtime, capsys):
-    with pytest.raises(ConfigError, match=r"mock_pods needs the nosim package: pip install 'kv-gateway\[nosim\]'"):
+    needs = r"mock_pods: this section needs the nosim package: pip install 'kv-gateway\[nosim\]'"
+    with pytest.raises(ConfigError, match=needs):
         load_config(overrides={"mock_pods": {"count": 1}}, environ={})
     assert load_config(overrides={"pods": [{"url": "http://a:1"}]}, environ={}).mock_pods is None
     assert main(["serve", "--mock-pods", "2"]) == 2
