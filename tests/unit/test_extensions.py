@@ -49,6 +49,7 @@ def nothing_beside_the_runtime(monkeypatch):
                               entry("bench", "nobench.cli:COMMAND", COMMAND_GROUP)],
               SIMULATOR_GROUP: [entry("pods", "nosim.cli:SIMULATOR", SIMULATOR_GROUP)]}
     monkeypatch.setattr(extensions, "entry_points", lambda group: points[group])
+    monkeypatch.setattr("gateway.cli.configure_logging_early", lambda: None)  # the test process's logging stays
 
 
 def test_without_the_packages_help_and_each_command_say_how_to_install_them(nothing_beside_the_runtime, capsys):
