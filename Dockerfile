@@ -1,4 +1,6 @@
 # The gateway image: `docker build -t kv-gateway .` then `docker run -p 8080:8080 kv-gateway serve --config ...`
+# The runtime only: the simulator (simulator/) and the benchmark (bench/) stay out, and `gateway --help`
+# there says which extra would bring them.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./

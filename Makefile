@@ -47,7 +47,7 @@ bench: install
 		--out bench-results/agentic-shared
 
 lint: install
-	$(VENV)/bin/ruff check gateway plugins tests benchmarks tools
+	$(VENV)/bin/ruff check gateway plugins simulator bench tests tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -16,13 +16,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.runner import start_redis_server, wait_http
 from gateway.app import GATEWAY_KEY, Gateway, build_app
-from gateway.bench.runner import start_redis_server, wait_http
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
-from gateway.mock.pod import MockPod, MockPodConfig, free_port
 from gateway.server import SERVER_OPTIONS
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.pod import MockPod, MockPodConfig, free_port
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,6 @@ from gateway.config.pods import (
     ConnectorConfig,
     DisaggregationConfig,
     DiscoveryConfig,
-    MockPodsConfig,
     PodConfig,
     PodRole,
 )
@@ -58,7 +57,7 @@ __all__ = [
     "ENV_PREFIX", "POD_ROLES", "AdapterConfig", "AdmissionConfig", "ApiKeyConfig", "AuthConfig", "ConfigError",
     "ConfigSource", "ConnectorConfig", "DisaggregationConfig", "DiscoveryConfig", "EppConfig",
     "FlowControlConfig", "GatewayConfig", "HealthConfig", "KeepWarmConfig", "KvIndexConfig", "LimitsConfig",
-    "LoadConfig", "LoggingConfig", "LoraConfig", "MockPodsConfig", "ModelRule", "ModelTarget",
+    "LoadConfig", "LoggingConfig", "LoraConfig", "ModelRule", "ModelTarget",
     "ModelTokenizerConfig", "ModelsConfig", "ObjectiveConfig", "PlacementConfig", "PodConfig", "PodRole",
     "PressureConfig", "ResponsesConfig", "RoutingConfig", "SaturationConfig", "ServerConfig",
     "SharedStateConfig", "SloTargets", "TenantConfig", "TimeoutConfig", "TokenWeightsConfig",

@@ -22,7 +22,7 @@ import yaml
 from gateway.config.access import AuthConfig, LimitsConfig
 from gateway.config.flow import AdmissionConfig, FlowControlConfig
 from gateway.config.models import ModelsConfig
-from gateway.config.pods import DisaggregationConfig, DiscoveryConfig, MockPodsConfig, PodConfig
+from gateway.config.pods import DisaggregationConfig, DiscoveryConfig, PodConfig
 from gateway.config.routing import (
     KvIndexConfig,
     LoadConfig,
@@ -42,6 +42,7 @@ from gateway.config.server import (
     TracingConfig,
 )
 from gateway.config.workflow import ResponsesConfig, WorkflowConfig
+from gateway.extensions import NotInstalled, simulator
 
 ENV_PREFIX = "GATEWAY_"
 
@@ -72,16 +73,29 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     pressure: PressureConfig = msgspec.field(default_factory=PressureConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
-    mock_pods: MockPodsConfig = msgspec.field(default_factory=MockPodsConfig)
+    # Simulated pods started beside the gateway (``gateway serve --mock-pods N``): a section the simulator
+    # declares (gateway/extensions.py) and decodes into its own struct; None: none asked for.
+    mock_pods: Any = None
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.mock_pods, Mapping):
+            self.mock_pods = simulator_section(self.mock_pods)
         named = {k.name for k in self.auth.keys if k.name}
         unknown = sorted(set(self.limits.keys) - named)
         if unknown:
             raise ValueError(f"limits.keys names no key of auth.keys: {', '.join(unknown)}")
+
+
+def simulator_section(raw: Mapping[str, Any]) -> msgspec.Struct:
+    """``mock_pods`` decoded by the simulator's struct (``ValueError`` naming the extra that brings the
+    simulator when it is not installed)."""
+    try:
+        return msgspec.convert(raw, simulator("this section").section, strict=False)
+    except (NotInstalled, msgspec.ValidationError) as exc:
+        raise ValueError(f"mock_pods: {exc}") from None
 
 
 def hash_api_key(key: str) -> str:

@@ -1,4 +1,4 @@
-"""The pods: each one, how they are found, prefill/decode disaggregation, and simulated pods."""
+"""The pods: each one, how they are found, and prefill/decode disaggregation."""
 
 from __future__ import annotations
 
@@ -79,34 +79,3 @@ class DisaggregationConfig(msgspec.Struct, forbid_unknown_fields=True):
     def connector_of(self, model: str) -> Literal["shared_storage", "nixl"]:
         pool = self.models.get(model)
         return pool.connector if pool is not None else self.connector
-
-
-class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Simulated pods started beside the gateway (``gateway serve --mock-pods N``)."""
-
-    count: int = 0
-    model: str = "mock-llama"
-    block_size: int = 16
-    num_blocks: int = 2048
-    speed: float = 1.0
-    flavor: Literal["vllm", "sglang"] = "vllm"
-    base_port: int = 0
-    # Longest prompt plus answer in tokens; none: the simulated model's own.
-    max_model_len: int | None = None
-    # Each answer ends after the pods' text (finish_reason stop), as a model's does, instead of running to
-    # max_tokens: for agent tools (Claude Code, Codex) tried against simulated pods.
-    ends_answers: bool = False
-    # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others
-    # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
-    prefill_pods: int = 0
-    connector: Literal["shared_storage", "nixl"] = "shared_storage"
-    # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many
-    # run in one batch (vLLM's --max-loras) and stay in memory (--max-cpu-loras; none: max_loras).
-    lora_adapters: list[str] = []
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.prefill_pods < max(1, self.count):
-            raise ValueError("mock_pods.prefill_pods must leave at least one decode pod")

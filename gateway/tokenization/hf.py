@@ -16,7 +16,7 @@ from typing import Any
 from gateway.tokenization.conversation import normalize_messages
 
 # The tokenizer shipped with the package (a small Llama-style BPE): the simulated pods' model and the
-# benchmark's, so tests and the demo never reach a model hub (built by gateway.mock.build_tokenizer).
+# benchmark's, so tests and the demo never reach a model hub (built by simulator.build_tokenizer).
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parent / "bundled"
 
 # Normalizers that map each character by itself (or with the marks that follow it), so a cut before a
@@ -102,7 +102,7 @@ class HfTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self._encode_batch is not None:
-            # The batch call releases the GIL while it works and encode does not (benchmarks/tokenize_threads.py):
+            # The batch call releases the GIL while it works and encode does not (bench/scripts/tokenize_threads.py):
             # long new text tokenized in a worker thread then really runs beside the event loop.
             return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]

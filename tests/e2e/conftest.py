@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gateway.mock.pod import free_ports
+from simulator.pod import free_ports
 
 MODEL = "tiny"
 BLOCK_SIZE = 128  # vLLM's CPU backend

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gateway.bench.runner import CONTENDERS, BenchRunner, Result
-from gateway.bench.workloads import agentic_shared
+from bench.runner import CONTENDERS, BenchRunner, Result
+from bench.workloads import agentic_shared
 from gateway.config import PodConfig
 from tests.e2e.conftest import MODEL, VllmFleet, running_fleet
 

@@ -13,7 +13,7 @@ import aiohttp
 from gateway.config import load_config
 from gateway.epp.envoy_config import bootstrap
 from gateway.epp.server import EppServer
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 from tests.conftest import eventually
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet
 from tests.integration.test_epp_envoy import Envoy

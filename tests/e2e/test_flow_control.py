@@ -31,8 +31,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.bench.tenants import weighted_tokens
-from gateway.bench.workloads import FAIRNESS_HEADER, text
+from bench.tenants import weighted_tokens
+from bench.workloads import FAIRNESS_HEADER, text
 from tests.conftest import gateway_process
 from tests.e2e.conftest import MODEL, VllmFleet, VllmPod, running_pods
 from tests.e2e.test_real_vllm import pod_metric

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.mock.pod import MockPod, MockPodConfig
+from simulator.pod import MockPod, MockPodConfig
 from tests.e2e.conftest import MODEL, VllmFleet
 from tests.e2e.test_real_vllm import document, post, step_engine
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
-from gateway.bench.cli import run as run_bench
-from gateway.bench.mooncake import read_mooncake
-from gateway.bench.peers import PEERS, env_dir
-from gateway.bench.report import plot_title, write_results
-from gateway.bench.runner import CONTENDERS, BenchRunner, Outcome, Result, gateway_version, session_times
-from gateway.bench.workloads import (
+from bench.cli import cache_blocks_for, mock_token_counter, scaled_trace, size_simulated_pods
+from bench.cli import run as run_bench
+from bench.mooncake import read_mooncake
+from bench.peers import PEERS, env_dir
+from bench.report import plot_title, write_results
+from bench.runner import CONTENDERS, BenchRunner, Outcome, Result, gateway_version, session_times
+from bench.workloads import (
     History,
     Session,
     Step,
@@ -32,8 +32,8 @@ from gateway.bench.workloads import (
     write_trace,
 )
 from gateway.cli import build_parser
-from gateway.mock.engine import MODEL_MAX_LEN
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.engine import MODEL_MAX_LEN
 from tests.unit.test_bench_peers import fake_env
 
 

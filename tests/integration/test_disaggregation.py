@@ -11,8 +11,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from gateway.mock.pod import MockPod
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.pod import MockPod
 from tests.conftest import eventually, models_of
 
 MODEL = "mock-llama"

@@ -24,8 +24,8 @@ from multidict import CIMultiDict
 from gateway.config import hash_api_key, load_config
 from gateway.epp.envoy_config import bootstrap
 from gateway.epp.server import EppServer
-from gateway.mock.pod import MockPod, free_port
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from simulator.pod import MockPod, free_port
 from tests.conftest import eventually
 
 MODEL = "mock-llama"

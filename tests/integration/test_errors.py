@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import hash_api_key
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 from tests.conftest import chat_body, models_of
 
 

@@ -12,8 +12,8 @@ from gateway.kv.events import BlockStored, Encoding, decode_seq, encode_seq
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
-from gateway.mock.pod import free_port
-from gateway.mock.publisher import KvEventPublisher
+from simulator.pod import free_port
+from simulator.publisher import KvEventPublisher
 from tests.conftest import eventually
 
 BS = 4
@@ -205,7 +205,7 @@ async def test_replay_endpoint_that_never_answers(rig_factory):
     import zmq
     import zmq.asyncio
 
-    from gateway.mock.pod import free_port
+    from simulator.pod import free_port
 
     silent = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     silent.bind(f"tcp://127.0.0.1:{free_port()}")

@@ -121,7 +121,7 @@ async def test_unhealthy_pod_receives_nothing(start_backend, start_gateway, http
 
 
 async def test_retry_before_first_byte_moves_to_another_pod(start_backend, start_gateway, http):
-    from gateway.mock.pod import free_port
+    from simulator.pod import free_port
 
     hits: Counter = Counter()
     dead = f"http://127.0.0.1:{free_port()}"

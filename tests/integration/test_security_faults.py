@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.config import hash_api_key
 from gateway.logs import ACCESS_LOGGER
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 from tests.conftest import chat_body, eventually, models_of
 from tests.integration.test_errors import assert_openai_error, backend
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from gateway.mock.pod import free_port
+from simulator.pod import free_port
 from tests.conftest import chat_body, models_of
 
 

@@ -8,8 +8,8 @@ import shutil
 
 import msgspec
 
-from gateway.mock.pod import MockPod, MockPodConfig
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from simulator.pod import MockPod, MockPodConfig
 from tests.integration.test_kv_routing import MODEL, ask, fleet, synced
 
 CHECKS = {"window": 10, "min_samples": 6, "probe_every": 2, "recover_after": 2}

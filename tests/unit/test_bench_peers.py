@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.peers import (
+from bench.peers import (
     PEERS,
     PeerMissing,
     PeerPackage,
@@ -23,7 +23,7 @@ from gateway.bench.peers import (
     env_dir,
     resolve_peer,
 )
-from gateway.bench.runner import CONTENDERS
+from bench.runner import CONTENDERS
 
 SMG, SGLANG_ROUTER, VLLM_ROUTER = PEERS["smg"], PEERS["sglang-router"], PEERS["vllm-router"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gateway.bench.runner import process_cpu_s, process_switches
+from bench.runner import process_cpu_s, process_switches
 
 # Sleeps 100 times (each a voluntary switch) in a second thread, spins about 0.2 s of CPU, then waits on
 # stdin, its thread alive, so that their /proc entries stay readable until the test has read them.

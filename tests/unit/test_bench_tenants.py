@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.bench.runner import Outcome
-from gateway.bench.tenants import tenant_stats, weighted_tokens
-from gateway.bench.workloads import noisy_neighbor, priority_bands, tenant_of
+from bench.runner import Outcome
+from bench.tenants import tenant_stats, weighted_tokens
+from bench.workloads import noisy_neighbor, priority_bands, tenant_of
 
 
 def test_a_requests_flow_is_its_tenant_and_the_band_it_names():

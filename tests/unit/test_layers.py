@@ -8,14 +8,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("gateway", "plugins", "simulator", "bench")
 
 # Bottom to top; a module belongs to the first layer with a prefix of its name. ``docs/architecture.md``
 # draws the same picture.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core: request and answer types, domain errors, context names, shared facts", ("gateway.core",)),
-    ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin lookup",
+    ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin and extension lookup",
      ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs",
-      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry")),
+      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry", "gateway.extensions")),
     ("state: pods, load, what each pod caches, tokens, the Responses API's stored responses",
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization", "gateway.responses")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
@@ -26,15 +27,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("request path: forwarding, the pipeline", ("gateway.proxy", "gateway.request")),
     ("assembly: the fleet's membership, the components, the routes, the wiring, the endpoint picker's edge",
      ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.epp")),
-    ("processes: the server, its supervisor, the endpoint picker, simulated pods, the benchmark, the command line",
-     ("gateway.server", "gateway.supervisor", "gateway.epp.server", "gateway.mock", "gateway.bench", "gateway.cli",
-      "gateway.__main__")),
+    ("processes: the server, its supervisor, the endpoint picker, the command line",
+     ("gateway.server", "gateway.supervisor", "gateway.epp.server", "gateway.cli", "gateway.__main__")),
+    ("the simulator: simulated vLLM and SGLang pods (package simulator, extra [simulator])", ("simulator",)),
+    ("the benchmark: the harness and the scripts (package bench, extra [bench])", ("bench",)),
 ]
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for package in ("gateway", "plugins"):
+    for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
@@ -42,7 +44,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _layer(module: str) -> int:
-    if module in ("gateway", "plugins"):  # the packages themselves: empty
+    if module in PACKAGES:  # the packages themselves: empty
         return 0
     best = None
     for i, (_, prefixes) in enumerate(LAYERS):

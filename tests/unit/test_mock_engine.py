@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from gateway.mock.engine import EngineLimits, LoraSlots, MockEngine, PromptRejected, TimingModel
-from gateway.mock.kvcache import LoraKey, PagedKvCache
+from simulator.engine import EngineLimits, LoraSlots, MockEngine, PromptRejected, TimingModel
+from simulator.kvcache import LoraKey, PagedKvCache
 
 OUTPUT = [900, 901, 902, 903, 904]
 
@@ -183,7 +183,7 @@ def test_prompts_that_cannot_fit_are_rejected():
 
 def test_vllm_block_hashes_are_vllms_own(monkeypatch):
     """Reference digests printed by vLLM 0.32 itself (``hash_block_tokens`` with sha256)."""
-    from gateway.mock.block_hashes import VllmBlockHasher
+    from simulator.block_hashes import VllmBlockHasher
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     hasher = VllmBlockHasher("sha256")

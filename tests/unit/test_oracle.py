@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.bench.oracle import (
+from bench.oracle import (
     OracleRequest,
     compute_oracle,
     infinite_hit_ratio,

@@ -48,7 +48,7 @@ MAX_LINES = 450
 PORT = ServerConfig().port  # the port the README documents: the gateway's default
 SHELL = {"sh", "bash", "console", "shell"}
 # Paths into the repository that a command may name; each must exist.
-REPO_DIRS = ("charts/", "benchmarks/", "tools/", "tests/", "docs/", "profiles/", ".ci/")
+REPO_DIRS = ("charts/", "bench/", "simulator/", "tools/", "tests/", "docs/", "profiles/", ".ci/")
 # Values of charts/gateway/values.yaml whose keys are the user's own.
 HELM_FREE = {"config", "epp.inferencePool.selector", "resources", "podAnnotations", "nodeSelector", "affinity"}
 

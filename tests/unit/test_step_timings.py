@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from bench.runner import gateway_split
 from gateway.api.http_edge import HttpEdge
-from gateway.bench.runner import gateway_split
 from gateway.core.errors import GatewayError, upstream_failed
 from gateway.core.requests import RequestKind
 from gateway.metrics import GatewayMetrics, bucket_quantile, buckets_since, histogram_buckets

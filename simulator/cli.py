@@ -1,0 +1,111 @@
+"""What the simulator adds to the ``gateway`` command (entry points, :mod:`gateway.extensions`):
+``gateway mock`` (one simulated pod) and the pods ``gateway serve --mock-pods N`` starts beside itself.
+The defaults are :class:`~simulator.config.MockPodConfig`'s."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from gateway.background import run_loop
+from gateway.extensions import Command, Simulator
+from gateway.kv.events import Encoding
+from simulator.config import MockPodConfig, MockPodsConfig
+
+log = logging.getLogger("simulator")
+DEFAULTS = MockPodConfig()
+
+
+def add_arguments(m: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    m.add_argument("--host", default=d.host)
+    m.add_argument("--port", type=int, default=8000)
+    m.add_argument("--events-port", type=int, default=5557)
+    m.add_argument("--replay-port", type=int, default=5558)
+    m.add_argument("--no-events", action="store_true")
+    m.add_argument("--no-replay", action="store_true")
+    m.add_argument("--block-size", type=int, default=d.block_size)
+    m.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    m.add_argument("--speed", type=float, default=d.speed, help="time factor: 1 realistic, 0 no delay")
+    m.add_argument("--flavor", choices=["vllm", "sglang"], default=d.flavor)
+    m.add_argument("--model", default=d.model)
+    m.add_argument("--tokenizer", help="HF tokenizer directory (default: the bundled one)")
+    m.add_argument("--encoding", choices=[e.value for e in Encoding], help="KV-event wire format")
+    m.add_argument("--prefix-caching-hash-algo", choices=["sha256", "xxhash"], default=d.hash_algo,
+                   help="vLLM's block hash in the events (current encoding)")
+    m.add_argument("--int-block-hashes", action="store_true",
+                   help="64-bit int hashes in the events, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1")
+    m.add_argument("--topic", default=d.topic)
+    m.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    m.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
+    m.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    m.add_argument("--ends-answers", action="store_true",
+                   help="end each answer after the pod's text (finish_reason stop) instead of at max_tokens")
+    m.add_argument("--responses-store", action="store_true",
+                   help="keep Responses API responses in memory (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
+    m.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help=f"longest prompt plus answer in tokens (default: the simulated model's, {d.max_model_len})")
+    m.add_argument("--lora-adapter", action="append", help="a LoRA adapter registered at start (repeatable)")
+    m.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters, registered at run time (/v1/load_lora_adapter) as vLLM does")
+    m.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="LoRA adapters in one batch (vLLM's --max-loras)")
+    m.add_argument("--max-cpu-loras", type=int, help="LoRA adapters kept in memory (default: --max-loras)")
+    m.add_argument("--kv-transfer-config", help="vLLM's KV connector setting (JSON): ExampleConnector "
+                   "(kv_connector_extra_config.shared_storage_path) or NixlConnector (kv_role, "
+                   "kv_load_failure_policy), for prefill/decode disaggregation")
+
+
+def pod_config(args: argparse.Namespace) -> MockPodConfig:
+    return MockPodConfig(
+        host=args.host, port=args.port,
+        events_port=None if args.no_events else args.events_port,
+        replay_port=None if args.no_replay else args.replay_port,
+        block_size=args.block_size, num_blocks=args.num_blocks, speed=args.speed, flavor=args.flavor,
+        model=args.model, tokenizer=args.tokenizer, encoding=Encoding(args.encoding) if args.encoding else None,
+        hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
+        topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+        max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
+        ends_answers=args.ends_answers, responses_store=args.responses_store,
+    )
+
+
+async def serve_pod(config: MockPodConfig) -> None:
+    """One simulated pod until SIGTERM or SIGINT."""
+    from simulator.pod import MockPod
+
+    pod = MockPod(config)
+    await pod.start()
+    pub = pod.publisher
+    log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
+             pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await pod.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    run_loop(serve_pod(pod_config(args)))
+    return 0
+
+
+async def start_beside_gateway(config: Any) -> tuple[Any, Any]:
+    from simulator.launcher import start_beside_gateway
+
+    return await start_beside_gateway(config)
+
+
+COMMAND = Command(help="run one simulated vLLM/SGLang pod", add_arguments=add_arguments, run=run)
+SIMULATOR = Simulator(section=MockPodsConfig, start=start_beside_gateway)
