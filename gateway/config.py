@@ -573,6 +573,8 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # How each pod orders its waiting requests (vLLM's --scheduling-policy); the gateway's pods say the same.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):

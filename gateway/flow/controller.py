@@ -269,15 +269,15 @@ class FlowController:
                 waiting_pools.add(contender.pool)
                 if waiting is None:
                     waiting = contender
-                    drained_in = self._prefill_room_in(pods)
+                    drained_in = self._prefill_room_in(pods, demand)
                     self._look_at = now + drained_in if drained_in is not None else None
         self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
 
-    def _prefill_room_in(self, pods: list[Pod]) -> float | None:
-        """Of pods without room, the soonest one whose running prefill drains enough to take another."""
+    def _prefill_room_in(self, pods: list[Pod], demand: Demand) -> float | None:
+        """Of pods without room for it, the soonest one whose prefill drains enough to take the request."""
         detector = self.detector
-        return min((wait for p in pods if detector.saturated_by(p.name) == "prefill"
-                    and (wait := detector.prefill_room_in(p.name)) is not None), default=None)
+        return min((wait for p in pods if detector.saturated_by(p.name, demand) == "prefill"
+                    and (wait := detector.prefill_room_in(p.name, demand.prompt_tokens)) is not None), default=None)
 
     def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
         self._dequeue(held)

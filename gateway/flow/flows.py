@@ -51,10 +51,20 @@ class Flow:
     max_wait_s: float = 120.0  # how long it may wait at the gateway
     ttft_s: float | None = None  # the objective's TTFT target
 
-    @property
-    def engine_priority(self) -> int:
-        """The band in vLLM's terms: lower values are scheduled first."""
-        return -self.key.priority
+
+
+# A band's span of engine priorities: a flow's service deficit never reaches into the next band's.
+ENGINE_BAND_SPAN = 1_000_000
+INT64 = 1 << 63
+
+
+def engine_priority(band: int, deficit: float) -> int:
+    """The priority of a request in vLLM's terms (lower values are served first): the higher its band, the
+    lower, then the less service its flow has had beyond the least-served flow of its band (``deficit``, in
+    weighted tokens, capped at ``ENGINE_BAND_SPAN``), the lower. A pod ordering its waiting requests by it
+    serves the least-served flow's request first within a band, and the first to come among equals."""
+    value = -band * ENGINE_BAND_SPAN + min(ENGINE_BAND_SPAN - 1, max(0, int(deficit)))
+    return max(-INT64, min(INT64 - 1, value))
 
 
 class FlowPolicy:

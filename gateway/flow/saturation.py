@@ -9,11 +9,16 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   prompt is what lets a later, more urgent request start soon. While one flow alone is served, the running
   prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
   runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first.
-  While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where
-  the queue is empty: a chunked-prefill engine packs its waiting prompts into one step (vLLM: first come,
-  first served, up to ``max_num_batched_tokens``), so a short prompt sent just before a long one would wait
-  for the long one's first chunk too. The controller bounds that wait (``prefill_fit_wait_s``): an answer
-  that is not streamed counts as queued until it ends;
+  While several are, a prompt also joins a pod's queue only where it fits the pod's next step beside what is
+  ahead of it (the running prefill's rest, counted down, and what waits), or where the queue is empty: a
+  chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to the prefills it runs,
+  then packs its waiting prompts first come, first served, so a short prompt sent while a long one's last
+  chunk is due rides in that chunk's step, and one sent just before a long one would wait for the long one's
+  first chunk too. The controller bounds the wait for an empty queue (``prefill_fit_wait_s``): an answer that
+  is not streamed counts as queued until it ends. A pod that orders its waiting requests by priority
+  (``scheduling: priority``) lets the least-served flow's request pass those waiting there (each request
+  carries its flow's priority, :func:`gateway.flow.flows.engine_priority`): there the count-down always runs,
+  and a prompt need not fit beside the queue;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -54,6 +59,7 @@ NO_DEMAND = Demand()  # whether a pod has room at all
 class SaturationDetector:
     def __init__(self, config: SaturationConfig, ledger: InFlightLedger, load: PendingLoad, slo_admission: bool,
                  flow_control: bool = True, active_flows: Callable[[float], int] = lambda now: 1,
+                 by_priority: Callable[[str], bool] = lambda pod: False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._ledger = ledger
@@ -62,6 +68,7 @@ class SaturationDetector:
         # Off (SLO admission alone): only the predicted load says a pod is full.
         self._flow_control = flow_control
         self._active_flows = active_flows  # flows served lately: the count-down runs while there is one
+        self._by_priority = by_priority  # whether a pod orders its waiting requests by their priority
         self._clock = clock
 
     def saturated_by(self, pod: str, demand: Demand = NO_DEMAND) -> str | None:
@@ -90,17 +97,26 @@ class SaturationDetector:
 
     def _prefill_full(self, pod: str, prompt_tokens: int) -> bool:
         limit = self.config.prefill_tokens
-        backlog = self._ledger.prefill_backlog(pod)
-        if self._counting_down():
-            return backlog >= limit and self._ledger.prefill_remaining(pod, self._clock()) >= limit
-        return backlog >= limit or (backlog > 0 and backlog + prompt_tokens > limit)
+        ledger = self._ledger
+        backlog = ledger.prefill_backlog(pod)
+        if not backlog:
+            return False
+        if self._counting_down(pod):
+            return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
+        # Several flows, first come first served: it must fit the next step beside what is ahead of it.
+        remaining = ledger.prefill_remaining(pod, self._clock())
+        return remaining >= limit or remaining + prompt_tokens > limit
 
-    def prefill_room_in(self, pod: str) -> float | None:
-        """Seconds until the pod's running prefill has drained below ``prefill_tokens`` (None: only when an
-        answer begins, or the count-down is off): when to look again without a ring."""
-        if not self._counting_down():
-            return None
-        return self._ledger.prefill_below_in(pod, self.config.prefill_tokens, self._clock())
+    def prefill_room_in(self, pod: str, prompt_tokens: int = 0) -> float | None:
+        """Seconds until the pod's prefill work has drained enough to take a prompt of ``prompt_tokens`` (None:
+        not before an answer begins; a prompt that fits no step beside others waits for an empty queue): when
+        to look again without a ring."""
+        limit = self.config.prefill_tokens
+        if not self._counting_down(pod):
+            limit -= prompt_tokens
+            if limit <= 0:
+                return None
+        return self._ledger.prefill_below_in(pod, limit, self._clock())
 
-    def _counting_down(self) -> bool:
-        return self._active_flows(self._clock()) <= 1
+    def _counting_down(self, pod: str) -> bool:
+        return self._by_priority(pod) or self._active_flows(self._clock()) <= 1

@@ -92,6 +92,15 @@ class ServiceCounters:
             self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
         return len(self._charged_now | self._charged_before)
 
+    def deficit(self, key: FlowKey) -> float:
+        """How much more weighted service ``key`` has had than the least-served flow of its band among those
+        served lately (0: none had less)."""
+        served = self._served
+        mine = served.get(key, 0.0)
+        lately = self._charged_now | self._charged_before
+        floor = min((served.get(k, mine) for k in lately if k.priority == key.priority), default=mine)
+        return max(0.0, mine - floor)
+
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)
 

@@ -3,11 +3,18 @@
 Owner: the :class:`MockEngine` owns its waiting queue, running batch and the pod's
 :class:`~gateway.mock.kvcache.PagedKvCache`; the HTTP layer only submits and aborts sequences.
 
-Each scheduler step, as in vLLM: every running sequence that finished prefill decodes one token, and
-the rest of a token budget goes to prefill chunks (admitting waiting sequences first-come first-served
-while slots and blocks allow). A step takes ``base + prefill_tokens * per_token + decode_seqs *
-per_seq`` seconds, times the speed factor. Cached prompt tokens are not prefilled, so TTFT falls with
-cache hits and rises with load, as on a real engine. The KV events of a step leave as one batch.
+Each scheduler step, as vLLM 0.32's: a budget of ``max_batched_tokens`` goes first to the running sequences,
+in the order they were admitted, each taking what it needs (one token to decode, the rest of its prompt to
+prefill) as far as the budget goes, so a long prefill admitted earlier takes the step before a later
+sequence's prefill or decode; what is left admits waiting sequences, in the waiting queue's order (first
+come, first served; or with ``scheduling_policy`` priority, the lowest ``priority`` first, then the earliest
+arrival), each prefilling as much of its prompt as the budget leaves (chunked), while slots and blocks allow;
+the queue's head waiting for blocks holds the others back. A waiting sequence never preempts a running one
+for the budget (vLLM preempts only for blocks, which the simulator reserves at admission instead).
+``tests/e2e/test_flow_control.py`` checks the steps against a real pod's, event batch for event batch.
+A step takes ``base + prefill_tokens * per_token + decode_seqs * per_seq`` seconds, times the speed factor.
+Cached prompt tokens are not prefilled, so TTFT falls with cache hits and rises with load, as on a real
+engine. The KV events of a step leave as one batch.
 
 With a KV connector (:mod:`gateway.mock.kv_transfer`), prompt tokens may also come from outside, as vLLM's
 connectors bring them: a sequence admitted with tokens the connector holds loads them (a small cost per
@@ -18,12 +25,12 @@ may keep its blocks until a consumer has pulled them.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -53,10 +60,15 @@ MODEL_MAX_LEN = 131_072
 RECENT_TTFTS = 100_000
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
 class EngineLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
     max_model_len: int = MODEL_MAX_LEN
+    # How the waiting queue is ordered (vLLM's --scheduling-policy).
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 class PromptRejected(ValueError):
@@ -82,6 +94,9 @@ class Sequence:
     prompt_len: int
     max_tokens: int
     arrived: float
+    # vLLM's request priority (lower first, with the priority policy) and the order it arrived in.
+    priority: int = 0
+    index: int = 0
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     num_computed: int = 0
     cached_tokens: int = 0
@@ -104,6 +119,39 @@ class Sequence:
     async def tokens(self) -> AsyncIterator[int]:
         while (token := await self.outputs.get()) is not None:
             yield token
+
+
+class WaitingQueue:
+    """The engine's waiting sequences in the order the scheduler takes them: as they came (fcfs), or by
+    ``priority`` (lowest first), then as they came (vLLM's ``PriorityRequestQueue``)."""
+
+    def __init__(self, policy: SchedulingPolicy = "fcfs") -> None:
+        self._by_priority = policy == "priority"
+        self._items: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if self._by_priority:
+            bisect.insort(self._items, seq, key=lambda s: (s.priority, s.index))
+        else:
+            self._items.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        return self._items.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def __contains__(self, seq: object) -> bool:
+        return any(s is seq for s in self._items)
 
 
 @dataclass(slots=True)
@@ -135,7 +183,7 @@ class MockEngine:
         self._output_tokens = output_tokens
         self._publish = publish
         self.connector = connector
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(self.limits.scheduling_policy)
         self.running: list[Sequence] = []
         self._reserved = 0
         self._wake = asyncio.Event()
@@ -161,8 +209,9 @@ class MockEngine:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, pulled_tokens: int = 0,
-               reported_cached_tokens: int | None = None, hold_blocks: bool = False) -> Sequence:
+    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, priority: int = 0,
+               pulled_tokens: int = 0, reported_cached_tokens: int | None = None, hold_blocks: bool = False
+               ) -> Sequence:
         if not prompt:
             raise PromptRejected("The prompt is empty.")
         if max_tokens < 1:  # as vLLM's sampling parameters refuse it
@@ -176,10 +225,11 @@ class MockEngine:
         bs = self.cache.block_size
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.usable_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
-                       time.monotonic(), submitted_clock=self.clock, pulled_tokens=pulled_tokens,
+        index = next(self._ids)
+        seq = Sequence(request_id or f"req-{index}", list(prompt), len(prompt), max_tokens, time.monotonic(),
+                       priority, index, submitted_clock=self.clock, pulled_tokens=pulled_tokens,
                        reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks)
-        self.waiting.append(seq)
+        self.waiting.add(seq)
         self._wake.set()
         return seq
 
@@ -218,19 +268,33 @@ class MockEngine:
             self._complete(step)
             self._flush_events()
 
+    def step_now(self) -> bool:
+        """One scheduler step at once, its simulated time counted but not slept (for replaying a real engine's
+        steps without the loop: not with :meth:`start`); False when there was nothing to do."""
+        step = self._schedule()
+        if not step.prefill and not step.decode:
+            return False
+        self.clock += self.timing.step_seconds(step.prefill_tokens, len(step.decode), step.loaded_tokens)
+        self._complete(step)
+        self._flush_events()
+        return True
+
     def _schedule(self) -> _Step:
-        step = _Step(decode=[s for s in self.running if s.num_computed >= s.prompt_len])
-        budget = self.limits.max_batched_tokens - len(step.decode)
-        for seq in self.running:
+        step = _Step()
+        budget = self.limits.max_batched_tokens
+        for seq in self.running:  # in the order they were admitted
             if budget <= 0:
                 break
-            if seq.num_computed < seq.prompt_len:
+            if seq.num_computed >= seq.prompt_len:
+                step.decode.append(seq)
+                budget -= 1
+            else:
                 budget -= self._prefill_chunk(step, seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not self._admit(seq):
-                break  # first-come first-served: the head waits for blocks, the rest wait behind it
-            self.waiting.popleft()
+                break  # the head waits for blocks, the rest wait behind it
+            self.waiting.pop()
             self.running.append(seq)
             step.loaded_tokens += seq.loaded_tokens
             budget -= self._prefill_chunk(step, seq, budget)

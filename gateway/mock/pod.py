@@ -27,7 +27,15 @@ from gateway.kv.events import Encoding, KvEvent
 from gateway.kv.hashing import namespace_root
 from gateway.mock import anthropic as anthropic_api
 from gateway.mock.block_hashes import HashAlgo, SeededBlockHasher, VllmBlockHasher
-from gateway.mock.engine import MODEL_MAX_LEN, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from gateway.mock.engine import (
+    MODEL_MAX_LEN,
+    EngineLimits,
+    MockEngine,
+    PromptRejected,
+    SchedulingPolicy,
+    Sequence,
+    TimingModel,
+)
 from gateway.mock.kv_transfer import (
     SIDE_CHANNEL_PATH,
     KvLoadFailed,
@@ -68,6 +76,7 @@ class MockPodConfig(msgspec.Struct, forbid_unknown_fields=True):
     default_max_tokens: int = 16
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # Longest prompt plus answer, in tokens; by default the simulated model's own (Llama 3.1's 128k context),
     # as vLLM defaults to the model's.
     max_model_len: int = MODEL_MAX_LEN
@@ -89,6 +98,9 @@ class Faults(msgspec.Struct):
 
 class _FaultRequest(Faults, forbid_unknown_fields=True):
     restart: bool = False
+
+
+PRIORITY_HEADER = "X-Vllm-Priority"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -161,7 +173,7 @@ class MockPod:
         cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model),
                              null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
-        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len)
+        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len, c.scheduling_policy)
         return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage)
 
     def _publish(self, events: list[KvEvent]) -> None:
@@ -327,7 +339,8 @@ class MockPod:
             transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
             seq = self.engine.submit(ids, self.config.default_max_tokens if max_tokens is None else int(max_tokens),
-                                     request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer)
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex,
+                                     priority=_priority(request, {}), **transfer)
         except KvLoadFailed:
             return anthropic_api.error(500, "Internal server error")
         except (PromptRejected, ValueError, TypeError) as exc:
@@ -368,7 +381,8 @@ class MockPod:
         max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids))
+            seq = self.engine.submit(ids, int(max_tokens), request_id, priority=_priority(request, body),
+                                     **await self._transfer_in(body, ids))
         except KvLoadFailed:
             return await self._load_failed(request, bool(body.get("stream")))
         except (PromptRejected, ValueError, TypeError) as exc:
@@ -641,6 +655,21 @@ class MockPod:
         if change.restart:
             self.restart()
         return web.json_response(msgspec.to_builtins(self.faults))
+
+
+def _priority(request: web.Request, body: dict[str, Any]) -> int:
+    """The request's priority as vLLM 0.32 reads it: its ``X-Vllm-Priority`` header where that is an integer,
+    else the body's ``priority`` (0). An FCFS engine takes it and ignores it."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is not None:
+        try:
+            return int(header)
+        except ValueError:
+            pass
+    value = body.get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError("priority must be an integer")
+    return value
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -13,7 +13,7 @@ from gateway.background import Doorbell
 from gateway.config import FlowControlConfig, HealthConfig, ObjectiveConfig, PodConfig, SaturationConfig, TenantConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController
-from gateway.flow.flows import Flow, FlowKey, FlowPolicy
+from gateway.flow.flows import ENGINE_BAND_SPAN, Flow, FlowKey, FlowPolicy, engine_priority
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service import ServiceCounters
@@ -44,9 +44,21 @@ def test_a_named_objective_sets_band_weight_and_ttft_and_an_unknown_one_counts_a
                            "x-gateway-inference-objective": "interactive", "x-priority": "1"}, None, None)
     assert flow.key == FlowKey("team-a", 5) and flow.objective == "interactive"
     assert flow.weight == 6.0 and flow.ttft_s == 0.5 and flow.max_wait_s == 10.0
-    assert flow.engine_priority == -5  # vLLM schedules lower values first
     unknown = policy.resolve({"x-gateway-inference-objective": "nope", "x-priority": "2"}, None, None)
     assert unknown.key == FlowKey("default", 2) and unknown.objective is None and unknown.max_wait_s == 120.0
+
+
+def test_the_engine_priority_puts_the_band_first_then_the_least_served_flow():
+    counters = ServiceCounters()
+    counters.charge(FlowKey("a"), 9_000.0)  # a has been served 8,000 weighted tokens more than b
+    counters.charge(FlowKey("b"), 1_000.0)
+    counters.charge(FlowKey("c", 5), 50_000.0)  # another band: not b's or a's floor
+    assert counters.deficit(FlowKey("a")) == 8_000.0 and counters.deficit(FlowKey("b")) == 0.0
+    assert counters.deficit(FlowKey("c", 5)) == 0.0 and counters.deficit(FlowKey("new")) == 0.0
+    # vLLM serves lower values first: b before a, the higher band before both, whatever its deficit.
+    a, b = engine_priority(0, counters.deficit(FlowKey("a"))), engine_priority(0, counters.deficit(FlowKey("b")))
+    assert b == 0 and a == 8_000 and engine_priority(5, 10 ** 12) == -5 * ENGINE_BAND_SPAN + ENGINE_BAND_SPAN - 1 < b
+    assert engine_priority(-(10 ** 18), 0) == (1 << 63) - 1  # within vLLM's int64
 
 
 @pytest.mark.parametrize("headers", [{"x-gateway-inference-fairness-id": " "},
