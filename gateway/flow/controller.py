@@ -37,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
@@ -153,7 +153,7 @@ class FlowController:
             raise self._refusal("The gateway's queue is full.", "queue_full")
         now = self._clock()
         loop = asyncio.get_running_loop()
-        held = Held(flow, self.key_of(flow.key), model, leg, demand, now, now + wait_allowed_s,
+        held = Held(flow, self.key_of(flow.key), model, leg, replace(demand, held=True), now, now + wait_allowed_s,
                     next(self._seq), loop.create_future())
         held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
         self._enqueue(held)
@@ -255,7 +255,7 @@ class FlowController:
                 demand = held.demand
                 room = self._room_for(held, pods, now)
                 if room is None and demand.estimates and self._room_among(
-                        pods, Demand(demand.kind, demand.prompt_tokens)) is not None:
+                        pods, Demand(demand.kind, demand.prompt_tokens, held=demand.held)) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
                 contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
@@ -277,7 +277,7 @@ class FlowController:
         """Of pods without room for it, the soonest one whose prefill drains enough to take the request."""
         detector = self.detector
         return min((wait for p in pods if detector.saturated_by(p.name, demand) == "prefill"
-                    and (wait := detector.prefill_room_in(p.name, demand.prompt_tokens)) is not None), default=None)
+                    and (wait := detector.prefill_room_in(p.name, demand)) is not None), default=None)
 
     def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
         self._dequeue(held)

@@ -9,16 +9,17 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   prompt is what lets a later, more urgent request start soon. While one flow alone is served, the running
   prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
   runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first.
-  While several are, a prompt also joins a pod's queue only where it fits the pod's next step beside what is
-  ahead of it (the running prefill's rest, counted down, and what waits), or where the queue is empty: a
-  chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to the prefills it runs,
-  then packs its waiting prompts first come, first served, so a short prompt sent while a long one's last
-  chunk is due rides in that chunk's step, and one sent just before a long one would wait for the long one's
-  first chunk too. The controller bounds the wait for an empty queue (``prefill_fit_wait_s``): an answer that
-  is not streamed counts as queued until it ends. A pod that orders its waiting requests by priority
-  (``scheduling: priority``) lets the least-served flow's request pass those waiting there (each request
-  carries its flow's priority, :func:`gateway.flow.flows.engine_priority`): there the count-down always runs,
-  and a prompt need not fit beside the queue;
+  While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where
+  the queue is empty: a chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to
+  the prefills it runs, then packs its waiting prompts first come, first served, so a short prompt sent just
+  before a long one would wait for the long one's first chunk too. A request released after waiting (routed
+  among the pods with room then) needs less: that its prompt fits the pod's next step beside what is ahead of
+  it, the running prefill's rest as counted down; so a short one rides in the step of the running prompt's
+  last chunk instead of waiting for its answer to begin. The controller bounds the wait for an empty queue
+  (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
+  its waiting requests by priority (``scheduling: priority``) lets the least-served flow's request pass those
+  waiting there (each request carries its flow's priority, :func:`gateway.flow.flows.engine_priority`): there
+  the count-down always runs, and a prompt need not fit beside the queue;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -46,11 +47,14 @@ from gateway.load.pending import Estimate, PendingLoad
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What a request asks of a pod, as its room is judged: its kind, its prompt's length in tokens (before any
-    cached: where it goes is not known yet), and its predicted cost on each candidate pod (SLO admission)."""
+    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), and
+    whether it was held (then routed among the pods with room for it: its prompt may join beside a running one's
+    last chunk)."""
 
     kind: str = "chat"
     prompt_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
+    held: bool = False
 
 
 NO_DEMAND = Demand()  # whether a pod has room at all
@@ -77,7 +81,7 @@ class SaturationDetector:
         estimate = demand.estimates.get(pod)
         if not self._flow_control:
             return "load" if estimate is not None and not self._load.fits(pod, estimate, demand.kind) else None
-        if self._prefill_full(pod, demand.prompt_tokens):
+        if self._prefill_full(pod, demand):
             return "prefill"
         stats = self._load.engine.get(pod)
         if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
@@ -95,7 +99,7 @@ class SaturationDetector:
         """Prompt tokens sent to ``pod`` that it has not begun answering: what a prompt must fit beside."""
         return self._ledger.prefill_backlog(pod)
 
-    def _prefill_full(self, pod: str, prompt_tokens: int) -> bool:
+    def _prefill_full(self, pod: str, demand: Demand) -> bool:
         limit = self.config.prefill_tokens
         ledger = self._ledger
         backlog = ledger.prefill_backlog(pod)
@@ -103,18 +107,17 @@ class SaturationDetector:
             return False
         if self._counting_down(pod):
             return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
-        # Several flows, first come first served: it must fit the next step beside what is ahead of it.
-        remaining = ledger.prefill_remaining(pod, self._clock())
-        return remaining >= limit or remaining + prompt_tokens > limit
+        # Several flows, first come first served: the prompt must fit beside what is ahead of it.
+        ahead = ledger.prefill_remaining(pod, self._clock()) if demand.held else backlog
+        return ahead >= limit or ahead + demand.prompt_tokens > limit
 
-    def prefill_room_in(self, pod: str, prompt_tokens: int = 0) -> float | None:
-        """Seconds until the pod's prefill work has drained enough to take a prompt of ``prompt_tokens`` (None:
-        not before an answer begins; a prompt that fits no step beside others waits for an empty queue): when
-        to look again without a ring."""
+    def prefill_room_in(self, pod: str, demand: Demand = NO_DEMAND) -> float | None:
+        """Seconds until the pod's prefill work has drained enough to take the request (None: not before an
+        answer begins): when to look again without a ring."""
         limit = self.config.prefill_tokens
         if not self._counting_down(pod):
-            limit -= prompt_tokens
-            if limit <= 0:
+            limit -= demand.prompt_tokens
+            if not demand.held or limit <= 0:
                 return None
         return self._ledger.prefill_below_in(pod, limit, self._clock())
 

@@ -48,7 +48,7 @@ async def test_a_priority_pod_serves_the_least_served_flows_waiting_request_firs
         assert priorities[0] == 0 and priorities[1] > 1500 + 10 * STEP_TOKENS, priorities
     else:
         assert priorities == [0, 0]
-    long_at, a_at, b_at = await asyncio.gather(long, a, b)
+    _, a_at, b_at = await asyncio.gather(long, a, b)
     if scheduling == "priority":
         assert b_at < a_at  # B, the least served, first
     else:

@@ -129,7 +129,7 @@ def detector_on(ledger: InFlightLedger, counters: ServiceCounters, clock: Clock,
                               active_flows=counters.active_flows, by_priority=lambda pod: by_priority, clock=clock)
 
 
-def test_the_count_down_runs_while_one_flow_is_served_and_with_several_only_a_prompt_that_fits_the_next_step_goes():
+def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_prompt_that_fits_the_next_step_goes():
     clock = Clock()
     ledger = InFlightLedger(clock=clock)
     counters = ServiceCounters()
@@ -140,20 +140,23 @@ def test_the_count_down_runs_while_one_flow_is_served_and_with_several_only_a_pr
     ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
     clock.now += 0.05  # 1,850 tokens left of a2: below the threshold by the count-down
     counters.charge(FlowKey("a"), 1.0)
-    long, short, too_long = Demand(prompt_tokens=3700), Demand(prompt_tokens=150), Demand(prompt_tokens=250)
-    assert detector.saturated_by("p", long) is None and detector.prefill_room_in("p", 3700) == 0.0
+    long, short, too_long = (Demand(prompt_tokens=n, held=True) for n in (3700, 150, 250))
+    assert detector.saturated_by("p", long) is None and detector.prefill_room_in("p", long) == 0.0
     counters.charge(FlowKey("b"), 1.0)  # another tenant is served too: fairness goes first
-    # a2's last chunk leaves room for 198 tokens in its step: a short prompt rides there, a long one waits for
-    # an empty queue (an answer beginning), not for the count-down
+    # a2's last chunk leaves room for 198 tokens in its step: a short held prompt rides there (it is routed among
+    # the pods with room), a long one waits for an empty queue (an answer beginning), not for the count-down
     assert detector.saturated_by("p", short) is None
     assert detector.saturated_by("p", too_long) == "prefill" and detector.saturated_by("p", long) == "prefill"
-    assert detector.prefill_room_in("p", 3700) is None
-    assert detector.prefill_room_in("p", 250) == pytest.approx((1850 - (2048 - 250)) / 37_000 + 1e-3)
-    clock.now += 0.002  # 76 tokens later, 250 fit
+    assert detector.prefill_room_in("p", long) is None
+    assert detector.prefill_room_in("p", too_long) == pytest.approx((1850 - (2048 - 250)) / 37_000 + 1e-3)
+    clock.now += 0.002  # 74 tokens later, 250 fit
     assert detector.saturated_by("p", too_long) is None
+    # One that would go at once (routed among every pod) needs the queue itself to fit: a2 whole.
+    assert detector.saturated_by("p", Demand(prompt_tokens=150)) == "prefill"
+    assert detector.prefill_room_in("p", Demand(prompt_tokens=150)) is None
 
 
-def test_a_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_chunk_not_after_the_prefill():
+def test_a_held_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_chunk_not_after_the_prefill():
     clock = Clock()
     ledger = InFlightLedger(clock=clock)
     counters = ServiceCounters()
@@ -165,16 +168,16 @@ def test_a_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_chunk_
     counters.charge(FlowKey("a"), 1.0)
     counters.charge(FlowKey("b"), 1.0)
     ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=5700)  # the idle pod begins on a's long prompt
-    b = Demand(prompt_tokens=200)
+    b = Demand(prompt_tokens=200, held=True)
     assert detector.saturated_by("p", b) == "prefill"
     # b goes once a1's rest and b's prompt fit in one step: 3,852 tokens of a1 into its prefill (0.385 s), not
     # at a1's first token (0.57 s)
-    assert detector.prefill_room_in("p", 200) == pytest.approx(0.3852 + 1e-3)
+    assert detector.prefill_room_in("p", b) == pytest.approx(0.3852 + 1e-3)
     clock.now += 0.38
     assert detector.saturated_by("p", b) == "prefill"
     clock.now += 0.01
     assert detector.saturated_by("p", b) is None
-    assert detector.saturated_by("p", Demand(prompt_tokens=3700)) == "prefill"  # a long one still waits
+    assert detector.saturated_by("p", Demand(prompt_tokens=3700, held=True)) == "prefill"  # a long one still waits
 
 
 def test_a_pod_that_orders_its_queue_by_priority_counts_down_whoever_is_served():
