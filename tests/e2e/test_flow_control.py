@@ -401,16 +401,21 @@ async def real_steps(pod: VllmPod, waves: list[list[Sent]]) -> tuple[list[list[t
     """The steps the pod took, and how many of them came before the second wave."""
     replay = f"tcp://127.0.0.1:{pod.replay_port}"
     sent = [s for wave in waves for s in wave]
+    pause = f"{pod.url}/pause?mode=keep&clear_cache=false"  # (vLLM 0.32 resets the prefix cache unless told not to)
     async with aiohttp.ClientSession() as http:
-        await reset(http, pod.url)
-        await post(http, f"{pod.url}/pause?mode=keep", {})
+        await complete(http, pod.url, Sent("warm-up", scheduler_waves(seed=99)[0][0].tokens))  # a fresh pod's first
+        await reset(http, pod.url)  # steps are slow
+        await post(http, pause, {})
         calls, before = [], 0
         for i, wave in enumerate(waves):
             if i:
                 await asyncio.sleep(PAUSE_AFTER_S)
-                await post(http, f"{pod.url}/pause?mode=keep", {})
-                await asyncio.sleep(0.5)  # the step under way publishes its batch
-                before = len(since_last_clear_batches(await replayed_batches(replay)))
+                await post(http, pause, {})
+                seen = -1
+                while seen != before:  # until the step under way has published its batch
+                    seen = before
+                    await asyncio.sleep(0.2)
+                    before = len(since_last_clear_batches(await replayed_batches(replay)))
             for s in wave:
                 calls.append(asyncio.create_task(complete(http, pod.url, s)))
                 await asyncio.sleep(0.05)  # each reaches the engine before the next
@@ -432,8 +437,13 @@ async def complete(http: aiohttp.ClientSession, url: str, sent: Sent) -> None:
 
 
 def since_last_clear_batches(batches: list[list[KvEvent]]) -> list[list[KvEvent]]:
-    cleared = [i for i, batch in enumerate(batches) if any(isinstance(e, AllBlocksCleared) for e in batch)]
-    return batches[cleared[-1] + 1:] if cleared else batches
+    """The batches after the cache was last cleared (the clear leaves with the next step's batch)."""
+    for i in range(len(batches) - 1, -1, -1):
+        cleared = [j for j, e in enumerate(batches[i]) if isinstance(e, AllBlocksCleared)]
+        if cleared:
+            rest = batches[i][cleared[-1] + 1:]
+            return ([rest] if rest else []) + batches[i + 1:]
+    return batches
 
 
 def simulated_steps(waves: list[list[Sent]], policy: SchedulingPolicy, before: int) -> list[list[tuple[str, int]]]:
