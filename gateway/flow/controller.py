@@ -255,7 +255,7 @@ class FlowController:
                 demand = held.demand
                 room = self._room_for(held, pods, now)
                 if room is None and demand.estimates and self._room_among(
-                        pods, Demand(demand.kind, demand.prompt_tokens, held=demand.held)) is not None:
+                        pods, replace(demand, estimates={})) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
                 contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
@@ -291,11 +291,14 @@ class FlowController:
         """The pods with room for a held request. A prompt that fits no pod's queue (several flows served)
         waits for one to empty, but no longer than ``prefill_fit_wait_s``: a queue of answers that are not
         streamed empties only as they end."""
+        first = self.counters.goes_first(held.key)  # on a pod ordering by priority: as it stands now
+        if held.demand.goes_first != first:
+            held.demand = replace(held.demand, goes_first=first)
         demand = held.demand
         room = self._room_among(pods, demand)
         if room is not None or not demand.prompt_tokens:
             return room
-        unsized = self._room_among(pods, Demand(demand.kind, 0, demand.estimates))
+        unsized = self._room_among(pods, replace(demand, prompt_tokens=0, held=False))
         if unsized is None:
             held.unfit_since = None
         elif held.unfit_since is None:

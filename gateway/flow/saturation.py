@@ -17,9 +17,11 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   it, the running prefill's rest as counted down; so a short one rides in the step of the running prompt's
   last chunk instead of waiting for its answer to begin. The controller bounds the wait for an empty queue
   (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
-  its waiting requests by priority (``scheduling: priority``) lets the least-served flow's request pass those
-  waiting there (each request carries its flow's priority, :func:`gateway.flow.flows.engine_priority`): there
-  the count-down always runs, and a prompt need not fit beside the queue;
+  its waiting requests by priority (``scheduling: priority``) serves the least-served flow's request before
+  those waiting there (each request carries its flow's priority, :func:`gateway.flow.flows.engine_priority`),
+  though not before the prefill it runs: there the count-down always runs, a prompt need not fit beside the
+  queue, and a request whose flow goes first (:meth:`gateway.flow.service.ServiceCounters.goes_first`) is not
+  held for the queue at all;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -47,14 +49,15 @@ from gateway.load.pending import Estimate, PendingLoad
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What a request asks of a pod, as its room is judged: its kind, its prompt's length in tokens (before any
-    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), and
-    whether it was held (then routed among the pods with room for it: its prompt may join beside a running one's
-    last chunk)."""
+    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), whether
+    it was held (then routed among the pods with room for it: its prompt may join beside a running one's last
+    chunk), and whether its flow goes first on a pod that orders its waiting requests by priority."""
 
     kind: str = "chat"
     prompt_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
     held: bool = False
+    goes_first: bool = False
 
 
 NO_DEMAND = Demand()  # whether a pod has room at all
@@ -105,6 +108,8 @@ class SaturationDetector:
         backlog = ledger.prefill_backlog(pod)
         if not backlog:
             return False
+        if self._by_priority(pod) and demand.goes_first:
+            return False  # the engine serves it before all that wait there: only the running prefill is ahead
         if self._counting_down(pod):
             return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
         # Several flows, first come first served: the prompt must fit beside what is ahead of it.

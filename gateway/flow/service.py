@@ -101,6 +101,13 @@ class ServiceCounters:
         floor = min((served.get(k, mine) for k in lately if k.priority == key.priority), default=mine)
         return max(0.0, mine - floor)
 
+    def goes_first(self, key: FlowKey) -> bool:
+        """Whether ``key``'s requests go before those of every flow served lately where the engine orders its
+        waiting requests by their engine priority: no such flow is in a higher band or had less service."""
+        if any(k.priority > key.priority for k in self._charged_now | self._charged_before):
+            return False
+        return self.deficit(key) == 0.0
+
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)
 

@@ -59,6 +59,9 @@ def test_the_engine_priority_puts_the_band_first_then_the_least_served_flow():
     a, b = engine_priority(0, counters.deficit(FlowKey("a"))), engine_priority(0, counters.deficit(FlowKey("b")))
     assert b == 0 and a == 8_000 and engine_priority(5, 10 ** 12) == -5 * ENGINE_BAND_SPAN + ENGINE_BAND_SPAN - 1 < b
     assert engine_priority(-(10 ** 18), 0) == (1 << 63) - 1  # within vLLM's int64
+    # Whose requests a pod ordering by priority serves before all the others': the least served of the top band.
+    assert counters.goes_first(FlowKey("c", 5)) and counters.goes_first(FlowKey("d", 7))
+    assert not counters.goes_first(FlowKey("b")) and not counters.goes_first(FlowKey("a"))
 
 
 @pytest.mark.parametrize("headers", [{"x-gateway-inference-fairness-id": " "},

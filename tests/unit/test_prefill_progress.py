@@ -193,9 +193,15 @@ def test_a_pod_that_orders_its_queue_by_priority_counts_down_whoever_is_served()
     counters.charge(FlowKey("b"), 1.0)
     assert detector.saturated_by("p", Demand(prompt_tokens=3700)) == "prefill"
     assert detector.prefill_room_in("p", 3700) == pytest.approx(1652 / 37_000 + 1e-3)
+    # The least-served flow's request goes before a2 in the engine's queue (not before a1's running prefill):
+    # nothing here holds it back.
+    assert detector.saturated_by("p", Demand(prompt_tokens=200, goes_first=True)) is None
     clock.now += 0.05
     # The engine lets a better priority pass what waits there: a long prompt need not fit beside a2's rest.
     assert detector.saturated_by("p", Demand(prompt_tokens=3700)) is None
+    fcfs = detector_on(ledger, counters, clock)
+    ledger.dispatch("a3", "p", 1.0, "chat", prefill_tokens=3700)
+    assert fcfs.saturated_by("p", Demand(prompt_tokens=200, goes_first=True)) == "prefill"  # first come, first served
 
 
 def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_one_step_with_it():
