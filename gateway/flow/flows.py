@@ -53,17 +53,17 @@ class Flow:
 
 
 
-# A band's span of engine priorities: a flow's service deficit never reaches into the next band's.
-ENGINE_BAND_SPAN = 1_000_000
+# A band's span of engine priorities: a flow's service never reaches into the next band's.
+ENGINE_BAND_SPAN = 1 << 40
 INT64 = 1 << 63
 
 
-def engine_priority(band: int, deficit: float) -> int:
+def engine_priority(band: int, service: float) -> int:
     """The priority of a request in vLLM's terms (lower values are served first): the higher its band, the
-    lower, then the less service its flow has had beyond the least-served flow of its band (``deficit``, in
-    weighted tokens, capped at ``ENGINE_BAND_SPAN``), the lower. A pod ordering its waiting requests by it
-    serves the least-served flow's request first within a band, and the first to come among equals."""
-    value = -band * ENGINE_BAND_SPAN + min(ENGINE_BAND_SPAN - 1, max(0, int(deficit)))
+    lower, then the less service its flow had when it was sent (its tag, in weighted tokens: see
+    :meth:`gateway.flow.service.ServiceCounters.tag`), the lower. A pod ordering its waiting requests by it
+    serves the least-served flow's request first within a band, each flow's in the order sent."""
+    value = -band * ENGINE_BAND_SPAN + min(ENGINE_BAND_SPAN - 1, max(0, int(service)))
     return max(-INT64, min(INT64 - 1, value))
 
 

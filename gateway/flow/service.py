@@ -92,21 +92,28 @@ class ServiceCounters:
             self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
         return len(self._charged_now | self._charged_before)
 
-    def deficit(self, key: FlowKey) -> float:
-        """How much more weighted service ``key`` has had than the least-served flow of its band among those
-        served lately (0: none had less)."""
+    def tag(self, key: FlowKey) -> float:
+        """``key``'s service as the tag of a request it sends now: its counter, lifted to the least counter of its
+        band's flows served lately when it is not one of them (no service banked while it was idle, as the
+        counter of a flow that starts to wait is lifted). Requests ordered by their tags go least-served flow
+        first, and in the order each flow sent them (start-time fair queueing)."""
         served = self._served
         mine = served.get(key, 0.0)
         lately = self._charged_now | self._charged_before
-        floor = min((served.get(k, mine) for k in lately if k.priority == key.priority), default=mine)
-        return max(0.0, mine - floor)
+        if key in lately:
+            return mine
+        return max(mine, min((served.get(k, 0.0) for k in lately if k.priority == key.priority), default=mine))
 
     def goes_first(self, key: FlowKey) -> bool:
-        """Whether ``key``'s requests go before those of every flow served lately where the engine orders its
-        waiting requests by their engine priority: no such flow is in a higher band or had less service."""
-        if any(k.priority > key.priority for k in self._charged_now | self._charged_before):
+        """Whether ``key``'s request would go before those of every other flow served lately where the engine
+        orders its waiting requests by their tags: there are such flows, none in a higher band, and none of its
+        band had less service."""
+        lately = self._charged_now | self._charged_before
+        others = [k for k in lately if k != key]
+        if not others or any(k.priority > key.priority for k in others):
             return False
-        return self.deficit(key) == 0.0
+        mine = self.tag(key)
+        return all(self._served.get(k, 0.0) >= mine for k in others if k.priority == key.priority)
 
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)

@@ -4,7 +4,7 @@
   can serve within its SLO is refused; one that finds room and nobody waiting goes on at once, else it
   waits in the flow controller (:mod:`gateway.flow.controller`). Returns :class:`Admitted`: the flow, the
   SLO, how long it waited, and the priority a pod that schedules by priority is to give it (its band, then
-  its flow's service deficit as it leaves: :func:`gateway.flow.flows.engine_priority`). A request
+  its flow's service as it leaves: :func:`gateway.flow.flows.engine_priority`). A request
   released after waiting has the pods that had room then written to ``routing.room``: the router keeps to
   them; one that goes on at once is routed among all (the policy weighs load against cached prefixes);
 - dispatch: the attempt's expected service is charged to its flow (prompt tokens, those predicted cached at
@@ -104,9 +104,9 @@ class FlowControl:
         return Admitted(slo, release.waited_s, key, flow.objective, self._engine_priority(key))
 
     def _engine_priority(self, key: FlowKey) -> int:
-        """Its band and its flow's service deficit as it leaves: the least-served flow's requests go first on a pod
-        that orders its waiting requests by priority."""
-        return engine_priority(key.priority, self._controller.counters.deficit(key))
+        """Its band and its flow's service as it leaves: the least-served flow's requests go first on a pod that
+        orders its waiting requests by priority."""
+        return engine_priority(key.priority, self._controller.counters.tag(key))
 
     def dispatched(self, attempt: Attempt) -> None:
         state = self._requests.get(attempt.request)
