@@ -155,7 +155,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows)
     flow_metrics = FlowMetrics(metrics.registry)
     detector = SaturationDetector(fc.saturation, ledger, load, config.admission.enabled, flow_control=fc.enabled,
-                                  active_flows=service.active_flows, by_priority=pods.orders_by_priority)
+                                  active_flows=service.active_flows)
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
     signals = ContextSignals(wc.session_headers)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)

@@ -81,11 +81,6 @@ class PodRegistry:
     def get(self, name: str) -> Pod | None:
         return self._pods.get(name)
 
-    def orders_by_priority(self, name: str) -> bool:
-        """Whether the pod serves its waiting requests by their priority (``scheduling: priority``)."""
-        pod = self._pods.get(name)
-        return pod is not None and pod.config.scheduling == "priority"
-
     def all(self) -> list[Pod]:
         return list(self._pods.values())
 

@@ -291,9 +291,6 @@ class FlowController:
         """The pods with room for a held request. A prompt that fits no pod's queue (several flows served)
         waits for one to empty, but no longer than ``prefill_fit_wait_s``: a queue of answers that are not
         streamed empties only as they end."""
-        first = self.counters.goes_first(held.key)  # on a pod ordering by priority: as it stands now
-        if held.demand.goes_first != first:
-            held.demand = replace(held.demand, goes_first=first)
         demand = held.demand
         room = self._room_among(pods, demand)
         if room is not None or not demand.prompt_tokens:

@@ -17,11 +17,10 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   it, the running prefill's rest as counted down; so a short one rides in the step of the running prompt's
   last chunk instead of waiting for its answer to begin. The controller bounds the wait for an empty queue
   (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
-  its waiting requests by priority (``scheduling: priority``) serves the least-served flow's request before
-  those waiting there (each request carries its flow's priority, :func:`gateway.flow.flows.engine_priority`),
-  though not before the prefill it runs: there the count-down always runs, a prompt need not fit beside the
-  queue, and a request whose flow goes first (:meth:`gateway.flow.service.ServiceCounters.goes_first`) is not
-  held for the queue at all;
+  its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
+  least-served flow's request pass those waiting there (each carries its flow's priority,
+  :func:`gateway.flow.flows.engine_priority`), but not the prefill it runs, and letting more wait there (the
+  count-down run whoever is served) kept the engine's steps full at the cost of B's latency;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -49,15 +48,14 @@ from gateway.load.pending import Estimate, PendingLoad
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What a request asks of a pod, as its room is judged: its kind, its prompt's length in tokens (before any
-    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), whether
-    it was held (then routed among the pods with room for it: its prompt may join beside a running one's last
-    chunk), and whether its flow goes first on a pod that orders its waiting requests by priority."""
+    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), and
+    whether it was held (then routed among the pods with room for it: its prompt may join beside a running
+    one's last chunk)."""
 
     kind: str = "chat"
     prompt_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
     held: bool = False
-    goes_first: bool = False
 
 
 NO_DEMAND = Demand()  # whether a pod has room at all
@@ -66,7 +64,6 @@ NO_DEMAND = Demand()  # whether a pod has room at all
 class SaturationDetector:
     def __init__(self, config: SaturationConfig, ledger: InFlightLedger, load: PendingLoad, slo_admission: bool,
                  flow_control: bool = True, active_flows: Callable[[float], int] = lambda now: 1,
-                 by_priority: Callable[[str], bool] = lambda pod: False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._ledger = ledger
@@ -75,7 +72,6 @@ class SaturationDetector:
         # Off (SLO admission alone): only the predicted load says a pod is full.
         self._flow_control = flow_control
         self._active_flows = active_flows  # flows served lately: the count-down runs while there is one
-        self._by_priority = by_priority  # whether a pod orders its waiting requests by their priority
         self._clock = clock
 
     def saturated_by(self, pod: str, demand: Demand = NO_DEMAND) -> str | None:
@@ -108,9 +104,7 @@ class SaturationDetector:
         backlog = ledger.prefill_backlog(pod)
         if not backlog:
             return False
-        if self._by_priority(pod) and demand.goes_first:
-            return False  # the engine serves it before all that wait there: only the running prefill is ahead
-        if self._counting_down(pod):
+        if self._counting_down():
             return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
         # Several flows, first come first served: the prompt must fit beside what is ahead of it.
         ahead = ledger.prefill_remaining(pod, self._clock()) if demand.held else backlog
@@ -120,11 +114,11 @@ class SaturationDetector:
         """Seconds until the pod's prefill work has drained enough to take the request (None: not before an
         answer begins): when to look again without a ring."""
         limit = self.config.prefill_tokens
-        if not self._counting_down(pod):
+        if not self._counting_down():
             limit -= demand.prompt_tokens
             if not demand.held or limit <= 0:
                 return None
         return self._ledger.prefill_below_in(pod, limit, self._clock())
 
-    def _counting_down(self, pod: str) -> bool:
-        return self._by_priority(pod) or self._active_flows(self._clock()) <= 1
+    def _counting_down(self) -> bool:
+        return self._active_flows(self._clock()) <= 1

@@ -104,17 +104,6 @@ class ServiceCounters:
             return mine
         return max(mine, min((served.get(k, 0.0) for k in lately if k.priority == key.priority), default=mine))
 
-    def goes_first(self, key: FlowKey) -> bool:
-        """Whether ``key``'s request would go before those of every other flow served lately where the engine
-        orders its waiting requests by their tags: there are such flows, none in a higher band, and none of its
-        band had less service."""
-        lately = self._charged_now | self._charged_before
-        others = [k for k in lately if k != key]
-        if not others or any(k.priority > key.priority for k in others):
-            return False
-        mine = self.tag(key)
-        return all(self._served.get(k, 0.0) >= mine for k in others if k.priority == key.priority)
-
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)
 

@@ -83,8 +83,7 @@ class FlowControl:
             raise
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
-        demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates,
-                        goes_first=controller.counters.goes_first(key))
+        demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
         room = controller.room_now(pods, demand)
         if room is None:
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)

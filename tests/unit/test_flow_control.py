@@ -50,21 +50,17 @@ def test_a_named_objective_sets_band_weight_and_ttft_and_an_unknown_one_counts_a
 
 def test_the_engine_priority_puts_the_band_first_then_the_least_served_flow():
     counters = ServiceCounters()
-    assert not counters.goes_first(FlowKey("a"))  # a flow alone goes first of nobody: it is not let past the queue
     counters.charge(FlowKey("a"), 9_000.0)
-    assert not counters.goes_first(FlowKey("a"))
     counters.charge(FlowKey("b"), 1_000.0)  # b has been served 8,000 weighted tokens less than a
     assert counters.tag(FlowKey("a")) == 9_000.0 and counters.tag(FlowKey("b")) == 1_000.0
-    assert counters.goes_first(FlowKey("b")) and not counters.goes_first(FlowKey("a"))
     # A flow not served lately banks nothing: its tag is the least of its band's, not its own 0.
-    assert counters.tag(FlowKey("new")) == 1_000.0 and counters.goes_first(FlowKey("new"))
+    assert counters.tag(FlowKey("new")) == 1_000.0
     # vLLM serves lower values first: b before a, a higher band before both whatever its service.
     a, b = (engine_priority(0, counters.tag(FlowKey(f))) for f in "ab")
     assert b == 1_000 < a == 9_000 and engine_priority(5, 10 ** 15) == -5 * ENGINE_BAND_SPAN + ENGINE_BAND_SPAN - 1 < b
     assert engine_priority(-(10 ** 18), 0) == (1 << 63) - 1  # within vLLM's int64
-    counters.charge(FlowKey("c", 5), 50_000.0)  # a higher band is served: nobody of band 0 goes first
-    assert counters.goes_first(FlowKey("c", 5)) and not counters.goes_first(FlowKey("b"))
-    assert counters.tag(FlowKey("d", 5)) == 50_000.0
+    counters.charge(FlowKey("c", 5), 50_000.0)  # another band's service is not band 0's floor
+    assert counters.tag(FlowKey("d", 5)) == 50_000.0 and counters.tag(FlowKey("new")) == 1_000.0
 
 
 @pytest.mark.parametrize("headers", [{"x-gateway-inference-fairness-id": " "},

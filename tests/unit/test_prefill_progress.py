@@ -122,11 +122,10 @@ def test_flows_served_lately_are_counted_over_two_windows():
     assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
 
 
-def detector_on(ledger: InFlightLedger, counters: ServiceCounters, clock: Clock,
-                by_priority: bool = False) -> SaturationDetector:
+def detector_on(ledger: InFlightLedger, counters: ServiceCounters, clock: Clock) -> SaturationDetector:
     return SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
                               PendingLoad(ProfileStore(None), ledger, 4, str), False,
-                              active_flows=counters.active_flows, by_priority=lambda pod: by_priority, clock=clock)
+                              active_flows=counters.active_flows, clock=clock)
 
 
 def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_prompt_that_fits_the_next_step_goes():
@@ -178,30 +177,6 @@ def test_a_held_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_c
     clock.now += 0.01
     assert detector.saturated_by("p", b) is None
     assert detector.saturated_by("p", Demand(prompt_tokens=3700, held=True)) == "prefill"  # a long one still waits
-
-
-def test_a_pod_that_orders_its_queue_by_priority_counts_down_whoever_is_served():
-    clock = Clock()
-    ledger = InFlightLedger(clock=clock)
-    counters = ServiceCounters()
-    detector = detector_on(ledger, counters, clock, by_priority=True)
-    first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
-    clock.now += 0.1
-    ledger.answering(first)
-    ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
-    counters.charge(FlowKey("a"), 1.0)
-    counters.charge(FlowKey("b"), 1.0)
-    assert detector.saturated_by("p", Demand(prompt_tokens=3700)) == "prefill"
-    assert detector.prefill_room_in("p", 3700) == pytest.approx(1652 / 37_000 + 1e-3)
-    # The least-served flow's request goes before a2 in the engine's queue (not before a1's running prefill):
-    # nothing here holds it back.
-    assert detector.saturated_by("p", Demand(prompt_tokens=200, goes_first=True)) is None
-    clock.now += 0.05
-    # The engine lets a better priority pass what waits there: a long prompt need not fit beside a2's rest.
-    assert detector.saturated_by("p", Demand(prompt_tokens=3700)) is None
-    fcfs = detector_on(ledger, counters, clock)
-    ledger.dispatch("a3", "p", 1.0, "chat", prefill_tokens=3700)
-    assert fcfs.saturated_by("p", Demand(prompt_tokens=200, goes_first=True)) == "prefill"  # first come, first served
 
 
 def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_one_step_with_it():
