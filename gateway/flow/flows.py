@@ -52,7 +52,6 @@ class Flow:
     ttft_s: float | None = None  # the objective's TTFT target
 
 
-
 # A band's span of engine priorities: a flow's service never reaches into the next band's.
 ENGINE_BAND_SPAN = 1 << 40
 INT64 = 1 << 63

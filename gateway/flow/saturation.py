@@ -19,8 +19,8 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
   its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
   least-served flow's request pass those waiting there (each carries its flow's priority,
-  :func:`gateway.flow.flows.engine_priority`), but not the prefill it runs, and letting more wait there (the
-  count-down run whoever is served) kept the engine's steps full at the cost of B's latency;
+  :func:`gateway.flow.flows.engine_priority`) but not the prefill it runs, so letting more wait there (tried:
+  the count-down whoever is served) keeps its steps full at the cost of the newcomer's first token;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;

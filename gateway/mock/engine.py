@@ -151,7 +151,7 @@ class WaitingQueue:
         return iter(self._items)
 
     def __contains__(self, seq: object) -> bool:
-        return any(s is seq for s in self._items)
+        return seq in self._items  # sequences compare by identity
 
 
 @dataclass(slots=True)
