@@ -16,7 +16,7 @@ module prints (``-s``) holds the figures the README quotes.
 
 The same flood of distinct documents with longer answers (``DOC_MAX_TOKENS``) runs on the first pod and on a
 second one started with ``--scheduling-policy priority``, to which the gateway sends each request's priority
-(its band and its flow's service deficit). And the simulated engine's scheduler is checked step for step
+(its band, then its flow's service as it leaves). And the simulated engine's scheduler is checked step for step
 against both pods: the same requests, paused and resumed at the same points, give the same KV event batches.
 """
 

@@ -122,17 +122,19 @@ def test_flows_served_lately_are_counted_over_two_windows():
     assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
 
 
-def detector_on(ledger: InFlightLedger, counters: ServiceCounters, clock: Clock) -> SaturationDetector:
-    return SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
-                              PendingLoad(ProfileStore(None), ledger, 4, str), False,
-                              active_flows=counters.active_flows, clock=clock)
-
-
-def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_prompt_that_fits_the_next_step_goes():
+def detector_on_one_pod() -> tuple[Clock, InFlightLedger, ServiceCounters, SaturationDetector]:
+    """A detector of 2,048-token steps over its own ledger, service counters and clock."""
     clock = Clock()
     ledger = InFlightLedger(clock=clock)
     counters = ServiceCounters()
-    detector = detector_on(ledger, counters, clock)
+    detector = SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
+                                  PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=counters.active_flows, clock=clock)
+    return clock, ledger, counters, detector
+
+
+def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_prompt_that_fits_the_next_step_goes():
+    clock, ledger, counters, detector = detector_on_one_pod()
     first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
     clock.now += 0.1
     ledger.answering(first)  # 37,000 tokens a second
@@ -156,10 +158,7 @@ def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_pr
 
 
 def test_a_held_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_chunk_not_after_the_prefill():
-    clock = Clock()
-    ledger = InFlightLedger(clock=clock)
-    counters = ServiceCounters()
-    detector = detector_on(ledger, counters, clock)
+    clock, ledger, counters, detector = detector_on_one_pod()
     warm = ledger.dispatch("warm", "p", 1.0, "chat", prefill_tokens=5000)
     clock.now += 0.5
     ledger.answering(warm)  # 10,000 tokens a second
