@@ -35,11 +35,13 @@ log = logging.getLogger("gateway.cli")
 
 
 def parse_pod(spec: str) -> dict[str, Any]:
-    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang][,role=prefill]``."""
+    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang][,role=prefill]
+    [,scheduling=priority]``."""
     url, *options = spec.split(",")
     pod: dict[str, Any] = {"url": url}
     keys = {"events": "kv_events", "replay": "kv_replay", "name": "name", "flavor": "flavor",
-            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size", "role": "role"}
+            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size", "role": "role",
+            "scheduling": "scheduling"}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or (key not in keys and key != "models"):
@@ -154,6 +156,7 @@ async def mock(args: argparse.Namespace) -> None:
         model=args.model, tokenizer=args.tokenizer, encoding=Encoding(args.encoding) if args.encoding else None,
         hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
         default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
@@ -219,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--topic", default="")
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-batched-tokens", type=int, default=2048)
+    m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="the waiting queue's order, as vLLM's: priority serves the lowest request priority first "
+                        "(X-Vllm-Priority, else the body's priority)")
     m.add_argument("--default-max-tokens", type=int, default=16)
     m.add_argument("--ends-answers", action="store_true",
                    help="end each answer after the pod's text (finish_reason stop) instead of at max_tokens")
@@ -263,7 +269,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy",
                         help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
     parser.add_argument("--pod", action="append",
-                        help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both] "
+                        help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both]"
+                             "[,scheduling=priority] "
                              "(repeatable)")
     parser.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway")
     parser.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")

@@ -76,6 +76,8 @@ class Contender(msgspec.Struct, frozen=True):
     # A trace's LoRA adapters: none registered on the pods at start, the gateway registers each where it
     # is needed (else every pod registers every adapter at start, as peers need).
     lora_on_demand: bool = False
+    # How the simulated pods order their waiting requests (vLLM's --scheduling-policy); the gateway is told.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
 
 
 CONTENDERS = {
@@ -90,6 +92,10 @@ CONTENDERS = {
                   {"GATEWAY_WORKFLOW__KEEP_WARM__ENABLED": "false"}),
         Contender("gateway-kv_aware-no-flow-control", "gateway", "kv_aware",
                   {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}),
+        # Pods that serve the lowest request priority first (vLLM --scheduling-policy priority).
+        Contender("gateway-kv_aware-priority-pods", "gateway", "kv_aware", scheduling="priority"),
+        Contender("gateway-kv_aware-priority-pods-no-flow-control", "gateway", "kv_aware",
+                  {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}, scheduling="priority"),
         Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
         Contender("gateway-kv_aware-2-replicas-unshared", "gateway", "kv_aware", replicas=2, share_state=False),
         Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
@@ -491,19 +497,21 @@ class BenchRunner:
 
     # Pods
 
-    def _start_pods(self, speed: float, prefill_pods: int = 0, lora_on_demand: bool = False
+    def _start_pods(self, speed: float, prefill_pods: int = 0, lora_on_demand: bool = False,
+                    scheduling: Literal["fcfs", "priority"] = "fcfs"
                     ) -> tuple[MockPodFleet | None, list[PodConfig]]:
         if self.existing_pods:
             if prefill_pods:
                 raise RuntimeError("prefill/decode contenders need simulated pods with roles")
             self._reset_existing()
-            return None, self.existing_pods
+            # Existing pods schedule as they were started: a priority contender names them so.
+            return None, [msgspec.structs.replace(p, scheduling=scheduling) for p in self.existing_pods]
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed,
                                             max_model_len=self.max_model_len, prefill_pods=prefill_pods,
                                             connector="nixl", enable_lora=bool(self._adapters),
                                             lora_adapters=[] if lora_on_demand else self._adapters,
-                                            max_loras=self.max_loras), quiet=True)
+                                            max_loras=self.max_loras, scheduling=scheduling), quiet=True)
         try:
             return fleet, fleet.start()
         except BaseException:
@@ -613,7 +621,8 @@ class BenchRunner:
             cmd += ["--workers", str(contender.workers)]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
-                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}"
+                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}" + \
+                (f",scheduling={p.scheduling}" if p.scheduling != "fcfs" else "")
             cmd += ["--pod", spec]
         env["GATEWAY_LOGGING__ACCESS_LOG"] = "false"
         env["GATEWAY_DISAGGREGATION__CONNECTOR"] = "nixl"
@@ -667,7 +676,7 @@ class BenchRunner:
         self.served_by = NOBODY
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods,
-                                           contender.lora_on_demand)
+                                           contender.lora_on_demand, contender.scheduling)
             yield self._start_routers(contender, pods), pods
         finally:
             self._stop_procs()

@@ -100,6 +100,8 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # How each pod orders its waiting requests (vLLM's --scheduling-policy); the gateway's pods say the same.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
     # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many
     # run in one batch (vLLM's --max-loras) and stay in memory (--max-cpu-loras; none: max_loras).
     lora_adapters: list[str] = []

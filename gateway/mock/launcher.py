@@ -72,7 +72,7 @@ class MockPodFleet:
             sys.executable, "-m", "gateway", "mock", "--host", self.host, "--port", str(port),
             "--events-port", str(events), "--replay-port", str(replay), "--block-size", str(c.block_size),
             "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
-            "--model", c.model,
+            "--model", c.model, "--scheduling-policy", c.scheduling,
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
@@ -91,7 +91,7 @@ class MockPodFleet:
         url = f"http://{self.host}:{port}"
         pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor, deployment="mock",
                         kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",
-                        block_size=c.block_size, role=role)  # type: ignore[arg-type]
+                        block_size=c.block_size, role=role, scheduling=c.scheduling)  # type: ignore[arg-type]
         return MockPodProcess(process, pod)
 
     def _kv_transfer_config(self, role: str) -> str:
