@@ -8,12 +8,13 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import xxhash
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import PromptHashes, namespace_root
-from gateway.kv.index import EngineView, IndexStats, PodMatch
+from gateway.kv.index import IndexStats, PodMatch
 
 _GPU = ("GPU", "gpu", None)
 
@@ -23,6 +24,21 @@ def chain_hash(parent: int, block_tokens: list[int], extra: bytes = b"") -> int:
     """One block's hash, written out as the index's docstring defines it (the index hashes a run at once)."""
     data = array("I", block_tokens).tobytes()
     return xxhash.xxh3_64_intdigest(data + extra if extra else data, parent)
+
+@dataclass(eq=False)
+class EngineView:
+    pod: str
+    rank: int
+    model: str
+    bit: int
+    block_size: int | None
+    approximate: bool = False
+    last_seq: int = -1
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.pod, self.rank)
+
 
 class ReferenceIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0) -> None:
@@ -87,6 +103,8 @@ class ReferenceIndex:
                 self.stats.unknown_removed += 1
                 continue
             held[own] -= 1
+            if not any(tier[own] for tier in self._held[view.key].values()):
+                del self._own[view.key][engine_hash]  # no copy left: an event naming it later names no block
             self.stats.blocks_removed += 1
 
     def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int]) -> PromptHashes:

@@ -84,7 +84,7 @@ class KvEventService:
             sub = self._subscribers.get(view.key)
             views.append({
                 "pod": view.pod, "rank": view.rank, "model": view.model, "block_size": view.block_size,
-                "blocks": len(view.refs), "engine_hashes": len(view.engine_to_own),
+                "blocks": view.blocks, "engine_hashes": view.engine_hashes,
                 "approximate": view.approximate, "last_seq": view.last_seq,
                 "subscriber": None if sub is None else {"endpoint": sub.endpoint, "replay": sub.replay_endpoint,
                                                         **{k: getattr(sub.stats, k)
@@ -117,7 +117,7 @@ class KvMetricsCollector(Collector):
             for kind in ("gaps", "replays", "replay_failures", "replay_holes", "restarts", "unrecoverable"):
                 recovery.add_metric([pod, rank, kind], getattr(s, kind))
             approximate.add_metric([pod, rank], 1.0 if sub.view.approximate else 0.0)
-            blocks.add_metric([pod, rank], len(sub.view.refs))
+            blocks.add_metric([pod, rank], sub.view.blocks)
             evictions.add_metric([pod, rank], sub.view.evictions)
         stats = self._service.index.stats
         index = CounterMetricFamily("gateway_kv_index_blocks", "Block operations applied to the index",

@@ -189,7 +189,7 @@ def test_memory_bound_forgets_least_recent(in_memory):
         tokens = list(range(i * 8, i * 8 + 8))
         index.apply(view, [stored([2 * i + 1, 2 * i + 2], None, tokens)])
         parent = 2 * i + 2
-    assert parent and len(view.refs) <= 100 and index.stats.evicted_for_memory > 0
+    assert parent and view.blocks <= 100 and index.stats.evicted_for_memory > 0
     assert index.lookup("m", None, list(range(59 * 8, 59 * 8 + 9)), ["a"])["a"].gpu_tokens == 8  # newest kept
     assert index.lookup("m", None, list(range(0, 9)), ["a"])["a"].gpu_tokens == 0  # oldest forgotten
 
@@ -268,6 +268,95 @@ def test_the_gateways_index_agrees_with_the_reference_on_any_event_sequence(batc
     for key in (("a", 0), ("a", 1), ("b", 0)):
         assert ours.own_hashes(*key) == reference.own_hashes(*key)
     assert ours.stats == reference.stats
+
+
+class Notes:
+    """An eviction listener that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, str, list[int]]] = []
+
+    def evicted(self, pod, blocks):
+        self.told.append(("evicted", pod, list(blocks)))
+
+    def cleared(self, pod, blocks):
+        self.told.append(("cleared", pod, sorted(blocks)))
+
+    def dropped(self, pod):
+        self.told.append(("dropped", pod, []))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches=event_sequences(), prompts=prompts_of_blocks,
+       encoding=st.sampled_from([Encoding.CURRENT, Encoding.SGLANG, Encoding.V0_23]))
+def test_batches_decoded_natively_give_what_decoded_events_give(batches, prompts, encoding):
+    """The native decoder (the current and SGLang forms; older ones fall back to msgspec) applies a batch off
+    the wire exactly as its decoded events are applied: the same blocks, counters and eviction notices."""
+    wire_notes, event_notes = Notes(), Notes()
+    wire, events_index = PrefixIndex(evictions=wire_notes), PrefixIndex(evictions=event_notes)
+    for index in (wire, events_index):
+        views = {key: index.view(*key, "m", BS) for key in (("a", 0), ("a", 1), ("b", 0))}
+        for key, events in batches:
+            if index is wire:
+                assert index.apply_payload(views[key], encode_batch(EventBatch(1.0, events, 0), encoding)) == 0
+            else:
+                index.apply(views[key], events)
+    for prompt in prompts:
+        assert wire.lookup("m", None, prompt, ["a", "b"]) == events_index.lookup("m", None, prompt, ["a", "b"])
+    for key in (("a", 0), ("a", 1), ("b", 0)):
+        assert wire.own_hashes(*key) == events_index.own_hashes(*key)
+        assert wire.view(*key, "m").orphans == events_index.view(*key, "m").orphans
+    assert wire.stats == events_index.stats and wire_notes.told == event_notes.told
+
+
+def test_a_large_index_grows_its_tables_and_keeps_every_answer():
+    """Thousands of blocks over many views: the tables are rebuilt larger several times (and emptied by removals
+    and clears); every lookup still agrees with the reference."""
+    import random
+
+    rng = random.Random(7)
+    ours, reference = PrefixIndex(), ReferenceIndex()
+    prompts = [[rng.randrange(50) for _ in range(BS * rng.randrange(1, 40))] for _ in range(60)]
+    engine_hash = 1
+    for index in (ours, reference):
+        rng = random.Random(8)
+        engine_hash = 1
+        views = [index.view(f"pod{i}", 0, "m", BS) for i in range(40)]
+        stored_by: dict[int, list[list[int]]] = {}
+        for _ in range(1500):
+            v = rng.randrange(len(views))
+            if rng.random() < 0.8 or not stored_by.get(v):
+                prompt = rng.choice(prompts)
+                hashes = list(range(engine_hash, engine_hash + len(prompt) // BS))
+                engine_hash += len(hashes)
+                index.apply(views[v], [stored(hashes, None, prompt)])
+                stored_by.setdefault(v, []).append(hashes)
+            elif rng.random() < 0.97:
+                hashes = stored_by[v].pop(rng.randrange(len(stored_by[v])))
+                index.apply(views[v], [BlockRemoved(hashes[::-1])])
+            else:
+                index.apply(views[v], [AllBlocksCleared()])
+                stored_by[v] = []
+    assert ours.memory()["generation"] > 3 and ours.size() > 2000
+    pods = [f"pod{i}" for i in range(40)]
+    for prompt in prompts:
+        assert ours.lookup("m", None, [*prompt, 1], pods) == reference.lookup("m", None, [*prompt, 1], pods)
+    assert ours.stats == reference.stats and ours.size() == reference.size()
+
+
+def test_holders_name_the_pods_with_the_longest_runs_first(in_memory):
+    index = in_memory
+    a, b, c = (index.view(p, 0, "m", BS) for p in "abc")
+    index.apply(a, [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply(b, [stored([1], None, PROMPT[:4])])
+    index.apply(c, [stored([1], None, [7, 7, 7, 7])])
+    holders = index.holders(index.prompt_hashes("m", None, PROMPT), limit=8)
+    assert holders == ["a", "b"]  # c holds another prompt's first block: not a candidate
+    assert index.holders(index.prompt_hashes("m", None, PROMPT), limit=1) == ["a"]
+    index.apply(a, [BlockRemoved([4, 3, 2, 1])])
+    assert index.holders(index.prompt_hashes("m", None, PROMPT), limit=8) == ["b"]
+    index.expect("c", "m", None, PROMPT)  # just routed there: a candidate before its events say so
+    assert set(index.holders(index.prompt_hashes("m", None, PROMPT), limit=8)) == {"b", "c"}
 
 
 def test_a_closed_view_is_bisected_and_the_prompt_hashed_no_further_than_needed(in_memory):
