@@ -128,8 +128,8 @@ async def decisions() -> tuple[float, float]:
         all_new.append(await decide(convo))
         convo.append({"role": "user", "content": text(30)})
         last_new.append(await decide(convo))
-    hits = index.lookup("m", None, (await tokens.tokenize("m", "chat", InferenceRequest(model="m", messages=convo))).ids,
-                        [f"pod{i}" for i in range(16)])
+    last = await tokens.tokenize("m", "chat", InferenceRequest(model="m", messages=convo))
+    hits = index.lookup("m", None, last.ids, [f"pod{i}" for i in range(16)])
     assert max(m.gpu_tokens for m in hits.values()) > 1500  # the last conversation was found cached
     return statistics.median(all_new) * 1e3, statistics.median(last_new) * 1e3
 

@@ -113,11 +113,22 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
     allow_strategy_header: bool = True
     # Per-policy settings, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
     options: dict[str, dict[str, Any]] = {}
+    # The most pods a scoring policy looks at per request: the holders of the prompt's longest cached runs and
+    # a random sample of the rest (gateway/routing/candidates.py); 0: every pod.
+    max_candidates: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 0:
+            raise ValueError("routing.max_candidates must not be negative")
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
     interval_s: float = 2.0
     timeout_s: float = 1.0
+    # The host's health checks per second at most (its workers share them): a fleet larger than this times
+    # ``interval_s`` is checked in turn (gateway/backends/rotation.py); a pod that fails a request is ejected
+    # meanwhile all the same. 0: no limit.
+    max_checks_per_s: float = 25.0
     failure_threshold: int = 3
     success_threshold: int = 2
     # Passive ejection after a connection error: base backoff, doubled per consecutive ejection.
@@ -210,10 +221,22 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):
-    # Memory bound: past this many blocks a pod's view forgets its least recently stored tenth.
+    # Memory bound: past this many blocks a pod's view forgets its first stored tenth.
     max_blocks_per_view: int = 2_000_000
     # How long a routed prompt's blocks count as on the chosen pod before its events confirm them.
     speculative_ttl_s: float = 2.0
+    # With several workers (serve --workers N): the processes that apply the pods' KV events once for the whole
+    # host, each for a share of the pods, into shared memory every worker reads (gateway/indexer.py); 0: each
+    # worker applies every event itself.
+    ingest_processes: int = 1
+    # Views (pods x DP ranks) one index holds at most.
+    max_views: int = 16_384
+    # Evicted blocks kept for the workers' free queues (keep-warm) to read, per ingest process.
+    eviction_notes: int = 262_144
+
+    def __post_init__(self) -> None:
+        if self.ingest_processes < 0 or self.max_views < 1 or self.eviction_notes < 0:
+            raise ValueError("kv_index.ingest_processes and eviction_notes must not be negative, max_views positive")
 
 
 class LoadConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -225,6 +248,9 @@ class LoadConfig(msgspec.Struct, forbid_unknown_fields=True):
     embedding_share: float = 0.2
     # Engine /metrics scrape period; 0 turns scraping off.
     scrape_interval_s: float = 0.5
+    # The host's scrapes per second at most (its workers share them): in a larger fleet, the pods with requests
+    # in flight are scraped each period and the others in turn. 0: no limit.
+    max_scrapes_per_s: float = 50.0
     predictor_window_s: float = 240.0
     predictor_slot_s: float = 10.0
     cold_start: Literal["optimistic", "input", "pessimistic"] = "input"
@@ -573,10 +599,14 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # Pods per process (gateway/mock/group.py); 0: one each up to 16 pods, else the pods spread over the cores.
+    per_process: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):
             raise ValueError("mock_pods.prefill_pods must leave at least one decode pod")
+        if self.per_process < 0:
+            raise ValueError("mock_pods.per_process must not be negative")
 
 
 class EppConfig(msgspec.Struct, forbid_unknown_fields=True):

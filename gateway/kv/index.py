@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
 from gateway.kv._blockindex import BlockIndex
@@ -60,12 +60,16 @@ class IndexStats:
 
 class EngineView:
     """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
-    record in the block index (``bit``: its id there), whose fields the index's writer sets."""
+    record in a block index (``bit``: its id there), whose fields the index's writer sets."""
 
     __slots__ = ("_store", "bit", "model", "pod", "rank")
 
     def __init__(self, store: BlockIndex, bit: int, pod: str, rank: int, model: str) -> None:
         self._store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
+
+    @property
+    def store(self) -> BlockIndex:
+        return self._store
 
     @property
     def key(self) -> tuple[str, int]:
@@ -143,22 +147,25 @@ class EvictionListener(Protocol):
 class PrefixIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
                  publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None,
-                 evictions: EvictionListener | None = None, store: BlockIndex | None = None,
+                 evictions: EvictionListener | None = None, stores: list[BlockIndex] | None = None,
                  max_views: int = 4096) -> None:
-        """``store``: the block index to use (a reader of the host's, with several workers); none: one of this
-        process's own."""
+        """``stores``: the block indexes to use: one this process writes, or readers of the host's (one per
+        process applying a share of the pods' events); none: one of this process's own."""
         # Told of each block a pod's GPU tier no longer holds, and of each pod whose cache is gone.
         self._evictions = evictions
         self.speculative_ttl_s = speculative_ttl_s
         # A pod's block size as its engine's metrics report it: what a view uses until its events say it,
         # so that a fresh pod's first requests are matched and counted as routed before its first event.
         self._reported_block_size = reported_block_size
-        self._store = store if store is not None else BlockIndex(max_views=max_views,
-                                                                 max_blocks_per_view=max_blocks_per_view)
+        self._stores = stores or [BlockIndex(max_views=max_views, max_blocks_per_view=max_blocks_per_view)]
+        self._store = self._stores[0]  # the one written (a writer has only it)
         self.writes = self._store.writer
+        # A reader: where each store's eviction notes were read to (none: not followed).
+        self._note_cursors: list[int | None] = [None] * len(self._stores)
+        self.notes_lost = 0
         self._views: dict[tuple[str, int], EngineView] = {}
         self._by_pod: dict[str, list[EngineView]] = {}
-        self._views_version = -1
+        self._views_version: tuple[int, ...] = ()
         # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
@@ -174,7 +181,7 @@ class PrefixIndex:
 
     @property
     def stats(self) -> IndexStats:
-        return IndexStats(*self._store.stats())
+        return IndexStats(*(sum(column) for column in zip(*(s.stats() for s in self._stores), strict=True)))
 
     # Views
 
@@ -191,16 +198,17 @@ class PrefixIndex:
         return view
 
     def _sync_views(self) -> None:
-        """A reader learns the views from the writer's, when they changed."""
-        version = self._store.views_version()
+        """A reader learns the views from the writers', when they changed."""
+        version = tuple(s.views_version() for s in self._stores)
         if version == self._views_version:
             return
-        version, live = self._store.views()
         known = {(v.pod, v.rank): v for v in self._views.values()}
         self._views, self._by_pod = {}, {}
-        for bit, pod, rank in live:
-            was = known.get((pod, rank))
-            self._add(was if was is not None and was.bit == bit else EngineView(self._store, bit, pod, rank, ""))
+        for store in self._stores:
+            for bit, pod, rank in store.views()[1]:
+                was = known.get((pod, rank))
+                self._add(was if was is not None and was.bit == bit and was.store is store
+                          else EngineView(store, bit, pod, rank, ""))
         self._views_version = version
 
     def views(self) -> list[EngineView]:
@@ -229,9 +237,28 @@ class PrefixIndex:
     def drop_pod(self, pod: str) -> None:
         for view in self._by_pod.pop(pod, []):
             del self._views[view.key]
-            self._store.drop_view(view.bit)
+            if self.writes:
+                self._store.drop_view(view.bit)
         if self._evictions is not None:
             self._evictions.dropped(pod)
+
+    def follow_notes(self) -> int:
+        """A reader tells its eviction listener what the writers' rings say the pods evicted since it last
+        looked (nothing the first time: from then on); the blocks noted."""
+        if self.writes or self._evictions is None:
+            return 0
+        self._sync_views()
+        by_bit = {(id(v.store), v.bit): v.pod for v in self._views.values()}
+        noted = 0
+        for i, store in enumerate(self._stores):
+            self._note_cursors[i], lost, groups = store.drain(self._note_cursors[i])
+            self.notes_lost += lost
+            for bit, kind, blocks in groups:
+                pod = by_bit.get((id(store), bit))
+                if pod is not None:
+                    (self._evictions.evicted if kind == "evicted" else self._evictions.cleared)(pod, blocks)
+                    noted += len(blocks)
+        return noted
 
     # Events (the subscribers' side)
 
@@ -310,7 +337,7 @@ class PrefixIndex:
         return out
 
     def _match(self, view: EngineView, hashes: PromptHashes, now: float) -> PodMatch | None:
-        store, bit = self._store, view.bit
+        store, bit = view.store, view.bit
         try:
             bs = store.view_field(bit, _BLOCK_SIZE) or self._reported_block_size(view.pod)
             if not bs:
@@ -318,38 +345,44 @@ class PrefixIndex:
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
             closed = not store.view_field(bit, _ORPHANS)
-            confirmed = self._closed_run(bit, hashes, bs, usable) if closed else self._walk(bit, hashes, bs, usable, 0)
-            gpu = self._speculative_run(bit, hashes, bs, usable, confirmed, now) if self._speculative else confirmed
-            any_tier = (self._walk(bit, hashes, bs, usable, confirmed, any_tier=True) if confirmed < usable
+            confirmed = (self._closed_run(store, bit, hashes, bs, usable) if closed
+                         else self._walk(store, bit, hashes, bs, usable, 0))
+            gpu = (self._speculative_run(store, bit, hashes, bs, usable, confirmed, now) if self._speculative
+                   else confirmed)
+            any_tier = (self._walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) if confirmed < usable
                         else confirmed)
             return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs,
                             store.view_field(bit, _APPROXIMATE))
         except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
             return None
 
-    def _closed_run(self, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
+    @staticmethod
+    def _closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
         """The run of leading blocks on the GPU tier of a view closed under prefixes: each pass checks the last
         of the hashes known so far, and bisects below it when it is not held; the prompt is hashed no further
         than about twice the run."""
         low, count = 0, min(usable, 16)
         while True:
-            low = self._store.run(bit, prompt.first(bs, count), low, count)
+            low = store.run(bit, prompt.first(bs, count), low, count)
             if low < count or count >= usable:
                 return low
             count = min(usable, 2 * count)
 
-    def _walk(self, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int, any_tier: bool = False) -> int:
+    @staticmethod
+    def _walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+              any_tier: bool = False) -> int:
         """The run from ``start`` on, block by block, on the GPU tier (or either tier)."""
         i, count = start, min(usable, start + 8)
         while True:
-            i = self._store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
+            i = store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
             if i < count or count >= usable:
                 return i
             count = min(usable, 2 * count)
 
-    def _speculative_run(self, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int, now: float) -> int:
+    def _speculative_run(self, store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+                         now: float) -> int:
         """The run from ``start`` on of blocks held on GPU or expected on the view until past ``now``."""
-        spec, store = self._speculative, self._store
+        spec = self._speculative
         i = start
         hashes = prompt.first(bs, min(usable, start + 8))
         while i < usable:
@@ -370,20 +403,21 @@ class PrefixIndex:
         if not self.writes:
             self._sync_views()
         names: dict[str, None] = {}
-        by_bit = {v.bit: v.pod for v in self._views.values()}
-        for bs in {b for v in self._views.values() if (b := self._store.view_field(v.bit, _BLOCK_SIZE))}:
-            usable = (prompt.token_count - 1) // bs
-            deepest = self._closed_run(-1, prompt, bs, usable)
-            hashes = prompt.first(bs, min(usable, deepest + 1))
-            if self._speculative and deepest < len(hashes):
-                self._expected_holders(hashes[deepest], by_bit, names)
-            # From the deepest held block back to the first, halving: pods with shorter runs too.
-            at = deepest
-            while at > 0 and len(names) < limit:
-                for bit in self._store.holders(hashes[at - 1])[1]:
-                    if (pod := by_bit.get(bit)) is not None:
-                        names[pod] = None
-                at //= 2
+        for store in self._stores:
+            by_bit = {v.bit: v.pod for v in self._views.values() if v.store is store}
+            for bs in {b for bit in by_bit if (b := store.view_field(bit, _BLOCK_SIZE))}:
+                usable = (prompt.token_count - 1) // bs
+                deepest = self._closed_run(store, -1, prompt, bs, usable)
+                hashes = prompt.first(bs, min(usable, deepest + 1))
+                if self._speculative and deepest < len(hashes):
+                    self._expected_holders(hashes[deepest], by_bit, names)
+                # From the deepest held block back to the first, halving: pods with shorter runs too.
+                at = deepest
+                while at > 0 and len(names) < limit:
+                    for bit in store.holders(hashes[at - 1])[1]:
+                        if (pod := by_bit.get(bit)) is not None:
+                            names[pod] = None
+                    at //= 2
         return list(names)[:limit]
 
     def _expected_holders(self, block: int, by_bit: dict[int, str], names: dict[str, None]) -> None:
@@ -443,7 +477,7 @@ class PrefixIndex:
 
     def own_hashes(self, pod: str, rank: int = 0) -> set[int]:
         view = self._views.get((pod, rank))
-        return self._store.own_hashes(view.bit) if view else set()
+        return view.store.own_hashes(view.bit) if view else set()
 
     def gpu_blocks(self, pod: str) -> int:
         """Distinct blocks the pod's GPU tier holds, over its ranks."""
@@ -468,10 +502,18 @@ class PrefixIndex:
         return self._by_pod.get(pod, [])
 
     def size(self) -> int:
-        return self._store.size()
+        return sum(s.size() for s in self._stores)
 
-    def memory(self) -> dict[str, int]:
-        """Bytes of the block index's tables (shared with the host's other processes, when they read it) and
-        of its writer's own maps, and the entries in them."""
-        return self._store.memory()
+    def memory(self) -> dict[str, Any]:
+        """Bytes of the block indexes' tables (shared with the host's other processes, when they read them) and
+        of their writers' own maps (this process's, when it writes), the entries in them, and per index its
+        generation (how often its tables were rebuilt larger) and its writer's pid."""
+        out: dict[str, Any] = {}
+        for store in self._stores:
+            for key, value in store.memory().items():
+                if key in ("generation", "writer_pid"):
+                    out.setdefault(f"{key}s", []).append(value)
+                else:
+                    out[key] = out.get(key, 0) + value
+        return out
 

@@ -9,12 +9,14 @@ The tests taking ``in_memory`` check the in-memory layout's own bounds and bookk
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.kv._blockindex import BlockIndex
 from gateway.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -40,7 +42,24 @@ def through_wire(events, encoding: Encoding):
     return decode_batch(encode_batch(EventBatch(1.0, events, 0), encoding)).events
 
 
-IMPLEMENTATIONS = {"in_memory": PrefixIndex, "reference": ReferenceIndex}
+class SharedIndex:
+    """A writer applying the events to files and a reader answering from them, as a host's indexer and a
+    worker are (in one process here: ``tests/integration/test_host_index.py`` has them apart)."""
+
+    WRITES = ("view", "apply", "apply_payload", "reset_view", "drop_pod", "mark_approximate", "max_blocks_per_view")
+
+    def __init__(self, **options) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvgw-index-")
+        path = f"{self._dir.name}/index"
+        ttl = options.pop("speculative_ttl_s", 2.0)
+        self.writer = PrefixIndex(stores=[BlockIndex(path=path, ring=1024)], speculative_ttl_s=0, **options)
+        self.reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)], speculative_ttl_s=ttl)
+
+    def __getattr__(self, name: str):
+        return getattr(self.writer if name in self.WRITES else self.reader, name)
+
+
+IMPLEMENTATIONS = {"in_memory": PrefixIndex, "reference": ReferenceIndex, "shared": SharedIndex}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -337,7 +356,7 @@ def test_a_large_index_grows_its_tables_and_keeps_every_answer():
             else:
                 index.apply(views[v], [AllBlocksCleared()])
                 stored_by[v] = []
-    assert ours.memory()["generation"] > 3 and ours.size() > 2000
+    assert ours.memory()["generations"][0] > 3 and ours.size() > 2000
     pods = [f"pod{i}" for i in range(40)]
     for prompt in prompts:
         assert ours.lookup("m", None, [*prompt, 1], pods) == reference.lookup("m", None, [*prompt, 1], pods)
@@ -380,3 +399,41 @@ def test_a_view_that_lost_a_parent_is_walked_block_by_block(in_memory):
     assert view.orphans == 0 and match(index) == {"a": 16, "b": 0}
     index.apply(view, [BlockRemoved([4, 3, 2])])  # evicted children first, as engines do
     assert view.orphans == 0 and match(index) == {"a": 4, "b": 0}
+
+
+def test_a_reader_follows_the_writers_evictions_and_clears_and_counts_what_the_ring_lost(tmp_path):
+    path = str(tmp_path / "index")
+    writer = PrefixIndex(stores=[BlockIndex(path=path, ring=8)])
+    notes = Notes()
+    reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)], evictions=notes)
+    a = writer.view("a", 0, "m", BS)
+    assert reader.follow_notes() == 0  # from now on
+    writer.apply(a, [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    writer.apply(a, [BlockRemoved([4, 3])])
+    assert reader.follow_notes() == 2
+    owns = prefix_hashes(namespace_root("m"), PROMPT[:16], BS)
+    assert notes.told == [("evicted", "a", [owns[3], owns[2]])]
+    writer.apply(a, [AllBlocksCleared()])
+    reader.follow_notes()
+    assert notes.told[-1] == ("cleared", "a", sorted(owns[:2]))
+    for i in range(6):  # 12 notes into a ring of 8: the oldest 4 are gone before the reader looks
+        writer.apply(a, [stored([10 + i, 20 + i], None, PROMPT[:8]), BlockRemoved([20 + i, 10 + i])])
+    assert reader.follow_notes() == 8 and reader.notes_lost == 4
+
+
+def test_a_reader_maps_each_new_generation_and_a_restarted_writer_empties_it(tmp_path):
+    path = str(tmp_path / "index")
+    writer = PrefixIndex(stores=[BlockIndex(path=path)])
+    reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)])
+    pods = [f"pod{i}" for i in range(20)]
+    prompts = {pod: [i * 1000 + t for t in range(BS * 300)] for i, pod in enumerate(pods)}
+    for pod in pods:  # 6,000 blocks: the tables are rebuilt, each time in a new file, several times
+        writer.apply(writer.view(pod, 0, "m", BS), [stored(list(range(1, 301)), None, prompts[pod])])
+    assert writer.memory()["generations"][0] > 3
+    for pod in pods:
+        assert reader.lookup("m", None, [*prompts[pod], 1], pods)[pod].gpu_tokens == 300 * BS
+    assert reader.size() == writer.size() == 6000 and reader.holders(
+        reader.prompt_hashes("m", None, prompts["pod3"]), limit=4) == ["pod3"]
+    PrefixIndex(stores=[BlockIndex(path=path)])  # the writer restarted: it starts from nothing, in the same file
+    assert reader.size() == 0 and reader.views() == [] and reader.lookup("m", None, prompts["pod3"], ["pod3"])[
+        "pod3"].gpu_tokens == 0

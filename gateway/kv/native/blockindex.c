@@ -7,8 +7,9 @@
  *
  * Layout (docs/architecture.md, "Knowing what each pod caches"):
  *
- *   control  (fixed size): a header (the data generation, the views' version, counters) and one record per
- *            view (its pod, rank, block size, sequence, counts, its subscriber's counters)
+ *   control  (fixed size): a header (the data generation, the views' version, counters), one record per
+ *            view (its pod, rank, block size, sequence, counts, its subscriber's counters), and a ring of the
+ *            blocks the pods evicted (for readers that keep each pod's free queue: keep-warm)
  *   data     (one generation; grown by writing the next): the block table (own hash -> parent, how many
  *            views hold it, up to four of them) and the pair table ((own hash, view) -> copies per tier,
  *            and how many of the view's held blocks have it as their parent)
@@ -68,7 +69,9 @@ typedef struct {
     uint64_t stats[ST_COUNT];
     uint64_t pairs_held;     /* (own, view) pairs with a copy in any tier */
     uint64_t writer_pid;
-    uint64_t pad[16 - ST_COUNT];
+    uint64_t ring_cap;       /* eviction notes the ring holds (0: none kept) */
+    uint64_t ring_head;      /* notes written so far: the next one goes to ring[ring_head % ring_cap] */
+    uint64_t pad[14 - ST_COUNT];
 } ctl_t;
 
 typedef struct {
@@ -82,6 +85,17 @@ typedef struct {
     uint64_t counters[SUB_COUNTERS]; /* its subscriber's, mirrored for readers */
     char pod[304];
 } view_t;
+
+/* One block a pod's GPU tier no longer holds (evicted, or its cache cleared). ``seq`` is its place in the
+ * ring, and all ones while the writer changes it: a reader trusts a note whose seq reads the same around it. */
+typedef struct {
+    uint64_t seq;
+    uint64_t own;
+    uint32_t view, kind;
+    uint64_t pad;
+} note_t;
+_Static_assert(sizeof(note_t) == 32, "a note is 32 bytes");
+enum { NOTE_EVICTED = 1, NOTE_CLEARED = 2 };
 
 typedef struct {
     uint64_t magic, generation;
@@ -134,6 +148,7 @@ typedef struct {
     region_t ctl_r, data_r;
     ctl_t *ctl;
     view_t *views;
+    note_t *ring;
     data_hdr_t *d;
     block_t *blocks;
     pair_t *pairs;
@@ -237,7 +252,15 @@ static void region_close(region_t *r) {
     r->size = 0;
 }
 
-static size_t ctl_size(uint32_t max_views) { return sizeof(ctl_t) + (size_t)max_views * sizeof(view_t); }
+static size_t ctl_size(uint32_t max_views, uint64_t ring) {
+    return sizeof(ctl_t) + (size_t)max_views * sizeof(view_t) + (size_t)ring * sizeof(note_t);
+}
+
+static void bind_ctl(BlockIndex *self) {
+    self->ctl = (ctl_t *)self->ctl_r.base;
+    self->views = (view_t *)((char *)self->ctl_r.base + sizeof(ctl_t));
+    self->ring = (note_t *)(self->views + self->ctl->max_views);
+}
 
 static size_t data_size(uint64_t block_cap, uint64_t pair_cap) {
     return sizeof(data_hdr_t) + block_cap * sizeof(block_t) + pair_cap * sizeof(pair_t);
@@ -680,8 +703,32 @@ static int store_one(BlockIndex *self, uint32_t view, uint64_t ehash, uint64_t o
     return 0;
 }
 
+/* A block the view's GPU tier no longer holds: into the ring (when kept) and the caller's list (when given). */
+static int note_own(BlockIndex *self, uint32_t view, uint32_t kind, uint64_t own, PyObject *list) {
+    uint64_t cap = self->ctl->ring_cap;
+    if (cap) {
+        uint64_t seq = self->ctl->ring_head;
+        note_t *n = &self->ring[seq % cap];
+        STORE(&n->seq, ~0ULL);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        n->own = own;
+        n->view = view;
+        n->kind = kind;
+        STORE(&n->seq, seq);
+        STORE(&self->ctl->ring_head, seq + 1);
+    }
+    if (list == NULL) return 0;
+    PyObject *o = PyLong_FromUnsignedLongLong(own);
+    if (o == NULL || PyList_Append(list, o) != 0) {
+        Py_XDECREF(o);
+        return -1;
+    }
+    Py_DECREF(o);
+    return 0;
+}
+
 /* The pair at slot i loses every copy it has (shrinking, resetting): the block's counts follow. */
-static int drop_copies(BlockIndex *self, uint32_t view, uint64_t own, PyObject *gone) {
+static int drop_copies(BlockIndex *self, uint32_t view, uint64_t own, int notify, PyObject *gone) {
     int64_t i = pair_find(self, own, view);
     if (i < 0) return 0;
     uint64_t v = self->pairs[i].val;
@@ -694,14 +741,7 @@ static int drop_copies(BlockIndex *self, uint32_t view, uint64_t own, PyObject *
     if (gpu) {
         if (bi >= 0) block_released(self, (uint64_t)bi, view);
         gpu_released(self, view, own, parent);
-        if (gone != NULL) {
-            PyObject *o = PyLong_FromUnsignedLongLong(own);
-            if (o == NULL || PyList_Append(gone, o) != 0) {
-                Py_XDECREF(o);
-                return -1;
-            }
-            Py_DECREF(o);
-        }
+        if (notify && note_own(self, view, NOTE_CLEARED, own, gone) != 0) return -1;
     }
     vr->blocks--;
     __atomic_sub_fetch(&self->ctl->pairs_held, 1, __ATOMIC_RELAXED);
@@ -748,12 +788,12 @@ static int remove_one(BlockIndex *self, uint32_t view, uint64_t ehash, int offlo
     return evicted;
 }
 
-/* Forget every block of the view (its GPU ones listed in ``gone``, when given). */
-static int clear_view(BlockIndex *self, uint32_t view, PyObject *gone) {
+/* Forget every block of the view (its GPU ones noted when ``notify``, and listed in ``gone`` when given). */
+static int clear_view(BlockIndex *self, uint32_t view, int notify, PyObject *gone) {
     vpriv_t *p = &self->priv[view];
     for (size_t k = 0; k < p->order.len; k++) {
         uint64_t own = p->order.v[k];
-        if (drop_copies(self, view, own, gone) != 0) return -1;
+        if (drop_copies(self, view, own, notify, gone) != 0) return -1;
         int64_t i = pair_find(self, own, view);
         if (i >= 0) {
             p->pairs--;
@@ -786,7 +826,7 @@ static int shrink(BlockIndex *self, uint32_t view) {
             if (order_push(&kept, own) != 0) goto nomem; /* only a parent of held blocks: it stays */
             continue;
         }
-        if (drop_copies(self, view, own, NULL) != 0) goto fail;
+        if (drop_copies(self, view, own, 0, NULL) != 0) goto fail;
         self->ctl->stats[ST_EVICTED_FOR_MEMORY]++;
         if (pair_find(self, own, view) >= 0 && order_push(&kept, own) != 0) goto nomem;
     }
@@ -1159,14 +1199,9 @@ static int apply_removed(BlockIndex *self, uint32_t view, ev_t *ev) {
             continue;
         }
         self->ctl->stats[ST_REMOVED]++;
-        if (r == 1 && evicted != NULL) {
-            PyObject *o = PyLong_FromUnsignedLongLong(own);
-            if (o == NULL || PyList_Append(evicted, o) != 0) {
-                Py_XDECREF(o);
-                rc = -1;
-                break;
-            }
-            Py_DECREF(o);
+        if (r == 1 && note_own(self, view, NOTE_EVICTED, own, evicted) != 0) {
+            rc = -1;
+            break;
         }
     }
     if (rc == 0 && evicted != NULL && PyList_GET_SIZE(evicted) > 0) rc = note(self, "evicted", evicted);
@@ -1178,7 +1213,7 @@ static int apply_cleared(BlockIndex *self, uint32_t view) {
     self->ctl->stats[ST_CLEARS]++;
     PyObject *gone = self->notes != NULL ? PyList_New(0) : NULL;
     if (self->notes != NULL && gone == NULL) return -1;
-    int rc = clear_view(self, view, gone);
+    int rc = clear_view(self, view, 1, gone);
     if (rc == 0 && gone != NULL) rc = note(self, "cleared", gone);
     Py_XDECREF(gone);
     return rc;
@@ -1221,12 +1256,12 @@ static void BlockIndex_dealloc(BlockIndex *self) {
 }
 
 static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "writer", "max_views", "max_blocks_per_view", NULL};
+    static char *kwlist[] = {"path", "writer", "max_views", "max_blocks_per_view", "ring", NULL};
     const char *path = NULL;
     int writer = 1;
     unsigned int max_views = 4096;
-    unsigned long long max_blocks = 2000000;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|zpIK", kwlist, &path, &writer, &max_views, &max_blocks))
+    unsigned long long max_blocks = 2000000, ring = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|zpIKK", kwlist, &path, &writer, &max_views, &max_blocks, &ring))
         return -1;
     if (self->ctl != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
@@ -1255,18 +1290,18 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
             PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
             return -1;
         }
-        self->ctl = (ctl_t *)self->ctl_r.base;
-        if (self->ctl_r.size < sizeof(ctl_t) || self->ctl->magic != CTL_MAGIC || self->ctl->version != VERSION ||
-            self->ctl_r.size < ctl_size(self->ctl->max_views)) {
-            PyErr_Format(PyExc_OSError, "%s is not a prefix index", path);
+        ctl_t *c = (ctl_t *)self->ctl_r.base;
+        if (self->ctl_r.size < sizeof(ctl_t) || c->magic != CTL_MAGIC || c->version != VERSION ||
+            self->ctl_r.size < ctl_size(c->max_views, c->ring_cap)) {
+            PyErr_Format(PyExc_OSError, "%s is not a prefix index (yet)", path);
             return -1;
         }
-        self->views = (view_t *)((char *)self->ctl_r.base + sizeof(ctl_t));
+        bind_ctl(self);
         return sync_reader(self);
     }
     uint64_t generation = 1;
     if (path == NULL) {
-        if (region_anon(&self->ctl_r, ctl_size(max_views)) != 0) {
+        if (region_anon(&self->ctl_r, ctl_size(max_views, ring)) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             return -1;
         }
@@ -1278,13 +1313,15 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
             if (old.size >= sizeof(ctl_t) && c->magic == CTL_MAGIC) generation = c->generation + 1;
             region_close(&old);
         }
-        if (region_file(&self->ctl_r, path, ctl_size(max_views), 0) != 0) {
+        if (region_file(&self->ctl_r, path, ctl_size(max_views, ring), 0) != 0) {
             PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
             return -1;
         }
     }
     self->ctl = (ctl_t *)self->ctl_r.base;
-    self->views = (view_t *)((char *)self->ctl_r.base + sizeof(ctl_t));
+    self->ctl->max_views = max_views;
+    self->ctl->ring_cap = ring;
+    bind_ctl(self);
     if (new_data(self, &self->data_r, generation, 1024, 1024) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -1302,7 +1339,7 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
     for (uint32_t v = 0; v < max_views; v++) STORE(&self->views[v].live, 0);
     memset(c->stats, 0, sizeof(c->stats));
     c->pairs_held = 0;
-    c->max_views = max_views;
+    STORE(&c->ring_head, 0);
     c->version = VERSION;
     c->writer_pid = (uint64_t)getpid();
     STORE(&c->views_version, c->views_version + 1);
@@ -1365,7 +1402,7 @@ static PyObject *BI_reset_view(BlockIndex *self, PyObject *args) {
     if (check_writer(self) != 0 || check_view(self, view) != 0) return NULL;
     PyObject *gone = owns_list_or_none(self, want);
     if (want && gone == NULL) return NULL;
-    if (clear_view(self, (uint32_t)view, gone) != 0) {
+    if (clear_view(self, (uint32_t)view, 1, gone) != 0) {
         Py_XDECREF(gone);
         return NULL;
     }
@@ -1377,7 +1414,7 @@ static PyObject *BI_drop_view(BlockIndex *self, PyObject *args) {
     long view;
     if (!PyArg_ParseTuple(args, "l", &view)) return NULL;
     if (check_writer(self) != 0 || check_view(self, view) != 0) return NULL;
-    if (clear_view(self, (uint32_t)view, NULL) != 0) return NULL;
+    if (clear_view(self, (uint32_t)view, 0, NULL) != 0) return NULL;
     vpriv_t *p = &self->priv[view];
     PyMem_Free(p->order.v);
     PyMem_Free(p->model);
@@ -1486,14 +1523,7 @@ static PyObject *BI_remove(BlockIndex *self, PyObject *args) {
             continue;
         }
         self->ctl->stats[ST_REMOVED]++;
-        if (r == 1) {
-            PyObject *o = u64(own);
-            if (o == NULL || PyList_Append(evicted, o) != 0) {
-                Py_XDECREF(o);
-                goto fail;
-            }
-            Py_DECREF(o);
-        }
+        if (r == 1 && note_own(self, (uint32_t)view, NOTE_EVICTED, own, evicted) != 0) goto fail;
     }
     return evicted;
 fail:
@@ -1779,6 +1809,60 @@ static PyObject *BI_own_hashes(BlockIndex *self, PyObject *args) {
     return out;
 }
 
+/* drain(cursor) -> (cursor, lost, [(view, "evicted" | "cleared", [own, ...]), ...]): the notes written since
+ * ``cursor`` (None: from now on), consecutive ones of a view and kind together; ``lost``: notes the ring had
+ * overwritten before they were read. */
+static PyObject *BI_drain(BlockIndex *self, PyObject *args) {
+    PyObject *cursor_obj;
+    if (!PyArg_ParseTuple(args, "O", &cursor_obj)) return NULL;
+    uint64_t cap = self->ctl->ring_cap, head = LOAD(&self->ctl->ring_head);
+    if (cursor_obj == Py_None) return Py_BuildValue("(Ki[])", (unsigned long long)head, 0);
+    uint64_t cursor = PyLong_AsUnsignedLongLong(cursor_obj);
+    if (cursor == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    uint64_t lost = 0;
+    if (cursor > head) cursor = head; /* a restarted writer: its ring starts again */
+    if (cap && head - cursor > cap) {
+        lost = head - cap - cursor;
+        cursor = head - cap;
+    }
+    PyObject *groups = PyList_New(0);
+    if (groups == NULL) return NULL;
+    PyObject *owns = NULL;
+    uint32_t group_view = 0, group_kind = 0;
+    for (uint64_t c = cursor; cap && c < head; c++) {
+        note_t *n = &self->ring[c % cap];
+        uint64_t s1 = LOAD(&n->seq);
+        uint64_t own = n->own;
+        uint32_t view = n->view, kind = n->kind;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (s1 != c || LOAD(&n->seq) != c) {
+            lost++; /* overwritten while read */
+            continue;
+        }
+        if (owns == NULL || view != group_view || kind != group_kind) {
+            owns = PyList_New(0);
+            PyObject *item = owns == NULL ? NULL
+                : Py_BuildValue("(IsN)", view, kind == NOTE_EVICTED ? "evicted" : "cleared", owns);
+            if (item == NULL || PyList_Append(groups, item) != 0) {
+                Py_XDECREF(item);
+                Py_DECREF(groups);
+                return NULL;
+            }
+            Py_DECREF(item); /* the group list holds it; ``owns`` stays borrowed from it */
+            group_view = view;
+            group_kind = kind;
+        }
+        PyObject *o = u64(own);
+        if (o == NULL || PyList_Append(owns, o) != 0) {
+            Py_XDECREF(o);
+            Py_DECREF(groups);
+            return NULL;
+        }
+        Py_DECREF(o);
+    }
+    return Py_BuildValue("(KKN)", (unsigned long long)head, (unsigned long long)lost, groups);
+}
+
 static PyObject *BI_stats(BlockIndex *self, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyTuple_New(ST_COUNT);
     if (out == NULL) return NULL;
@@ -1799,11 +1883,12 @@ static PyObject *BI_memory(BlockIndex *self, PyObject *Py_UNUSED(ignored)) {
             private_bytes += self->priv[v].emap.cap * 16 + self->priv[v].order.cap * 8;
     uint32_t views = 0;
     for (uint32_t v = 0; v < self->ctl->max_views; v++) views += LOAD(&self->views[v].live) ? 1 : 0;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "tables", (unsigned long long)self->data_r.size, "private",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tables", (unsigned long long)self->data_r.size, "private",
                          (unsigned long long)private_bytes, "views", (unsigned long long)views * sizeof(view_t),
                          "blocks", (unsigned long long)self->d->block_live, "pairs",
                          (unsigned long long)self->d->pair_live, "generation",
-                         (unsigned long long)self->mapped_gen);
+                         (unsigned long long)self->mapped_gen, "writer_pid",
+                         (unsigned long long)LOAD(&self->ctl->writer_pid));
 }
 
 static PyObject *BI_get_writer(BlockIndex *self, void *closure) {
@@ -1847,6 +1932,7 @@ static PyMethodDef BI_methods[] = {
     {"views_version", (PyCFunction)BI_views_version, METH_NOARGS, "views_version() -> int"},
     {"own_hashes", (PyCFunction)BI_own_hashes, METH_VARARGS, "own_hashes(view) -> set"},
     {"stats", (PyCFunction)BI_stats, METH_NOARGS, "stats() -> the index's counters"},
+    {"drain", (PyCFunction)BI_drain, METH_VARARGS, "drain(cursor) -> (cursor, lost, [(view, kind, owns)])"},
     {"size", (PyCFunction)BI_size, METH_NOARGS, "size() -> (block, view) pairs held"},
     {"memory", (PyCFunction)BI_memory, METH_NOARGS, "memory() -> dict of bytes and entries"},
     {NULL, NULL, 0, NULL},
