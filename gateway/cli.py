@@ -157,7 +157,8 @@ async def mock(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
     )
     if args.pods is not None:
-        group = MockPodGroup(config, args.pods)
+        group = MockPodGroup(config, args.pods, synthetic_events=args.synthetic_events,
+                             synthetic_hold=args.synthetic_hold)
         endpoints = await group.start()
         # One line per pod once they all listen: what the launcher (gateway.mock.launcher) waits for.
         sys.stdout.write("".join(msgspec.json.encode(e).decode() + "\n" for e in endpoints))
@@ -210,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pods", type=int, help="run N pods in this process, pod i on --port + i, its events and replay "
                    "on --events-port + 2i and --replay-port + 2i (0: any free port); prints one JSON line per pod "
                    "(index, url, events, replay) once all listen")
+    m.add_argument("--synthetic-events", type=float, default=0.0, metavar="R",
+                   help="with --pods: each pod publishes R block events a second (stored and removed) with no "
+                        "requests, to measure ingest alone")
+    m.add_argument("--synthetic-hold", type=int, default=64, metavar="H",
+                   help="with --synthetic-events: each pod holds H batches of 16 blocks")
     m.add_argument("--host", default="127.0.0.1")
     m.add_argument("--port", type=int, default=8000)
     m.add_argument("--events-port", type=int, default=5557)

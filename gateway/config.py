@@ -115,7 +115,7 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
     options: dict[str, dict[str, Any]] = {}
     # The most pods a scoring policy looks at per request: the holders of the prompt's longest cached runs and
     # a random sample of the rest (gateway/routing/candidates.py); 0: every pod.
-    max_candidates: int = 32
+    max_candidates: int = 16
 
     def __post_init__(self) -> None:
         if self.max_candidates < 0:
@@ -601,6 +601,10 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
     # Pods per process (gateway/mock/group.py); 0: one each up to 16 pods, else the pods spread over the cores.
     per_process: int = 0
+    # Block events a second each pod publishes with no requests, holding ``synthetic_hold`` batches of 16 blocks
+    # (gateway/mock/firehose.py: what ingest alone costs); 0: only what requests make.
+    synthetic_events: float = 0.0
+    synthetic_hold: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.background import run_loop
+from gateway.background import name_process, run_loop
 from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.flow.release_order import SharedReleaseOrder
@@ -233,6 +233,7 @@ def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdenti
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     source = msgspec.json.decode(source_bytes, type=ConfigSource) if source_bytes else None
     configure_logging(config.logging)
+    name_process(f"gw-{identity.name}")
 
     async def main() -> None:
         started = asyncio.Event()
@@ -268,6 +269,7 @@ def indexer_main(config_bytes: bytes, identity: WorkerIdentity, shard: int,
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     configure_logging(config.logging)
+    name_process(f"gw-indexer{shard}")  # the bench measures the indexers' CPU by this name
 
     async def main() -> None:
         started = asyncio.Event()

@@ -30,7 +30,7 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "skipped"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"])),
+        writer.writerows({**row, "pod_requests": per_pod(row["pod_requests"]),
                           "command": shlex.join(row["command"])} for row in rows)
     tenants = [(r.scenario, r.name, r.tenants) for r in results if r.tenants]
     paths["md"].write_text(markdown_table(results) + routers_served(results, str(meta.get("gateway", "")))
@@ -52,9 +52,15 @@ def markdown_table(results: list[Result]) -> str:
                      f"{ratio(r.sticky_lru)} | {ratio(r.keep_warm)} | {ratio(r.distance, signed=True)} | "
                      f"{r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.session_p50_ms / 1000:.1f} | "
-                     f"{r.req_per_s:.2f} | {r.errors} | "
-                     f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
+                     f"{r.req_per_s:.2f} | {r.errors} | {per_pod(r.pod_requests)} | {r.largest_share:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def per_pod(requests: list[int]) -> str:
+    """Each pod's requests, or, for a fleet of more than 16, how many pods served any and the most one did."""
+    if len(requests) <= 16:
+        return "/".join(map(str, requests))
+    return f"{sum(1 for n in requests if n)} of {len(requests)} pods, at most {max(requests, default=0)}"
 
 
 def router(result: Result) -> str:

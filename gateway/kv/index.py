@@ -28,6 +28,7 @@ after lost events).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -165,7 +166,10 @@ class PrefixIndex:
         self.notes_lost = 0
         self._views: dict[tuple[str, int], EngineView] = {}
         self._by_pod: dict[str, list[EngineView]] = {}
+        self._pod_of_bit: dict[BlockIndex, dict[int, str]] = {}
         self._views_version: tuple[int, ...] = ()
+        # Per store, the block sizes its views cut prompts by, and when they were last read (holders()).
+        self._sizes: dict[BlockIndex, tuple[float, set[int]]] = {}
         # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
@@ -195,6 +199,7 @@ class PrefixIndex:
     def _add(self, view: EngineView) -> EngineView:
         self._views[view.key] = view
         self._by_pod.setdefault(view.pod, []).append(view)
+        self._pod_of_bit.setdefault(view.store, {})[view.bit] = view.pod
         return view
 
     def _sync_views(self) -> None:
@@ -203,7 +208,7 @@ class PrefixIndex:
         if version == self._views_version:
             return
         known = {(v.pod, v.rank): v for v in self._views.values()}
-        self._views, self._by_pod = {}, {}
+        self._views, self._by_pod, self._pod_of_bit = {}, {}, {}
         for store in self._stores:
             for bit, pod, rank in store.views()[1]:
                 was = known.get((pod, rank))
@@ -237,6 +242,7 @@ class PrefixIndex:
     def drop_pod(self, pod: str) -> None:
         for view in self._by_pod.pop(pod, []):
             del self._views[view.key]
+            self._pod_of_bit.get(view.store, {}).pop(view.bit, None)
             if self.writes:
                 self._store.drop_view(view.bit)
         if self._evictions is not None:
@@ -321,40 +327,64 @@ class PrefixIndex:
     def lookup(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                pods: Iterable[str]) -> dict[str, PodMatch]:
         """Per pod, the longest run of the prompt's blocks cached from the first block. Costs the pods asked
-        about, not the pods indexed."""
+        about (their runs found together, a native call per pass), not the pods indexed."""
         hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
         if not self.writes:
             self._sync_views()
-        out: dict[str, PodMatch] = {}
-        now = time.monotonic()
+        out: dict[str, PodMatch | None] = {}
+        groups: dict[tuple[BlockIndex, int], list[EngineView]] = {}  # by store and block size
         for pod in pods:
-            best = out.get(pod)
+            out[pod] = None
             for view in self._by_pod.get(pod, ()):
-                match = self._match(view, hashes, now)
-                if match is not None and (best is None or match.gpu_tokens > best.gpu_tokens):
-                    best = match
-            out[pod] = best or PodMatch()
-        return out
-
-    def _match(self, view: EngineView, hashes: PromptHashes, now: float) -> PodMatch | None:
-        store, bit = view.store, view.bit
-        try:
-            bs = store.view_field(bit, _BLOCK_SIZE) or self._reported_block_size(view.pod)
-            if not bs:
-                return None
+                try:
+                    bs = view.store.view_field(view.bit, _BLOCK_SIZE) or self._reported_block_size(view.pod)
+                except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
+                    continue
+                if bs:
+                    groups.setdefault((view.store, bs), []).append(view)
+        now = time.monotonic()
+        for (store, bs), views in groups.items():
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
-            closed = not store.view_field(bit, _ORPHANS)
-            confirmed = (self._closed_run(store, bit, hashes, bs, usable) if closed
-                         else self._walk(store, bit, hashes, bs, usable, 0))
-            gpu = (self._speculative_run(store, bit, hashes, bs, usable, confirmed, now) if self._speculative
-                   else confirmed)
-            any_tier = (self._walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) if confirmed < usable
-                        else confirmed)
-            return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs,
-                            store.view_field(bit, _APPROXIMATE))
-        except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
-            return None
+            offloaded = store.offload_held() > 0
+            for view, confirmed in zip(views, self._runs(store, [v.bit for v in views], hashes, bs, usable),
+                                       strict=True):
+                match = self._match(store, view, hashes, bs, usable, confirmed, offloaded, now)
+                best = out[view.pod]
+                if best is None or match.gpu_tokens > best.gpu_tokens:
+                    out[view.pod] = match
+        return {pod: match or PodMatch() for pod, match in out.items()}
+
+    @staticmethod
+    def _runs(store: BlockIndex, bits: list[int], prompt: PromptHashes, bs: int, usable: int) -> list[int]:
+        """Each view's run of leading blocks on its GPU tier: each pass checks the last of the hashes known so far
+        (bisecting below it when it is not held, or walking a view with orphans); the views whose run reached it
+        go on with twice as many; the prompt is hashed no further than about twice the longest run."""
+        count = min(usable, 16)
+        runs = store.runs(bits, None, prompt.first(bs, count), count)
+        going = [i for i, run in enumerate(runs) if run == count < usable]
+        while going:
+            count = min(usable, 2 * count)
+            more = store.runs([bits[i] for i in going], [runs[i] for i in going], prompt.first(bs, count), count)
+            for i, run in zip(going, more, strict=True):
+                runs[i] = run
+            going = [i for i in going if runs[i] == count < usable]
+        return runs
+
+    def _match(self, store: BlockIndex, view: EngineView, hashes: PromptHashes, bs: int, usable: int, confirmed: int,
+               offloaded: bool, now: float) -> PodMatch:
+        bit, gpu = view.bit, confirmed
+        if self._speculative and confirmed < usable:
+            expected = self._speculative.get(hashes.first(bs, confirmed + 1)[confirmed])
+            if expected is not None and expected.get(bit, 0.0) > now:
+                gpu = self._speculative_run(store, bit, hashes, bs, usable, confirmed, now)
+        any_tier = self._walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) \
+            if offloaded and confirmed < usable else confirmed
+        try:
+            approximate = store.view_field(bit, _APPROXIMATE)
+        except KeyError:
+            approximate = False
+        return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, approximate)
 
     @staticmethod
     def _closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
@@ -403,9 +433,10 @@ class PrefixIndex:
         if not self.writes:
             self._sync_views()
         names: dict[str, None] = {}
+        now = time.monotonic()
         for store in self._stores:
-            by_bit = {v.bit: v.pod for v in self._views.values() if v.store is store}
-            for bs in {b for bit in by_bit if (b := store.view_field(bit, _BLOCK_SIZE))}:
+            by_bit = self._pod_of_bit.get(store, {})
+            for bs in self._block_sizes(store, by_bit, now):
                 usable = (prompt.token_count - 1) // bs
                 deepest = self._closed_run(store, -1, prompt, bs, usable)
                 hashes = prompt.first(bs, min(usable, deepest + 1))
@@ -419,6 +450,19 @@ class PrefixIndex:
                             names[pod] = None
                     at //= 2
         return list(names)[:limit]
+
+    def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
+        """The block sizes of the store's views, read again at most once a second (a view learns its own from
+        its first event)."""
+        read_at, sizes = self._sizes.get(store, (-1.0, set()))
+        if now - read_at >= 1.0 or read_at < 0:
+            sizes = set()
+            for bit in bits:
+                with contextlib.suppress(KeyError):
+                    if bs := store.view_field(bit, _BLOCK_SIZE):
+                        sizes.add(bs)
+            self._sizes[store] = (now, sizes)
+        return sizes
 
     def _expected_holders(self, block: int, by_bit: dict[int, str], names: dict[str, None]) -> None:
         """Pods this process just routed the block to (not confirmed by their events yet)."""

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.background import allow_sockets, raise_open_files_limit
+from gateway.mock.firehose import Firehose
 from gateway.mock.pod import MockPod, MockPodConfig
 from gateway.tokenization.hf import MOCK_TOKENIZER_DIR, HfTokenizer
 
@@ -43,11 +44,16 @@ class PodEndpoints(msgspec.Struct, frozen=True):
 
 
 class MockPodGroup:
-    def __init__(self, config: MockPodConfig, count: int, tokenizer: HfTokenizer | None = None) -> None:
+    def __init__(self, config: MockPodConfig, count: int, tokenizer: HfTokenizer | None = None,
+                 synthetic_events: float = 0.0, synthetic_hold: int = 64) -> None:
+        """``synthetic_events``: block events a second each pod publishes with no requests (the firehose:
+        :mod:`gateway.mock.firehose`), holding ``synthetic_hold`` batches of blocks."""
         self.config = config
         self.count = count
         self.tokenizer = tokenizer or HfTokenizer(config.tokenizer or MOCK_TOKENIZER_DIR)
         self.pods: list[MockPod] = []
+        self._synthetic = (synthetic_events, synthetic_hold)
+        self.firehose: Firehose | None = None
 
     def _config_of(self, index: int) -> MockPodConfig:
         """Pod ``index``'s config: the group's, its ports counted from the group's (0: any free port)."""
@@ -70,6 +76,11 @@ class MockPodGroup:
         except BaseException:
             await self.stop()
             raise
+        rate, hold = self._synthetic
+        publishers = [pod.publisher for pod in self.pods if pod.publisher is not None]
+        if rate > 0 and publishers:
+            self.firehose = Firehose(publishers, rate, hold=hold, block_size=self.config.block_size)
+            self.firehose.start()
         return self.endpoints()
 
     async def _start_one(self, index: int) -> MockPod:
@@ -96,6 +107,8 @@ class MockPodGroup:
         return out
 
     async def stop(self) -> None:
+        if self.firehose is not None:
+            await self.firehose.stop()
         for pod in self.pods:
             try:
                 await pod.stop()

@@ -91,6 +91,8 @@ class MockPodFleet:
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.synthetic_events:
+            cmd += ["--synthetic-events", str(c.synthetic_events), "--synthetic-hold", str(c.synthetic_hold)]
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

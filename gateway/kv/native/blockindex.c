@@ -71,7 +71,8 @@ typedef struct {
     uint64_t writer_pid;
     uint64_t ring_cap;       /* eviction notes the ring holds (0: none kept) */
     uint64_t ring_head;      /* notes written so far: the next one goes to ring[ring_head % ring_cap] */
-    uint64_t pad[14 - ST_COUNT];
+    uint64_t offload_held;   /* pairs with a copy in the offload tier (0: lookups need not look there) */
+    uint64_t pad[13 - ST_COUNT];
 } ctl_t;
 
 typedef struct {
@@ -688,6 +689,7 @@ static int store_one(BlockIndex *self, uint32_t view, uint64_t ehash, uint64_t o
     }
     if (offload) {
         pair_set(self, (uint64_t)i, V_MAKE(view, gpu, off < MAX_COPIES ? off + 1 : off, V_KIDS(v)));
+        if (!off) __atomic_add_fetch(&self->ctl->offload_held, 1, __ATOMIC_RELAXED);
     } else {
         pair_set(self, (uint64_t)i, V_MAKE(view, gpu < MAX_COPIES ? gpu + 1 : gpu, off, V_KIDS(v)));
         if (!gpu) {
@@ -737,6 +739,7 @@ static int drop_copies(BlockIndex *self, uint32_t view, uint64_t own, int notify
     int64_t bi = block_find(self, own);
     uint64_t parent = bi >= 0 ? self->blocks[bi].parent : 0;
     pair_set(self, (uint64_t)i, V_MAKE(view, 0, 0, V_KIDS(v)));
+    if (off) __atomic_sub_fetch(&self->ctl->offload_held, 1, __ATOMIC_RELAXED);
     view_t *vr = &self->views[view];
     if (gpu) {
         if (bi >= 0) block_released(self, (uint64_t)bi, view);
@@ -764,8 +767,11 @@ static int remove_one(BlockIndex *self, uint32_t view, uint64_t ehash, int offlo
     if (offload ? !off : !gpu) return 2;
     view_t *vr = &self->views[view];
     int evicted = 0;
-    if (offload) off--;
-    else gpu--;
+    if (offload) {
+        if (!--off) __atomic_sub_fetch(&self->ctl->offload_held, 1, __ATOMIC_RELAXED);
+    } else {
+        gpu--;
+    }
     pair_set(self, (uint64_t)i, V_MAKE(view, gpu, off, V_KIDS(v)));
     if (!offload && !gpu) {
         int64_t bi = block_find(self, own);
@@ -1339,6 +1345,7 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
     for (uint32_t v = 0; v < max_views; v++) STORE(&self->views[v].live, 0);
     memset(c->stats, 0, sizeof(c->stats));
     c->pairs_held = 0;
+    c->offload_held = 0;
     STORE(&c->ring_head, 0);
     c->version = VERSION;
     c->writer_pid = (uint64_t)getpid();
@@ -1625,8 +1632,33 @@ static int holds(BlockIndex *self, long view, uint64_t own, int any_tier) {
     return V_GPU(v) > 0 || (any_tier && V_OFF(v) > 0);
 }
 
-/* run(view, hashes, start, end, walk, any_tier) -> the first position in [start, end) not held. Walked block
- * by block, or (a view closed under prefixes) found by checking the last position, then bisecting. */
+/* The first position in [start, count) of ``hashes`` the view (-1: any view's GPU tier) does not hold: walked block
+ * by block, or (a view closed under prefixes) found by checking the last position, then bisecting; -1 on error. */
+static int64_t run_of(BlockIndex *self, long view, PyObject *hashes, Py_ssize_t start, Py_ssize_t count, int walk,
+                      int any_tier) {
+    uint64_t h;
+    if (start >= count) return count;
+    if (walk) {
+        Py_ssize_t i = start;
+        for (; i < count; i++) {
+            if (hashes_at(hashes, i, &h) != 0) return -1;
+            if (!holds(self, view, h, any_tier)) break;
+        }
+        return i;
+    }
+    if (hashes_at(hashes, count - 1, &h) != 0) return -1;
+    if (holds(self, view, h, any_tier)) return count;
+    Py_ssize_t lo = start, hi = count - 1;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (hashes_at(hashes, mid, &h) != 0) return -1;
+        if (holds(self, view, h, any_tier)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* run(view, hashes, start, end, walk, any_tier) -> the first position in [start, end) not held (see run_of). */
 static PyObject *BI_run(BlockIndex *self, PyObject *args) {
     long view;
     PyObject *hashes;
@@ -1637,27 +1669,48 @@ static PyObject *BI_run(BlockIndex *self, PyObject *args) {
     if (sync_reader(self) != 0) return NULL;
     if (view >= 0 && check_view(self, view) != 0) return NULL;
     if (end > PyList_GET_SIZE(hashes)) end = PyList_GET_SIZE(hashes);
-    if (start < 0) start = 0;
-    if (start >= end) return PyLong_FromSsize_t(start < end ? start : end);
-    uint64_t h;
-    if (walk) {
-        Py_ssize_t i = start;
-        for (; i < end; i++) {
-            if (hashes_at(hashes, i, &h) != 0) return NULL;
-            if (!holds(self, view, h, any_tier)) break;
+    int64_t r = run_of(self, view, hashes, start < 0 ? 0 : start, end, walk, any_tier);
+    return r < 0 ? NULL : PyLong_FromLongLong(r);
+}
+
+/* runs(views, starts, hashes, count) -> per view, the first position in [start, count) its GPU tier does not hold:
+ * bisected for a view closed under prefixes, walked for one with orphans; ``starts`` None: from 0. A view no
+ * longer there: 0. One call for every candidate of a lookup. */
+static PyObject *BI_runs(BlockIndex *self, PyObject *args) {
+    PyObject *views, *starts, *hashes;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "O!OO!n", &PyList_Type, &views, &starts, &PyList_Type, &hashes, &count)) return NULL;
+    if (starts != Py_None && (!PyList_Check(starts) || PyList_GET_SIZE(starts) != PyList_GET_SIZE(views))) {
+        PyErr_SetString(PyExc_ValueError, "one start per view");
+        return NULL;
+    }
+    if (sync_reader(self) != 0) return NULL;
+    if (count > PyList_GET_SIZE(hashes)) count = PyList_GET_SIZE(hashes);
+    Py_ssize_t n = PyList_GET_SIZE(views);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long view = PyLong_AsLong(PyList_GET_ITEM(views, k));
+        Py_ssize_t start = starts == Py_None ? 0 : PyLong_AsSsize_t(PyList_GET_ITEM(starts, k));
+        if (PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
         }
-        return PyLong_FromSsize_t(i);
+        int64_t r = 0;
+        if (view >= 0 && (uint64_t)view < self->ctl->max_views && LOAD(&self->views[view].live)) {
+            r = run_of(self, view, hashes, start < 0 ? 0 : start, count, LOAD(&self->views[view].orphans) != 0, 0);
+            if (r < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+        PyList_SET_ITEM(out, k, PyLong_FromLongLong(r));
     }
-    if (hashes_at(hashes, end - 1, &h) != 0) return NULL;
-    if (holds(self, view, h, any_tier)) return PyLong_FromSsize_t(end);
-    Py_ssize_t lo = start, hi = end - 1;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (hashes_at(hashes, mid, &h) != 0) return NULL;
-        if (holds(self, view, h, any_tier)) lo = mid + 1;
-        else hi = mid;
-    }
-    return PyLong_FromSsize_t(lo);
+    return out;
+}
+
+static PyObject *BI_offload_held(BlockIndex *self, PyObject *Py_UNUSED(ignored)) {
+    return u64(LOAD(&self->ctl->offload_held));
 }
 
 /* holders(own) -> (views holding it on GPU, some of them) */
@@ -1924,6 +1977,8 @@ static PyMethodDef BI_methods[] = {
     {"apply", (PyCFunction)BI_apply, METH_VARARGS, "apply(view, payload, notes=False) -> notes list, or False"},
     {"run", (PyCFunction)BI_run, METH_VARARGS, "run(view, hashes, start, end, walk=False, any_tier=False) -> int"},
     {"holders", (PyCFunction)BI_holders, METH_VARARGS, "holders(own) -> (count, some view ids)"},
+    {"runs", (PyCFunction)BI_runs, METH_VARARGS, "runs(views, starts, hashes, count) -> each view's run"},
+    {"offload_held", (PyCFunction)BI_offload_held, METH_NOARGS, "offload_held() -> pairs with offload copies"},
     {"holds", (PyCFunction)BI_holds, METH_VARARGS, "holds(view, own) -> (GPU copies, offload copies)"},
     {"view_info", (PyCFunction)BI_view_info, METH_VARARGS, "view_info(view) -> dict"},
     {"view_field", (PyCFunction)BI_view_field, METH_VARARGS, "view_field(view, field) -> value"},
