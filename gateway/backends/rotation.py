@@ -31,8 +31,9 @@ class Rotation:
         chosen = {p.name: p for p in pods if first(p)} if first is not None else {}
         out = list(chosen.values())[:budget]
         start = self._next % len(pods)
-        turn = itertools.islice(itertools.chain(pods[start:], pods[:start]), budget - len(out))
-        for pod in turn:
+        for pod in itertools.chain(pods[start:], pods[:start]):
+            if len(out) >= budget:
+                break
             self._next += 1
             if pod.name not in chosen:
                 out.append(pod)

@@ -452,14 +452,14 @@ class PrefixIndex:
         return list(names)[:limit]
 
     def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
-        """The block sizes of the store's views, read again at most once a second (a view learns its own from
-        its first event)."""
+        """The block sizes of the store's views (as their events say, else their engines' metrics), read again
+        at most once a second once one is known (a view learns its own from its first event)."""
         read_at, sizes = self._sizes.get(store, (-1.0, set()))
-        if now - read_at >= 1.0 or read_at < 0:
+        if now - read_at >= 1.0 or not sizes:
             sizes = set()
-            for bit in bits:
+            for bit, pod in bits.items():
                 with contextlib.suppress(KeyError):
-                    if bs := store.view_field(bit, _BLOCK_SIZE):
+                    if bs := store.view_field(bit, _BLOCK_SIZE) or self._reported_block_size(pod):
                         sizes.add(bs)
             self._sizes[store] = (now, sizes)
         return sizes

@@ -179,10 +179,14 @@ class KvMetricsCollector(Collector):
                                         labels=["pod", "rank"])
         for state in self._service.view_states():
             pod, rank, s = state.pod, str(state.rank), state.counters
+            # Outcomes and kinds that never happened to the pod are left out (absent: zero): a fleet of a
+            # thousand pods would otherwise expose ten series a pod, mostly zeros.
             for outcome in ("batches", "applied", "duplicates", "malformed"):
-                events.add_metric([pod, rank, outcome], s.get(outcome, 0))
+                if n := s.get(outcome, 0):
+                    events.add_metric([pod, rank, outcome], n)
             for kind in ("gaps", "replays", "replay_failures", "replay_holes", "restarts", "unrecoverable"):
-                recovery.add_metric([pod, rank, kind], s.get(kind, 0))
+                if n := s.get(kind, 0):
+                    recovery.add_metric([pod, rank, kind], n)
             approximate.add_metric([pod, rank], 1.0 if state.approximate else 0.0)
             blocks.add_metric([pod, rank], state.blocks)
             evictions.add_metric([pod, rank], state.evictions)

@@ -144,3 +144,22 @@ def test_counters_of_idle_flows_are_forgotten_as_the_sweeps_see_them():
     assert counters.forget_idle(lambda key: key == FlowKey("waiting")) == 1
     assert counters.get(FlowKey("a")) == 0.0 and counters.get(FlowKey("b")) == 5.0
     assert counters.get(FlowKey("waiting")) == 10.0
+
+
+def test_a_request_goes_at_once_when_one_candidate_has_room_looking_no_further_than_it():
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    registry = PodRegistry([PodConfig(url=f"http://p{i}:1", name=f"p{i}", models=[MODEL]) for i in range(50)],
+                           HealthConfig())
+    for pod in registry.all():
+        pod.healthy = True
+    flows = controller(ledger, counters, registry)
+    pods = registry.candidates(MODEL)
+    looked: list[str] = []
+    saturated_by = flows.detector.saturated_by
+    flows.detector.saturated_by = lambda pod, demand: looked.append(pod) or saturated_by(pod, demand)
+    for i in range(3):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")  # the first three are full (in_flight=1)
+    assert flows.goes_now(pods, Demand()) and looked == ["p0", "p1", "p2", "p3"]
+    for i in range(3, 50):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")
+    assert not flows.goes_now(pods, Demand()) and flows.room_now(pods, Demand()) is None

@@ -1319,7 +1319,8 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
             if (old.size >= sizeof(ctl_t) && c->magic == CTL_MAGIC) generation = c->generation + 1;
             region_close(&old);
         }
-        if (region_file(&self->ctl_r, path, ctl_size(max_views, ring), 0) != 0) {
+        /* A file no writer made before is emptied: all zeros, no view live. */
+        if (region_file(&self->ctl_r, path, ctl_size(max_views, ring), generation == 1) != 0) {
             PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
             return -1;
         }
@@ -1342,7 +1343,8 @@ static int BlockIndex_init(BlockIndex *self, PyObject *args, PyObject *kwds) {
         }
     }
     ctl_t *c = self->ctl;
-    for (uint32_t v = 0; v < max_views; v++) STORE(&self->views[v].live, 0);
+    if (generation > 1) /* a file taken over from a writer before: its views go (a new one is all zeros) */
+        for (uint32_t v = 0; v < max_views; v++) STORE(&self->views[v].live, 0);
     memset(c->stats, 0, sizeof(c->stats));
     c->pairs_held = 0;
     c->offload_held = 0;
