@@ -10,7 +10,6 @@ setup(
         Extension(
             "gateway.kv._blockindex",
             sources=["gateway/kv/native/blockindex.c"],
-            depends=["gateway/kv/native/xxhash.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
         )

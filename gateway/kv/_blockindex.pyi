@@ -4,7 +4,7 @@ from typing import Literal
 
 SUBSCRIBER_COUNTERS: int
 
-def hash_blocks(root: int, token_ids: list[int], block_size: int) -> list[int]: ...
+def hash64(data: bytes | bytearray | memoryview, seed: int = 0, /) -> int: ...
 
 class BlockIndex:
     writer: bool

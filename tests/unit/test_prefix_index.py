@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.kv._blockindex import BlockIndex
+from gateway.kv._blockindex import BlockIndex, hash64
 from gateway.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,7 +28,9 @@ from gateway.kv.events import (
 )
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
-from tests.kv_reference import ReferenceIndex
+from tests.kv_reference import ReferenceIndex, chain_hash
+from tests.kv_reference import hash64 as reference_hash64
+from tests.kv_reference import namespace_root as reference_root
 
 BS = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, and the engine may hit at most 16 tokens
@@ -74,6 +76,32 @@ def in_memory() -> PrefixIndex:
 
 def match(index: PrefixIndex, tokens=PROMPT, pods=("a", "b"), lora=None):
     return {p: m.gpu_tokens for p, m in index.lookup("m", lora, tokens, pods).items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80), st.integers(0, 2**64 - 1))
+def test_the_native_hash_is_the_one_written_out_in_python(data, seed):
+    assert hash64(data, seed) == reference_hash64(data, seed)
+    assert hash64(memoryview(data), seed) == hash64(bytearray(data), seed) == hash64(data, seed)
+
+
+def test_prompt_and_event_hashes_are_the_reference_chain_and_tell_near_inputs_apart():
+    tokens = list(range(7, 7 + 5 * BS))
+    root = namespace_root("m", "adapter")
+    assert root == reference_root("m", "adapter") != namespace_root("m") == reference_root("m")
+    expected, parent = [], root
+    for i in range(5):
+        parent = chain_hash(parent, tokens[i * BS:(i + 1) * BS])
+        expected.append(parent)
+    assert prefix_hashes(root, tokens, BS) == expected
+    # One bit apart, one word apart, or only longer: every one a different hash.
+    near = {bytes(32), b"\x01" + bytes(31), bytes(31) + b"\x80", bytes(24) + b"\x01" + bytes(7), bytes(33)}
+    assert len({hash64(d) for d in near}) == len(near)
+    assert len({hash64(b"x", seed) for seed in range(1000)}) == 1000
+    with pytest.raises(OverflowError):
+        hash64(b"x", -1)
+    with pytest.raises(TypeError):
+        hash64("text")
 
 
 @pytest.mark.parametrize("encoding", list(Encoding))

@@ -35,9 +35,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
-
 #define EMPTY 0ULL
 #define TOMB 1ULL
 #define NO_VIEW16 0xFFFFu
@@ -177,6 +174,41 @@ static inline uint64_t mix(uint64_t x) {
     x *= 0xC4CEB9FE1A85EC53ULL;
     x ^= x >> 33;
     return x;
+}
+
+/* The gateway's 64-bit hash of a byte string: its chained block hashes (gateway/kv/hashing.py), namespace
+ * roots, engine hashes that come as bytes. Ours, and short enough to restate in Python (tests/kv_reference.py;
+ * tests/unit/test_prefix_index.py checks that the two agree): the seed and the length plus one start the state;
+ * each little-endian 64-bit word of the data (the last one padded with zero bytes) is xored in, the state
+ * multiplied by an odd constant and its high half folded onto its low half; ``mix`` spreads the end state over
+ * every bit. Each step is a bijection of the state, so two strings of one length that differ in one word never
+ * collide. Not cryptographic: like the engines' own hashes, a key for tables and chains. */
+#define HASH_LEN_MUL 0x668824D764650DCFULL
+#define HASH_STEP_MUL 0x8DA04B0DAF2D7E6FULL
+
+static inline uint64_t le64(const uint8_t *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return w;
+}
+
+static uint64_t hash64(const void *data, size_t n, uint64_t seed) {
+    const uint8_t *p = data;
+    uint64_t h = mix(seed ^ ((uint64_t)(n + 1) * HASH_LEN_MUL));
+    for (; n >= 8; p += 8, n -= 8) {
+        h = (h ^ le64(p)) * HASH_STEP_MUL;
+        h ^= h >> 32;
+    }
+    if (n > 0) {
+        uint8_t tail[8] = {0};
+        memcpy(tail, p, n);
+        h = (h ^ le64(tail)) * HASH_STEP_MUL;
+        h ^= h >> 32;
+    }
+    return mix(h);
 }
 
 /* A key's first slot in a table of ``cap`` (any size: tables grow by half, not double). */
@@ -1010,7 +1042,7 @@ static int mp_hash(mp_t *m, uint64_t *out) {
     const uint8_t *s;
     uint32_t n;
     if (mp_int(m, out, &neg)) { *out = fold(*out); return 1; }
-    if (mp_bytes(m, 1, &s, &n)) { *out = fold(XXH3_64bits(s, n)); return 1; }
+    if (mp_bytes(m, 1, &s, &n)) { *out = fold(hash64(s, n, 0)); return 1; }
     return 0;
 }
 
@@ -1135,7 +1167,7 @@ static uint64_t root_of(BlockIndex *self, uint32_t view, const uint8_t *lora, ui
     memcpy(buf, p->model, p->model_len);
     buf[p->model_len] = 0;
     memcpy(buf + p->model_len + 1, lora, lora_len);
-    uint64_t root = XXH3_64bits(buf, n);
+    uint64_t root = hash64(buf, n, 0);
     if (buf != small) PyMem_Free(buf);
     return root;
 }
@@ -1178,7 +1210,7 @@ static int apply_stored(BlockIndex *self, uint32_t view, ev_t *ev) {
             mp_int(&tokens, &v, &neg);
             buf[t] = (uint32_t)v;
         }
-        uint64_t raw = XXH3_64bits_withSeed(buf, (size_t)bs * 4, seed), own = fold(raw);
+        uint64_t raw = hash64(buf, (size_t)bs * 4, seed), own = fold(raw);
         uint64_t ehash;
         mp_hash(&hashes, &ehash);
         rc = store_one(self, view, ehash, own, parent_own, ev->offload);
@@ -1238,7 +1270,7 @@ static int as_hash(PyObject *o, uint64_t *out) {
         return 0;
     }
     if (PyBytes_Check(o)) {
-        *out = fold(XXH3_64bits(PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o)));
+        *out = fold(hash64(PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o), 0));
         return 0;
     }
     PyErr_SetString(PyExc_TypeError, "a block hash is an int or bytes");
@@ -2013,52 +2045,28 @@ static PyTypeObject BlockIndexType = {
     .tp_new = PyType_GenericNew,
 };
 
-/* hash_blocks(root, token_ids, block_size) -> the chained own hashes of every full block (no extras) */
-static PyObject *hash_blocks(PyObject *module, PyObject *args) {
-    (void)module;
-    unsigned long long root;
-    PyObject *tokens;
-    Py_ssize_t bs;
-    if (!PyArg_ParseTuple(args, "KOn", &root, &tokens, &bs)) return NULL;
-    if (bs <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+/* hash64(data, seed=0) -> the gateway's hash of a bytes-like object (``hash64`` above) */
+static PyObject *py_hash64(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "hash64(data, seed=0)");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(tokens, "token ids must be a sequence");
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), blocks = n / bs;
-    PyObject *out = PyList_New(blocks);
-    uint32_t *buf = PyMem_Malloc((size_t)bs * 4);
-    if (out == NULL || buf == NULL) {
-        Py_XDECREF(out);
-        PyMem_Free(buf);
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
+    uint64_t seed = 0;
+    if (nargs == 2) {
+        seed = PyLong_AsUnsignedLongLong(args[1]);
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     }
-    uint64_t seed = root;
-    for (Py_ssize_t b = 0; b < blocks; b++) {
-        for (Py_ssize_t t = 0; t < bs; t++) {
-            PyObject *o = PySequence_Fast_GET_ITEM(fast, b * bs + t);
-            unsigned long v = PyLong_AsUnsignedLong(o);
-            if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "a token id is no uint32");
-                Py_DECREF(out);
-                PyMem_Free(buf);
-                Py_DECREF(fast);
-                return NULL;
-            }
-            buf[t] = (uint32_t)v;
-        }
-        seed = XXH3_64bits_withSeed(buf, (size_t)bs * 4, seed);
-        PyList_SET_ITEM(out, b, u64(seed));
-    }
-    PyMem_Free(buf);
-    Py_DECREF(fast);
-    return out;
+    if (PyBytes_Check(args[0]))
+        return u64(hash64(PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]), seed));
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t h = hash64(view.buf, (size_t)view.len, seed);
+    PyBuffer_Release(&view);
+    return u64(h);
 }
 
 static PyMethodDef module_methods[] = {
-    {"hash_blocks", hash_blocks, METH_VARARGS, "hash_blocks(root, token_ids, block_size) -> chained hashes"},
+    {"hash64", (PyCFunction)(void (*)(void))py_hash64, METH_FASTCALL, "hash64(data, seed=0) -> int"},
     {NULL, NULL, 0, NULL},
 };
 
