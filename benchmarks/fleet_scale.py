@@ -31,6 +31,23 @@ def run(pods: int, out: Path, extra: list[str]) -> list[dict]:
     return json.loads((out / f"pods-{pods}" / "latest.json").read_text())["contenders"]
 
 
+def row(r: dict, pods: int, base: dict) -> str:
+    """One contender at one fleet size, with its ratios to ``base`` (its figures at the smallest fleet)."""
+    name = r["name"]
+    if r.get("skipped"):
+        return f"| {name} | {pods} | skipped: {r['skipped'][:80]} | | | | | |"
+    x = r["extra"]
+    cpu = x.get("cpu_ms_per_req_router")
+
+    def vs(key: str) -> str:
+        return f"{x[key] / base[key]:.2f}x" if x.get(key) and base.get(key) else "-"
+
+    return (f"| {name} | {pods} | {r['hit_ratio']:.3f} | {x.get('added_ttft_ms_p50', 0):.2f} / "
+            f"{x.get('added_ttft_ms_p99', 0):.2f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+            f"{x.get('router_memory_mb', 0):.0f} | {x.get('kv_block_events_per_s', 0):,.0f} | "
+            f"{vs('added_ttft_ms_p50')}, {vs('cpu_ms_per_req_router')} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pods", type=int, nargs="+", default=[4, 100, 1000])
@@ -38,28 +55,16 @@ def main() -> int:
     parser.add_argument("bench", nargs="*", help="more `gateway bench` flags (after --)")
     args = parser.parse_args()
     out = Path(args.out)
-    rows: dict[tuple[str, int], dict] = {}
-    for pods in args.pods:
-        for result in run(pods, out, args.bench):
-            rows[(result["name"], pods)] = result
     first = args.pods[0]
     print("| contender | pods | hit ratio | added TTFT p50 / p99 ms | CPU ms/req | memory MiB | KV block events/s "
           f"| TTFT p50, CPU vs {first} pods |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for (name, pods), r in sorted(rows.items(), key=lambda item: (item[0][0], item[0][1])):
-        if r.get("skipped"):
-            print(f"| {name} | {pods} | skipped: {r['skipped'][:80]} | | | | | |")
-            continue
-        x, base = r["extra"], rows.get((name, first), {}).get("extra", {})
-        cpu = x.get("cpu_ms_per_req_router")
-
-        def vs(key: str, x: dict = x, base: dict = base) -> str:
-            return f"{x[key] / base[key]:.2f}x" if x.get(key) and base.get(key) else "-"
-
-        print(f"| {name} | {pods} | {r['hit_ratio']:.3f} | {x.get('added_ttft_ms_p50', 0):.2f} / "
-              f"{x.get('added_ttft_ms_p99', 0):.2f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
-              f"{x.get('router_memory_mb', 0):.0f} | {x.get('kv_block_events_per_s', 0):,.0f} | "
-              f"{vs('added_ttft_ms_p50')}, {vs('cpu_ms_per_req_router')} |")
+    base: dict[str, dict] = {}
+    for pods in args.pods:  # each size's rows as soon as it is done
+        for r in sorted(run(pods, out, args.bench), key=lambda result: result["name"]):
+            if pods == first:
+                base[r["name"]] = r.get("extra", {})
+            print(row(r, pods, base.get(r["name"], {})), flush=True)
     return 0
 
 
