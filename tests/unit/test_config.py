@@ -49,6 +49,10 @@ def test_json_file(tmp_path):
         ({"disaggregation": {"connector": "p2p"}}, {}, "$.disaggregation.connector"),
         ({"disaggregation": {"prefill_attempts": 0}}, {}, "prefill_attempts"),
         ({"mock_pods": {"count": 2, "prefill_pods": 2}}, {}, "decode pod"),
+        ({"mock_pods": {"per_process": -1}}, {}, "per_process"),
+        ({"routing": {"max_candidates": -1}}, {}, "max_candidates"),
+        ({}, {"GATEWAY_KV_INDEX__INGEST_PROCESSES": "-1"}, "ingest_processes"),
+        ({"kv_index": {"max_views": 0}}, {}, "max_views"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, env, fragment):
