@@ -30,6 +30,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -235,13 +236,20 @@ def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdenti
     configure_logging(config.logging)
     name_process(f"gw-{identity.name}")
 
+    _run_child(ready, f"worker {identity.name}", lambda started: run_gateway(config, started, identity, source))
+
+
+def _run_child(ready: multiprocessing.connection.Connection, label: str,
+               run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """A child process's event loop around ``run``: the supervisor is told "ready" once ``run`` sets its event
+    (or why it failed to start), and the child drains itself if the supervisor goes."""
     async def main() -> None:
         started = asyncio.Event()
         waiter = asyncio.create_task(started.wait())
         waiter.add_done_callback(lambda task: None if task.cancelled() else _tell(ready, "ready"))
         orphan_watch = asyncio.create_task(_drain_if_orphaned(os.getppid()))
         try:
-            await run_gateway(config, started, identity, source)
+            await run(started)
         finally:
             orphan_watch.cancel()
 
@@ -249,7 +257,7 @@ def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdenti
         run_loop(main())
     except Exception as exc:
         _tell(ready, f"{type(exc).__name__}: {exc}")
-        log.error("worker %s failed: %s: %s", identity.name, type(exc).__name__, exc)
+        log.error("%s failed: %s: %s", label, type(exc).__name__, exc)
         raise SystemExit(1) from None
 
 
@@ -271,22 +279,7 @@ def indexer_main(config_bytes: bytes, identity: WorkerIdentity, shard: int,
     configure_logging(config.logging)
     name_process(f"gw-indexer{shard}")  # the bench measures the indexers' CPU by this name
 
-    async def main() -> None:
-        started = asyncio.Event()
-        waiter = asyncio.create_task(started.wait())
-        waiter.add_done_callback(lambda task: None if task.cancelled() else _tell(ready, "ready"))
-        orphan_watch = asyncio.create_task(_drain_if_orphaned(os.getppid()))
-        try:
-            await run_indexer(config, identity, shard, started)
-        finally:
-            orphan_watch.cancel()
-
-    try:
-        run_loop(main())
-    except Exception as exc:
-        _tell(ready, f"{type(exc).__name__}: {exc}")
-        log.error("indexer %d failed: %s: %s", shard, type(exc).__name__, exc)
-        raise SystemExit(1) from None
+    _run_child(ready, f"indexer {shard}", lambda started: run_indexer(config, identity, shard, started))
 
 
 def _tell(conn: multiprocessing.connection.Connection, message: str) -> None:
