@@ -93,6 +93,8 @@ def main() -> int:
     fleet = MockPodFleet(MockPodsConfig(count=args.pods, speed=0, synthetic_events=args.rate,
                                         synthetic_hold=args.hold, per_process=args.pods_per_process), quiet=True)
     pods = fleet.start(timeout_s=600)
+    # Until a pod has stored ``hold`` batches its removals name blocks it never stored: wait for the steady state.
+    time.sleep(args.hold * 2 * 16 / args.rate)
     try:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             f.write(msgspec.json.encode({"pods": pods}).decode())
