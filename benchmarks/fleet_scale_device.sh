@@ -33,7 +33,7 @@ echo "gateway: $(git rev-parse --short HEAD 2>/dev/null || echo '?'); started $(
 echo
 echo "## 1. KV-event ingest alone: $FIREHOSE_PODS pods x $FIREHOSE_RATE block events/s, no requests"
 timeout --signal=INT "$FIREHOSE_LIMIT_S" "$PY" benchmarks/kv_firehose.py --pods "$FIREHOSE_PODS" --rate "$FIREHOSE_RATE" \
-    --workers 1 2 4 --ingest-processes $INGEST_PROCESSES --warmup 4 --seconds 8 2>"$OUT/firehose.log" \
+    --workers 1 2 4 --ingest-processes $INGEST_PROCESSES --warmup 20 --seconds 8 2>"$OUT/firehose.log" \
     || echo "(kv_firehose.py stopped: exit $?; its log: $OUT/firehose.log)"
 
 echo

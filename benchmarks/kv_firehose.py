@@ -5,7 +5,8 @@ requests) into ``gateway serve --workers W``.
 
 Each pod publishes ``--rate`` block events a second (batches of 16 new blocks and the removal of 16 old ones,
 holding ``--hold`` batches: 1,000 pods x 64 x 16 is a million indexed blocks), from a few processes of
-simulated pods (``--pods-per-process``). For each gateway configuration, over ``--seconds`` after a warm-up:
+simulated pods (``--pods-per-process``). For each gateway configuration, over ``--seconds`` once it applies
+no more than the pods offer (the backlog of its start, replay buffers included, cleared; at most ``--warmup``):
 the block events the host applied a second, the CPU of all its processes and of those applying events (the
 indexers; every worker when each applies every event itself, ``--per-worker``; the one process with one
 worker), and the events applied per second of that CPU: per core. The ingest CPU should not grow with the
@@ -47,7 +48,21 @@ def indexed(url: str) -> dict:
     return {"blocks": info["indexed_blocks"], "memory": info["memory"]}
 
 
-def measure(config_path: str, workers: int, ingest: int, warmup_s: float, seconds: float) -> dict[str, float]:
+def caught_up(url: str, offered: float, limit_s: float) -> None:
+    """Waits (at most ``limit_s``) until the host applies no more than the pods offer: the replay buffers and the
+    events queued while it started are behind it, so what follows is the steady state, not a backlog."""
+    deadline = time.monotonic() + limit_s
+    before, at = applied(url), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        now, t = applied(url), time.monotonic()
+        if (now - before) / (t - at) <= 1.05 * offered:
+            return
+        before, at = now, t
+
+
+def measure(config_path: str, workers: int, ingest: int, warmup_s: float, seconds: float,
+            offered: float) -> dict[str, float]:
     port = free_port()
     env = {**os.environ, "GATEWAY_KV_INDEX__INGEST_PROCESSES": str(ingest), "GATEWAY_LOGGING__ACCESS_LOG": "false"}
     cmd = [sys.executable, "-m", "gateway", "serve", "--config", config_path, "--port", str(port),
@@ -57,7 +72,7 @@ def measure(config_path: str, workers: int, ingest: int, warmup_s: float, second
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/readyz", 300, proc)
-        time.sleep(warmup_s)  # the replay buffers caught up on, the views at their steady size
+        caught_up(url, offered, warmup_s)
         events0, cpu0, ingest0, t0 = applied(url), process_cpu_s(proc.pid), process_cpu_s(proc.pid, INDEXER_NAME), \
             time.monotonic()
         time.sleep(seconds)
@@ -87,7 +102,7 @@ def main() -> int:
     parser.add_argument("--ingest-processes", type=int, nargs="+", default=[1])
     parser.add_argument("--per-worker", action="store_true", help="also each worker applying every event itself")
     parser.add_argument("--pods-per-process", type=int, default=0)
-    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=30.0, help="at most this long for the backlog to clear")
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     fleet = MockPodFleet(MockPodsConfig(count=args.pods, speed=0, synthetic_events=args.rate,
@@ -106,7 +121,7 @@ def main() -> int:
         print("workers | ingest | applied block events/s | host CPU (cores) | ingest CPU (cores) | "
               "events/s per ingest core | indexed blocks | gateway memory (MiB, PSS)")
         for workers, ingest in runs:
-            r = measure(f.name, workers, ingest, args.warmup, args.seconds)
+            r = measure(f.name, workers, ingest, args.warmup, args.seconds, args.pods * args.rate)
             who = ("in the worker" if workers == 1 else f"{ingest} indexer(s)" if ingest else "every worker")
             print(f"{workers} | {who} | {r['events_per_s']:,.0f} | {r['host_cores']:.2f} | {r['ingest_cores']:.2f} | "
                   f"{r['per_ingest_core']:,.0f} | {r['indexed_blocks']:,} | {r['gateway_memory_mb']:.0f}", flush=True)
