@@ -146,6 +146,7 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
 
 
 async def mock(args: argparse.Namespace) -> None:
+    from gateway.mock.group import MockPodGroup
     from gateway.mock.pod import MockPod, MockPodConfig
 
     config = MockPodConfig(
@@ -162,11 +163,23 @@ async def mock(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
         ends_answers=args.ends_answers, responses_store=args.responses_store,
     )
-    pod = MockPod(config)
-    await pod.start()
-    pub = pod.publisher
-    log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
-             pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+    if args.pods is not None:
+        group = MockPodGroup(config, args.pods, synthetic_events=args.synthetic_events,
+                             synthetic_hold=args.synthetic_hold)
+        endpoints = await group.start()
+        # One line per pod once they all listen: what the launcher (gateway.mock.launcher) waits for.
+        sys.stdout.write("".join(msgspec.json.encode(e).decode() + "\n" for e in endpoints))
+        sys.stdout.flush()
+        log.info("%d mock %s pods of %s on %s..%s", len(endpoints), config.flavor, config.model, endpoints[0].url,
+                 endpoints[-1].url)
+        stop_pods = group.stop
+    else:
+        pod = MockPod(config)
+        await pod.start()
+        pub = pod.publisher
+        log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
+                 pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+        stop_pods = pod.stop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -175,7 +188,7 @@ async def mock(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
-        await pod.stop()
+        await stop_pods()
 
 
 def policy_names() -> list[str]:
@@ -201,7 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--fallbacks", type=int,
                            help="endpoints after the chosen one for Envoy to try (default 2; 0 for ORIGINAL_DST)")
 
-    m = sub.add_parser("mock", help="run one simulated vLLM/SGLang pod")
+    m = sub.add_parser("mock", help="run simulated vLLM/SGLang pods (one by default)")
+    m.add_argument("--pods", type=int, help="run N pods in this process, pod i on --port + i, its events and replay "
+                   "on --events-port + 2i and --replay-port + 2i (0: any free port); prints one JSON line per pod "
+                   "(index, url, events, replay) once all listen")
+    m.add_argument("--synthetic-events", type=float, default=0.0, metavar="R",
+                   help="with --pods: each pod publishes R block events a second (stored and removed) with no "
+                        "requests, to measure ingest alone")
+    m.add_argument("--synthetic-hold", type=int, default=64, metavar="H",
+                   help="with --synthetic-events: each pod holds H batches of 16 blocks")
     m.add_argument("--host", default="127.0.0.1")
     m.add_argument("--port", type=int, default=8000)
     m.add_argument("--events-port", type=int, default=5557)

@@ -100,6 +100,12 @@ class MockPodsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Literal["shared_storage", "nixl"] = "shared_storage"
+    # Pods per process (gateway/mock/group.py); 0: one each up to 16 pods, else the pods spread over the cores.
+    per_process: Annotated[int, Meta(ge=0)] = 0
+    # Block events a second each pod publishes with no requests, holding ``synthetic_hold`` batches of 16 blocks
+    # (gateway/mock/firehose.py: what ingest alone costs); 0: only what requests make.
+    synthetic_events: float = 0.0
+    synthetic_hold: int = 64
     # How each pod orders its waiting requests (vLLM's --scheduling-policy); the gateway's pods say the same.
     scheduling: Literal["fcfs", "priority"] = "fcfs"
     # LoRA: adapters every pod registers at start, whether more may be registered at run time, and how many

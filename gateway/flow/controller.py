@@ -143,6 +143,14 @@ class FlowController:
             return None
         return self._room_among(pods, demand)
 
+    def goes_now(self, pods: list[Pod], demand: Demand) -> bool:
+        """Whether a request goes on at once: nothing waits ahead of it and one of its candidate ``pods`` has
+        room (they are looked at until one has: in a large fleet, the first one or two)."""
+        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+            return False
+        detector = self.detector
+        return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
+
     async def hold(self, flow: Flow, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Release:
         """Wait until released (the pods with room then), or raise: 429 when it waited too long or too many
         wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""

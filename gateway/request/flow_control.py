@@ -87,8 +87,7 @@ class FlowControl:
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
         demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
-        room = controller.room_now(pods, demand)
-        if room is None:
+        if not controller.goes_now(pods, demand):
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
             wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
             detector = controller.detector

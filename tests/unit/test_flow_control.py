@@ -177,3 +177,22 @@ async def test_a_held_request_says_which_pods_it_may_go_to():
     with pytest.raises(asyncio.CancelledError):
         await held
     assert not flows.waits_for("p0")
+
+
+def test_a_request_goes_at_once_when_one_candidate_has_room_looking_no_further_than_it():
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    registry = PodRegistry([PodConfig(url=f"http://p{i}:1", name=f"p{i}", models=[MODEL]) for i in range(50)],
+                           HealthConfig())
+    for pod in registry.all():
+        pod.healthy = True
+    flows = controller(ledger, counters, registry)
+    pods = registry.candidates(MODEL)
+    looked: list[str] = []
+    saturated_by = flows.detector.saturated_by
+    flows.detector.saturated_by = lambda pod, demand: looked.append(pod) or saturated_by(pod, demand)
+    for i in range(3):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")  # the first three are full (in_flight=1)
+    assert flows.goes_now(pods, Demand()) and looked == ["p0", "p1", "p2", "p3"]
+    for i in range(3, 50):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")
+    assert not flows.goes_now(pods, Demand()) and flows.room_now(pods, Demand()) is None
