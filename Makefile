@@ -20,7 +20,8 @@ system-packages:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); \
 	fi
 
-$(STAMP): pyproject.toml
+# The compiled part (gateway/kv/native/) is built by the install: a change to it installs again.
+$(STAMP): pyproject.toml setup.py $(wildcard gateway/kv/native/*.c gateway/kv/native/*.h)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

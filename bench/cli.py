@@ -47,6 +47,8 @@ DEFAULT_CONTENDERS = {
     "lora": ["direct", "gateway-round_robin", "gateway-least_request", "gateway-kv_aware",
              "gateway-kv_aware-lora-on-demand", "vllm-router-round_robin", "vllm-router-cache_aware",
              "sglang-router-cache_aware", "smg-cache_aware"],
+    "fleet-scale": ["direct", "gateway-kv_aware", "gateway-kv_aware-full-scan", "gateway-kv_aware-2-workers",
+                    "gateway-kv_aware-4-workers", "smg-cache_aware"],
 }
 # Flags that only a Mooncake trace takes (their defaults are None: given or not).
 MOONCAKE_FLAGS = ("block_tokens", "time_scale", "session_header", "max_output_tokens", "start", "limit")
@@ -67,6 +69,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="size the simulated pods' caches so that the trace's peak working set is R times the "
                         "fleet's KV capacity (overrides --num-blocks)")
     b.add_argument("--pods", type=int, default=4, help="simulated pods")
+    b.add_argument("--pods-per-process", type=int, default=0, metavar="K",
+                   help="simulated pods per process (default: one each up to 16 pods, else spread over the cores)")
     b.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated pod")
     b.add_argument("--speed", type=float, default=0.2, help="time factor of the simulated pods")
     b.add_argument("--max-loras", type=int, default=2,
@@ -106,7 +110,8 @@ def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, kno
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
     counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows",
-              "agentic-shared": "workflows", "long-context": "sessions", "lora": "requests"}
+              "agentic-shared": "workflows", "long-context": "sessions", "lora": "requests",
+              "fleet-scale": "requests"}
     if scenario in counts:
         default = inspect.signature(gen).parameters[counts[scenario]].default
         kwargs[counts[scenario]] = max(1, round(default * scale))
@@ -241,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
                          tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs, peers=peers,
-                         max_loras=args.max_loras)
+                         max_loras=args.max_loras, pods_per_process=args.pods_per_process)
     results = []
     started = time.time()
     for trace, names in runs:
@@ -272,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
                 for tenant, s in result.tenants.items():
                     print(f"    tenant {tenant}: TTFT p90 {s['ttft_p90_ms']:.0f} ms, {s['answered_in_window']:.0f} "
                           f"answered in the window, token share {s['token_share']:.3f}", file=sys.stderr)
-    meta = {"gateway": gateway_version(), "seed": args.seed, "pods": args.pods, "num_blocks": runner.num_blocks,
+    meta = {"gateway": gateway_version(), "seed": args.seed, "pods": args.pods,
+            "pods_per_process": args.pods_per_process, "num_blocks": runner.num_blocks,
             "speed": args.speed,
             "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,
             "trace_format": args.trace_format, **{f: getattr(args, f) for f in MOONCAKE_FLAGS},

@@ -30,7 +30,7 @@ def write_results(results: list[Result], out: Path, meta: dict[str, object]) -> 
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "skipped"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({**row, "pod_requests": "/".join(map(str, row["pod_requests"])),
+        writer.writerows({**row, "pod_requests": per_pod(row["pod_requests"]),
                           "command": shlex.join(row["command"])} for row in rows)
     tenants = [(r.scenario, r.name, r.tenants) for r in results if r.tenants]
     adapters = [r for r in results if "adapter_switches_per_1k" in r.extra]
@@ -54,8 +54,7 @@ def markdown_table(results: list[Result]) -> str:
                      f"{ratio(r.sticky_lru)} | {ratio(r.keep_warm)} | {ratio(r.distance, signed=True)} | "
                      f"{r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
                      f"{r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.session_p50_ms / 1000:.1f} | "
-                     f"{r.req_per_s:.2f} | {r.errors} | "
-                     f"{'/'.join(map(str, r.pod_requests))} | {r.largest_share:.2f} |")
+                     f"{r.req_per_s:.2f} | {r.errors} | {per_pod(r.pod_requests)} | {r.largest_share:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -70,6 +69,13 @@ def adapter_table(results: list[Result]) -> str:
                      f"{x['adapter_switches_bound_per_1k']:.0f} | {x['adapter_loads_per_1k']:.0f} | "
                      f"{r.hit_ratio:.3f} | {ratio(r.infinite)} | {r.ttft_p90_ms:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def per_pod(requests: list[int]) -> str:
+    """Each pod's requests, or, for a fleet of more than 16, how many pods served any and the most one did."""
+    if len(requests) <= 16:
+        return "/".join(map(str, requests))
+    return f"{sum(1 for n in requests if n)} of {len(requests)} pods, at most {max(requests, default=0)}"
 
 
 def router(result: Result) -> str:

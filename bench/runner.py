@@ -78,6 +78,8 @@ class Contender(msgspec.Struct, frozen=True):
     # A trace's LoRA adapters: none registered on the pods at start, the gateway registers each where it
     # is needed (else every pod registers every adapter at start, as peers need).
     lora_on_demand: bool = False
+    # How the simulated pods order their waiting requests (vLLM's --scheduling-policy); the gateway is told.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
 
 
 CONTENDERS = {
@@ -92,10 +94,17 @@ CONTENDERS = {
                   {"GATEWAY_WORKFLOW__KEEP_WARM__ENABLED": "false"}),
         Contender("gateway-kv_aware-no-flow-control", "gateway", "kv_aware",
                   {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}),
+        # Pods that serve the lowest request priority first (vLLM --scheduling-policy priority).
+        Contender("gateway-kv_aware-priority-pods", "gateway", "kv_aware", scheduling="priority"),
+        Contender("gateway-kv_aware-priority-pods-no-flow-control", "gateway", "kv_aware",
+                  {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}, scheduling="priority"),
         Contender("gateway-kv_aware-2-replicas", "gateway", "kv_aware", replicas=2),
         Contender("gateway-kv_aware-2-replicas-unshared", "gateway", "kv_aware", replicas=2, share_state=False),
         Contender("gateway-kv_aware-2-replicas-redis-lost", "gateway", "kv_aware", replicas=2, redis_lost_at=0.5),
         Contender("gateway-kv_aware-2-workers", "gateway", "kv_aware", workers=2),
+        Contender("gateway-kv_aware-4-workers", "gateway", "kv_aware", workers=4),
+        # Every pod looked at for each request (no shortlist): the reference the shortlist's hit ratio is held to.
+        Contender("gateway-kv_aware-full-scan", "gateway", "kv_aware", {"GATEWAY_ROUTING__MAX_CANDIDATES": "0"}),
         Contender("gateway-slo", "gateway", "slo"),
         # A real Envoy relaying the bytes, ``gateway epp`` choosing each pod over ext_proc.
         Contender("envoy-epp-kv_aware", "envoy-epp", "kv_aware"),
@@ -399,6 +408,25 @@ def gateway_split(before: list[str], after: list[str]) -> dict[str, float]:
     return out
 
 
+def kv_ingest(before: list[str], after: list[str], seconds: float, indexer_cpu_s: float) -> dict[str, float]:
+    """The KV block events the gateway applied over a run (``gateway_kv_index_blocks``, stored and removed),
+    per second, and, where the host's indexers applied them, per second of their CPU."""
+    def applied(texts: list[str]) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for text in texts for line in text.splitlines()
+                   if line.startswith(("gateway_kv_index_blocks_total{op=\"blocks_stored\"}",
+                                       "gateway_kv_index_blocks_total{op=\"blocks_removed\"}")))
+
+    events = applied(after) - applied(before)
+    out = {"kv_block_events_per_s": round(events / seconds, 1)} if seconds > 0 else {}
+    if indexer_cpu_s > 0:
+        out["indexer_cpu_s"] = round(indexer_cpu_s, 2)
+    return out
+
+
+# What ``gateway serve --workers N`` names its indexer processes (/proc/<pid>/comm).
+INDEXER_NAME = "gw-indexer"
+
+
 def _process_and_children(pid: int) -> Iterator[tuple[Path, list[str]]]:
     """The ``/proc`` directory and ``stat`` fields (after the command) of a process and of its children."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -412,10 +440,31 @@ def _process_and_children(pid: int) -> Iterator[tuple[Path, list[str]]]:
             yield stat.parent, fields
 
 
-def process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone)."""
+def process_cpu_s(pid: int, named: str | None = None) -> float:
+    """User plus system CPU seconds of a process and its children so far (Linux; 0 once it is gone); only
+    those whose name (``/proc/<pid>/comm``) starts with ``named``, when given."""
     return sum((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-               for _, fields in _process_and_children(pid))
+               for directory, fields in _process_and_children(pid)
+               if named is None or _comm(directory).startswith(named))
+
+
+def _comm(directory: Path) -> str:
+    with contextlib.suppress(OSError):
+        return (directory / "comm").read_text().strip()
+    return ""
+
+
+def process_memory_mb(pid: int) -> float:
+    """The proportional set size of a process and its children (memory they share, the host's prefix index
+    among it, counted once), in MiB (Linux; 0 once it is gone)."""
+    total_kb = 0
+    for directory, _ in _process_and_children(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in (directory / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+                    break
+    return total_kb / 1024
 
 
 def process_switches(pid: int) -> int:
@@ -461,10 +510,11 @@ class BenchRunner:
                  model: str = "mock-llama", tokenizer: str | None = str(BUNDLED_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
                  max_model_len: int | None = None, router_logs: str | None = None,
-                 peers: dict[str, PeerBinary] | None = None, max_loras: int = 2) -> None:
+                 peers: dict[str, PeerBinary] | None = None, max_loras: int = 2, pods_per_process: int = 0) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
         self.max_loras = max_loras  # a LoRA trace's pods: adapters in one batch
         self._adapters: list[str] = []  # the LoRA adapters of the trace being replayed
+        self.pods_per_process = pods_per_process
         self.max_model_len = max_model_len
         self.model = model
         # A local tokenizer directory for the routers that tokenize; none: the gateway asks the pods.
@@ -493,19 +543,22 @@ class BenchRunner:
 
     # Pods
 
-    def _start_pods(self, speed: float, prefill_pods: int = 0, lora_on_demand: bool = False
+    def _start_pods(self, speed: float, prefill_pods: int = 0, lora_on_demand: bool = False,
+                    scheduling: Literal["fcfs", "priority"] = "fcfs"
                     ) -> tuple[MockPodFleet | None, list[PodConfig]]:
         if self.existing_pods:
             if prefill_pods:
                 raise RuntimeError("prefill/decode contenders need simulated pods with roles")
             self._reset_existing()
-            return None, self.existing_pods
+            # Existing pods schedule as they were started: a priority contender names them so.
+            return None, [msgspec.structs.replace(p, scheduling=scheduling) for p in self.existing_pods]
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed, prefill_pods=prefill_pods,
                                             max_model_len=self.max_model_len or MODEL_MAX_LEN,
                                             connector="nixl", enable_lora=bool(self._adapters),
                                             lora_adapters=[] if lora_on_demand else self._adapters,
-                                            max_loras=self.max_loras), quiet=True)
+                                            max_loras=self.max_loras, scheduling=scheduling,
+                                            per_process=self.pods_per_process), quiet=True)
         try:
             return fleet, fleet.start()
         except BaseException:
@@ -615,7 +668,8 @@ class BenchRunner:
             cmd += ["--workers", str(contender.workers)]
         for p in pods:
             spec = p.url + (f",events={p.kv_events}" if p.kv_events else "") + \
-                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}"
+                (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}" + \
+                (f",scheduling={p.scheduling}" if p.scheduling != "fcfs" else "")
             cmd += ["--pod", spec]
         env["GATEWAY_LOGGING__ACCESS_LOG"] = "false"
         env["GATEWAY_DISAGGREGATION__CONNECTOR"] = "nixl"
@@ -669,7 +723,7 @@ class BenchRunner:
         self.served_by = NOBODY
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods,
-                                           contender.lora_on_demand)
+                                           contender.lora_on_demand, contender.scheduling)
             yield self._start_routers(contender, pods), pods
         finally:
             self._stop_procs()
@@ -692,10 +746,13 @@ class BenchRunner:
                                    else routers if contender.kind == "gateway" else None)
                 gateway_before = _metrics_texts(gateway_metrics) if gateway_metrics else []
                 cpu_before = [process_cpu_s(p.pid) for p in self.router_processes]
+                indexer_before = sum(process_cpu_s(p.pid, INDEXER_NAME) for p in self.router_processes)
                 switches_before = [process_switches(p.pid) for p in self.router_processes]
                 outcomes, seconds = asyncio.run(self._replay(trace, routers, decode_urls, contender.name,
                                                              lose_redis_after))
                 cpu = [process_cpu_s(p.pid) - b for p, b in zip(self.router_processes, cpu_before, strict=True)]
+                indexer_cpu = sum(process_cpu_s(p.pid, INDEXER_NAME) for p in self.router_processes) - indexer_before
+                memory = sum(process_memory_mb(p.pid) for p in self.router_processes)
                 switches = [process_switches(p.pid) - b
                             for p, b in zip(self.router_processes, switches_before, strict=True)]
                 after, spent = self._counters_after(pods, gateway_metrics)
@@ -707,7 +764,11 @@ class BenchRunner:
                     result.extra.update(_adapter_switches(trace, legs_before, legs_after))
                 if gateway_metrics:
                     result.extra.update(self._prediction_checks(gateway_metrics))
-                    result.extra.update(gateway_split(gateway_before, _metrics_texts(gateway_metrics)))
+                    gateway_after = _metrics_texts(gateway_metrics)
+                    result.extra.update(gateway_split(gateway_before, gateway_after))
+                    result.extra.update(kv_ingest(gateway_before, gateway_after, seconds, indexer_cpu))
+                if memory:
+                    result.extra["router_memory_mb"] = round(memory, 1)
                 if cpu and trace.requests:  # the router's CPU per request (Envoy's and the EPP's apart)
                     names = ["epp", "envoy"] if contender.kind == "envoy-epp" else ["router"] * len(cpu)
                     for name, seconds_, switched in zip(names, cpu, switches, strict=True):

@@ -338,9 +338,26 @@ def lora(seed: int = 0, requests: int = 480, adapters: int = 8, zipf: float = 1.
     return Trace("lora", seed, sessions, adapters=names)
 
 
+def fleet_scale(seed: int = 0, requests: int = 2000, systems: int = 16, system_words: int = 300,
+                question_words: int = 20, rate: float = 100.0, max_tokens: int = 4) -> Trace:
+    """Short chats over a few shared system prompts at a steady rate: what a request costs the router as the
+    fleet grows (``--pods``), at the same request rate whatever the fleet (``bench/scripts/fleet_scale.py`` runs
+    it at 4, 100 and 1,000 pods)."""
+    rng = random.Random(seed)
+    prompts = [f"Assistant {g}. " + text(rng, system_words) for g in range(systems)]
+    sessions = [
+        Session(f"f{i}", start, [Step([{"role": "system", "content": rng.choice(prompts)},
+                                       {"role": "user", "content": f"Q{i}: " + text(rng, question_words)}],
+                                      max_tokens)])
+        for i, start in enumerate(poisson_starts(rng, requests, rate))
+    ]
+    return Trace("fleet-scale", seed, sessions)
+
+
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
               "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload,
-              "noisy-neighbor": noisy_neighbor, "priority": priority_bands, "lora": lora}
+              "noisy-neighbor": noisy_neighbor, "priority": priority_bands, "lora": lora,
+              "fleet-scale": fleet_scale}
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:

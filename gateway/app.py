@@ -41,6 +41,7 @@ from gateway.flow.release_order import SharedReleaseOrder, SoleRelease
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.http_client import HttpClient
+from gateway.kv._blockindex import BlockIndex
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
@@ -134,11 +135,16 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                        lc.embedding_share, blocked=modes.in_emergency)
     keeping_warm = config.workflow.enabled and config.workflow.keep_warm.enabled
     queues = FreeQueues() if keeping_warm else None
-    index = PrefixIndex(config.kv_index.max_blocks_per_view, config.kv_index.speculative_ttl_s, sinks.index,
-                        reported_block_size=partial(reported_block_size, load), evictions=queues)
+    ki = config.kv_index
+    # With the host's indexers (gateway/indexer.py), this worker reads the index they write.
+    host_index = ([BlockIndex(path=identity.index_path(shard), writer=False) for shard in range(ki.ingest_processes)]
+                  if identity.index_dir is not None else None)
+    index = PrefixIndex(ki.max_blocks_per_view, ki.speculative_ttl_s, sinks.index,
+                        reported_block_size=partial(reported_block_size, load), evictions=queues, stores=host_index,
+                        max_views=ki.max_views)
     approximate = ApproximatePrefixIndex()
     kv = KvEventService(index)
-    metrics.registry.register(KvMetricsCollector(kv))
+    metrics.registry.register(KvMetricsCollector(kv, exports_host=identity.index == 0))
     tokens = TokenizationService(config.tokenization, pods, metrics, http, ledger)
     predictor = OutputLengthPredictor(lc.predictor_window_s, lc.predictor_slot_s, lc.cold_start,
                                       lc.max_output_tokens, lc.predictor_percentile)
@@ -156,7 +162,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
                                   ledger=ledger, working_set=working_set, capacity_of=capacity_of),
-                    gateway_filters=[adapter_placement])
+                    gateway_filters=[adapter_placement], max_candidates=config.routing.max_candidates)
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
@@ -237,13 +243,16 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     if config.pressure.enabled:
         readings = pressure_source(config, PressureContext(load, working_set, capacity_of))
         pressure = PressureMonitor(config.pressure, pods, readings, tracker, working_set, executor, modes, metrics)
-    health = HealthChecker(pods, http, config.health, lambda pod: health_changed(metrics, kv, pod))
+    health = HealthChecker(pods, http, config.health, lambda pod: health_changed(metrics, kv, pod),
+                           share=1 / identity.count)
     membership = PodMembership(health, metrics, kv, load, profiles, approximate, sessions, working_set, modes,
                                ledger)
     discovery = None
     if config.discovery.source != "static":
         discovery = PodSetApplier(pods, discovery_source(config), membership.added, membership.removed)
-    scraper = MetricsScraper(pods, load.engine, http, lc.scrape_interval_s) if lc.scrape_interval_s > 0 else None
+    scraper = (MetricsScraper(pods, load.engine, http, lc.scrape_interval_s,
+                              max_per_s=lc.max_scrapes_per_s / identity.count, busy=lambda pod: ledger.on_pod(pod) > 0)
+               if lc.scrape_interval_s > 0 else None)
     reloader = None
     if source is not None and source.path:
 

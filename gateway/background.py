@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -52,6 +53,35 @@ class Turn:
             await asyncio.sleep(0)
             share.yields += 1
             self._since = time.perf_counter()
+
+
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit (a gateway holds sockets per pod, and so
+    does a process of many simulated pods); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
+def allow_sockets(context: Any, sockets: int) -> None:
+    """A ZeroMQ context refuses its 1,024th socket by default: allow ``sockets`` (before making them)."""
+    import zmq
+
+    if context.get(zmq.MAX_SOCKETS) < sockets:
+        context.set(zmq.MAX_SOCKETS, sockets)
+
+
+def name_process(name: str) -> None:
+    """Name this process as ``ps`` and ``/proc/<pid>/comm`` show it (Linux; 15 characters at most): a host's
+    workers and indexers told apart by what measures them."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:

@@ -21,11 +21,13 @@ log = logging.getLogger("gateway.cli")
 
 
 def parse_pod(spec: str) -> dict[str, Any]:
-    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang][,role=prefill]``."""
+    """``URL[,events=tcp://h:p][,replay=tcp://h:p][,models=a+b][,name=N][,flavor=sglang][,role=prefill]
+    [,scheduling=priority]``."""
     url, *options = spec.split(",")
     pod: dict[str, Any] = {"url": url}
     keys = {"events": "kv_events", "replay": "kv_replay", "name": "name", "flavor": "flavor",
-            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size", "role": "role"}
+            "topic": "kv_topic", "block_size": "block_size", "dp_size": "dp_size", "role": "role",
+            "scheduling": "scheduling"}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or (key not in keys and key != "models"):
@@ -176,7 +178,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy",
                         help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
     parser.add_argument("--pod", action="append",
-                        help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both] "
+                        help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both]"
+                             "[,scheduling=priority] "
                              "(repeatable)")
     parser.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway (the simulator: "
                                                       "pip install 'kv-gateway[simulator]')")

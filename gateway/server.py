@@ -17,6 +17,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from gateway.app import build_app
+from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
 from gateway.components import GATEWAY_KEY
 from gateway.config import ConfigSource, GatewayConfig, ServerConfig
@@ -62,6 +63,7 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     """One gateway process: the only one, or worker ``identity.index`` of ``serve --workers N`` (then the
     port is shared with its siblings, and it also answers on a private Unix socket for them). ``source``:
     where ``config`` was read from, to reload it."""
+    raise_open_files_limit()  # sockets per pod: a subscriber, connections for requests, health and metrics
     app = build_app(config, identity=identity, source=source)
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity

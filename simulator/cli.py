@@ -9,7 +9,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from typing import Any
+
+import msgspec
 
 from gateway.background import run_loop
 from gateway.extensions import Command, Simulator
@@ -22,6 +25,14 @@ DEFAULTS = MockPodConfig()
 
 def add_arguments(m: argparse.ArgumentParser) -> None:
     d = DEFAULTS
+    m.add_argument("--pods", type=int, help="run N pods in this process, pod i on --port + i, its events and replay "
+                   "on --events-port + 2i and --replay-port + 2i (0: any free port); prints one JSON line per pod "
+                   "(index, url, events, replay) once all listen")
+    m.add_argument("--synthetic-events", type=float, default=0.0, metavar="R",
+                   help="with --pods: each pod publishes R block events a second (stored and removed) with no "
+                        "requests, to measure ingest alone")
+    m.add_argument("--synthetic-hold", type=int, default=64, metavar="H",
+                   help="with --synthetic-events: each pod holds H batches of 16 blocks")
     m.add_argument("--host", default=d.host)
     m.add_argument("--port", type=int, default=8000)
     m.add_argument("--events-port", type=int, default=5557)
@@ -42,6 +53,9 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--topic", default=d.topic)
     m.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     m.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
+    m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="the waiting queue's order, as vLLM's: priority serves the lowest request priority first "
+                        "(X-Vllm-Priority, else the body's priority)")
     m.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     m.add_argument("--ends-answers", action="store_true",
                    help="end each answer after the pod's text (finish_reason stop) instead of at max_tokens")
@@ -69,22 +83,36 @@ def pod_config(args: argparse.Namespace) -> MockPodConfig:
         model=args.model, tokenizer=args.tokenizer, encoding=Encoding(args.encoding) if args.encoding else None,
         hash_algo=args.prefix_caching_hash_algo, int_block_hashes=args.int_block_hashes,
         topic=args.topic, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-        default_max_tokens=args.default_max_tokens, lora_adapters=args.lora_adapter or [],
+        scheduling_policy=args.scheduling_policy, default_max_tokens=args.default_max_tokens,
+        lora_adapters=args.lora_adapter or [],
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_model_len=args.max_model_len, kv_transfer_config=args.kv_transfer_config,
         ends_answers=args.ends_answers, responses_store=args.responses_store,
     )
 
 
-async def serve_pod(config: MockPodConfig) -> None:
-    """One simulated pod until SIGTERM or SIGINT."""
+async def serve_pods(config: MockPodConfig, args: argparse.Namespace) -> None:
+    """One simulated pod (or ``--pods N`` in this process) until SIGTERM or SIGINT."""
+    from simulator.group import MockPodGroup
     from simulator.pod import MockPod
 
-    pod = MockPod(config)
-    await pod.start()
-    pub = pod.publisher
-    log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
-             pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+    if args.pods is not None:
+        group = MockPodGroup(config, args.pods, synthetic_events=args.synthetic_events,
+                             synthetic_hold=args.synthetic_hold)
+        endpoints = await group.start()
+        # One line per pod once they all listen: what the launcher (simulator.launcher) waits for.
+        sys.stdout.write("".join(msgspec.json.encode(e).decode() + "\n" for e in endpoints))
+        sys.stdout.flush()
+        log.info("%d mock %s pods of %s on %s..%s", len(endpoints), config.flavor, config.model, endpoints[0].url,
+                 endpoints[-1].url)
+        stop_pods = group.stop
+    else:
+        pod = MockPod(config)
+        await pod.start()
+        pub = pod.publisher
+        log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
+                 pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
+        stop_pods = pod.stop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,11 +121,11 @@ async def serve_pod(config: MockPodConfig) -> None:
     try:
         await stop.wait()
     finally:
-        await pod.stop()
+        await stop_pods()
 
 
 def run(args: argparse.Namespace) -> int:
-    run_loop(serve_pod(pod_config(args)))
+    run_loop(serve_pods(pod_config(args), args))
     return 0
 
 
@@ -107,5 +135,5 @@ async def start_beside_gateway(config: Any) -> tuple[Any, Any]:
     return await start_beside_gateway(config)
 
 
-COMMAND = Command(help="run one simulated vLLM/SGLang pod", add_arguments=add_arguments, run=run)
+COMMAND = Command(help="run simulated vLLM/SGLang pods (one by default)", add_arguments=add_arguments, run=run)
 SIMULATOR = Simulator(section=MockPodsConfig, start=start_beside_gateway)

@@ -5,13 +5,14 @@ beside the gateway (:class:`MockPodsConfig`, the config's ``mock_pods`` section 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from gateway.kv.events import Encoding
 from simulator.block_hashes import HashAlgo
-from simulator.engine import MODEL_MAX_LEN, TimingModel
+from simulator.engine import MODEL_MAX_LEN, SchedulingPolicy, TimingModel
 
 Connector = Literal["shared_storage", "nixl"]
 
@@ -55,6 +56,8 @@ class MockPodConfig(SimulatedPodSettings, forbid_unknown_fields=True):
     default_max_tokens: int = 16
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
+    # vLLM's --scheduling-policy: the waiting queue's order (priority: the lowest request priority first).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     timing: TimingModel | None = None
     # vLLM's --kv-transfer-config (JSON): ExampleConnector or NixlConnector (:mod:`simulator.kv_transfer`).
     kv_transfer_config: str | None = None
@@ -72,6 +75,14 @@ class MockPodsConfig(SimulatedPodSettings, forbid_unknown_fields=True):
     # decode, their KV passed over ``connector`` (a temporary directory they share, or NIXL).
     prefill_pods: int = 0
     connector: Connector = "shared_storage"
+    # How each pod orders its waiting requests (vLLM's --scheduling-policy); the gateway's pods say the same.
+    scheduling: SchedulingPolicy = "fcfs"
+    # Pods per process (simulator/group.py); 0: one each up to 16 pods, else the pods spread over the cores.
+    per_process: Annotated[int, Meta(ge=0)] = 0
+    # Block events a second each pod publishes with no requests, holding ``synthetic_hold`` batches of 16 blocks
+    # (simulator/firehose.py: what ingest alone costs); 0: only what requests make.
+    synthetic_events: float = 0.0
+    synthetic_hold: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_pods < max(1, self.count):

@@ -3,11 +3,18 @@
 Owner: the :class:`MockEngine` owns its waiting queue, running batch and the pod's
 :class:`~simulator.kvcache.PagedKvCache`; the HTTP layer only submits and aborts sequences.
 
-Each scheduler step, as in vLLM: every running sequence that finished prefill decodes one token, and
-the rest of a token budget goes to prefill chunks (admitting waiting sequences first-come first-served
-while slots and blocks allow). A step takes ``base + prefill_tokens * per_token + decode_seqs *
-per_seq`` seconds, times the speed factor. Cached prompt tokens are not prefilled, so TTFT falls with
-cache hits and rises with load, as on a real engine. The KV events of a step leave as one batch.
+Each scheduler step, as vLLM 0.32's: a budget of ``max_batched_tokens`` goes first to the running sequences,
+in the order they were admitted, each taking what it needs (one token to decode, the rest of its prompt to
+prefill) as far as the budget goes, so a long prefill admitted earlier takes the step before a later
+sequence's prefill or decode; what is left admits waiting sequences, in the waiting queue's order (first
+come, first served; or with ``scheduling_policy`` priority, the lowest ``priority`` first, then the earliest
+arrival), each prefilling as much of its prompt as the budget leaves (chunked), while slots and blocks allow;
+the queue's head waiting for blocks holds the others back. A waiting sequence never preempts a running one
+for the budget (vLLM preempts only for blocks, which the simulator reserves at admission instead).
+``tests/e2e/test_flow_control.py`` checks the steps against a real pod's, event batch for event batch.
+A step takes ``base + prefill_tokens * per_token + decode_seqs * per_seq`` seconds, times the speed factor.
+Cached prompt tokens are not prefilled, so TTFT falls with cache hits and rises with load, as on a real
+engine. The KV events of a step leave as one batch.
 
 LoRA adapters, as vLLM runs them (:class:`LoraSlots`): a step's batch holds requests of at most
 ``max_loras`` adapters (a waiting request of another adapter is skipped until one drains), each active in a
@@ -24,12 +31,12 @@ may keep its blocks until a consumer has pulled them.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -64,6 +71,9 @@ MODEL_MAX_LEN = 131_072
 RECENT_TTFTS = 100_000
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
 class EngineLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int = 128
     max_batched_tokens: int = 2048
@@ -71,6 +81,8 @@ class EngineLimits(msgspec.Struct, frozen=True):
     # vLLM's --max-loras (adapters in one batch) and --max-cpu-loras (kept in memory; none: max_loras).
     max_loras: int = 1
     max_cpu_loras: int | None = None
+    # How the waiting queue is ordered (vLLM's --scheduling-policy).
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 class LoraSlots:
@@ -145,6 +157,9 @@ class Sequence:
     arrived: float
     # How many tokens it will generate: ``max_tokens``, or fewer when the model ends its answer first.
     answer_length: int = 0
+    # vLLM's request priority (lower first, with the priority policy) and the order it arrived in.
+    priority: int = 0
+    index: int = 0
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     num_computed: int = 0
     cached_tokens: int = 0
@@ -176,6 +191,47 @@ class Sequence:
     async def tokens(self) -> AsyncIterator[int]:
         while (token := await self.outputs.get()) is not None:
             yield token
+
+
+class WaitingQueue:
+    """The engine's waiting sequences in the order the scheduler takes them: as they came (fcfs), or by
+    ``priority`` (lowest first), then as they came (vLLM's ``PriorityRequestQueue``)."""
+
+    def __init__(self, policy: SchedulingPolicy = "fcfs") -> None:
+        self._by_priority = policy == "priority"
+        self._items: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if self._by_priority:
+            bisect.insort(self._items, seq, key=lambda s: (s.priority, s.index))
+        else:
+            self._items.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        return self._items.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def put_back(self, seqs: list[Sequence]) -> None:
+        """Sequences taken out in turn and skipped go back where they stood (vLLM skips, it does not reorder)."""
+        if self._by_priority:
+            for seq in seqs:
+                self.add(seq)
+        else:
+            self._items[:0] = seqs
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._items  # sequences compare by identity
 
 
 @dataclass(slots=True)
@@ -213,7 +269,7 @@ class MockEngine:
         self._answer_cap = len(output_tokens) if ends_answers else None
         self._publish = publish
         self.connector = connector
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(self.limits.scheduling_policy)
         self.running: list[Sequence] = []
         self.lora = LoraSlots(self.limits.max_loras, self.limits.max_cpu_loras)
         self._reserved = 0
@@ -240,9 +296,9 @@ class MockEngine:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, pulled_tokens: int = 0,
-               reported_cached_tokens: int | None = None, hold_blocks: bool = False, lora: LoraKey | None = None,
-               token_hash_root: int | None = None) -> Sequence:
+    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None, *, priority: int = 0,
+               pulled_tokens: int = 0, reported_cached_tokens: int | None = None, hold_blocks: bool = False,
+               lora: LoraKey | None = None, token_hash_root: int | None = None) -> Sequence:
         if not prompt:
             raise PromptRejected("The prompt is empty.")
         if max_tokens < 1:  # as vLLM's sampling parameters refuse it
@@ -257,11 +313,12 @@ class MockEngine:
         if -(-(len(prompt) + max_tokens) // bs) > self.cache.usable_blocks:
             raise PromptRejected("The request needs more KV-cache blocks than this engine has.")
         length = max_tokens if self._answer_cap is None else min(max_tokens, self._answer_cap)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), max_tokens,
-                       time.monotonic(), length, submitted_clock=self.clock, pulled_tokens=pulled_tokens,
+        index = next(self._ids)
+        seq = Sequence(request_id or f"req-{index}", list(prompt), len(prompt), max_tokens, time.monotonic(),
+                       length, priority, index, submitted_clock=self.clock, pulled_tokens=pulled_tokens,
                        reported_cached_tokens=reported_cached_tokens, hold_blocks=hold_blocks,
                        blocks=SequenceBlocks(lora=lora, token_hash_root=token_hash_root))
-        self.waiting.append(seq)
+        self.waiting.add(seq)
         self._wake.set()
         return seq
 
@@ -301,30 +358,44 @@ class MockEngine:
             self._complete(step)
             self._flush_events()
 
+    def step_now(self) -> bool:
+        """One scheduler step at once, its simulated time counted but not slept (for replaying a real engine's
+        steps without the loop: not with :meth:`start`); False when there was nothing to do."""
+        step = self._schedule()
+        if not step.prefill and not step.decode:
+            return False
+        self.clock += self.timing.step_seconds(step.prefill_tokens, len(step.decode), step.loaded_tokens)
+        self._complete(step)
+        self._flush_events()
+        return True
+
     def _schedule(self) -> _Step:
-        step = _Step(decode=[s for s in self.running if s.num_computed >= s.prompt_len])
-        budget = self.limits.max_batched_tokens - len(step.decode)
-        for seq in self.running:
+        step = _Step()
+        budget = self.limits.max_batched_tokens
+        for seq in self.running:  # in the order they were admitted
             if budget <= 0:
                 break
-            if seq.num_computed < seq.prompt_len:
+            if seq.num_computed >= seq.prompt_len:
+                step.decode.append(seq)
+                budget -= 1
+            else:
                 budget -= self._prefill_chunk(step, seq, budget)
         adapters = {s.lora.name for s in self.running if s.lora is not None}
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.lora is not None and seq.lora.name not in adapters and len(adapters) >= self.limits.max_loras:
-                skipped.append(self.waiting.popleft())  # as vLLM: no batch slot for its adapter, the next may go
+                skipped.append(self.waiting.pop())  # as vLLM: no batch slot for its adapter, the next may go
                 continue
             if not self._admit(seq):
-                break  # first-come first-served: the head waits for blocks, the rest wait behind it
-            self.waiting.popleft()
+                break  # the head waits for blocks, the rest wait behind it
+            self.waiting.pop()
             self.running.append(seq)
             if seq.lora is not None:
                 adapters.add(seq.lora.name)
             step.loaded_tokens += seq.loaded_tokens
             budget -= self._prefill_chunk(step, seq, budget)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.put_back(skipped)
         if adapters:
             step.lora_activations, step.lora_loads = self.lora.activate(adapters)
         return step

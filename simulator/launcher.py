@@ -1,24 +1,25 @@
-"""Starts simulated pods as subprocesses (``gateway mock``) and waits until they answer.
+"""Starts simulated pods as subprocesses (``gateway mock --pods K``) and waits until they answer.
 
 Subprocesses keep the pods' simulated work off the gateway's event loop and core, so what a benchmark
-measures is the gateway. Owner: a :class:`MockPodFleet` owns its processes and stops them (by pid,
-terminate then kill) whatever happens.
+measures is the gateway. A few pods get a process each, as real pods would; a fleet of many shares a few
+processes (``mock_pods.per_process``: :mod:`simulator.group`), so that a thousand fit a small machine.
+Owner: a :class:`MockPodFleet` owns its processes and stops them (by pid, terminate then kill) whatever
+happens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.client
 import json
 import logging
+import math
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import msgspec
@@ -33,9 +34,12 @@ from gateway.config import (
 )
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.config import MockPodsConfig
-from simulator.pod import free_port
+from simulator.group import PodEndpoints
 
 log = logging.getLogger("simulator")
+
+# Up to this many pods, each gets a process of its own (the default).
+OWN_PROCESS_UP_TO = 16
 
 
 class PodExited(RuntimeError):
@@ -44,8 +48,21 @@ class PodExited(RuntimeError):
 
 @dataclass
 class MockPodProcess:
+    """One process of simulated pods: the first pod's index in the fleet, how many, and their role."""
+
     process: subprocess.Popen[bytes]
-    pod: PodConfig
+    first: int
+    count: int
+    role: str
+
+
+def pods_per_process(config: MockPodsConfig, cores: int | None = None) -> int:
+    """``mock_pods.per_process``, or: one each for a few pods; a fleet spread over the cores (two at least)."""
+    if config.per_process:
+        return config.per_process
+    if config.count <= OWN_PROCESS_UP_TO or config.prefill_pods:
+        return 1
+    return math.ceil(config.count / max(2, cores or os.cpu_count() or 1))
 
 
 class MockPodFleet:
@@ -58,32 +75,29 @@ class MockPodFleet:
         self._storage = (tempfile.TemporaryDirectory(prefix="kvgw-kv-")
                          if config.prefill_pods and config.connector == "shared_storage" else None)
 
-    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> list[PodConfig]:
-        for i in range(self.config.count):
-            self.members.append(self._spawn(i))
+    def start(self, timeout_s: float = 120.0) -> list[PodConfig]:
+        per = pods_per_process(self.config)
+        for first in range(0, self.config.count, per):
+            self.members.append(self._spawn(first, min(per, self.config.count - first)))
         deadline = time.monotonic() + timeout_s
-        for i, member in enumerate(self.members):
-            for attempt in range(attempts):
-                try:
-                    self._wait_ready(member, deadline)
-                    break
-                except PodExited:
-                    # Most likely a port taken between choosing it and binding it: try other ports.
-                    if attempt == attempts - 1 or self.config.base_port:
-                        raise
-                    log.warning("mock pod %s exited at start; retrying on other ports", member.pod.name)
-                    member = self.members[i] = self._spawn(i)
-        return [m.pod for m in self.members]
+        pods: list[PodConfig] = []
+        for member in self.members:
+            pods += [self._pod_config(member, e) for e in self._wait_ready(member, deadline)]
+        return pods
 
-    def _spawn(self, index: int) -> MockPodProcess:
+    def _role(self, index: int) -> str:
         c = self.config
-        port = c.base_port + index if c.base_port else free_port(self.host)
-        events, replay = free_port(self.host), free_port(self.host)
+        return ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
+
+    def _spawn(self, first: int, count: int) -> MockPodProcess:
+        c = self.config
+        role = self._role(first)
         cmd = [
-            sys.executable, "-m", "gateway", "mock", "--host", self.host, "--port", str(port),
-            "--events-port", str(events), "--replay-port", str(replay), "--block-size", str(c.block_size),
-            "--num-blocks", str(c.num_blocks), "--speed", str(c.speed), "--flavor", c.flavor,
-            "--model", c.model, "--max-model-len", str(c.max_model_len),
+            sys.executable, "-m", "gateway", "mock", "--pods", str(count), "--host", self.host,
+            "--port", str(c.base_port + first if c.base_port else 0), "--events-port", "0", "--replay-port", "0",
+            "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--speed", str(c.speed),
+            "--flavor", c.flavor, "--model", c.model, "--max-model-len", str(c.max_model_len),
+            "--scheduling-policy", c.scheduling,
         ]
         if c.enable_lora or c.lora_adapters:
             cmd += ["--enable-lora", "--max-loras", str(c.max_loras)]
@@ -92,16 +106,20 @@ class MockPodFleet:
                 cmd += ["--max-cpu-loras", str(c.max_cpu_loras)]
         if c.ends_answers:
             cmd.append("--ends-answers")
-        role = ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
+        if c.synthetic_events:
+            cmd += ["--synthetic-events", str(c.synthetic_events), "--synthetic-hold", str(c.synthetic_hold)]
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL if self.quiet else None)
-        url = f"http://{self.host}:{port}"
-        pod = PodConfig(url=url, name=f"mock-{index}", flavor=c.flavor, deployment="mock",
-                        kv_events=f"tcp://{self.host}:{events}", kv_replay=f"tcp://{self.host}:{replay}",
-                        block_size=c.block_size, role=role)  # type: ignore[arg-type]
-        return MockPodProcess(process, pod)
+        return MockPodProcess(process, first, count, role)
+
+    def _pod_config(self, member: MockPodProcess, endpoints: PodEndpoints) -> PodConfig:
+        c = self.config
+        return PodConfig(url=endpoints.url, name=f"mock-{member.first + endpoints.index}", flavor=c.flavor,
+                         deployment="mock", kv_events=endpoints.events, kv_replay=endpoints.replay,
+                         block_size=c.block_size, role=member.role,  # type: ignore[arg-type]
+                         scheduling=c.scheduling)
 
     def _kv_transfer_config(self, role: str) -> str:
         """The pod's ``--kv-transfer-config``, as a vLLM pod of that role would be started."""
@@ -111,17 +129,22 @@ class MockPodFleet:
         return json.dumps({"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
                            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"})
 
-    def _wait_ready(self, member: MockPodProcess, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if member.process.poll() is not None:
-                raise PodExited(f"mock pod {member.pod.name} exited with {member.process.returncode}")
-            # Not HTTP yet: until the pod binds its port, another process's socket may answer there.
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                with urllib.request.urlopen(f"{member.pod.url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            time.sleep(0.1)
-        raise TimeoutError(f"mock pod {member.pod.name} did not become healthy in time")
+    @staticmethod
+    def _wait_ready(member: MockPodProcess, deadline: float) -> list[PodEndpoints]:
+        """The pods' endpoints, one line each, which the process writes once they all listen."""
+        process, received = member.process, b""
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        while received.count(b"\n") < member.count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"mock pods {member.first}.. did not start in time")
+            ready, _, _ = select.select([fd], [], [], min(remaining, 0.5))
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            received += chunk
+            if not chunk and process.poll() is not None:
+                raise PodExited(f"mock pods {member.first}.. exited with {process.returncode}")
+        return [msgspec.json.decode(line, type=PodEndpoints) for line in received.splitlines()[:member.count]]
 
     def stop(self) -> None:
         for member in self.members:
@@ -129,15 +152,17 @@ class MockPodFleet:
                 member.process.send_signal(signal.SIGTERM)
         for member in self.members:
             try:
-                member.process.wait(timeout=5)
+                member.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.kill(member.process.pid, signal.SIGKILL)
                 member.process.wait()
+            if member.process.stdout is not None:
+                member.process.stdout.close()
         self.members.clear()
         if self._storage is not None:
             self._storage.cleanup()
 
-    async def astart(self, timeout_s: float = 60.0) -> list[PodConfig]:
+    async def astart(self, timeout_s: float = 120.0) -> list[PodConfig]:
         return await asyncio.to_thread(self.start, timeout_s)
 
 

@@ -78,6 +78,9 @@ class _FaultRequest(Faults, forbid_unknown_fields=True):
     restart: bool = False
 
 
+PRIORITY_HEADER = "X-Vllm-Priority"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
@@ -160,7 +163,8 @@ class MockPod:
         cache = PagedKvCache(c.num_blocks, c.block_size, hasher=hasher, token_hash_root=namespace_root(c.model),
                              null_block=c.flavor == "vllm")
         timing = c.timing or TimingModel(speed=c.speed)
-        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len, c.max_loras, c.max_cpu_loras)
+        limits = EngineLimits(c.max_num_seqs, c.max_batched_tokens, c.max_model_len, c.max_loras, c.max_cpu_loras,
+                              c.scheduling_policy)
         return MockEngine(cache, self._output_tokens, self._publish, timing, limits, self.nixl or self.shared_storage,
                           ends_answers=c.ends_answers)
 
@@ -395,8 +399,8 @@ class MockPod:
             transfer = await self._transfer_in(body, ids)
             max_tokens = body.get("max_tokens")
             seq = self.engine.submit(ids, self._default_max_tokens if max_tokens is None else int(max_tokens),
-                                     request.headers.get("x-request-id") or uuid.uuid4().hex, **transfer,
-                                     **self._lora_args(lora))
+                                     request.headers.get("x-request-id") or uuid.uuid4().hex,
+                                     priority=_priority(request, {}), **transfer, **self._lora_args(lora))
         except UnknownModel as exc:
             return anthropic_api.error(404, str(exc))
         except KvLoadFailed:
@@ -482,8 +486,8 @@ class MockPod:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             lora = self._served(body)
-            seq = self.engine.submit(ids, int(max_tokens), request_id, **await self._transfer_in(body, ids),
-                                     **self._lora_args(lora))
+            seq = self.engine.submit(ids, int(max_tokens), request_id, priority=_priority(request, body),
+                                     **await self._transfer_in(body, ids), **self._lora_args(lora))
         except UnknownModel as exc:
             return self._error(404, str(exc), "NotFoundError", "model")
         except KvLoadFailed:
@@ -774,6 +778,21 @@ class MockPod:
 
 def _finish_reason(seq: Sequence) -> str:
     return "stop" if seq.ended else "length"
+
+
+def _priority(request: web.Request, body: dict[str, Any]) -> int:
+    """The request's priority as vLLM 0.32 reads it: its ``X-Vllm-Priority`` header where that is an integer,
+    else the body's ``priority`` (0). An FCFS engine takes it and ignores it."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is not None:
+        try:
+            return int(header)
+        except ValueError:
+            pass
+    value = body.get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError("priority must be an integer")
+    return value
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

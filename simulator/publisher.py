@@ -93,10 +93,13 @@ class KvEventPublisher:
                 sock.close(linger=0)
 
     def publish(self, events: list[KvEvent]) -> None:
+        self.publish_payload(encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank),
+                                          self.encoding))
+
+    def publish_payload(self, payload: bytes) -> None:
+        """Publish one batch already encoded in this publisher's encoding (the synthetic firehose's)."""
         seq = self.seq
         self.seq += 1
-        payload = encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank),
-                               self.encoding)
         self.buffer.append((seq, payload))
         if not self.sending or (self.drop_fraction and self.rng.random() < self.drop_fraction):
             self.batches_dropped += 1

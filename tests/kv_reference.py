@@ -4,25 +4,65 @@ gateway's index the same answers. It is an oracle, never used by the gateway."""
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from collections import Counter
 from collections.abc import Iterable
-
-import xxhash
+from dataclasses import dataclass
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
-from gateway.kv.hashing import PromptHashes, namespace_root
-from gateway.kv.index import EngineView, IndexStats, PodMatch
+from gateway.kv.hashing import PromptHashes
+from gateway.kv.index import IndexStats, PodMatch
 
 _GPU = ("GPU", "gpu", None)
 
 
 
+_M64 = (1 << 64) - 1
+_LEN_MUL, _STEP_MUL = 0x668824D764650DCF, 0x8DA04B0DAF2D7E6F
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _M64
+    return x ^ (x >> 33)
+
+
+def hash64(data: bytes, seed: int = 0) -> int:
+    """The gateway's hash (``hash64`` in gateway/kv/native/blockindex.c), written out word by word."""
+    state = _mix(seed ^ ((len(data) + 1) * _LEN_MUL & _M64))
+    for (word,) in struct.iter_unpack("<Q", data + bytes(-len(data) % 8)):
+        state = ((state ^ word) * _STEP_MUL) & _M64
+        state ^= state >> 32
+    return _mix(state)
+
+
+def namespace_root(model: str, lora_name: str | None = None) -> int:
+    return hash64(f"{model}\x00{lora_name or ''}".encode())
+
+
 def chain_hash(parent: int, block_tokens: list[int], extra: bytes = b"") -> int:
     """One block's hash, written out as the index's docstring defines it (the index hashes a run at once)."""
-    data = array("I", block_tokens).tobytes()
-    return xxhash.xxh3_64_intdigest(data + extra if extra else data, parent)
+    return hash64(array("I", block_tokens).tobytes() + extra, parent)
+
+
+@dataclass(eq=False)
+class EngineView:
+    pod: str
+    rank: int
+    model: str
+    bit: int
+    block_size: int | None
+    approximate: bool = False
+    last_seq: int = -1
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.pod, self.rank)
+
 
 class ReferenceIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0) -> None:
@@ -89,6 +129,8 @@ class ReferenceIndex:
                 self.stats.unknown_removed += 1
                 continue
             held[own] -= 1
+            if not any(tier[own] for tier in self._held[view.key].values()):
+                del self._own[view.key][engine_hash]  # no copy left: an event naming it later names no block
             self.stats.blocks_removed += 1
 
     def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int]) -> PromptHashes:

@@ -1,4 +1,5 @@
-"""Active health checks: ``GET /health`` per pod, with failure and success thresholds.
+"""Active health checks: ``GET /health`` per pod, with failure and success thresholds, within a budget of
+checks per second (a large fleet is checked in turn: :mod:`gateway.backends.rotation`).
 
 Owner: the :class:`HealthChecker` writes ``Pod.healthy`` and, for pods without configured models, the
 pod's model list from ``GET /v1/models`` (refreshed while the pod is healthy, so adapters loaded later
@@ -16,13 +17,14 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.backends.rotation import Rotation
 from gateway.background import cancel_and_wait
 from gateway.config import HealthConfig
 from gateway.http_client import HttpClient
 
 log = logging.getLogger("gateway.health")
 
-MODEL_REFRESH_EVERY = 5  # checks
+MODEL_REFRESH_EVERY = 5  # successful checks of a pod
 
 
 class HealthChecker:
@@ -33,14 +35,16 @@ class HealthChecker:
         config: HealthConfig,
         on_change: Callable[[Pod], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        share: float = 1.0,
     ) -> None:
+        """``share``: this process's part of the host's checks (one of its workers')."""
         self._registry = registry
         self._clock = clock
         self._http = http
         self._config = config
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
-        self._rounds = 0
+        self._rotation = Rotation(config.max_checks_per_s * share)
 
     async def start(self) -> None:
         """Check every pod once (setting health directly from that result), then keep checking."""
@@ -55,15 +59,20 @@ class HealthChecker:
             # Jitter keeps many gateway replicas from probing pods in lockstep.
             await asyncio.sleep(self._config.interval_s * random.uniform(0.9, 1.1))
             try:
-                await self.check_all()
+                pods = self._rotation.due(self._registry.all(), self._config.interval_s)
+                await asyncio.gather(*(self.check(p, refresh_models=self._refresh_due(p)) for p in pods))
             except Exception:  # a bug here must not stop health checking for good
                 log.exception("health round failed")
 
     async def check_all(self, initial: bool = False) -> None:
-        self._rounds += 1
-        refresh_models = initial or self._rounds % MODEL_REFRESH_EVERY == 0
+        """Every pod at once (at start: before the gateway serves)."""
         pods = self._registry.all()
-        await asyncio.gather(*(self.check(p, initial, refresh_models) for p in pods))
+        await asyncio.gather(*(self.check(p, initial, initial or self._refresh_due(p)) for p in pods))
+
+    @staticmethod
+    def _refresh_due(pod: Pod) -> bool:
+        """Each pod's model list is fetched again every few checks (adapters loaded later appear)."""
+        return (pod.consecutive_successes + 1) % MODEL_REFRESH_EVERY == 0
 
     async def check(self, pod: Pod, initial: bool = False, refresh_models: bool = False) -> None:
         started = self._clock()

@@ -6,11 +6,16 @@ pod's health and model list, and the adapter loader (:mod:`gateway.models.adapte
 adapter from it as it registers or unregisters it there (the next model refresh says the pod's truth); the
 proxy reports upstream outcomes through the registry (passive ejection). Everything else reads. What is in
 flight on a pod is the in-flight ledger's (:mod:`gateway.load.ledger`).
+
+The pods a request may go to (:meth:`PodRegistry.candidates`) are kept per model and leg, and made again
+only when a pod joins, leaves, turns healthy or not, is ejected or comes back, or lists other models (an
+adapter registered or unregistered included): a request costs a copy of that list, not a look at every pod.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +37,7 @@ class Pod:
     # Model cards as the pod lists them at /v1/models (LoRA adapters included).
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     models: frozenset[str] = frozenset()
-    healthy: bool = False
+    _healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     # Passive ejection (the proxy's reports): out of rotation until ``ejected_until``; ``ejections`` in a
@@ -43,6 +48,18 @@ class Pod:
     consecutive_5xx: int = 0
     last_error: str | None = None
     last_check: float | None = None
+    # Its registry's: told when the pod's health or models change (the registry's candidates are made again).
+    _changed: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value != self._healthy:
+            self._healthy = value
+            self._changed()
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -56,7 +73,10 @@ class Pod:
 
     def set_models(self, cards: list[dict[str, Any]]) -> None:
         self.model_cards = cards
-        self.models = frozenset(str(c["id"]) for c in cards if "id" in c)
+        models = frozenset(str(c["id"]) for c in cards if "id" in c)
+        if models != self.models:
+            self.models = models
+            self._changed()
 
 
 class PodRegistry:
@@ -67,21 +87,40 @@ class PodRegistry:
         self._pods: dict[str, Pod] = {}
         # Adapter → its base model, for the adapters the gateway registers where they are needed: any pod of
         # the base model is a candidate for them.
-        self.loadable: dict[str, str] = {}
+        self._loadable: dict[str, str] = {}
+        # Per (model, leg): the candidates, the version they were made at, and when they expire (an ejection
+        # ends); the version counts every change that may alter them.
+        self._candidates: dict[tuple[str, Leg | None], tuple[int, float, list[Pod]]] = {}
+        self._version = 0
         for cfg in pods:
             self.add(cfg)
+
+    def _changed(self) -> None:
+        self._version += 1
+
+    @property
+    def loadable(self) -> dict[str, str]:
+        return self._loadable
+
+    @loadable.setter
+    def loadable(self, adapters: dict[str, str]) -> None:
+        """The adapters that may be registered on a pod of their base model (each one's candidates change)."""
+        self._loadable = adapters
+        self._changed()
 
     def add(self, cfg: PodConfig) -> Pod:
         assert cfg.name is not None
         if cfg.name in self._pods:
             raise ValueError(f"duplicate pod name {cfg.name!r}")
-        pod = Pod(config=cfg, name=cfg.name, url=cfg.url)
+        pod = Pod(config=cfg, name=cfg.name, url=cfg.url, _changed=self._changed)
+        self._changed()
         if cfg.models:
             pod.set_models([{"id": m, "object": "model", "owned_by": "gateway"} for m in cfg.models])
         self._pods[cfg.name] = pod
         return pod
 
     def remove(self, name: str) -> Pod | None:
+        self._changed()
         return self._pods.pop(name, None)
 
     def get(self, name: str) -> Pod | None:
@@ -115,12 +154,19 @@ class PodRegistry:
         """Pods serving ``model`` (``leg`` of it, when given) that are healthy, not ejected and not excluded;
         for an adapter the gateway registers where needed, every pod of its base model."""
         now = self._clock()
+        cached = self._candidates.get((model, leg))
+        if cached is None or cached[0] != self._version or now >= cached[1]:
+            cached = self._candidates[(model, leg)] = self._available(model, leg, now)
+        pods = cached[2]
+        return [p for p in pods if p.name not in exclude] if exclude else list(pods)
+
+    def _available(self, model: str, leg: Leg | None, now: float) -> tuple[int, float, list[Pod]]:
         base = self.loadable.get(model)
-        return [
-            p for p in self._pods.values()
-            if (p.serves(model) or (base is not None and p.serves(base))) and p.available(now)
-            and p.name not in exclude and p.takes(leg)
-        ]
+        serving = [p for p in self._pods.values()
+                   if (p.serves(model) or (base is not None and p.serves(base))) and p.takes(leg)]
+        # They hold until the soonest ejection among them ends: that pod is back.
+        until = min((p.ejected_until for p in serving if p.healthy and p.ejected_until > now), default=math.inf)
+        return self._version, until, [p for p in serving if p.available(now)]
 
     def disaggregated(self, model: str) -> bool:
         """Whether ``model`` is served by pods with roles: its requests are split into prefill and decode."""
@@ -168,6 +214,7 @@ class PodRegistry:
         backoff = min(self._health.ejection_base_s * 2 ** (pod.ejections - 1), self._health.ejection_max_s)
         pod.ejected_at = now
         pod.ejected_until = now + backoff
+        self._changed()
         log.warning("pod %s ejected for %.1f s: %s", pod.name, backoff, error)
 
     def report_success(self, pod: Pod) -> None:
@@ -181,8 +228,8 @@ class PodRegistry:
         if pod.ejected_at is not None and pod.ejected_at < probe_started:
             self._end_ejection(pod)
 
-    @staticmethod
-    def _end_ejection(pod: Pod) -> None:
+    def _end_ejection(self, pod: Pod) -> None:
         pod.ejections = 0
         pod.ejected_until = 0.0
         pod.ejected_at = None
+        self._changed()

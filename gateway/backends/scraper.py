@@ -1,4 +1,6 @@
-"""Engine metrics scraper: each pod's ``/metrics`` (vLLM or SGLang names) every interval, jittered.
+"""Engine metrics scraper: each pod's ``/metrics`` (vLLM or SGLang names) every interval, jittered, within a
+budget of scrapes per second (a large fleet: the pods with requests in flight each interval, the others in turn;
+:mod:`gateway.backends.rotation`).
 
 Owner: the :class:`MetricsScraper` alone writes :class:`~gateway.load.pending.EngineStats`. A failed
 scrape keeps the last values and marks them stale, so routing falls back to the gateway's own counts.
@@ -11,10 +13,12 @@ import logging
 import random
 import re
 import time
+from collections.abc import Callable
 
 import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.backends.rotation import Rotation
 from gateway.background import cancel_and_wait
 from gateway.http_client import HttpClient
 from gateway.load.pending import EngineStats
@@ -110,8 +114,13 @@ def _cache_config(line: str) -> tuple[float, float]:
 
 class MetricsScraper:
     def __init__(self, pods: PodRegistry, stats: dict[str, EngineStats], http: HttpClient,
-                 interval_s: float = 0.5, timeout_s: float = 1.0) -> None:
+                 interval_s: float = 0.5, timeout_s: float = 1.0, max_per_s: float = 0.0,
+                 busy: Callable[[str], bool] = lambda pod: False) -> None:
+        """``max_per_s``: scrapes a second at most (0: every pod every interval); ``busy``: whether a pod has
+        requests in flight (scraped first)."""
         self._pods = pods
+        self._rotation = Rotation(max_per_s)
+        self._busy = busy
         self.stats = stats
         self._http = http
         self._interval_s = interval_s
@@ -130,7 +139,8 @@ class MetricsScraper:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s * random.uniform(0.8, 1.2))
-            await self.scrape_all()
+            due = self._rotation.due(self._pods.all(), self._interval_s, lambda pod: self._busy(pod.name))
+            await asyncio.gather(*(self.scrape(p) for p in due))
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(p) for p in self._pods.all()))

@@ -14,6 +14,8 @@ class WorkerIdentity:
     index: int = 0
     count: int = 1
     run_dir: str | None = None  # the workers' private sockets and shared tables; none: one worker
+    # Where the host's indexers write the prefix index the workers read (none: each process keeps its own).
+    index_dir: str | None = None
 
     @staticmethod
     def single() -> WorkerIdentity:
@@ -41,6 +43,11 @@ class WorkerIdentity:
     def load_table(self) -> str:
         assert self.run_dir is not None
         return os.path.join(self.run_dir, "load-table")
+
+    def index_path(self, shard: int) -> str:
+        """The prefix index that ingest process ``shard`` writes (its data files beside it)."""
+        assert self.index_dir is not None
+        return os.path.join(self.index_dir, f"index-{shard}")
 
     @property
     def release_order(self) -> str:

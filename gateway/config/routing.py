@@ -17,6 +17,9 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
     allow_strategy_header: bool = True
     # Per-policy settings, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
     options: dict[str, dict[str, Any]] = {}
+    # The most pods a scoring policy looks at per request: the holders of the prompt's longest cached runs and
+    # a random sample of the rest (gateway/routing/candidates.py); 0: every pod.
+    max_candidates: Annotated[int, Meta(ge=0)] = 16
 
 
 class ModelTokenizerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -53,10 +56,18 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):
-    # Memory bound: past this many blocks a pod's view forgets its least recently stored tenth.
+    # Memory bound: past this many blocks a pod's view forgets its first stored tenth.
     max_blocks_per_view: int = 2_000_000
     # How long a routed prompt's blocks count as on the chosen pod before its events confirm them.
     speculative_ttl_s: float = 2.0
+    # With several workers (serve --workers N): the processes that apply the pods' KV events once for the whole
+    # host, each for a share of the pods, into shared memory every worker reads (gateway/indexer.py); 0: each
+    # worker applies every event itself.
+    ingest_processes: Annotated[int, Meta(ge=0)] = 1
+    # Views (pods x DP ranks) one index holds at most.
+    max_views: Annotated[int, Meta(ge=1)] = 16_384
+    # Evicted blocks kept for the workers' free queues (keep-warm) to read, per ingest process.
+    eviction_notes: Annotated[int, Meta(ge=0)] = 262_144
 
 
 class LoadConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,6 +79,9 @@ class LoadConfig(msgspec.Struct, forbid_unknown_fields=True):
     embedding_share: Annotated[float, Meta(gt=0, le=1)] = 0.2
     # Engine /metrics scrape period; 0 turns scraping off.
     scrape_interval_s: float = 0.5
+    # The host's scrapes per second at most (its workers share them): in a larger fleet, the pods with requests
+    # in flight are scraped each period and the others in turn. 0: no limit.
+    max_scrapes_per_s: Annotated[float, Meta(ge=0)] = 50.0
     predictor_window_s: float = 240.0
     predictor_slot_s: float = 10.0
     cold_start: Literal["optimistic", "input", "pessimistic"] = "input"

@@ -37,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
@@ -143,6 +143,14 @@ class FlowController:
             return None
         return self._room_among(pods, demand)
 
+    def goes_now(self, pods: list[Pod], demand: Demand) -> bool:
+        """Whether a request goes on at once: nothing waits ahead of it and one of its candidate ``pods`` has
+        room (they are looked at until one has: in a large fleet, the first one or two)."""
+        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+            return False
+        detector = self.detector
+        return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
+
     async def hold(self, flow: Flow, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Release:
         """Wait until released (the pods with room then), or raise: 429 when it waited too long or too many
         wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""
@@ -153,7 +161,7 @@ class FlowController:
             raise self._refusal("The gateway's queue is full.", "queue_full")
         now = self._clock()
         loop = asyncio.get_running_loop()
-        held = Held(flow, self.key_of(flow.key), model, leg, demand, now, now + wait_allowed_s,
+        held = Held(flow, self.key_of(flow.key), model, leg, replace(demand, held=True), now, now + wait_allowed_s,
                     next(self._seq), loop.create_future())
         held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
         self._enqueue(held)
@@ -266,7 +274,7 @@ class FlowController:
                 demand = held.demand
                 room = self._room_for(held, pods, now)
                 if room is None and demand.estimates and self._room_among(
-                        pods, Demand(demand.kind, demand.prompt_tokens)) is not None:
+                        pods, replace(demand, estimates={})) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
                 contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
@@ -280,15 +288,15 @@ class FlowController:
                 waiting_pools.add(contender.pool)
                 if waiting is None:
                     waiting = contender
-                    drained_in = self._prefill_room_in(pods)
+                    drained_in = self._prefill_room_in(pods, demand)
                     self._look_at = now + drained_in if drained_in is not None else None
         self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
 
-    def _prefill_room_in(self, pods: list[Pod]) -> float | None:
-        """Of pods without room, the soonest one whose running prefill drains enough to take another."""
+    def _prefill_room_in(self, pods: list[Pod], demand: Demand) -> float | None:
+        """Of pods without room for it, the soonest one whose prefill drains enough to take the request."""
         detector = self.detector
-        return min((wait for p in pods if detector.saturated_by(p.name) == "prefill"
-                    and (wait := detector.prefill_room_in(p.name)) is not None), default=None)
+        return min((wait for p in pods if detector.saturated_by(p.name, demand) == "prefill"
+                    and (wait := detector.prefill_room_in(p.name, demand)) is not None), default=None)
 
     def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
         self._dequeue(held)
@@ -306,7 +314,7 @@ class FlowController:
         room = self._room_among(pods, demand)
         if room is not None or not demand.prompt_tokens:
             return room
-        unsized = self._room_among(pods, Demand(demand.kind, 0, demand.estimates))
+        unsized = self._room_among(pods, replace(demand, prompt_tokens=0, held=False))
         if unsized is None:
             held.unfit_since = None
         elif held.unfit_since is None:

@@ -51,10 +51,19 @@ class Flow:
     max_wait_s: float = 120.0  # how long it may wait at the gateway
     ttft_s: float | None = None  # the objective's TTFT target
 
-    @property
-    def engine_priority(self) -> int:
-        """The band in vLLM's terms: lower values are scheduled first."""
-        return -self.key.priority
+
+# A band's span of engine priorities: a flow's service never reaches into the next band's.
+ENGINE_BAND_SPAN = 1 << 40
+INT64 = 1 << 63
+
+
+def engine_priority(band: int, service: float) -> int:
+    """The priority of a request in vLLM's terms (lower values are served first): the higher its band, the
+    lower, then the less service its flow had when it was sent (its tag, in weighted tokens: see
+    :meth:`gateway.flow.service_counters.ServiceCounters.tag`), the lower. A pod ordering its waiting requests by it
+    serves the least-served flow's request first within a band, each flow's in the order sent."""
+    value = -band * ENGINE_BAND_SPAN + min(ENGINE_BAND_SPAN - 1, max(0, int(service)))
+    return max(-INT64, min(INT64 - 1, value))
 
 
 class FlowPolicy:

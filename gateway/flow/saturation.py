@@ -10,10 +10,17 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
   runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first.
   While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where
-  the queue is empty: a chunked-prefill engine packs its waiting prompts into one step (vLLM: first come,
-  first served, up to ``max_num_batched_tokens``), so a short prompt sent just before a long one would wait
-  for the long one's first chunk too. The controller bounds that wait (``prefill_fit_wait_s``): an answer
-  that is not streamed counts as queued until it ends;
+  the queue is empty: a chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to
+  the prefills it runs, then packs its waiting prompts first come, first served, so a short prompt sent just
+  before a long one would wait for the long one's first chunk too. A request released after waiting (routed
+  among the pods with room then) needs less: that its prompt fits the pod's next step beside what is ahead of
+  it, the running prefill's rest as counted down; so a short one rides in the step of the running prompt's
+  last chunk instead of waiting for its answer to begin. The controller bounds the wait for an empty queue
+  (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
+  its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
+  least-served flow's request pass those waiting there (each carries its flow's priority,
+  :func:`gateway.flow.flows.engine_priority`) but not the prefill it runs, so letting more wait there (tried:
+  the count-down whoever is served) keeps its steps full at the cost of the newcomer's first token;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
@@ -41,11 +48,14 @@ from gateway.load.pending import Estimate, PendingLoad
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What a request asks of a pod, as its room is judged: its kind, its prompt's length in tokens (before any
-    cached: where it goes is not known yet), and its predicted cost on each candidate pod (SLO admission)."""
+    cached: where it goes is not known yet), its predicted cost on each candidate pod (SLO admission), and
+    whether it was held (then routed among the pods with room for it: its prompt may join beside a running
+    one's last chunk)."""
 
     kind: str = "chat"
     prompt_tokens: int = 0
     estimates: dict[str, Estimate] = field(default_factory=dict)
+    held: bool = False
 
 
 NO_DEMAND = Demand()  # whether a pod has room at all
@@ -70,7 +80,7 @@ class SaturationDetector:
         estimate = demand.estimates.get(pod)
         if not self._flow_control:
             return "load" if estimate is not None and not self._load.fits(pod, estimate, demand.kind) else None
-        if self._prefill_full(pod, demand.prompt_tokens):
+        if self._prefill_full(pod, demand):
             return "prefill"
         stats = self._load.engine.get(pod)
         if stats is not None and not stats.stale and self._clock() - stats.scraped_at <= config.stale_after_s:
@@ -88,19 +98,27 @@ class SaturationDetector:
         """Prompt tokens sent to ``pod`` that it has not begun answering: what a prompt must fit beside."""
         return self._ledger.prefill_backlog(pod)
 
-    def _prefill_full(self, pod: str, prompt_tokens: int) -> bool:
+    def _prefill_full(self, pod: str, demand: Demand) -> bool:
         limit = self.config.prefill_tokens
-        backlog = self._ledger.prefill_backlog(pod)
+        ledger = self._ledger
+        backlog = ledger.prefill_backlog(pod)
+        if not backlog:
+            return False
         if self._counting_down():
-            return backlog >= limit and self._ledger.prefill_remaining(pod, self._clock()) >= limit
-        return backlog >= limit or (backlog > 0 and backlog + prompt_tokens > limit)
+            return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
+        # Several flows, first come first served: the prompt must fit beside what is ahead of it.
+        ahead = ledger.prefill_remaining(pod, self._clock()) if demand.held else backlog
+        return ahead >= limit or ahead + demand.prompt_tokens > limit
 
-    def prefill_room_in(self, pod: str) -> float | None:
-        """Seconds until the pod's running prefill has drained below ``prefill_tokens`` (None: only when an
-        answer begins, or the count-down is off): when to look again without a ring."""
+    def prefill_room_in(self, pod: str, demand: Demand = NO_DEMAND) -> float | None:
+        """Seconds until the pod's prefill work has drained enough to take the request (None: not before an
+        answer begins): when to look again without a ring."""
+        limit = self.config.prefill_tokens
         if not self._counting_down():
-            return None
-        return self._ledger.prefill_below_in(pod, self.config.prefill_tokens, self._clock())
+            limit -= demand.prompt_tokens
+            if not demand.held or limit <= 0:
+                return None
+        return self._ledger.prefill_below_in(pod, limit, self._clock())
 
     def _counting_down(self) -> bool:
         return self._active_flows(self._clock()) <= 1

@@ -92,6 +92,18 @@ class ServiceCounters:
             self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
         return len(self._charged_now | self._charged_before)
 
+    def tag(self, key: FlowKey) -> float:
+        """``key``'s service as the tag of a request it sends now: its counter, lifted to the least counter of its
+        band's flows served lately when it is not one of them (no service banked while it was idle, as the
+        counter of a flow that starts to wait is lifted). Requests ordered by their tags go least-served flow
+        first, and in the order each flow sent them (start-time fair queueing)."""
+        served = self._served
+        mine = served.get(key, 0.0)
+        lately = self._charged_now | self._charged_before
+        if key in lately:
+            return mine
+        return max(mine, min((served.get(k, 0.0) for k in lately if k.priority == key.priority), default=mine))
+
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)
 

@@ -1,8 +1,10 @@
 """The gateway's own chained hash of token blocks.
 
-``h_i = xxh3_64(tokens_i as uint32 bytes [+ extra keys], seed=h_{i-1})``, starting from a root per
+``h_i = hash64(tokens_i as uint32 bytes [+ extra keys], seed=h_{i-1})``, starting from a root per
 namespace (model, LoRA adapter) so blocks of different adapters never collide. Engine hashes differ per
 process and version; these do not. Seeding with the parent avoids building a new buffer per block.
+``hash64`` is the gateway's own (gateway/kv/native/blockindex.c, which hashes the blocks of KV events with it
+too; restated in Python in tests/kv_reference.py).
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Sequence
 
-import xxhash
-
-_hash = xxhash.xxh3_64_intdigest
+from gateway.kv._blockindex import hash64 as _hash
 
 
 def namespace_root(model: str, lora_name: str | None = None) -> int:

@@ -1,46 +1,51 @@
 """The prefix index: which token blocks each pod (and DP rank) holds, keyed by the gateway's own hash.
 
-Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply`) and by the pipeline's
-speculative insertion (the ``RoutedPrefix`` dispatch step, through :meth:`PrefixIndex.expect`); read by
-routing through :meth:`PrefixIndex.lookup`. Every process subscribes to the events itself; its speculative
-blocks go to the other workers and replicas through the sink it is built with, and theirs come in through
-:meth:`PrefixIndex.apply_remote`.
+Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply_payload` and
+:meth:`PrefixIndex.apply`) and by the pipeline's speculative insertion (the ``RoutedPrefix`` dispatch step,
+through :meth:`PrefixIndex.expect`); read by routing through :meth:`PrefixIndex.lookup` and
+:meth:`PrefixIndex.holders`. Its speculative blocks go to the other workers and replicas through the sink it
+is built with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
 
-Layout, chosen for a small footprint and a lookup that costs the log of the matched length:
-
-- each (pod, rank) is an :class:`EngineView` with a bit of its own, its ``engine hash → own hash`` map
-  and a reference count per own hash and tier (vLLM stores duplicates; each copy is stored and removed);
-- ``_gpu`` and ``_offload`` map an own hash to the bitmask of views holding it in that tier;
-- both per-view maps are bounded LRUs (a dict's insertion order, refreshed on use).
+The blocks themselves live in a :class:`~gateway.kv._blockindex.BlockIndex` (``gateway/kv/native/``): in
+this process's memory, or, with several workers, in files every process of the host maps, written by the
+host's indexer (:mod:`gateway.kv.host`) and read here without copying (a *reader* index: it applies no
+events and learns the views from the files). Per (block, view) it keeps the copies per tier (vLLM stores
+duplicates; each copy is stored and removed) and, per block, which views hold it (for the candidates of a
+lookup that does not look at every pod). Speculative blocks (just routed, not yet confirmed by an event)
+are this process's own, kept here.
 
 Engines evict a cached block only after its descendants (vLLM frees a finished request's blocks tail
 first and evicts least recently freed first; SGLang evicts radix-tree leaves), so what one holds is closed
 under prefixes: if a prompt's block ``i`` is held, so are all before it. A lookup then gallops and
 bisects over the prompt's chained hashes for the end of the held run. Whether a view is so closed is
 tracked, not assumed: each view counts its *orphans* (held GPU blocks whose parent it does not hold), and
-a view with any (lost events, the memory bound) is walked block by block, as every view used to be.
+a view with any (lost events, the memory bound) is walked block by block.
+
+A block whose every copy a view removed is forgotten with its engine hash: an event naming it as a parent
+later is an unknown parent (engines name as parent only a block the request holds, so this happens only
+after lost events).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
-from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
+from gateway.kv._blockindex import BlockIndex
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, decode_batch
 from gateway.kv.hashing import PromptHashes, namespace_root, prefix_hashes
 
 log = logging.getLogger("gateway.kv.index")
 
-# Reference counts of both tiers packed in one int: GPU in the low bits, offload above.
-_TIER_SHIFT = 24
-_GPU_ONE = 1
-_OFFLOAD_ONE = 1 << _TIER_SHIFT
-_GPU_MASK = _OFFLOAD_ONE - 1
+_GPU_MEDIA = (None, "GPU", "gpu")
+# BlockIndex.view_field's fields.
+_BLOCK_SIZE, _APPROXIMATE, _LAST_SEQ, _GPU_BLOCKS, _BLOCKS, _ORPHANS, _EVICTIONS, _ENGINE_HASHES = range(8)
 
 
 @dataclass(slots=True)
@@ -54,31 +59,70 @@ class IndexStats:
     evicted_for_memory: int = 0
 
 
-@dataclass(eq=False, slots=True)
 class EngineView:
-    """What the gateway knows of one engine process: a pod's DP rank, until it restarts."""
+    """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
+    record in a block index (``bit``: its id there), whose fields the index's writer sets."""
 
-    pod: str
-    rank: int
-    model: str
-    bit: int
-    block_size: int | None
-    engine_to_own: dict[Hash, int] = field(default_factory=dict)
-    refs: dict[int, int] = field(default_factory=dict)
-    # Set when events were lost for good: routing trusts this view less until a clean base returns.
-    approximate: bool = False
-    last_seq: int = -1
-    evictions: int = 0  # BlockRemoved blocks: the engine reused a cached block's slot
-    # The GPU tier's shape: each held block's parent (own hashes), held children per block, and how many
-    # held blocks lack their parent (0: what the view holds is closed under prefixes).
-    parents: dict[int, int] = field(default_factory=dict)
-    held_children: dict[int, int] = field(default_factory=dict)
-    orphans: int = 0
-    gpu_blocks: int = 0  # distinct blocks held in the GPU tier
+    __slots__ = ("_store", "bit", "model", "pod", "rank")
+
+    def __init__(self, store: BlockIndex, bit: int, pod: str, rank: int, model: str) -> None:
+        self._store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
+
+    @property
+    def store(self) -> BlockIndex:
+        return self._store
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.pod, self.rank)
+
+    @property
+    def block_size(self) -> int | None:
+        return self._store.view_field(self.bit, _BLOCK_SIZE) or None
+
+    @block_size.setter
+    def block_size(self, value: int | None) -> None:
+        self._store.set_view(self.bit, block_size=value or 0)
+
+    @property
+    def approximate(self) -> bool:
+        """Events of the view were lost for good: routing trusts it less until a clean base returns."""
+        return self._store.view_field(self.bit, _APPROXIMATE)
+
+    @approximate.setter
+    def approximate(self, value: bool) -> None:
+        self._store.set_view(self.bit, approximate=value)
+
+    @property
+    def last_seq(self) -> int:
+        return self._store.view_field(self.bit, _LAST_SEQ)
+
+    @last_seq.setter
+    def last_seq(self, value: int) -> None:
+        self._store.set_view(self.bit, last_seq=value)
+
+    @property
+    def blocks(self) -> int:
+        """Distinct blocks held in any tier."""
+        return self._store.view_field(self.bit, _BLOCKS)
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self._store.view_field(self.bit, _GPU_BLOCKS)
+
+    @property
+    def orphans(self) -> int:
+        """Held GPU blocks whose parent the view does not hold (0: what it holds is closed under prefixes)."""
+        return self._store.view_field(self.bit, _ORPHANS)
+
+    @property
+    def evictions(self) -> int:
+        """BlockRemoved blocks: the engine reused a cached block's slot."""
+        return self._store.view_field(self.bit, _EVICTIONS)
+
+    @property
+    def engine_hashes(self) -> int:
+        return self._store.view_field(self.bit, _ENGINE_HASHES)
 
 
 @dataclass(slots=True)
@@ -120,41 +164,77 @@ def _extras(event: BlockStored) -> list[bytes] | None:
 class PrefixIndex:
     def __init__(self, max_blocks_per_view: int = 2_000_000, speculative_ttl_s: float = 2.0,
                  publish: Publish = unshared, reported_block_size: Callable[[str], int | None] = lambda pod: None,
-                 evictions: EvictionListener | None = None) -> None:
+                 evictions: EvictionListener | None = None, stores: list[BlockIndex] | None = None,
+                 max_views: int = 4096) -> None:
+        """``stores``: the block indexes to use: one this process writes, or readers of the host's (one per
+        process applying a share of the pods' events); none: one of this process's own."""
         # Told of each block a pod's GPU tier no longer holds, and of each pod whose cache is gone.
         self._evictions = evictions
-        self.max_blocks_per_view = max_blocks_per_view
         self.speculative_ttl_s = speculative_ttl_s
         # A pod's block size as its engine's metrics report it: what a view uses until its events say it,
         # so that a fresh pod's first requests are matched and counted as routed before its first event.
         self._reported_block_size = reported_block_size
-        self.stats = IndexStats()
+        self._stores = stores or [BlockIndex(max_views=max_views, max_blocks_per_view=max_blocks_per_view)]
+        self._store = self._stores[0]  # the one written (a writer has only it)
+        self.writes = self._store.writer
+        # A reader: where each store's eviction notes were read to (none: not followed).
+        self._note_cursors: list[int | None] = [None] * len(self._stores)
+        self.notes_lost = 0
         self._views: dict[tuple[str, int], EngineView] = {}
-        self._free_bits: list[int] = []
-        self._next_bit = 0
-        self._gpu: dict[int, int] = {}
-        self._offload: dict[int, int] = {}
+        self._by_pod: dict[str, list[EngineView]] = {}
+        self._pod_of_bit: dict[BlockIndex, dict[int, str]] = {}
+        self._views_version: tuple[int, ...] = ()
+        # Per store, the block sizes its views cut prompts by, and when they were last read (holders()).
+        self._sizes: dict[BlockIndex, tuple[float, set[int]]] = {}
         # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
         self._publish = publish
+
+    @property
+    def max_blocks_per_view(self) -> int:
+        return self._store.max_blocks_per_view
+
+    @max_blocks_per_view.setter
+    def max_blocks_per_view(self, value: int) -> None:
+        self._store.max_blocks_per_view = value
+
+    @property
+    def stats(self) -> IndexStats:
+        return IndexStats(*(sum(column) for column in zip(*(s.stats() for s in self._stores), strict=True)))
 
     # Views
 
     def view(self, pod: str, rank: int, model: str, block_size: int | None = None) -> EngineView:
         view = self._views.get((pod, rank))
         if view is None:
-            bit = self._free_bits.pop() if self._free_bits else self._take_bit()
-            view = EngineView(pod, rank, model, bit, block_size)
-            self._views[(pod, rank)] = view
+            bit = self._store.add_view(pod, rank, model, namespace_root(model), block_size or 0)
+            view = self._add(EngineView(self._store, bit, pod, rank, model))
         return view
 
-    def _take_bit(self) -> int:
-        bit = self._next_bit
-        self._next_bit += 1
-        return bit
+    def _add(self, view: EngineView) -> EngineView:
+        self._views[view.key] = view
+        self._by_pod.setdefault(view.pod, []).append(view)
+        self._pod_of_bit.setdefault(view.store, {})[view.bit] = view.pod
+        return view
+
+    def _sync_views(self) -> None:
+        """A reader learns the views from the writers', when they changed."""
+        version = tuple(s.views_version() for s in self._stores)
+        if version == self._views_version:
+            return
+        known = {(v.pod, v.rank): v for v in self._views.values()}
+        self._views, self._by_pod, self._pod_of_bit = {}, {}, {}
+        for store in self._stores:
+            for bit, pod, rank in store.views()[1]:
+                was = known.get((pod, rank))
+                self._add(was if was is not None and was.bit == bit and was.store is store
+                          else EngineView(store, bit, pod, rank, ""))
+        self._views_version = version
 
     def views(self) -> list[EngineView]:
+        if not self.writes:
+            self._sync_views()
         return list(self._views.values())
 
     def reset_view(self, view: EngineView) -> None:
@@ -162,10 +242,7 @@ class PrefixIndex:
         # Only the blocks its events had stored are gone: the stream is ordered, and a block stored after the
         # clear (a request that ended before the gateway read the clear, say from the pod's replay buffer at
         # start-up) comes in a later event.
-        gone = [own for own, count in view.refs.items() if count & _GPU_MASK] if self._evictions is not None else []
-        self._drop_refs(view)
-        view.engine_to_own.clear()
-        view.approximate = False
+        gone = self._store.reset_view(view.bit, self._evictions is not None)
         if self._evictions is not None:
             self._evictions.cleared(view.pod, gone)
 
@@ -179,72 +256,63 @@ class PrefixIndex:
         view.last_seq = seq
 
     def drop_pod(self, pod: str) -> None:
-        for key in [k for k in self._views if k[0] == pod]:
-            view = self._views.pop(key)
-            self._drop_refs(view)
-            self._free_bits.append(view.bit)
+        for view in self._by_pod.pop(pod, []):
+            del self._views[view.key]
+            self._pod_of_bit.get(view.store, {}).pop(view.bit, None)
+            if self.writes:
+                self._store.drop_view(view.bit)
         if self._evictions is not None:
             self._evictions.dropped(pod)
 
-    def _drop_refs(self, view: EngineView) -> None:
-        clear = ~(1 << view.bit)
-        for own in view.refs:
-            for tier in (self._gpu, self._offload):
-                mask = tier.get(own)
-                if mask is not None:
-                    mask &= clear
-                    if mask:
-                        tier[own] = mask
-                    else:
-                        del tier[own]
-        view.refs.clear()
-        view.parents.clear()
-        view.held_children.clear()
-        view.orphans = 0
-        view.gpu_blocks = 0
-
-    @staticmethod
-    def _gpu_held(view: EngineView, own: int, parent: int | None) -> None:
-        """``own`` (child of ``parent``; None: a first block) is now in the view's GPU tier."""
-        view.gpu_blocks += 1
-        if parent is not None:
-            view.parents[own] = parent
-            view.held_children[parent] = view.held_children.get(parent, 0) + 1
-            if not view.refs.get(parent, 0) & _GPU_MASK:
-                view.orphans += 1
-        view.orphans -= view.held_children.get(own, 0)  # its children had lost their parent: no longer
-
-    @staticmethod
-    def _gpu_released(view: EngineView, own: int) -> None:
-        """``own`` is no longer in the view's GPU tier (its refs already say so)."""
-        view.gpu_blocks -= 1
-        view.orphans += view.held_children.get(own, 0)
-        parent = view.parents.pop(own, None)
-        if parent is not None:
-            left = view.held_children[parent] - 1
-            if left:
-                view.held_children[parent] = left
-            else:
-                del view.held_children[parent]
-            if not view.refs.get(parent, 0) & _GPU_MASK:
-                view.orphans -= 1
+    def follow_notes(self) -> int:
+        """A reader tells its eviction listener what the writers' rings say the pods evicted since it last
+        looked (nothing the first time: from then on); the blocks noted."""
+        if self.writes or self._evictions is None:
+            return 0
+        self._sync_views()
+        by_bit = {(id(v.store), v.bit): v.pod for v in self._views.values()}
+        noted = 0
+        for i, store in enumerate(self._stores):
+            self._note_cursors[i], lost, groups = store.drain(self._note_cursors[i])
+            self.notes_lost += lost
+            for bit, kind, blocks in groups:
+                pod = by_bit.get((id(store), bit))
+                if pod is not None:
+                    (self._evictions.evicted if kind == "evicted" else self._evictions.cleared)(pod, blocks)
+                    noted += len(blocks)
+        return noted
 
     # Events (the subscribers' side)
+
+    def apply_payload(self, view: EngineView, payload: bytes) -> int:
+        """Apply one batch as it came over the wire; the events it skipped (unreadable). Decoded natively in
+        the common case, else by :func:`~gateway.kv.events.decode_batch` (raises ``BadEventBatch``)."""
+        notes = self._store.apply(view.bit, payload, self._evictions is not None)
+        if notes is False:
+            batch = decode_batch(payload)
+            self.apply(view, batch.events)
+            return batch.skipped
+        if self._evictions is not None:
+            for kind, blocks in notes:
+                (self._evictions.evicted if kind == "evicted" else self._evictions.cleared)(view.pod, blocks)
+        return 0
 
     def apply(self, view: EngineView, events: Iterable[KvEvent]) -> None:
         for event in events:
             if isinstance(event, BlockStored):
-                self._store(view, event)
+                self._store_event(view, event)
             elif isinstance(event, BlockRemoved):
-                self._remove(view, event)
+                evicted = self._store.remove(view.bit, list(event.block_hashes), event.medium not in _GPU_MEDIA)
+                if evicted and self._evictions is not None:
+                    self._evictions.evicted(view.pod, evicted)
             elif isinstance(event, AllBlocksCleared):
-                self.stats.clears += 1
+                self._store.count("clears")
                 self.reset_view(view)
 
-    def _store(self, view: EngineView, event: BlockStored) -> None:
+    def _store_event(self, view: EngineView, event: BlockStored) -> None:
         bs, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
         if event.lookahead_token_ids or bs <= 0 or len(tokens) != len(hashes) * bs:
-            self.stats.rejected += 1
+            self._store.count("rejected")
             return
         if view.block_size != bs:
             if view.block_size is not None:
@@ -254,82 +322,18 @@ class PrefixIndex:
         if event.parent_block_hash is None:
             parent, chained = None, namespace_root(view.model, event.lora_name)
         else:
-            parent = view.engine_to_own.get(event.parent_block_hash)
+            parent = self._store.own_of(view.bit, event.parent_block_hash)
             if parent is None:
-                self.stats.unknown_parent += 1
+                self._store.count("unknown_parent")
                 return
             chained = parent
-        one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
-        tier = self._gpu if one == _GPU_ONE else self._offload
-        bit = 1 << view.bit
         extras = _extras(event)
         try:
             owns = prefix_hashes(chained, tokens, bs, extras)
         except (OverflowError, TypeError):  # a token id that is no uint32
-            self.stats.rejected += 1
+            self._store.count("rejected")
             return
-        refs, e2o = view.refs, view.engine_to_own
-        for engine_hash, own in zip(hashes, owns, strict=True):
-            e2o.pop(engine_hash, None)  # re-insert: most recently used last
-            e2o[engine_hash] = own
-            count = refs.pop(own, 0)
-            refs[own] = count + one
-            if not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
-                tier[own] = tier.get(own, 0) | bit
-                if one == _GPU_ONE:
-                    self._gpu_held(view, own, parent)
-            parent = own
-        self.stats.blocks_stored += len(hashes)
-        if len(refs) > self.max_blocks_per_view or len(e2o) > self.max_blocks_per_view:
-            self._shrink(view)
-
-    def _remove(self, view: EngineView, event: BlockRemoved) -> None:
-        one = _GPU_ONE if event.medium in (None, "GPU", "gpu") else _OFFLOAD_ONE
-        tier = self._gpu if one == _GPU_ONE else self._offload
-        evicted: list[int] = []
-        for engine_hash in event.block_hashes:
-            # Kept in the map: a duplicate copy or a child may still refer to this engine hash.
-            own = view.engine_to_own.get(engine_hash)
-            count = view.refs.get(own, 0) if own is not None else 0
-            if own is None or not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
-                self.stats.unknown_removed += 1
-                continue
-            count -= one
-            if count:
-                view.refs[own] = count
-            else:
-                del view.refs[own]
-            if not count & (_GPU_MASK if one == _GPU_ONE else ~_GPU_MASK):
-                self._clear_bit(tier, own, view.bit)
-                if one == _GPU_ONE:
-                    self._gpu_released(view, own)
-                    evicted.append(own)
-            self.stats.blocks_removed += 1
-            view.evictions += 1
-        if evicted and self._evictions is not None:
-            self._evictions.evicted(view.pod, evicted)
-
-    @staticmethod
-    def _clear_bit(tier: dict[int, int], own: int, bit: int) -> None:
-        mask = tier.get(own, 0) & ~(1 << bit)
-        if mask:
-            tier[own] = mask
-        else:
-            tier.pop(own, None)
-
-    def _shrink(self, view: EngineView) -> None:
-        """Past the memory bound, forget the least recently stored tenth of the view."""
-        excess = len(view.refs) - self.max_blocks_per_view * 9 // 10
-        for own in list(view.refs)[: max(excess, 0)]:
-            held_on_gpu = view.refs.pop(own) & _GPU_MASK
-            self._clear_bit(self._gpu, own, view.bit)
-            self._clear_bit(self._offload, own, view.bit)
-            if held_on_gpu:
-                self._gpu_released(view, own)  # the oldest stored are often prefixes: orphans follow
-            self.stats.evicted_for_memory += 1
-        excess = len(view.engine_to_own) - self.max_blocks_per_view * 9 // 10
-        for engine_hash in list(view.engine_to_own)[: max(excess, 0)]:
-            del view.engine_to_own[engine_hash]
+        self._store.store(view.bit, parent, list(hashes), owns, event.medium not in _GPU_MEDIA, bs)
 
     # Lookup (routing's side)
 
@@ -338,71 +342,150 @@ class PrefixIndex:
 
     def lookup(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                pods: Iterable[str]) -> dict[str, PodMatch]:
-        """Per pod, the longest run of the prompt's blocks cached from the first block."""
+        """Per pod, the longest run of the prompt's blocks cached from the first block. Costs the pods asked
+        about (their runs found together, a native call per pass), not the pods indexed."""
         hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
-        wanted = set(pods)
-        out: dict[str, PodMatch] = {}
+        if not self.writes:
+            self._sync_views()
+        out: dict[str, PodMatch | None] = {}
+        groups: dict[tuple[BlockIndex, int], list[EngineView]] = {}  # by store and block size
+        for pod in pods:
+            out[pod] = None
+            for view in self._by_pod.get(pod, ()):
+                try:
+                    bs = view.store.view_field(view.bit, _BLOCK_SIZE) or self._reported_block_size(view.pod)
+                except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
+                    continue
+                if bs:
+                    groups.setdefault((view.store, bs), []).append(view)
         now = time.monotonic()
-        for view in self._views.values():
-            if view.pod not in wanted or not (bs := self._block_size_of(view)):
-                continue
+        for (store, bs), views in groups.items():
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
-            bit = 1 << view.bit
-            confirmed = (self._closed_run(hashes, bs, usable, bit) if not view.orphans
-                         else self._extend(hashes, bs, usable, 0, bit, self._gpu))
-            gpu = self._extend(hashes, bs, usable, confirmed, bit, self._gpu, now) if self._speculative else confirmed
-            any_tier = (self._extend(hashes, bs, usable, confirmed, bit, self._gpu, None, self._offload)
-                        if self._offload else confirmed)
-            match = PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, view.approximate)
-            best = out.get(view.pod)
-            if best is None or match.gpu_tokens > best.gpu_tokens:
-                out[view.pod] = match
-        for pod in wanted - out.keys():
-            out[pod] = PodMatch()
-        return out
+            offloaded = store.offload_held() > 0
+            for view, confirmed in zip(views, self._runs(store, [v.bit for v in views], hashes, bs, usable),
+                                       strict=True):
+                match = self._match(store, view, hashes, bs, usable, confirmed, offloaded, now)
+                best = out[view.pod]
+                if best is None or match.gpu_tokens > best.gpu_tokens:
+                    out[view.pod] = match
+        return {pod: match or PodMatch() for pod, match in out.items()}
 
-    def _closed_run(self, prompt: PromptHashes, bs: int, usable: int, bit: int) -> int:
-        """The run of leading blocks in the GPU tier of a view closed under prefixes: galloping (0, 1, 3,
-        7, ... blocks), then bisecting; the prompt is hashed no further than twice the run."""
-        gpu = self._gpu
-        low, step = 0, 1  # every block before ``low`` is held
-        high = usable
-        while low < usable:
-            probe = min(low + step - 1, usable - 1)
-            if gpu.get(prompt.first(bs, probe + 1)[probe], 0) & bit:
-                low, step = probe + 1, step * 2
-            else:
-                high = probe
-                break
-        hashes = prompt.first(bs, high)
-        # hashing.leading_run, inlined: a call per probe costs a quarter of this, the lookup's hot loop.
-        while low < high:
-            mid = (low + high) // 2
-            if gpu.get(hashes[mid], 0) & bit:
-                low = mid + 1
-            else:
-                high = mid
-        return low
+    @staticmethod
+    def _runs(store: BlockIndex, bits: list[int], prompt: PromptHashes, bs: int, usable: int) -> list[int]:
+        """Each view's run of leading blocks on its GPU tier: each pass checks the last of the hashes known so far
+        (bisecting below it when it is not held, or walking a view with orphans); the views whose run reached it
+        go on with twice as many; the prompt is hashed no further than about twice the longest run."""
+        count = min(usable, 16)
+        runs = store.runs(bits, None, prompt.first(bs, count), count)
+        going = [i for i, run in enumerate(runs) if run == count < usable]
+        while going:
+            count = min(usable, 2 * count)
+            more = store.runs([bits[i] for i in going], [runs[i] for i in going], prompt.first(bs, count), count)
+            for i, run in zip(going, more, strict=True):
+                runs[i] = run
+            going = [i for i in going if runs[i] == count < usable]
+        return runs
 
-    def _extend(self, prompt: PromptHashes, bs: int, usable: int, start: int, bit: int, tier: dict[int, int],
-                now: float | None = None, also: dict[int, int] | None = None) -> int:
-        """The run from ``start`` on, block by block, held in ``tier`` (or ``also``, or expected on the
-        view until past ``now``)."""
-        spec = self._speculative if now is not None else None
+    def _match(self, store: BlockIndex, view: EngineView, hashes: PromptHashes, bs: int, usable: int, confirmed: int,
+               offloaded: bool, now: float) -> PodMatch:
+        bit, gpu = view.bit, confirmed
+        if self._speculative and confirmed < usable:
+            expected = self._speculative.get(hashes.first(bs, confirmed + 1)[confirmed])
+            if expected is not None and expected.get(bit, 0.0) > now:
+                gpu = self._speculative_run(store, bit, hashes, bs, usable, confirmed, now)
+        any_tier = self._walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) \
+            if offloaded and confirmed < usable else confirmed
+        try:
+            approximate = store.view_field(bit, _APPROXIMATE)
+        except KeyError:
+            approximate = False
+        return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, approximate)
+
+    @staticmethod
+    def _closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
+        """The run of leading blocks on the GPU tier of a view closed under prefixes: each pass checks the last
+        of the hashes known so far, and bisects below it when it is not held; the prompt is hashed no further
+        than about twice the run."""
+        low, count = 0, min(usable, 16)
+        while True:
+            low = store.run(bit, prompt.first(bs, count), low, count)
+            if low < count or count >= usable:
+                return low
+            count = min(usable, 2 * count)
+
+    @staticmethod
+    def _walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+              any_tier: bool = False) -> int:
+        """The run from ``start`` on, block by block, on the GPU tier (or either tier)."""
+        i, count = start, min(usable, start + 8)
+        while True:
+            i = store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
+            if i < count or count >= usable:
+                return i
+            count = min(usable, 2 * count)
+
+    def _speculative_run(self, store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+                         now: float) -> int:
+        """The run from ``start`` on of blocks held on GPU or expected on the view until past ``now``."""
+        spec = self._speculative
         i = start
         hashes = prompt.first(bs, min(usable, start + 8))
         while i < usable:
             if i == len(hashes):
                 hashes = prompt.first(bs, min(usable, 2 * i))
             h = hashes[i]
-            held = tier.get(h, 0) | (also.get(h, 0) if also is not None else 0)
-            if not held & bit:
-                expected = spec.get(h) if spec is not None else None
-                if expected is None or (expiry := expected.get(bit.bit_length() - 1)) is None or expiry <= now:
+            expected = spec.get(h)
+            if expected is None or (expiry := expected.get(bit)) is None or expiry <= now:
+                if not store.holds(bit, h)[0]:
                     break
             i += 1
         return i
+
+    def holders(self, prompt: PromptHashes, limit: int) -> list[str]:
+        """Up to ``limit`` pods holding the longest runs of the prompt's blocks, longest first: the pods whose
+        match is worth looking at, found without looking at every pod. Each pod's exact match is
+        :meth:`lookup`'s; this only names candidates (a few holders per block, from the deepest held)."""
+        if not self.writes:
+            self._sync_views()
+        names: dict[str, None] = {}
+        now = time.monotonic()
+        for store in self._stores:
+            by_bit = self._pod_of_bit.get(store, {})
+            for bs in self._block_sizes(store, by_bit, now):
+                usable = (prompt.token_count - 1) // bs
+                deepest = self._closed_run(store, -1, prompt, bs, usable)
+                hashes = prompt.first(bs, min(usable, deepest + 1))
+                if self._speculative and deepest < len(hashes):
+                    self._expected_holders(hashes[deepest], by_bit, names)
+                # From the deepest held block back to the first, halving: pods with shorter runs too.
+                at = deepest
+                while at > 0 and len(names) < limit:
+                    for bit in store.holders(hashes[at - 1])[1]:
+                        if (pod := by_bit.get(bit)) is not None:
+                            names[pod] = None
+                    at //= 2
+        return list(names)[:limit]
+
+    def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
+        """The block sizes of the store's views (as their events say, else their engines' metrics), read again
+        at most once a second once one is known (a view learns its own from its first event)."""
+        read_at, sizes = self._sizes.get(store, (-1.0, set()))
+        if now - read_at >= 1.0 or not sizes:
+            sizes = set()
+            for bit, pod in bits.items():
+                with contextlib.suppress(KeyError):
+                    if bs := store.view_field(bit, _BLOCK_SIZE) or self._reported_block_size(pod):
+                        sizes.add(bs)
+            self._sizes[store] = (now, sizes)
+        return sizes
+
+    def _expected_holders(self, block: int, by_bit: dict[int, str], names: dict[str, None]) -> None:
+        """Pods this process just routed the block to (not confirmed by their events yet)."""
+        now = time.monotonic()
+        for bit, expiry in self._speculative.get(block, {}).items():
+            if expiry > now and (pod := by_bit.get(bit)) is not None:
+                names[pod] = None
 
     def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                confirmed_tokens: int = 0) -> None:
@@ -411,7 +494,7 @@ class PrefixIndex:
         and by the other processes (they get the same events)."""
         now = time.monotonic()
         self._expire_speculative(now)
-        view = self._views.get((pod, 0))
+        view = self._rank0(pod)
         if view is None or not (bs := self._block_size_of(view)) or self.speculative_ttl_s <= 0:
             return
         prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
@@ -424,9 +507,14 @@ class PrefixIndex:
         """Another worker or replica just routed these blocks to the pod."""
         now = time.monotonic()
         self._expire_speculative(now)
-        view = self._views.get((fact.pod, 0))
+        view = self._rank0(fact.pod)
         if view is not None and self.speculative_ttl_s > 0:
             self._expect(view, fact.hashes, now)
+
+    def _rank0(self, pod: str) -> EngineView | None:
+        if not self.writes:
+            self._sync_views()
+        return self._views.get((pod, 0))
 
     def _expect(self, view: EngineView, hashes: list[int], now: float) -> None:
         expiry = now + self.speculative_ttl_s
@@ -449,16 +537,16 @@ class PrefixIndex:
 
     def own_hashes(self, pod: str, rank: int = 0) -> set[int]:
         view = self._views.get((pod, rank))
-        return set(view.refs) if view else set()
+        return view.store.own_hashes(view.bit) if view else set()
 
     def gpu_blocks(self, pod: str) -> int:
         """Distinct blocks the pod's GPU tier holds, over its ranks."""
-        return sum(v.gpu_blocks for v in self._views.values() if v.pod == pod)
+        return sum(v.gpu_blocks for v in self._views_of(pod))
 
     def block_size(self, pod: str) -> int | None:
         """The block size of the pod's engine (rank 0): as its events say it, else as its config or its
         engine's metrics do; none while nothing has."""
-        view = self._views.get((pod, 0))
+        view = self._rank0(pod)
         return self._block_size_of(view) if view else None
 
     def _block_size_of(self, view: EngineView) -> int | None:
@@ -466,7 +554,26 @@ class PrefixIndex:
 
     def blocks_on(self, pod: str) -> int:
         """Blocks the index holds for ``pod`` (all ranks)."""
-        return sum(len(v.refs) for v in self._views.values() if v.pod == pod)
+        return sum(v.blocks for v in self._views_of(pod))
+
+    def _views_of(self, pod: str) -> list[EngineView]:
+        if not self.writes:
+            self._sync_views()
+        return self._by_pod.get(pod, [])
 
     def size(self) -> int:
-        return sum(len(v.refs) for v in self._views.values())
+        return sum(s.size() for s in self._stores)
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes of the block indexes' tables (shared with the host's other processes, when they read them) and
+        of their writers' own maps (this process's, when it writes), the entries in them, and per index its
+        generation (how often its tables were rebuilt larger) and its writer's pid."""
+        out: dict[str, Any] = {}
+        for store in self._stores:
+            for key, value in store.memory().items():
+                if key in ("generation", "writer_pid"):
+                    out.setdefault(f"{key}s", []).append(value)
+                else:
+                    out[key] = out.get(key, 0) + value
+        return out
+

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.background import LoopShare, Turn, cancel_and_wait
-from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_batch, decode_seq, encode_seq
+from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_seq, encode_seq
 from gateway.kv.index import EngineView, PrefixIndex
 
 log = logging.getLogger("gateway.kv.subscriber")
@@ -182,9 +182,9 @@ class KvEventSubscriber:
         """The pod stopped answering: route as if its cache were gone (a dead engine's is)."""
         if self._lost_at is not None:
             return
-        if self.view.refs:
+        if blocks := self.view.blocks:
             log.warning("pod %s rank %d is down: dropping its %d indexed blocks", self.view.pod, self.view.rank,
-                        len(self.view.refs))
+                        blocks)
         self._lost_at = self.view.last_seq
         self._forget()
 
@@ -293,13 +293,12 @@ class KvEventSubscriber:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            skipped = self.index.apply_payload(self.view, payload)
         except BadEventBatch as exc:
             self.stats.malformed += 1
             log.warning("pod %s rank %d: malformed batch %d: %s", self.view.pod, self.view.rank, seq, exc)
         else:
-            self.stats.skipped_events += batch.skipped
-            self.index.apply(self.view, batch.events)
+            self.stats.skipped_events += skipped
             self.stats.applied += 1
         self.index.record_sequence(self.view, seq)
         if self._on_batch:

@@ -1,13 +1,18 @@
 """Wires KV events to the prefix index: one subscriber per pod and DP rank, started and stopped with
 the pods, and their counters exported to Prometheus and ``/debug/index``.
 
-Owner: the :class:`KvEventService` owns the subscribers (and through them, the index's contents).
+Owner: the :class:`KvEventService` owns the subscribers (and through them, the index's contents). A worker
+of a host whose indexer applies the events (:mod:`gateway.indexer`) subscribes to nothing: its index reads
+the indexer's, and the service only follows what the pods evicted (for keep-warm's free queues) and
+exports the indexer's counters, which it mirrors into the index for the workers to read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import zmq.asyncio
@@ -15,11 +20,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.backends.registry import Pod
-from gateway.background import LoopShare
+from gateway.background import LoopShare, allow_sockets, cancel_and_wait
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber, SubscriberStats
 
 log = logging.getLogger("gateway.kv")
+
+# How often a worker reading the host's index tells its free queues what the pods evicted.
+FOLLOW_NOTES_S = 0.01
+COUNTERS = SubscriberStats.__slots__  # mirrored into the index, in this order, for the workers to read
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -28,21 +37,45 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{host}:{int(port) + rank}"
 
 
+@dataclass(slots=True)
+class ViewState:
+    """What is exported of one pod's rank: its subscriber's counters (here or the host indexer's) and view."""
+
+    pod: str
+    rank: int
+    counters: dict[str, int]
+    approximate: bool
+    blocks: int
+    evictions: int
+
+
 class KvEventService:
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
-        self._subscribers: dict[tuple[str, int], KvEventSubscriber] = {}
+        self._subscribers: dict[str, list[KvEventSubscriber]] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        self._follower: asyncio.Task[None] | None = None
         self.loop_share = LoopShare()
+
+    @property
+    def subscribes(self) -> bool:
+        """False in a worker whose host's indexer applies the events."""
+        return self.index.writes
 
     def add_pod(self, pod: Pod) -> None:
         cfg = pod.config
+        if not self.subscribes:
+            if self._follower is None:
+                self._follower = asyncio.create_task(self._follow_notes(), name="kv-eviction-notes")
+            return
         if not cfg.kv_events:
             return
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+            allow_sockets(self._ctx, 65_536)  # a subscriber and its connection monitor per pod and rank
         model = next((c["id"] for c in pod.model_cards if not c.get("parent")), None) or \
             (cfg.models[0] if cfg.models else "")
+        subs = self._subscribers.setdefault(pod.name, [])
         for rank in range(cfg.dp_size):
             view = self.index.view(pod.name, rank, str(model), cfg.block_size)
             sub = KvEventSubscriber(
@@ -51,24 +84,30 @@ class KvEventService:
                 topic=cfg.kv_topic, context=self._ctx, loop_share=self.loop_share,
             )
             sub.start()
-            self._subscribers[(pod.name, rank)] = sub
+            subs.append(sub)
         log.info("subscribed to KV events of pod %s (%s, %d rank(s))", pod.name, cfg.kv_events, cfg.dp_size)
 
     async def remove_pod(self, name: str) -> None:
-        for key in self._keys_of(name):
-            await self._subscribers.pop(key).stop()
+        for sub in self._subscribers.pop(name, []):
+            await sub.stop()
         self.index.drop_pod(name)
 
     def pod_health_changed(self, pod: Pod) -> None:
         if not pod.healthy:
-            for key in self._keys_of(pod.name):
-                self._subscribers[key].pod_lost()
+            for sub in self._subscribers.get(pod.name, []):
+                sub.pod_lost()
 
-    def _keys_of(self, pod: str) -> list[tuple[str, int]]:
-        return [key for key in self._subscribers if key[0] == pod]
+    async def _follow_notes(self) -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_NOTES_S)
+            try:
+                self.index.follow_notes()
+            except Exception:  # a bug here must not stop the free queues from following for good
+                log.exception("following the host index's eviction notes failed")
 
     async def stop(self) -> None:
-        for sub in self._subscribers.values():
+        await cancel_and_wait(self._follower)
+        for sub in self.subscribers():
             await sub.stop()
         self._subscribers.clear()
         if self._ctx is not None:
@@ -76,31 +115,59 @@ class KvEventService:
             self._ctx = None
 
     def subscribers(self) -> list[KvEventSubscriber]:
-        return list(self._subscribers.values())
+        return [sub for subs in self._subscribers.values() for sub in subs]
+
+    def mirror_counters(self) -> None:
+        """Copy each subscriber's counters into the index (the host's indexer: for the workers to export)."""
+        for sub in self.subscribers():
+            sub.view.store.set_counters(sub.view.bit, [getattr(sub.stats, name) for name in COUNTERS])
+
+    def view_states(self) -> Iterator[ViewState]:
+        if self.subscribes:
+            for sub in self.subscribers():
+                view = sub.view
+                yield ViewState(view.pod, view.rank, {name: getattr(sub.stats, name) for name in COUNTERS},
+                                view.approximate, view.blocks, view.evictions)
+            return
+        for view in self.index.views():
+            try:
+                counters = dict(zip(COUNTERS, view.store.counters(view.bit), strict=False))
+                yield ViewState(view.pod, view.rank, counters, view.approximate, view.blocks, view.evictions)
+            except KeyError:  # dropped by the indexer meanwhile
+                continue
 
     def debug(self) -> dict[str, Any]:
+        subs = {(s.view.pod, s.view.rank): s for s in self.subscribers()}
         views = []
         for view in self.index.views():
-            sub = self._subscribers.get(view.key)
-            views.append({
-                "pod": view.pod, "rank": view.rank, "model": view.model, "block_size": view.block_size,
-                "blocks": len(view.refs), "engine_hashes": len(view.engine_to_own),
-                "approximate": view.approximate, "last_seq": view.last_seq,
-                "subscriber": None if sub is None else {"endpoint": sub.endpoint, "replay": sub.replay_endpoint,
-                                                        **{k: getattr(sub.stats, k)
-                                                           for k in SubscriberStats.__slots__}},
-            })
+            try:
+                sub = subs.get(view.key)
+                views.append({
+                    "pod": view.pod, "rank": view.rank, "model": view.model, "block_size": view.block_size,
+                    "blocks": view.blocks, "engine_hashes": view.engine_hashes, "approximate": view.approximate,
+                    "last_seq": view.last_seq,
+                    "subscriber": None if sub is None else {"endpoint": sub.endpoint, "replay": sub.replay_endpoint,
+                                                            **{k: getattr(sub.stats, k) for k in COUNTERS}},
+                })
+            except KeyError:
+                continue
         return {"views": views, "index": {k: getattr(self.index.stats, k) for k in self.index.stats.__slots__},
-                "indexed_blocks": self.index.size()}
+                "indexed_blocks": self.index.size(), "applied_here": self.subscribes,
+                "memory": self.index.memory(), "eviction_notes_lost": self.index.notes_lost}
 
 
 class KvMetricsCollector(Collector):
-    """Reads the subscribers' and index's counters at scrape time: nothing is updated per event."""
+    """Reads the subscribers' and index's counters at scrape time: nothing is updated per event. A worker
+    reading the host's index exports the host indexer's counters only if it is the first worker
+    (``exports_host``): ``/metrics`` sums the workers' counters."""
 
-    def __init__(self, service: KvEventService) -> None:
+    def __init__(self, service: KvEventService, exports_host: bool = True) -> None:
         self._service = service
+        self._exports = service.subscribes or exports_host
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if not self._exports:
+            return
         events = CounterMetricFamily("gateway_kv_event_batches", "KV-event batches by pod and outcome",
                                      labels=["pod", "rank", "outcome"])
         recovery = CounterMetricFamily("gateway_kv_event_recovery", "Gaps, replays and restarts seen",
@@ -110,15 +177,19 @@ class KvMetricsCollector(Collector):
         blocks = GaugeMetricFamily("gateway_kv_indexed_blocks", "Blocks in the prefix index", labels=["pod", "rank"])
         evictions = CounterMetricFamily("gateway_kv_evictions", "Cached blocks the pod evicted (BlockRemoved)",
                                         labels=["pod", "rank"])
-        for sub in self._service.subscribers():
-            pod, rank, s = sub.view.pod, str(sub.view.rank), sub.stats
+        for state in self._service.view_states():
+            pod, rank, s = state.pod, str(state.rank), state.counters
+            # Outcomes and kinds that never happened to the pod are left out (absent: zero): a fleet of a
+            # thousand pods would otherwise expose ten series a pod, mostly zeros.
             for outcome in ("batches", "applied", "duplicates", "malformed"):
-                events.add_metric([pod, rank, outcome], getattr(s, outcome))
+                if n := s.get(outcome, 0):
+                    events.add_metric([pod, rank, outcome], n)
             for kind in ("gaps", "replays", "replay_failures", "replay_holes", "restarts", "unrecoverable"):
-                recovery.add_metric([pod, rank, kind], getattr(s, kind))
-            approximate.add_metric([pod, rank], 1.0 if sub.view.approximate else 0.0)
-            blocks.add_metric([pod, rank], len(sub.view.refs))
-            evictions.add_metric([pod, rank], sub.view.evictions)
+                if n := s.get(kind, 0):
+                    recovery.add_metric([pod, rank, kind], n)
+            approximate.add_metric([pod, rank], 1.0 if state.approximate else 0.0)
+            blocks.add_metric([pod, rank], state.blocks)
+            evictions.add_metric([pod, rank], state.evictions)
         stats = self._service.index.stats
         index = CounterMetricFamily("gateway_kv_index_blocks", "Block operations applied to the index",
                                     labels=["op"])

@@ -3,7 +3,8 @@
 - admit: the request's flow (:mod:`gateway.flow.flows`) and SLO (:mod:`gateway.admission`); a request no pod
   can serve within its SLO is refused; one that finds room and nobody waiting goes on at once, else it
   waits in the flow controller (:mod:`gateway.flow.controller`). Returns :class:`Admitted`: the flow, the
-  SLO, how long it waited, and the priority a pod that schedules by priority is to give it. A request
+  SLO, how long it waited, and the priority a pod that schedules by priority is to give it (its band, then
+  its flow's service as it leaves: :func:`gateway.flow.flows.engine_priority`). A request
   released after waiting has the pods that had room then written to ``routing.room``: the router keeps to
   them; one that goes on at once is routed among all (the policy weighs load against cached prefixes);
 - dispatch: the attempt's expected service is charged to its flow (prompt tokens, those predicted cached at
@@ -25,7 +26,7 @@ from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController, Held
-from gateway.flow.flows import Flow, FlowKey
+from gateway.flow.flows import Flow, FlowKey, engine_priority
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand
 from gateway.flow.service_counters import WorkflowFlows
@@ -86,8 +87,7 @@ class FlowControl:
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
         demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
-        room = controller.room_now(pods, demand)
-        if room is None:
+        if not controller.goes_now(pods, demand):
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
             wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
             detector = controller.detector
@@ -104,14 +104,19 @@ class FlowControl:
         # against its queue itself (kept to the pods with room, shared-prefix bursts lost 0.024 hit ratio).
         self._metrics.at_once(key)
         self._requests[request] = _InFlight(key, flow.weight, None)
-        return Admitted(slo, 0.0, key, flow.objective, flow.engine_priority)
+        return Admitted(slo, 0.0, key, flow.objective, self._engine_priority(key))
 
     async def _held(self, request: ClientRequest, routing: RoutingRequest, demand: Demand, flow: Flow, key: FlowKey,
                     slo: Slo | None, wait_s: float) -> Admitted:
         release = await self._controller.hold(flow, routing.model, routing.leg, demand, wait_s)
         routing.room = release.room
         self._requests[request] = _InFlight(key, flow.weight, release.held)
-        return Admitted(slo, release.waited_s, key, flow.objective, flow.engine_priority)
+        return Admitted(slo, release.waited_s, key, flow.objective, self._engine_priority(key))
+
+    def _engine_priority(self, key: FlowKey) -> int:
+        """Its band and its flow's service as it leaves: the least-served flow's requests go first on a pod that
+        orders its waiting requests by priority."""
+        return engine_priority(key.priority, self._controller.counters.tag(key))
 
     def dispatched(self, attempt: Attempt) -> None:
         state = self._requests.get(attempt.request)

@@ -1,4 +1,5 @@
-"""The :class:`Router`: runs the chosen policy over the healthy pods of the requested model.
+"""The :class:`Router`: runs the chosen policy over the healthy pods of the requested model (a shortlist of
+them in a large fleet: :mod:`gateway.routing.candidates`).
 
 Owner: the router owns the built policies (and their internal state, such as a round-robin cursor) and
 the request's ``filtered_out``. It reads pods from the registry and never changes them.
@@ -13,6 +14,7 @@ from typing import Any
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
+from gateway.routing.candidates import Shortlist
 from gateway.routing.policy import Decision, Filter, Pick, Policy, PolicyContext, RoutingRequest
 
 log = logging.getLogger("gateway.routing")
@@ -29,9 +31,12 @@ class Router:
         default_policy: str,
         options: Mapping[str, Mapping[str, Any]],
         context: PolicyContext,
+        max_candidates: int = 0,
         gateway_filters: Sequence[Filter] = (),
     ) -> None:
+        """``max_candidates``: the most pods a policy that scores looks at per request (0: every pod)."""
         self._pods = pods
+        self._shortlist = Shortlist(pods, context.index, max_candidates, clock=context.clock)
         self._plugins = plugins
         self._options = options
         self._context = context
@@ -68,7 +73,9 @@ class Router:
         (healthy, not excluded, not saturated), else the policy decides and the decision says so. A pin that
         is not ``binding`` only tells the filters that the request continues a context on that pod."""
         request.pin = pin
-        pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude, request.leg))
+        candidates = self._shortlist.of(request, policy, self._pods.candidates(request.model, exclude, request.leg),
+                                        exclude)
+        pods = self._filtered(request, policy, candidates)
         for preparer in policy.preparers:
             preparer.prepare(request, pods)
         scores = [0.0] * len(pods)

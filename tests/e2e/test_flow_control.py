@@ -11,8 +11,13 @@ own process with one worker (see ``WORKERS``), once with flow control on and onc
 process's.
 
 B's floor is B alone (through the same gateway, idle pod) plus one of A's prefills on the idle pod: a pod
-that prefills first come, first served cannot do better for B while A keeps it busy. The table the module
-prints (``-s``) holds the figures docs/benchmarks.md quotes.
+that gives each step first to the prefill it runs cannot do better for B while A keeps it busy. The table the
+module prints (``-s``) holds the figures docs/benchmarks.md quotes.
+
+The same flood of distinct documents with longer answers (``DOC_MAX_TOKENS``) runs on the first pod and on a
+second one started with ``--scheduling-policy priority``, to which the gateway sends each request's priority
+(its band, then its flow's service as it leaves). And the simulated engine's scheduler is checked step for step
+against both pods: the same requests, paused and resumed at the same points, give the same KV event batches.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import random
 import re
 import statistics
@@ -33,9 +39,13 @@ import pytest
 
 from bench.tenants import weighted_tokens
 from bench.workloads import FAIRNESS_HEADER, text
+from gateway.kv.events import AllBlocksCleared, BlockStored, KvEvent
+from simulator.engine import EngineLimits, MockEngine, SchedulingPolicy, TimingModel
+from simulator.kvcache import PagedKvCache
 from tests.conftest import gateway_process
-from tests.e2e.conftest import MODEL, VllmFleet, VllmPod, running_pods
-from tests.e2e.test_real_vllm import pod_metric
+from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, VllmPod, running_pods
+from tests.e2e.test_keep_warm import replayed_batches, reset
+from tests.e2e.test_real_vllm import pod_metric, post
 
 MAX_MODEL_LEN = 4096
 A_CLIENTS = 32
@@ -48,6 +58,10 @@ ALONE_S = 4.0
 FLOOD_S = 12.0
 B_JOINS_AT_S = 2.0  # B starts once A's first wave has filled the pod
 TARGET = 1.5  # B's TTFT p90 beside A, in floors
+# B's answers a p90 is read from: the flood goes on (A's clients too) until B has them, FLOOD_S * 3 at most.
+# B answered 31-60 times in FLOOD_S on this machine, but 16 in one CI run.
+B_ANSWERS = 30
+DOC_MAX_TOKENS = 32  # the documents flood: A's answers, longer
 REFUSALS = ("queue_full", "queue_timeout", "slo_unreachable")  # gateway_flow_requests_total's 429 outcomes
 # One gateway worker. The workers of ``gateway serve`` agree which held request goes next
 # (gateway/flow/release_order.py, tested in tests/unit/test_release_order.py), and with two this test passed
@@ -100,7 +114,7 @@ class Measured:
     alone: Run  # B alone
     a_prefill_s: float  # one of A's prompts on the idle pod: its TTFT (the median of three)
     on: Run
-    off: Run
+    off: Run | None = None
 
     @property
     def floor_s(self) -> float:
@@ -137,23 +151,44 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, tenant: str, conten
     return Answer(tenant, 200, ttft, usage["prompt_tokens"], cached, usage["completion_tokens"])
 
 
+@dataclass(slots=True)
+class Window:
+    """While clients send: until ``until``, then on (every tenant: the load stays) while B has fewer than
+    ``b_answers`` answers, until ``cap`` at most."""
+
+    until: float
+    out: list[Answer]
+    b_answers: int = 0
+    cap: float = math.inf
+
+    @classmethod
+    def of(cls, seconds: float, out: list[Answer], b_answers: int = 0) -> Window:
+        now = time.monotonic()
+        return cls(now + seconds, out, b_answers, now + 3 * seconds)
+
+    def open(self) -> bool:
+        now = time.monotonic()
+        return now < self.until or (now < self.cap and sum(a.tenant == "B" for a in self.out) < self.b_answers)
+
+
 async def chat_client(http: aiohttp.ClientSession, url: str, tenant: str, name: str, words: int, max_tokens: int,
-                      until: float, out: list[Answer]) -> None:
-    """One client sending one request after another until ``until``, each prompt its own: it begins with the
-    client's name and count, so no prompt shares a cached block with another."""
+                      window: Window) -> None:
+    """One client sending one request after another while ``window`` is open, each prompt its own: it begins
+    with the client's name and count, so no prompt shares a cached block with another."""
     rng = random.Random(name)
     for i in itertools.count():
-        if time.monotonic() >= until:
+        if not window.open():
             return
-        out.append(await stream_chat(http, url, tenant, f"{name} request {i}: {text(rng, words)}", max_tokens))
+        window.out.append(await stream_chat(http, url, tenant, f"{name} request {i}: {text(rng, words)}",
+                                            max_tokens))
 
 
 async def b_alone(url: str, tag: str) -> Run:
     out: list[Answer] = []
     async with aiohttp.ClientSession() as http:
         await stream_chat(http, url, "warmup", f"{tag} warm-up: {text(random.Random(tag), B_WORDS)}", 1)
-        until = time.monotonic() + ALONE_S
-        await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-alone-B{c}", B_WORDS, B_MAX_TOKENS, until, out)
+        window = Window.of(ALONE_S, out)
+        await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-alone-B{c}", B_WORDS, B_MAX_TOKENS, window)
                                for c in range(B_CLIENTS)))
     return Run(out)
 
@@ -167,20 +202,22 @@ async def a_prefill_s(url: str, tag: str) -> float:
     return statistics.median(a.ttft_s for a in answers)
 
 
-async def flood(url: str, pod_url: str, tag: str) -> Run:
-    """A's clients from the start, B's from ``B_JOINS_AT_S``, none sending after ``FLOOD_S``."""
+async def flood(url: str, pod_url: str, tag: str, b_answers: int = B_ANSWERS, a_max_tokens: int = A_MAX_TOKENS
+                ) -> Run:
+    """A's clients from the start, B's from ``B_JOINS_AT_S``, none sending after ``FLOOD_S`` once B has
+    ``b_answers`` answers."""
     out: list[Answer] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         finished = await pod_metric(http, pod_url, "vllm:request_success_total")
-        until = time.monotonic() + FLOOD_S
+        window = Window.of(FLOOD_S, out, b_answers)
 
         async def b_side() -> None:
             await asyncio.sleep(B_JOINS_AT_S)
-            await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-B{c}", B_WORDS, B_MAX_TOKENS, until, out)
+            await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-B{c}", B_WORDS, B_MAX_TOKENS, window)
                                    for c in range(B_CLIENTS)))
 
-        await asyncio.gather(b_side(), *(chat_client(http, url, "A", f"{tag}-A{c}", A_WORDS, A_MAX_TOKENS, until,
-                                                     out) for c in range(A_CLIENTS)))
+        await asyncio.gather(b_side(), *(chat_client(http, url, "A", f"{tag}-A{c}", A_WORDS, a_max_tokens, window)
+                                         for c in range(A_CLIENTS)))
         finished = await pod_metric(http, pod_url, "vllm:request_success_total") - finished
         async with http.get(f"{url}/metrics") as resp:
             metrics = await resp.text()
@@ -197,19 +234,26 @@ def flow_requests(metrics: str) -> dict[tuple[str, str], float]:
     return counts
 
 
-def gateway_config(path: Path, pod: VllmPod, model_dir: str, flow_control: bool) -> str:
-    path.write_text(json.dumps({"pods": [pod.gateway_config()], "server": {"workers": WORKERS},
+def gateway_config(path: Path, pod: VllmPod, model_dir: str, flow_control: bool, scheduling: str = "fcfs") -> str:
+    path.write_text(json.dumps({"pods": [{**pod.gateway_config(), "scheduling": scheduling}],
+                                "server": {"workers": WORKERS},
                                 "tokenization": {"models": {MODEL: {"path": model_dir}}},
                                 "flow_control": {"enabled": flow_control}}))
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def flow_pod(model_dir: str) -> Iterator[VllmPod]:
-    fleet: VllmFleet
-    # Given after the suite's own --max-model-len 2048, this one counts.
-    for fleet in running_pods(model_dir, [("flow", ("--max-model-len", str(MAX_MODEL_LEN)), {})]):
-        yield fleet[0]
+def flow_pods(model_dir: str) -> Iterator[VllmFleet]:
+    """One pod first come, first served and one by priority, each on a core of its own. Given after the
+    suite's own --max-model-len 2048, this one counts."""
+    long = ("--max-model-len", str(MAX_MODEL_LEN))
+    yield from running_pods(model_dir, [("flow", long, {}),
+                                        ("flow-priority", (*long, "--scheduling-policy", "priority"), {})])
+
+
+@pytest.fixture(scope="module")
+def flow_pod(flow_pods: VllmFleet) -> VllmPod:
+    return flow_pods[0]
 
 
 @pytest.fixture(scope="module")
@@ -222,21 +266,42 @@ def measured(flow_pod: VllmPod, model_dir: str, tmp_path_factory: pytest.TempPat
         prefill_s = asyncio.run(a_prefill_s(gw.url, "on"))
         on = asyncio.run(flood(gw.url, flow_pod.url, "on"))
     with gateway_process("--config", gateway_config(configs / "off.json", flow_pod, model_dir, False)) as gw:
-        off = asyncio.run(flood(gw.url, flow_pod.url, "off"))
+        off = asyncio.run(flood(gw.url, flow_pod.url, "off", b_answers=0))  # B is slow here: no more than the rest
     result = Measured(alone, prefill_s, on, off)
     print(table(result))
     return result
 
 
+@pytest.fixture(scope="module", params=["fcfs", "priority"])
+def documents(request: pytest.FixtureRequest, flow_pods: VllmFleet, model_dir: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Measured:
+    """A's flood of distinct documents with longer answers, B chatting, through a gateway with flow control on,
+    on the pod that serves first come, first served and on the one that serves by priority (told so)."""
+    scheduling = request.param
+    pod = flow_pods[0 if scheduling == "fcfs" else 1]
+    config = gateway_config(tmp_path_factory.mktemp("documents") / f"{scheduling}.json", pod, model_dir, True,
+                            scheduling)
+    with gateway_process("--config", config) as gw:
+        alone = asyncio.run(b_alone(gw.url, f"doc-{scheduling}"))
+        prefill_s = asyncio.run(a_prefill_s(gw.url, f"doc-{scheduling}"))
+        on = asyncio.run(flood(gw.url, pod.url, f"doc-{scheduling}", a_max_tokens=DOC_MAX_TOKENS))
+    result = Measured(alone, prefill_s, on)
+    print(f"\ndocuments, {DOC_MAX_TOKENS}-token answers, scheduling {scheduling}:" + table(result))
+    return result
+
+
 def table(m: Measured) -> str:
+    runs = [("alone", m.alone, "B"), ("flow control on", m.on, "BA")]
+    without = ""
+    if m.off is not None:
+        runs.append(("flow control off", m.off, "BA"))
+        without = f", {m.off.ttft('B', 0.9) / m.floor_s:.2f} without"
     lines = [f"\nB's floor {m.floor_s:.3f} s = B alone p90 {m.alone.ttft('B', 0.9):.3f} s + one A prefill "
              f"{m.a_prefill_s:.3f} s; target B p90 <= {TARGET * m.floor_s:.3f} s; B p90 beside A "
-             f"{m.on.ttft('B', 0.9) / m.floor_s:.2f} floors with flow control, "
-             f"{m.off.ttft('B', 0.9) / m.floor_s:.2f} without",
+             f"{m.on.ttft('B', 0.9) / m.floor_s:.2f} floors with flow control{without}",
              "| run | tenant | sent | answered | 429 | TTFT p50 s | TTFT p90 s | weighted tokens share |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, run, tenants in (("alone", m.alone, "B"), ("flow control on", m.on, "BA"),
-                               ("flow control off", m.off, "BA")):
+    for name, run, tenants in runs:
         for tenant in tenants:
             mine = run.of(tenant)
             answered = sum(a.status == 200 for a in mine)
@@ -248,18 +313,27 @@ def table(m: Measured) -> str:
 
 def test_flow_control_keeps_b_within_its_floor_beside_a_flood(measured: Measured):
     b_p90 = measured.on.ttft("B", 0.9)
-    assert len(measured.on.of("B")) >= 20, "too few of B's requests to read a p90"
+    assert sum(a.status == 200 for a in measured.on.of("B")) >= B_ANSWERS, "too few of B's requests to read a p90"
     assert b_p90 <= TARGET * measured.floor_s, (b_p90, measured.floor_s, table(measured))
+
+
+def test_flow_control_keeps_b_within_its_floor_beside_a_flood_of_documents_with_longer_answers(documents: Measured):
+    b_p90 = documents.on.ttft("B", 0.9)
+    assert sum(a.status == 200 for a in documents.on.of("B")) >= B_ANSWERS, "too few of B's requests to read a p90"
+    assert {a.status for a in documents.on.answers} <= {200, 429}, table(documents)
+    assert b_p90 <= TARGET * documents.floor_s, (b_p90, documents.floor_s, table(documents))
 
 
 def test_without_flow_control_b_waits_behind_a_flood(measured: Measured):
     """The other side of the check above: without flow control A's prompts queue in the pod ahead of B's,
     so the target is not met on this pod by itself."""
+    assert measured.off is not None
     off, on = measured.off.ttft("B", 0.9), measured.on.ttft("B", 0.9)
     assert off > TARGET * measured.floor_s and off > on, (off, on, table(measured))
 
 
 def test_b_is_always_answered_and_a_answered_or_refused(measured: Measured):
+    assert measured.off is not None
     for run in (measured.alone, measured.on, measured.off):
         assert {a.status for a in run.of("B")} == {200}, table(measured)
         assert {a.status for a in run.of("A")} <= {200, 429}, table(measured)
@@ -269,6 +343,7 @@ def test_b_is_always_answered_and_a_answered_or_refused(measured: Measured):
 
 
 def test_flow_control_held_a_at_the_gateway_while_the_pod_was_saturated(measured: Measured):
+    assert measured.off is not None
     on, off = measured.on.flow_requests, measured.off.flow_requests
     # Each of B's requests counted in B's flow (its header), A's held while the pod was saturated, and
     # each of A's refusals one of flow control's.
@@ -277,3 +352,125 @@ def test_flow_control_held_a_at_the_gateway_while_the_pod_was_saturated(measured
     refused = sum(v for (tenant, outcome), v in on.items() if tenant == "A" and outcome in REFUSALS)
     assert refused == sum(a.status == 429 for a in measured.on.of("A")), on
     assert not off, off  # flow control off: no request went through it
+
+
+# The simulated engine's scheduler against the real one: the same requests, the pod paused while they arrive
+# (vLLM's dev-mode ``/pause?mode=keep`` and ``/resume``) so that each wave reaches the engine at once and in
+# order, then resumed; the second wave arrives while the first wave's prefills are still running. Every step
+# that caches a block publishes one KV event batch, so the batches are the steps, each block named by its
+# request and place.
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    name: str
+    tokens: list[int]
+    priority: int = 0
+    in_body: bool = False  # the priority as the body's field, not the X-Vllm-Priority header
+
+
+# The first wave takes 6 steps of ~0.035 s on this pod: paused this long after it was resumed (give or take
+# the step under way), the second wave comes while its prefills still run.
+PAUSE_AFTER_S = 0.03
+
+
+def scheduler_waves(seed: int) -> list[list[Sent]]:
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(100, 4000) for _ in range(n)]  # noqa: E731
+    # Lengths of whole blocks plus a little: every step caches a block, so every step publishes a batch.
+    first = [Sent(f"long{i}", ids(3700)) for i in range(3)]
+    second = [Sent("late-low", ids(300), 5), Sent("urgent", ids(260), -5), Sent("doc", ids(1500)),
+              Sent("body-urgent", ids(400), -3, in_body=True), Sent("chat", ids(200))]
+    return [first, second]
+
+
+def step_blocks(batches: list[list[KvEvent]], sent: list[Sent]) -> list[list[tuple[str, int]]]:
+    """Each batch's stored blocks as (request, block index), in the order stored."""
+    owner = {tuple(s.tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]): (s.name, i)
+             for s in sent for i in range(len(s.tokens) // BLOCK_SIZE)}
+    steps = []
+    for batch in batches:
+        blocks = [owner[tuple(e.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])]
+                  for e in batch if isinstance(e, BlockStored) for i in range(len(e.block_hashes))]
+        if blocks:
+            steps.append(blocks)
+    return steps
+
+
+async def real_steps(pod: VllmPod, waves: list[list[Sent]]) -> tuple[list[list[tuple[str, int]]], int]:
+    """The steps the pod took, and how many of them came before the second wave."""
+    replay = f"tcp://127.0.0.1:{pod.replay_port}"
+    sent = [s for wave in waves for s in wave]
+    pause = f"{pod.url}/pause?mode=keep&clear_cache=false"  # (vLLM 0.32 resets the prefix cache unless told not to)
+    async with aiohttp.ClientSession() as http:
+        await complete(http, pod.url, Sent("warm-up", scheduler_waves(seed=99)[0][0].tokens))  # a fresh pod's first
+        await reset(http, pod.url)  # steps are slow
+        await post(http, pause, {})
+        calls, before = [], 0
+        for i, wave in enumerate(waves):
+            if i:
+                await asyncio.sleep(PAUSE_AFTER_S)
+                await post(http, pause, {})
+                seen = -1
+                while seen != before:  # until the step under way has published its batch
+                    seen = before
+                    await asyncio.sleep(0.2)
+                    before = len(since_last_clear_batches(await replayed_batches(replay)))
+            for s in wave:
+                calls.append(asyncio.create_task(complete(http, pod.url, s)))
+                await asyncio.sleep(0.05)  # each reaches the engine before the next
+            await post(http, f"{pod.url}/resume", {})
+        await asyncio.gather(*calls)
+        batches = since_last_clear_batches(await replayed_batches(replay))
+    return step_blocks(batches, sent), before
+
+
+async def complete(http: aiohttp.ClientSession, url: str, sent: Sent) -> None:
+    body: dict[str, object] = {"model": MODEL, "prompt": sent.tokens, "max_tokens": 1, "ignore_eos": True}
+    headers = {}
+    if sent.in_body:
+        body["priority"] = sent.priority
+    elif sent.priority:
+        headers["X-Vllm-Priority"] = str(sent.priority)
+    answer, _ = await post(http, f"{url}/v1/completions", body, headers)
+    assert answer["usage"]["prompt_tokens"] == len(sent.tokens)
+
+
+def since_last_clear_batches(batches: list[list[KvEvent]]) -> list[list[KvEvent]]:
+    """The batches after the cache was last cleared (the clear leaves with the next step's batch)."""
+    for i in range(len(batches) - 1, -1, -1):
+        cleared = [j for j, e in enumerate(batches[i]) if isinstance(e, AllBlocksCleared)]
+        if cleared:
+            rest = batches[i][cleared[-1] + 1:]
+            return ([rest] if rest else []) + batches[i + 1:]
+    return batches
+
+
+def simulated_steps(waves: list[list[Sent]], policy: SchedulingPolicy, before: int) -> list[list[tuple[str, int]]]:
+    """The simulated engine's steps for the same waves, the second submitted after ``before`` batches."""
+    batches: list[list[KvEvent]] = []
+    engine = MockEngine(PagedKvCache(4096, BLOCK_SIZE), [7], batches.append, TimingModel(speed=0.0),
+                        EngineLimits(max_model_len=MAX_MODEL_LEN, scheduling_policy=policy))
+    for i, wave in enumerate(waves):
+        for s in wave:
+            engine.submit(s.tokens, 1, s.name, priority=s.priority)
+        while (i == len(waves) - 1 or len(batches) < before) and engine.step_now():
+            pass
+    return step_blocks(batches, [s for wave in waves for s in wave])
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_the_simulated_engine_schedules_the_steps_a_real_pod_schedules(flow_pods: VllmFleet,
+                                                                             policy: SchedulingPolicy):
+    pod = flow_pods[0 if policy == "fcfs" else 1]
+    waves = scheduler_waves(seed=3)
+    real, before = await real_steps(pod, waves)
+    first_wave_steps = sum(1 for step in real if any(name.startswith("long") for name, _ in step))
+    assert before < first_wave_steps, "the second wave must come while the first's prefills still run"
+    simulated = simulated_steps(waves, policy, before)
+    assert simulated == real, (before, real, simulated)
+    order = [name for step in real for name, i in step if i == 0 and not name.startswith("long")]
+    if policy == "priority":  # header or body, lower first; the running prefill before them all
+        assert order == ["urgent", "body-urgent", "doc", "chat", "late-low"], order
+    else:
+        assert order == ["late-low", "urgent", "doc", "body-urgent", "chat"], order

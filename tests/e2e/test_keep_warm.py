@@ -41,22 +41,28 @@ def small_pod(model_dir: str) -> Iterator[VllmPod]:
         yield fleet[0]
 
 
-async def replayed_events(endpoint: str) -> list[KvEvent]:
-    """Every event the pod still buffers, in order, from its replay endpoint."""
+async def replayed_batches(endpoint: str) -> list[list[KvEvent]]:
+    """Every event batch the pod still buffers (one per engine step that made any), in order, from its replay
+    endpoint."""
     ctx = zmq.asyncio.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
-    events: list[KvEvent] = []
+    batches: list[list[KvEvent]] = []
     try:
         await dealer.send_multipart([b"", encode_seq(0)])
         while True:
             frames = await dealer.recv_multipart()
             if frames[-2] == END_OF_REPLAY_SEQ or not frames[-1]:
-                return events
-            events += decode_batch(frames[-1]).events
+                return batches
+            batches.append(decode_batch(frames[-1]).events)
     finally:
         dealer.close(linger=0)
+
+
+async def replayed_events(endpoint: str) -> list[KvEvent]:
+    """Every event the pod still buffers, in order, from its replay endpoint."""
+    return [event for batch in await replayed_batches(endpoint) for event in batch]
 
 
 def since_last_clear(events: list[KvEvent]) -> list[KvEvent]:

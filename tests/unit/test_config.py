@@ -54,6 +54,10 @@ def test_json_file(tmp_path):
         ({"flow_control": {"saturation": {"kv_usage": 1.5}}}, {}, "<= 1.0 - at `$.flow_control.saturation.kv_usage`"),
         ({}, {"GATEWAY_RESPONSES__TTL_S": "0"}, "> 0.0 - at `$.responses.ttl_s`"),
         ({"models": {"lora": {"idle_unload_s": -1}}}, {}, "$.models.lora.idle_unload_s"),
+        ({"mock_pods": {"per_process": -1}}, {}, "per_process"),
+        ({"routing": {"max_candidates": -1}}, {}, "max_candidates"),
+        ({}, {"GATEWAY_KV_INDEX__INGEST_PROCESSES": "-1"}, "ingest_processes"),
+        ({"kv_index": {"max_views": 0}}, {}, "max_views"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, env, fragment):

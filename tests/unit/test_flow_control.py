@@ -13,7 +13,7 @@ from gateway.background import Doorbell
 from gateway.config import FlowControlConfig, HealthConfig, ObjectiveConfig, PodConfig, SaturationConfig, TenantConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController
-from gateway.flow.flows import Flow, FlowKey, FlowPolicy
+from gateway.flow.flows import ENGINE_BAND_SPAN, Flow, FlowKey, FlowPolicy, engine_priority
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
@@ -44,9 +44,23 @@ def test_a_named_objective_sets_band_weight_and_ttft_and_an_unknown_one_counts_a
                            "x-gateway-inference-objective": "interactive", "x-priority": "1"}, None, None)
     assert flow.key == FlowKey("team-a", 5) and flow.objective == "interactive"
     assert flow.weight == 6.0 and flow.ttft_s == 0.5 and flow.max_wait_s == 10.0
-    assert flow.engine_priority == -5  # vLLM schedules lower values first
     unknown = policy.resolve({"x-gateway-inference-objective": "nope", "x-priority": "2"}, None, None)
     assert unknown.key == FlowKey("default", 2) and unknown.objective is None and unknown.max_wait_s == 120.0
+
+
+def test_the_engine_priority_puts_the_band_first_then_the_least_served_flow():
+    counters = ServiceCounters()
+    counters.charge(FlowKey("a"), 9_000.0)
+    counters.charge(FlowKey("b"), 1_000.0)  # b has been served 8,000 weighted tokens less than a
+    assert counters.tag(FlowKey("a")) == 9_000.0 and counters.tag(FlowKey("b")) == 1_000.0
+    # A flow not served lately banks nothing: its tag is the least of its band's, not its own 0.
+    assert counters.tag(FlowKey("new")) == 1_000.0
+    # vLLM serves lower values first: b before a, a higher band before both whatever its service.
+    a, b = (engine_priority(0, counters.tag(FlowKey(f))) for f in "ab")
+    assert b == 1_000 < a == 9_000 and engine_priority(5, 10 ** 15) == -5 * ENGINE_BAND_SPAN + ENGINE_BAND_SPAN - 1 < b
+    assert engine_priority(-(10 ** 18), 0) == (1 << 63) - 1  # within vLLM's int64
+    counters.charge(FlowKey("c", 5), 50_000.0)  # another band's service is not band 0's floor
+    assert counters.tag(FlowKey("d", 5)) == 50_000.0 and counters.tag(FlowKey("new")) == 1_000.0
 
 
 @pytest.mark.parametrize("headers", [{"x-gateway-inference-fairness-id": " "},
@@ -163,3 +177,22 @@ async def test_a_held_request_says_which_pods_it_may_go_to():
     with pytest.raises(asyncio.CancelledError):
         await held
     assert not flows.waits_for("p0")
+
+
+def test_a_request_goes_at_once_when_one_candidate_has_room_looking_no_further_than_it():
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    registry = PodRegistry([PodConfig(url=f"http://p{i}:1", name=f"p{i}", models=[MODEL]) for i in range(50)],
+                           HealthConfig())
+    for pod in registry.all():
+        pod.healthy = True
+    flows = controller(ledger, counters, registry)
+    pods = registry.candidates(MODEL)
+    looked: list[str] = []
+    saturated_by = flows.detector.saturated_by
+    flows.detector.saturated_by = lambda pod, demand: looked.append(pod) or saturated_by(pod, demand)
+    for i in range(3):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")  # the first three are full (in_flight=1)
+    assert flows.goes_now(pods, Demand()) and looked == ["p0", "p1", "p2", "p3"]
+    for i in range(3, 50):
+        ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")
+    assert not flows.goes_now(pods, Demand()) and flows.room_now(pods, Demand()) is None

@@ -27,8 +27,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("request path: forwarding, the pipeline", ("gateway.proxy", "gateway.request")),
     ("assembly: the fleet's membership, the components, the routes, the wiring, the endpoint picker's edge",
      ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.epp")),
-    ("processes: the server, its supervisor, the endpoint picker, the command line",
-     ("gateway.server", "gateway.supervisor", "gateway.epp.server", "gateway.cli", "gateway.__main__")),
+    ("processes: the server, its supervisor, the host's indexer, the endpoint picker, the command line",
+     ("gateway.server", "gateway.supervisor", "gateway.indexer", "gateway.epp.server", "gateway.cli",
+      "gateway.__main__")),
     ("the simulator: simulated vLLM and SGLang pods (package simulator, extra [simulator])", ("simulator",)),
     ("the benchmark: the harness and the scripts (package bench, extra [bench])", ("bench",)),
 ]

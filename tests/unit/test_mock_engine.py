@@ -234,3 +234,43 @@ def test_slots_and_memory_are_least_recently_used_first():
     assert slots.activate({"a", "c"}) == (1, 1) and set(slots.active) == {"a", "c"}  # b left its slot
     assert slots.activate({"b", "c"}) == (1, 0)  # b was still in memory
     assert slots.activate({"d", "b"}) == (1, 1) and "a" not in slots.memory  # a: least recently used
+
+
+def stepped(h: Harness, *seqs) -> list[int]:
+    """One step of ``h``'s engine, at once: how many prompt tokens each of ``seqs`` had computed after it."""
+    assert h.engine.step_now()
+    return [s.num_computed for s in seqs]
+
+
+def test_a_step_goes_first_to_the_running_prefill_then_to_waiting_prompts_chunked_first_come_first_served():
+    # vLLM 0.32's scheduler: the running requests first, each taking what it needs as far as the budget goes,
+    # then the waiting ones in order, the first that does not fit chunked into what is left.
+    h = Harness(num_blocks=64, block_size=4, max_batched_tokens=16)
+    long, short, last = (h.engine.submit(list(range(at, at + n)), 1) for at, n in ((1, 40), (100, 6), (200, 8)))
+    assert stepped(h, long, short, last) == [16, 0, 0]  # the long prompt's first chunk takes the step
+    assert stepped(h, long, short, last) == [32, 0, 0]  # running first: the short one still waits
+    assert stepped(h, long, short, last) == [40, 6, 2]  # its last chunk leaves 8 tokens: 6 for short, 2 for last
+    assert stepped(h, long, short, last) == [40, 6, 8] and not h.engine.step_now()
+
+
+def test_a_priority_engine_takes_waiting_requests_lowest_priority_first_but_never_before_a_running_prefill():
+    h = Harness(num_blocks=64, block_size=4, max_batched_tokens=16, scheduling_policy="priority")
+    running = h.engine.submit(list(range(1, 41)), 1, priority=5)
+    assert stepped(h, running) == [16]
+    late = h.engine.submit(list(range(100, 106)), 1, priority=1)
+    urgent = h.engine.submit(list(range(200, 206)), 1, priority=-3)  # came later, better priority
+    assert stepped(h, running, late, urgent) == [32, 0, 0]  # the running prefill keeps the step
+    assert stepped(h, running, late, urgent) == [40, 2, 6]  # then the urgent one first, the other chunked
+    fcfs = Harness(num_blocks=64, block_size=4, max_batched_tokens=8)
+    first = fcfs.engine.submit(list(range(1, 7)), 1, priority=1)  # first come first served ignores priorities
+    second = fcfs.engine.submit(list(range(100, 106)), 1, priority=-3)
+    assert stepped(fcfs, first, second) == [6, 2]
+
+
+def test_each_running_decode_takes_a_token_of_the_step_in_the_order_admitted():
+    h = Harness(num_blocks=64, block_size=4, max_batched_tokens=16)
+    decoding = [h.engine.submit([i, i + 1], 8) for i in (1, 10, 20)]
+    assert stepped(h, *decoding) == [2, 2, 2]
+    long = h.engine.submit(list(range(100, 140)), 1)
+    stepped(h, long)
+    assert long.num_computed == 13 and all(s.generated == 2 for s in decoding)  # 3 decodes + 13 prefilled

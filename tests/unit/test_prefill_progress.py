@@ -122,22 +122,60 @@ def test_flows_served_lately_are_counted_over_two_windows():
     assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
 
 
-def test_the_count_down_runs_while_one_flow_is_served_and_fairness_goes_first_with_several():
+def detector_on_one_pod() -> tuple[Clock, InFlightLedger, ServiceCounters, SaturationDetector]:
+    """A detector of 2,048-token steps over its own ledger, service counters and clock."""
     clock = Clock()
     ledger = InFlightLedger(clock=clock)
     counters = ServiceCounters()
     detector = SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
                                   PendingLoad(ProfileStore(None), ledger, 4, str), False,
                                   active_flows=counters.active_flows, clock=clock)
+    return clock, ledger, counters, detector
+
+
+def test_the_count_down_runs_while_one_flow_is_served_and_with_several_a_held_prompt_that_fits_the_next_step_goes():
+    clock, ledger, counters, detector = detector_on_one_pod()
     first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
     clock.now += 0.1
     ledger.answering(first)  # 37,000 tokens a second
     ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
     clock.now += 0.05  # 1,850 tokens left of a2: below the threshold by the count-down
     counters.charge(FlowKey("a"), 1.0)
-    assert detector.saturated_by("p") is None and detector.prefill_room_in("p") == 0.0
-    counters.charge(FlowKey("b"), 1.0)  # another tenant is served too: a2's tokens count whole until it answers
-    assert detector.saturated_by("p") == "prefill" and detector.prefill_room_in("p") is None
+    long, short, too_long = (Demand(prompt_tokens=n, held=True) for n in (3700, 150, 250))
+    assert detector.saturated_by("p", long) is None and detector.prefill_room_in("p", long) == 0.0
+    counters.charge(FlowKey("b"), 1.0)  # another tenant is served too: fairness goes first
+    # a2's last chunk leaves room for 198 tokens in its step: a short held prompt rides there (it is routed among
+    # the pods with room), a long one waits for an empty queue (an answer beginning), not for the count-down
+    assert detector.saturated_by("p", short) is None
+    assert detector.saturated_by("p", too_long) == "prefill" and detector.saturated_by("p", long) == "prefill"
+    assert detector.prefill_room_in("p", long) is None
+    assert detector.prefill_room_in("p", too_long) == pytest.approx((1850 - (2048 - 250)) / 37_000 + 1e-3)
+    clock.now += 0.002  # 74 tokens later, 250 fit
+    assert detector.saturated_by("p", too_long) is None
+    # One that would go at once (routed among every pod) needs the queue itself to fit: a2 whole.
+    assert detector.saturated_by("p", Demand(prompt_tokens=150)) == "prefill"
+    assert detector.prefill_room_in("p", Demand(prompt_tokens=150)) is None
+
+
+def test_a_held_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_chunk_not_after_the_prefill():
+    clock, ledger, counters, detector = detector_on_one_pod()
+    warm = ledger.dispatch("warm", "p", 1.0, "chat", prefill_tokens=5000)
+    clock.now += 0.5
+    ledger.answering(warm)  # 10,000 tokens a second
+    ledger.finish(warm)
+    counters.charge(FlowKey("a"), 1.0)
+    counters.charge(FlowKey("b"), 1.0)
+    ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=5700)  # the idle pod begins on a's long prompt
+    b = Demand(prompt_tokens=200, held=True)
+    assert detector.saturated_by("p", b) == "prefill"
+    # b goes once a1's rest and b's prompt fit in one step: 3,852 tokens of a1 into its prefill (0.385 s), not
+    # at a1's first token (0.57 s)
+    assert detector.prefill_room_in("p", b) == pytest.approx(0.3852 + 1e-3)
+    clock.now += 0.38
+    assert detector.saturated_by("p", b) == "prefill"
+    clock.now += 0.01
+    assert detector.saturated_by("p", b) is None
+    assert detector.saturated_by("p", Demand(prompt_tokens=3700, held=True)) == "prefill"  # a long one still waits
 
 
 def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_one_step_with_it():

@@ -9,12 +9,14 @@ The tests taking ``in_memory`` check the in-memory layout's own bounds and bookk
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.kv._blockindex import BlockIndex, hash64
 from gateway.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,7 +28,9 @@ from gateway.kv.events import (
 )
 from gateway.kv.hashing import namespace_root, prefix_hashes
 from gateway.kv.index import PrefixIndex
-from tests.kv_reference import ReferenceIndex
+from tests.kv_reference import ReferenceIndex, chain_hash
+from tests.kv_reference import hash64 as reference_hash64
+from tests.kv_reference import namespace_root as reference_root
 
 BS = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, and the engine may hit at most 16 tokens
@@ -40,7 +44,24 @@ def through_wire(events, encoding: Encoding):
     return decode_batch(encode_batch(EventBatch(1.0, events, 0), encoding)).events
 
 
-IMPLEMENTATIONS = {"in_memory": PrefixIndex, "reference": ReferenceIndex}
+class SharedIndex:
+    """A writer applying the events to files and a reader answering from them, as a host's indexer and a
+    worker are (in one process here: ``tests/integration/test_host_index.py`` has them apart)."""
+
+    WRITES = ("view", "apply", "apply_payload", "reset_view", "drop_pod", "mark_approximate", "max_blocks_per_view")
+
+    def __init__(self, **options) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvgw-index-")
+        path = f"{self._dir.name}/index"
+        ttl = options.pop("speculative_ttl_s", 2.0)
+        self.writer = PrefixIndex(stores=[BlockIndex(path=path, ring=1024)], speculative_ttl_s=0, **options)
+        self.reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)], speculative_ttl_s=ttl)
+
+    def __getattr__(self, name: str):
+        return getattr(self.writer if name in self.WRITES else self.reader, name)
+
+
+IMPLEMENTATIONS = {"in_memory": PrefixIndex, "reference": ReferenceIndex, "shared": SharedIndex}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -55,6 +76,32 @@ def in_memory() -> PrefixIndex:
 
 def match(index: PrefixIndex, tokens=PROMPT, pods=("a", "b"), lora=None):
     return {p: m.gpu_tokens for p, m in index.lookup("m", lora, tokens, pods).items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80), st.integers(0, 2**64 - 1))
+def test_the_native_hash_is_the_one_written_out_in_python(data, seed):
+    assert hash64(data, seed) == reference_hash64(data, seed)
+    assert hash64(memoryview(data), seed) == hash64(bytearray(data), seed) == hash64(data, seed)
+
+
+def test_prompt_and_event_hashes_are_the_reference_chain_and_tell_near_inputs_apart():
+    tokens = list(range(7, 7 + 5 * BS))
+    root = namespace_root("m", "adapter")
+    assert root == reference_root("m", "adapter") != namespace_root("m") == reference_root("m")
+    expected, parent = [], root
+    for i in range(5):
+        parent = chain_hash(parent, tokens[i * BS:(i + 1) * BS])
+        expected.append(parent)
+    assert prefix_hashes(root, tokens, BS) == expected
+    # One bit apart, one word apart, or only longer: every one a different hash.
+    near = {bytes(32), b"\x01" + bytes(31), bytes(31) + b"\x80", bytes(24) + b"\x01" + bytes(7), bytes(33)}
+    assert len({hash64(d) for d in near}) == len(near)
+    assert len({hash64(b"x", seed) for seed in range(1000)}) == 1000
+    with pytest.raises(OverflowError):
+        hash64(b"x", -1)
+    with pytest.raises(TypeError):
+        hash64("text")
 
 
 @pytest.mark.parametrize("encoding", list(Encoding))
@@ -199,7 +246,7 @@ def test_memory_bound_forgets_least_recent(in_memory):
         tokens = list(range(i * 8, i * 8 + 8))
         index.apply(view, [stored([2 * i + 1, 2 * i + 2], None, tokens)])
         parent = 2 * i + 2
-    assert parent and len(view.refs) <= 100 and index.stats.evicted_for_memory > 0
+    assert parent and view.blocks <= 100 and index.stats.evicted_for_memory > 0
     assert index.lookup("m", None, list(range(59 * 8, 59 * 8 + 9)), ["a"])["a"].gpu_tokens == 8  # newest kept
     assert index.lookup("m", None, list(range(0, 9)), ["a"])["a"].gpu_tokens == 0  # oldest forgotten
 
@@ -280,6 +327,95 @@ def test_the_gateways_index_agrees_with_the_reference_on_any_event_sequence(batc
     assert ours.stats == reference.stats
 
 
+class Notes:
+    """An eviction listener that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, str, list[int]]] = []
+
+    def evicted(self, pod, blocks):
+        self.told.append(("evicted", pod, list(blocks)))
+
+    def cleared(self, pod, blocks):
+        self.told.append(("cleared", pod, sorted(blocks)))
+
+    def dropped(self, pod):
+        self.told.append(("dropped", pod, []))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches=event_sequences(), prompts=prompts_of_blocks,
+       encoding=st.sampled_from([Encoding.CURRENT, Encoding.SGLANG, Encoding.V0_23]))
+def test_batches_decoded_natively_give_what_decoded_events_give(batches, prompts, encoding):
+    """The native decoder (the current and SGLang forms; older ones fall back to msgspec) applies a batch off
+    the wire exactly as its decoded events are applied: the same blocks, counters and eviction notices."""
+    wire_notes, event_notes = Notes(), Notes()
+    wire, events_index = PrefixIndex(evictions=wire_notes), PrefixIndex(evictions=event_notes)
+    for index in (wire, events_index):
+        views = {key: index.view(*key, "m", BS) for key in (("a", 0), ("a", 1), ("b", 0))}
+        for key, events in batches:
+            if index is wire:
+                assert index.apply_payload(views[key], encode_batch(EventBatch(1.0, events, 0), encoding)) == 0
+            else:
+                index.apply(views[key], events)
+    for prompt in prompts:
+        assert wire.lookup("m", None, prompt, ["a", "b"]) == events_index.lookup("m", None, prompt, ["a", "b"])
+    for key in (("a", 0), ("a", 1), ("b", 0)):
+        assert wire.own_hashes(*key) == events_index.own_hashes(*key)
+        assert wire.view(*key, "m").orphans == events_index.view(*key, "m").orphans
+    assert wire.stats == events_index.stats and wire_notes.told == event_notes.told
+
+
+def test_a_large_index_grows_its_tables_and_keeps_every_answer():
+    """Thousands of blocks over many views: the tables are rebuilt larger several times (and emptied by removals
+    and clears); every lookup still agrees with the reference."""
+    import random
+
+    rng = random.Random(7)
+    ours, reference = PrefixIndex(), ReferenceIndex()
+    prompts = [[rng.randrange(50) for _ in range(BS * rng.randrange(1, 40))] for _ in range(60)]
+    engine_hash = 1
+    for index in (ours, reference):
+        rng = random.Random(8)
+        engine_hash = 1
+        views = [index.view(f"pod{i}", 0, "m", BS) for i in range(40)]
+        stored_by: dict[int, list[list[int]]] = {}
+        for _ in range(1500):
+            v = rng.randrange(len(views))
+            if rng.random() < 0.8 or not stored_by.get(v):
+                prompt = rng.choice(prompts)
+                hashes = list(range(engine_hash, engine_hash + len(prompt) // BS))
+                engine_hash += len(hashes)
+                index.apply(views[v], [stored(hashes, None, prompt)])
+                stored_by.setdefault(v, []).append(hashes)
+            elif rng.random() < 0.97:
+                hashes = stored_by[v].pop(rng.randrange(len(stored_by[v])))
+                index.apply(views[v], [BlockRemoved(hashes[::-1])])
+            else:
+                index.apply(views[v], [AllBlocksCleared()])
+                stored_by[v] = []
+    assert ours.memory()["generations"][0] > 3 and ours.size() > 2000
+    pods = [f"pod{i}" for i in range(40)]
+    for prompt in prompts:
+        assert ours.lookup("m", None, [*prompt, 1], pods) == reference.lookup("m", None, [*prompt, 1], pods)
+    assert ours.stats == reference.stats and ours.size() == reference.size()
+
+
+def test_holders_name_the_pods_with_the_longest_runs_first(in_memory):
+    index = in_memory
+    a, b, c = (index.view(p, 0, "m", BS) for p in "abc")
+    index.apply(a, [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply(b, [stored([1], None, PROMPT[:4])])
+    index.apply(c, [stored([1], None, [7, 7, 7, 7])])
+    holders = index.holders(index.prompt_hashes("m", None, PROMPT), limit=8)
+    assert holders == ["a", "b"]  # c holds another prompt's first block: not a candidate
+    assert index.holders(index.prompt_hashes("m", None, PROMPT), limit=1) == ["a"]
+    index.apply(a, [BlockRemoved([4, 3, 2, 1])])
+    assert index.holders(index.prompt_hashes("m", None, PROMPT), limit=8) == ["b"]
+    index.expect("c", "m", None, PROMPT)  # just routed there: a candidate before its events say so
+    assert set(index.holders(index.prompt_hashes("m", None, PROMPT), limit=8)) == {"b", "c"}
+
+
 def test_a_closed_view_is_bisected_and_the_prompt_hashed_no_further_than_needed(in_memory):
     index = in_memory
     view = index.view("a", 0, "m", BS)
@@ -301,3 +437,41 @@ def test_a_view_that_lost_a_parent_is_walked_block_by_block(in_memory):
     assert view.orphans == 0 and match(index) == {"a": 16, "b": 0}
     index.apply(view, [BlockRemoved([4, 3, 2])])  # evicted children first, as engines do
     assert view.orphans == 0 and match(index) == {"a": 4, "b": 0}
+
+
+def test_a_reader_follows_the_writers_evictions_and_clears_and_counts_what_the_ring_lost(tmp_path):
+    path = str(tmp_path / "index")
+    writer = PrefixIndex(stores=[BlockIndex(path=path, ring=8)])
+    notes = Notes()
+    reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)], evictions=notes)
+    a = writer.view("a", 0, "m", BS)
+    assert reader.follow_notes() == 0  # from now on
+    writer.apply(a, [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    writer.apply(a, [BlockRemoved([4, 3])])
+    assert reader.follow_notes() == 2
+    owns = prefix_hashes(namespace_root("m"), PROMPT[:16], BS)
+    assert notes.told == [("evicted", "a", [owns[3], owns[2]])]
+    writer.apply(a, [AllBlocksCleared()])
+    reader.follow_notes()
+    assert notes.told[-1] == ("cleared", "a", sorted(owns[:2]))
+    for i in range(6):  # 12 notes into a ring of 8: the oldest 4 are gone before the reader looks
+        writer.apply(a, [stored([10 + i, 20 + i], None, PROMPT[:8]), BlockRemoved([20 + i, 10 + i])])
+    assert reader.follow_notes() == 8 and reader.notes_lost == 4
+
+
+def test_a_reader_maps_each_new_generation_and_a_restarted_writer_empties_it(tmp_path):
+    path = str(tmp_path / "index")
+    writer = PrefixIndex(stores=[BlockIndex(path=path)])
+    reader = PrefixIndex(stores=[BlockIndex(path=path, writer=False)])
+    pods = [f"pod{i}" for i in range(20)]
+    prompts = {pod: [i * 1000 + t for t in range(BS * 300)] for i, pod in enumerate(pods)}
+    for pod in pods:  # 6,000 blocks: the tables are rebuilt, each time in a new file, several times
+        writer.apply(writer.view(pod, 0, "m", BS), [stored(list(range(1, 301)), None, prompts[pod])])
+    assert writer.memory()["generations"][0] > 3
+    for pod in pods:
+        assert reader.lookup("m", None, [*prompts[pod], 1], pods)[pod].gpu_tokens == 300 * BS
+    assert reader.size() == writer.size() == 6000 and reader.holders(
+        reader.prompt_hashes("m", None, prompts["pod3"]), limit=4) == ["pod3"]
+    PrefixIndex(stores=[BlockIndex(path=path)])  # the writer restarted: it starts from nothing, in the same file
+    assert reader.size() == 0 and reader.views() == [] and reader.lookup("m", None, prompts["pod3"], ["pod3"])[
+        "pod3"].gpu_tokens == 0
