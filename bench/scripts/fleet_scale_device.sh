@@ -18,8 +18,8 @@ FIREHOSE_RATE=${FIREHOSE_RATE:-600}       # block events a second per pod: 600k/
 PODS=${PODS:-4 100 1000}
 INGEST_PROCESSES=${INGEST_PROCESSES:-1 2}
 SCALE=${SCALE:-0.3}                       # of the scenario's 2,000 requests at 100 a second
-FIREHOSE_LIMIT_S=${FIREHOSE_LIMIT_S:-110}
-FLEET_LIMIT_S=${FLEET_LIMIT_S:-200}
+FIREHOSE_LIMIT_S=${FIREHOSE_LIMIT_S:-120}
+FLEET_LIMIT_S=${FLEET_LIMIT_S:-170}
 CONTENDERS=${CONTENDERS:-gateway-kv_aware gateway-kv_aware-2-workers gateway-kv_aware-4-workers gateway-kv_aware-full-scan smg-cache_aware}
 
 if ! "$PY" -c 'import gateway.kv._blockindex' 2>/dev/null; then
