@@ -29,7 +29,7 @@ import urllib.request
 import msgspec
 
 from bench.runner import INDEXER_NAME, process_cpu_s, process_memory_mb, wait_http
-from gateway.config import MockPodsConfig
+from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet
 from simulator.pod import free_port
 

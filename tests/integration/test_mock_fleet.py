@@ -6,9 +6,9 @@ import urllib.request
 
 import msgspec
 
-from gateway.config import MockPodsConfig
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
+from simulator.config import MockPodsConfig
 from simulator.group import MockPodGroup
 from simulator.launcher import MockPodFleet
 from simulator.pod import MockPodConfig
