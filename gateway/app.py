@@ -89,6 +89,7 @@ from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPl
 from gateway.request.validation import RequestValidation
 from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
+from gateway.routing.profiles import POLICY_GROUP, Profiles
 from gateway.routing.router import Router
 from gateway.tokenization.service import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
@@ -99,7 +100,6 @@ from gateway.workflow.service import WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
-POLICY_GROUP = "gateway.policies"
 CONTROLLER_GROUP = "gateway.cache_controllers"
 PRESSURE_GROUP = "gateway.pressure_sources"
 DISCOVERY_GROUP = "gateway.discovery_sources"
@@ -155,8 +155,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
-                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of),
-                    gateway_filters=[adapter_placement])
+                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of,
+                                  adapter_placement=adapter_placement),
+                    config.routing.profiles)
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
@@ -333,10 +334,15 @@ def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]
     """The options of every plugin the config names, decoded with their defaults (raises
     :class:`~gateway.plugin_registry.UnknownPlugin` or :class:`~gateway.plugin_registry.PluginOptionsError`
     naming the first bad one). Nothing is built: no device or cluster is touched."""
+    rc = config.routing
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
-    out: dict[str, dict[str, Any]] = {"routing": {
-        name: msgspec.to_builtins(policies.options(name, config.routing.options.get(name)))
-        for name in sorted({config.routing.policy, *config.routing.options})}}
+    profiles = Profiles(policies, rc.options, rc.profiles)
+    named = sorted({rc.policy, *rc.options, *rc.profiles})
+    out: dict[str, dict[str, Any]] = {
+        "profiles": {name: profiles.effective(name) for name in named},
+        "routing": {name: msgspec.to_builtins(policies.options(name, rc.options.get(name)))
+                    for name in named if name not in rc.profiles},
+    }
     if config.pressure.enabled:
         source = config.pressure.source
         out["pressure"] = {source: msgspec.to_builtins(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -109,14 +110,55 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("max_body_bytes must be at least 1024")
 
 
+class PartConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """One filter or picker of a routing profile: the plugin's name (entry points ``gateway.filters``,
+    ``gateway.pickers``) and its options. In YAML a bare name stands for a part without options."""
+
+    name: str
+    options: dict[str, Any] = {}
+
+
+class ScorerConfig(PartConfig, forbid_unknown_fields=True):
+    """One scorer of a routing profile (entry points ``gateway.scorers``): its score, in ``[0, 1]``, counts
+    ``weight`` times in the pod's total."""
+
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.weight):
+            raise ValueError(f"scorer {self.name!r}: weight must be a finite number, got {self.weight}")
+
+
+def as_part(part: str | PartConfig) -> PartConfig:
+    """A profile part written as a bare name, as the part it names (no options)."""
+    return PartConfig(part) if isinstance(part, str) else part
+
+
+class ProfileConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A routing profile, as llm-d's scheduling profiles: filters narrow the candidates in order, the
+    scorers' weighted sum ranks the survivors, the picker chooses one (:mod:`gateway.routing.profiles`)."""
+
+    filters: list[str | PartConfig] = []
+    scorers: list[str | ScorerConfig] = []
+    picker: str | PartConfig = "max_score"
+
+    def __post_init__(self) -> None:
+        self.filters = [as_part(f) for f in self.filters]
+        self.scorers = [ScorerConfig(s) if isinstance(s, str) else s for s in self.scorers]
+        self.picker = as_part(self.picker)
+
+
 class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # The default profile: a shipped one (``kv_aware``, ``round_robin``, ...) or one of ``profiles``.
     policy: str = "round_robin"
     # Extra tries on other pods when a pod fails before the first byte reached the client.
     max_retries: int = 2
-    # Whether clients may pick a policy per request with ``x-routing-strategy``.
+    # Whether clients may pick a profile per request with ``x-routing-strategy``.
     allow_strategy_header: bool = True
-    # Per-policy settings, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
+    # Settings of the shipped profiles, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
     options: dict[str, dict[str, Any]] = {}
+    # Profiles declared here, by name: ``{mine: {filters: [...], scorers: [{name: prefix, weight: 1}], picker: ...}}``.
+    profiles: dict[str, ProfileConfig] = {}
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
