@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -12,18 +15,16 @@ from gateway.plugin_registry import PluginOptionsError, PluginRegistry, UnknownP
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 
-# The worked example of docs/routing.md: prefer the H200 pods unless another is much less busy.
-PREFER_H200 = """
-routing:
-  policy: prefer_h200
-  profiles:
-    prefer_h200:
-      filters: [saturated, adapter_resident, pin]
-      scorers:
-        - {name: in_flight, weight: 1.0}
-        - {name: deployment, weight: 0.6, options: {prefer: [h200]}}
-      picker: {name: max_score, options: {reason: preferred}}
-"""
+DOCS = Path(__file__).resolve().parents[2] / "docs/routing.md"
+
+
+def docs_example() -> str:
+    """The worked example of docs/routing.md (prefer the H200 unless the A100 is much less busy), as written."""
+    blocks = re.findall(r"^```yaml\n(.*?)^```", DOCS.read_text(), flags=re.S | re.M)
+    return next(b for b in blocks if "prefer_h200:" in b)
+
+
+PREFER_H200 = docs_example()
 
 
 def registry() -> PodRegistry:
@@ -41,9 +42,9 @@ def router_for(text: str, pods: PodRegistry, ledger: InFlightLedger | None = Non
                   PolicyContext.standalone(pods, ledger=ledger), routing.profiles)
 
 
-def busy(ledger: InFlightLedger, pod: str, n: int) -> None:
-    for i in range(n):
-        ledger.dispatch(f"{pod}-{i}", pod, 0.1, "chat")
+def busy(ledger: InFlightLedger, pod: str) -> None:
+    """One more request in flight on ``pod``."""
+    ledger.dispatch(f"{pod}-{ledger.on_pod(pod)}", pod, 0.1, "chat")
 
 
 def test_a_scorer_declared_in_config_weighs_in_by_its_weight():
@@ -56,12 +57,13 @@ def test_a_scorer_declared_in_config_weighs_in_by_its_weight():
     assert (decision.pod.name, decision.reason) == ("h200", "preferred")
     assert decision.scores == pytest.approx({"a100": 1.0, "h200": 1.6})
     # One request on the H200: 1/2 + 0.6 still beats the idle A100's 1.
-    busy(ledger, "h200", 1)
-    assert router.route(RoutingRequest("r2", "m", "chat"), policy).pod.name == "h200"
+    busy(ledger, "h200")
+    decision = router.route(RoutingRequest("r2", "m", "chat"), policy)
+    assert decision.pod.name == "h200" and decision.scores == pytest.approx({"a100": 1.0, "h200": 1.1})
     # Two: 1/3 + 0.6 < 1, the idle A100 wins.
-    busy(ledger, "h200", 2)
+    busy(ledger, "h200")
     decision = router.route(RoutingRequest("r3", "m", "chat"), policy)
-    assert decision.pod.name == "a100" and decision.scores["h200"] == pytest.approx(1 / 4 + 0.6)
+    assert decision.pod.name == "a100" and decision.scores["h200"] == pytest.approx(1 / 3 + 0.6)
 
 
 def test_a_shipped_profile_and_a_declared_one_are_both_picked_by_name():
