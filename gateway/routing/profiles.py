@@ -2,7 +2,7 @@
 ``EndpointPickerConfig`` declares its scheduling profiles.
 
 A profile (:class:`~gateway.config.ProfileConfig`) names its filters, its scorers with their weights, and
-its picker; each is a plugin found by name through an entry-point group (``gateway.filters``,
+its picker (a filter with a ``settle`` method, the pin, runs after the scorers: a settler); each is a plugin found by name through an entry-point group (``gateway.filters``,
 ``gateway.scorers``, ``gateway.pickers``) and built with its options, decoded into the plugin's options
 Struct. A new scorer is one module, one entry point, and a line of config (docs/routing.md).
 
@@ -50,6 +50,9 @@ class Profiles:
         if clash:
             raise ProfileError(f"routing.profiles: {', '.join(clash)} is a shipped profile's name; "
                                "choose another name, or set the shipped one's routing.options")
+        if optioned := sorted(set(self._declared) & set(options)):
+            raise ProfileError(f"routing.options: {', '.join(optioned)} is a declared profile; "
+                               "set its parts' options in routing.profiles")
 
     def names(self) -> list[str]:
         return sorted({*self._shipped.names(), *self._declared})

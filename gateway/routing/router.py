@@ -66,8 +66,9 @@ class Router:
         self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset(),
         pin: str | None = None, pin_reason: str = "pinned", binding: bool = True,
     ) -> Decision:
-        """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
-        (healthy, not excluded, not saturated), else the policy decides and the decision says so. A pin that
+        """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins where the policy's ``pin`` filter
+        finds it among the pods its other filters kept (healthy, not excluded, ...), else the policy decides
+        and the decision says so. A pin that
         is not ``binding`` only tells the filters that the request continues a context on that pod."""
         request.pin, request.pin_reason, request.pin_binding = pin, pin_reason, binding
         pods = self._filtered(request, policy, self._pods.candidates(request.model, exclude, request.leg))

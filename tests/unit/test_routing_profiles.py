@@ -109,9 +109,11 @@ def test_a_bad_profile_stops_the_start_naming_the_part(profile, error, fragment)
         router_for(yaml.safe_dump({"routing": {"profiles": {"mine": profile}}}), registry())
 
 
-def test_a_declared_profile_may_not_take_a_shipped_name():
+def test_a_declared_profile_may_not_take_a_shipped_name_nor_routing_options():
     with pytest.raises(PluginOptionsError, match="kv_aware is a shipped profile's name"):
         router_for("routing: {profiles: {kv_aware: {picker: random}}}", registry())
+    with pytest.raises(PluginOptionsError, match="mine is a declared profile"):
+        router_for("routing: {profiles: {mine: {picker: random}}, options: {mine: {seed: 1}}}", registry())
 
 
 def test_config_check_prints_a_declared_profile_with_its_defaults_and_a_shipped_ones_parts(tmp_path, capsys):
