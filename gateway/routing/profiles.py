@@ -2,9 +2,10 @@
 ``EndpointPickerConfig`` declares its scheduling profiles.
 
 A profile (:class:`~gateway.config.ProfileConfig`) names its filters, its scorers with their weights, and
-its picker (a filter with a ``settle`` method, the pin, runs after the scorers: a settler); each is a plugin found by name through an entry-point group (``gateway.filters``,
+its picker; each is a plugin found by name through an entry-point group (``gateway.filters``,
 ``gateway.scorers``, ``gateway.pickers``) and built with its options, decoded into the plugin's options
-Struct. A new scorer is one module, one entry point, and a line of config (docs/routing.md).
+Struct. A filter with a ``settle`` method (the pin) is a settler: it runs after the scorers. A new scorer
+is one module, one entry point, and a line of config (docs/routing.md).
 
 Profiles come from two places: ``routing.profiles`` in the config, and the shipped ones (``round_robin``,
 ``kv_aware``, ...), each a plugin of ``gateway.policies`` that turns its ``routing.options`` into a
