@@ -90,6 +90,7 @@ from gateway.request.steps import LoadEstimation, PromptTokenization, WorkflowPl
 from gateway.request.validation import RequestValidation
 from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 from gateway.routing.policy import PolicyContext
+from gateway.routing.profiles import POLICY_GROUP, Profiles
 from gateway.routing.router import Router
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor, CacheController
@@ -100,7 +101,6 @@ from gateway.workflow.refresh import Refresher
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
 
-POLICY_GROUP = "gateway.policies"
 CONTROLLER_GROUP = "gateway.cache_controllers"
 PRESSURE_GROUP = "gateway.pressure_sources"
 DISCOVERY_GROUP = "gateway.discovery_sources"
@@ -161,8 +161,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
     router = Router(pods, policies, config.routing.policy, config.routing.options,
                     PolicyContext(pods=pods, index=index, approximate=approximate, metrics=metrics, load=load,
-                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of),
-                    gateway_filters=[adapter_placement], max_candidates=config.routing.max_candidates)
+                                  ledger=ledger, working_set=working_set, capacity_of=capacity_of,
+                                  adapter_placement=adapter_placement),
+                    max_candidates=config.routing.max_candidates, profiles=config.routing.profiles)
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
@@ -341,10 +342,15 @@ def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]
     """The options of every plugin the config names, decoded with their defaults (raises
     :class:`~gateway.plugin_registry.UnknownPlugin` or :class:`~gateway.plugin_registry.PluginOptionsError`
     naming the first bad one). Nothing is built: no device or cluster is touched."""
+    rc = config.routing
     policies = PluginRegistry(POLICY_GROUP, "routing policy")
-    out: dict[str, dict[str, Any]] = {"routing": {
-        name: msgspec.to_builtins(policies.options(name, config.routing.options.get(name)))
-        for name in sorted({config.routing.policy, *config.routing.options})}}
+    profiles = Profiles(policies, rc.options, rc.profiles)
+    named = sorted({rc.policy, *rc.options, *rc.profiles})
+    out: dict[str, dict[str, Any]] = {
+        "profiles": {name: profiles.effective(name) for name in named},
+        "routing": {name: msgspec.to_builtins(policies.options(name, rc.options.get(name)))
+                    for name in named if name not in rc.profiles},
+    }
     if config.pressure.enabled:
         source = config.pressure.source
         out["pressure"] = {source: msgspec.to_builtins(

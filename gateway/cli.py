@@ -176,7 +176,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int,
                         help="worker processes on the port (default: one per core this process may use)")
     parser.add_argument("--policy",
-                        help=f"default routing policy: {', '.join(policy_names())} (default round_robin)")
+                        help=f"default routing policy: {', '.join(policy_names())}, or a profile of routing.profiles "
+                        "(default round_robin)")
     parser.add_argument("--pod", action="append",
                         help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both]"
                              "[,scheduling=priority] "
@@ -220,6 +221,9 @@ def check_config(path: str, as_json: bool) -> int:
         return 2
     effective = msgspec.to_builtins(config)
     effective["routing"]["options"] = plugins["routing"]
+    declared = config.routing.profiles
+    effective["routing"]["profiles"] = {name: p for name, p in plugins["profiles"].items() if name in declared}
+    shipped = {name: p for name, p in plugins["profiles"].items() if name not in declared}
     if "pressure" in plugins:
         effective["pressure"]["options"] = plugins["pressure"][config.pressure.source]
     effective["discovery"]["options"] = plugins["discovery"][config.discovery.source]
@@ -229,6 +233,9 @@ def check_config(path: str, as_json: bool) -> int:
         import yaml
 
         print(yaml.safe_dump(effective, sort_keys=False), end="")
+        for name, profile in shipped.items():  # what the shipped profiles in use are made of, to copy from
+            print(f"# shipped routing profile {name}, as its routing.options make it:")
+            print("".join(f"#   {line}\n" for line in yaml.safe_dump(profile, sort_keys=False).splitlines()), end="")
     return 0
 
 

@@ -1,10 +1,10 @@
 """Name → plugin lookup through Python entry points, so the core never imports a plugin by name.
 
-Each group (``gateway.policies``, ``gateway.cache_controllers``, ``gateway.pressure_sources``,
-``gateway.discovery_sources``) is declared in ``pyproject.toml``; third-party packages add plugins by
-declaring the same group. An entry point names a :class:`PluginSpec`: the msgspec Struct its options
-decode into (unknown or mistyped options stop the start, naming the option) and the function that
-builds it from the group's context and those options.
+Each group (``gateway.policies``, ``gateway.filters``, ``gateway.scorers``, ``gateway.pickers``,
+``gateway.cache_controllers``, ``gateway.pressure_sources``, ``gateway.discovery_sources``) is declared
+in ``pyproject.toml``; third-party packages add plugins by declaring the same group. An entry point names
+a :class:`PluginSpec`: the msgspec Struct its options decode into (unknown or mistyped options stop the
+start, naming the option) and the function that builds it from the group's context and those options.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ BuiltT = TypeVar("BuiltT")
 
 
 class UnknownPlugin(LookupError):
-    def __init__(self, kind: str, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown {kind} {name!r}; known: {', '.join(known)}")
+    def __init__(self, kind: str, name: str, known: list[str], where: str = "") -> None:
+        super().__init__(f"{where + ': ' if where else ''}unknown {kind} {name!r}; known: {', '.join(known)}")
+        self.kind = kind
         self.name = name
+        self.known = known
 
 
 class PluginOptionsError(ValueError):

@@ -153,7 +153,7 @@ async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:
         for p in gateway.pods.all()
     ]
     return web.json_response({"pods": pods, "default_policy": gateway.router.default_policy,
-                              "policies": gateway.policies.names(), "tasks": len(asyncio.all_tasks())})
+                              "policies": gateway.router.profiles.names(), "tasks": len(asyncio.all_tasks())})
 
 
 async def _debug_index(gateway: Gateway, request: web.Request) -> web.Response:

@@ -3,20 +3,62 @@ KV-cache pressure."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 
+class PartConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """One filter or picker of a routing profile: the plugin's name (entry points ``gateway.filters``,
+    ``gateway.pickers``) and its options. In YAML a bare name stands for a part without options."""
+
+    name: str
+    options: dict[str, Any] = {}
+
+
+class ScorerConfig(PartConfig, forbid_unknown_fields=True):
+    """One scorer of a routing profile (entry points ``gateway.scorers``): its score, in ``[0, 1]``, counts
+    ``weight`` times in the pod's total."""
+
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.weight):
+            raise ValueError(f"scorer {self.name!r}: weight must be a finite number, got {self.weight}")
+
+
+def as_part(part: str | PartConfig) -> PartConfig:
+    """A profile part written as a bare name, as the part it names (no options)."""
+    return PartConfig(part) if isinstance(part, str) else part
+
+
+class ProfileConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A routing profile, as llm-d's scheduling profiles: filters narrow the candidates in order, the
+    scorers' weighted sum ranks the survivors, the picker chooses one (:mod:`gateway.routing.profiles`)."""
+
+    filters: list[str | PartConfig] = []
+    scorers: list[str | ScorerConfig] = []
+    picker: str | PartConfig = "max_score"
+
+    def __post_init__(self) -> None:
+        self.filters = [as_part(f) for f in self.filters]
+        self.scorers = [ScorerConfig(s) if isinstance(s, str) else s for s in self.scorers]
+        self.picker = as_part(self.picker)
+
+
 class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # The default profile: a shipped one (``kv_aware``, ``round_robin``, ...) or one of ``profiles``.
     policy: str = "round_robin"
     # Extra tries on other pods when a pod fails before the first byte reached the client.
     max_retries: int = 2
-    # Whether clients may pick a policy per request with ``x-routing-strategy``.
+    # Whether clients may pick a profile per request with ``x-routing-strategy``.
     allow_strategy_header: bool = True
-    # Per-policy settings, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
+    # Settings of the shipped profiles, e.g. ``{kv_aware: {prefix_weight: 1.0, load_weight: 0.3}}``.
     options: dict[str, dict[str, Any]] = {}
+    # Profiles declared here, by name: ``{mine: {filters: [...], scorers: [{name: prefix, weight: 1}], picker: ...}}``.
+    profiles: dict[str, ProfileConfig] = {}
     # The most pods a scoring policy looks at per request: the holders of the prompt's longest cached runs and
     # a random sample of the rest (gateway/routing/candidates.py); 0: every pod.
     max_candidates: Annotated[int, Meta(ge=0)] = 16

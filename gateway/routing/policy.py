@@ -2,8 +2,9 @@
 
 A policy narrows the candidates with filters, lets its preparers compute what its scorers share (the
 prefix match, the placement costs), scores the survivors with weighted scorers (each score in ``[0, 1]``,
-higher is better; a scorer only scores) and lets a picker choose one. Plugins build policies from these parts;
-the :class:`~gateway.routing.router.Router` only runs them.
+higher is better; a scorer only scores), lets a settler (the workflow or session pin) settle the choice
+and otherwise a picker choose one. Policies are built from declared profiles
+(:mod:`gateway.routing.profiles`); the :class:`~gateway.routing.router.Router` only runs them.
 """
 
 from __future__ import annotations
@@ -95,8 +96,11 @@ class RoutingRequest:
     # request there costs besides its prompt, in tokens (its adapter switched into a batch slot, or loaded).
     switch_cost: dict[str, float] = field(default_factory=dict)
     # The router, per attempt: the pod the request's workflow or session is pinned to (its filters see
-    # that the request continues a context there), and filter name → the pods it removed.
+    # that the request continues a context there), why, and whether the pin binds (the ``pin`` filter
+    # keeps the request there) or is only a hint; and filter name → the pods it removed.
     pin: str | None = None
+    pin_reason: str = "pinned"
+    pin_binding: bool = True
     filtered_out: dict[str, list[str]] = field(default_factory=dict)
     # The prefix matcher: what each pod holds, and the predicted cached prompt tokens per pod.
     prefix: PrefixMatch | None = None
@@ -133,6 +137,15 @@ class Filter(Protocol):
     def filter(self, request: RoutingRequest, pods: list[Pod]) -> list[Pod]: ...
 
 
+class Settler(Protocol):
+    """A filter that keeps one pod and settles the choice (the workflow or session pin): it runs after the
+    scorers, so that the decision's scores still rank every candidate (an edge's fallbacks come from them)."""
+
+    name: str
+
+    def settle(self, request: RoutingRequest, pods: list[Pod]) -> Pick | None: ...
+
+
 class Preparer(Protocol):
     """Computes, once per attempt, the data the policy's scorers and picker share (after the filters)."""
 
@@ -160,6 +173,22 @@ class Picker(Protocol):
     def pick(self, request: RoutingRequest, pods: list[Pod], scores: list[float]) -> Pick: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """What a part of a policy needs from the pipeline and from other parts (a part's optional ``needs``
+    attribute): the preparers whose results it reads (shared by name: one runs per policy), whether the
+    prompt must be tokenized or its load estimated per pod first, and whether it places continuing contexts
+    with their cache itself (then a workflow's preserve is a hint, not a pin)."""
+
+    preparers: tuple[Preparer, ...] = ()
+    tokens: bool = False
+    load: bool = False
+    places_contexts: bool = False
+
+
+NO_NEEDS = Needs()
+
+
 @dataclass(slots=True)
 class WeightedScorer:
     scorer: Scorer
@@ -179,6 +208,14 @@ class Policy:
     # Whether its own placement keeps a continuing context with its cache (weighing load as it does): a
     # workflow's preserve is then a hint its filters see, not a pin that overrides it.
     places_contexts: bool = False
+    # Run after the scorers, in order: the first that settles the choice decides instead of the picker.
+    settlers: list[Settler] = field(default_factory=list)
+
+    def settle(self, request: RoutingRequest, pods: list[Pod]) -> Pick | None:
+        for settler in self.settlers:
+            if (pick := settler.settle(request, pods)) is not None:
+                return pick
+        return None
 
 
 @dataclass(slots=True)
@@ -196,6 +233,9 @@ class PolicyContext:
     # A pod's KV capacity in tokens, when known.
     capacity_of: Callable[[str], float | None]
     clock: Callable[[], float] = time.monotonic
+    # The gateway's LoRA adapter placement (gateway.models.adapters), which the ``adapter_resident`` filter
+    # runs (none: no adapter is placed; the filter keeps every pod).
+    adapter_placement: Filter | None = None
 
     @classmethod
     def standalone(cls, pods: PodRegistry, **parts: Any) -> PolicyContext:

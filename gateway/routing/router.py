@@ -1,6 +1,10 @@
 """The :class:`Router`: runs the chosen policy over the healthy pods of the requested model (a shortlist of
 them in a large fleet: :mod:`gateway.routing.candidates`).
 
+Policies are built from their profiles (:mod:`gateway.routing.profiles`), declared in config or shipped;
+flow control's pods with room and the workflow or session pin are filters those profiles declare
+(``saturated``, ``pin``: :mod:`plugins.routing.filters`).
+
 Owner: the router owns the built policies (and their internal state, such as a round-robin cursor) and
 the request's ``filtered_out``. It reads pods from the registry and never changes them.
 """
@@ -8,19 +12,18 @@ the request's ``filtered_out``. It reads pods from the registry and never change
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.config import ProfileConfig
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
 from gateway.routing.candidates import Shortlist
-from gateway.routing.policy import Decision, Filter, Pick, Policy, PolicyContext, RoutingRequest
+from gateway.routing.policy import Decision, Policy, PolicyContext, RoutingRequest
+from gateway.routing.profiles import Profiles
 
 log = logging.getLogger("gateway.routing")
-
-# The filter name under which the router records the pods flow control found saturated.
-SATURATED = "saturated"
 
 
 class Router:
@@ -32,27 +35,26 @@ class Router:
         options: Mapping[str, Mapping[str, Any]],
         context: PolicyContext,
         max_candidates: int = 0,
-        gateway_filters: Sequence[Filter] = (),
+        profiles: Mapping[str, ProfileConfig] | None = None,
     ) -> None:
         """``max_candidates``: the most pods a policy that scores looks at per request (0: every pod)."""
         self._pods = pods
         self._shortlist = Shortlist(pods, context.index, max_candidates, clock=context.clock)
-        self._plugins = plugins
-        self._options = options
         self._context = context
-        # Filters every policy runs first (the LoRA adapter placement), after flow control's room.
-        self._gateway_filters = tuple(gateway_filters)
+        # ``plugins``: the shipped profiles (``gateway.policies``), ``options`` their settings; ``profiles``
+        # those declared in ``routing.profiles``.
+        self.profiles = Profiles(plugins, options, profiles or {})
         self._policies: dict[str, Policy] = {}
         self.default_policy = default_policy
         # Fail at start on an unknown default, and on any policy's bad options (not at its first use).
-        for name in {default_policy, *options}:
+        for name in {default_policy, *options, *(profiles or {})}:
             self.policy(name)
 
     def policy(self, name: str) -> Policy:
         """The policy named ``name``, built on first use and kept (its state persists)."""
         policy = self._policies.get(name)
         if policy is None:
-            policy = self._plugins.build(name, self._context, self._options.get(name))
+            policy = self.profiles.build(name, self._context)
             self._policies[name] = policy
         return policy
 
@@ -69,10 +71,11 @@ class Router:
         self, request: RoutingRequest, policy: Policy, exclude: frozenset[str] = frozenset(),
         pin: str | None = None, pin_reason: str = "pinned", binding: bool = True,
     ) -> Decision:
-        """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins if it survives the filters
-        (healthy, not excluded, not saturated), else the policy decides and the decision says so. A pin that
+        """Run ``policy``; a ``pin`` (a workflow's or a session's pod) wins where the policy's ``pin`` filter
+        finds it among the pods its other filters kept (healthy, not excluded, ...), else the policy decides
+        and the decision says so. A pin that
         is not ``binding`` only tells the filters that the request continues a context on that pod."""
-        request.pin = pin
+        request.pin, request.pin_reason, request.pin_binding = pin, pin_reason, binding
         candidates = self._shortlist.of(request, policy, self._pods.candidates(request.model, exclude, request.leg),
                                         exclude)
         pods = self._filtered(request, policy, candidates)
@@ -82,8 +85,7 @@ class Router:
         for ws in policy.scorers:
             for i, s in enumerate(ws.scorer.score(request, pods)):
                 scores[i] += ws.weight * s
-        pinned = self._pinned(pods, pin, pin_reason) if binding else None
-        pick = pinned or policy.picker.pick(request, pods, scores)
+        pick = policy.settle(request, pods) or policy.picker.pick(request, pods, scores)
         unpinned = pin if pin != pick.pod.name else None
         return Decision(
             pod=pick.pod,
@@ -107,13 +109,7 @@ class Router:
 
     def _filtered(self, request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
         request.filtered_out = {}
-        room = request.room
-        if room and request.pin is None:  # flow control: the pods with room, while any is left
-            kept = [p for p in pods if p.name in room]
-            if kept and len(kept) < len(pods):
-                request.filtered_out[SATURATED] = [p.name for p in pods if p.name not in room]
-                pods = kept
-        for f in (*self._gateway_filters, *policy.filters):
+        for f in policy.filters:
             if not pods:
                 break
             kept = f.filter(request, pods)
@@ -123,12 +119,3 @@ class Router:
         if not pods:
             raise no_pod_available(request.model)
         return pods
-
-    @staticmethod
-    def _pinned(pods: list[Pod], pin: str | None, reason: str) -> Pick | None:
-        if pin is None:
-            return None
-        for pod in pods:
-            if pod.name == pin:
-                return Pick(pod, reason, "pinned")
-        return None

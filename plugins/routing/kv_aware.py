@@ -10,16 +10,10 @@ are scored on the approximate text history instead (the decision's reason says s
 
 from __future__ import annotations
 
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
-from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.placement import ContextBalance, PlacementPlanner, PlacementScorer, ResumableLoadScorer
-from plugins.routing.prefix_scoring import (
-    CacheAwareOptions,
-    CacheAwarePicker,
-    KvUsageScorer,
-    OverloadGuard,
-    prefix_parts,
-)
+from plugins.routing.filters import part, scorer, shipped
+from plugins.routing.prefix_scoring import CacheAwareOptions
 
 
 class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
@@ -35,23 +29,15 @@ class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
     balance_slack: int | None = 1
 
 
-def build(context: PolicyContext, options: KvAwareOptions) -> Policy:
-    matcher, prefix = prefix_parts(context, offload_weight=options.offload_weight,
-                                   approximate_weight=options.approximate_weight)
-    planner = PlacementPlanner(context.working_set, context.capacity_of, clock=context.clock)
-    return Policy(
-        name="kv_aware",
-        picker=CacheAwarePicker(),
-        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio),
-                 *([ContextBalance(context.working_set, context.capacity_of, options.balance_slack, context.clock)]
-                   if options.balance_slack is not None else [])],
-        preparers=[matcher, planner],
-        scorers=[WeightedScorer(PlacementScorer(prefix), options.prefix_weight),
-                 WeightedScorer(ResumableLoadScorer(context.ledger, context.working_set, options.idle_weight),
-                                options.load_weight),
-                 WeightedScorer(KvUsageScorer(context.index), options.kv_usage_weight)],
-        needs_tokens=True,
-        places_contexts=True,
+def build(context: None, options: KvAwareOptions) -> ProfileConfig:
+    balance = [part("context_balance", slack=options.balance_slack)] if options.balance_slack is not None else []
+    return shipped(
+        part("overload_guard", slack=options.overload_slack, ratio=options.overload_ratio), *balance,
+        scorers=(scorer("placement", options.prefix_weight, offload_weight=options.offload_weight,
+                        approximate_weight=options.approximate_weight),
+                 scorer("resumable_load", options.load_weight, idle_weight=options.idle_weight),
+                 scorer("kv_usage", options.kv_usage_weight)),
+        picker=part("cache_aware"),
     )
 
 

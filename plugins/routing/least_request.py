@@ -7,10 +7,11 @@ out at once instead of piling onto whichever pod looked idle when the burst bega
 from __future__ import annotations
 
 from gateway.backends.registry import Pod
+from gateway.config import ProfileConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Policy, PolicyContext, RoutingRequest, WeightedScorer
+from gateway.routing.policy import RoutingRequest
+from plugins.routing.filters import part, scorer, shipped
 
 
 class InFlightScorer:
@@ -27,12 +28,8 @@ class InFlightScorer:
         return [1.0 / (1 + b - least) for b in busy]
 
 
-def build(context: PolicyContext, options: NoOptions) -> Policy:
-    return Policy(
-        name="least_request",
-        picker=MaxScorePicker("least_in_flight"),
-        scorers=[WeightedScorer(InFlightScorer(context.ledger))],
-    )
+def build(context: None, options: NoOptions) -> ProfileConfig:
+    return shipped(scorers=(scorer("in_flight"),), picker=part("max_score", reason="least_in_flight"))
 
 
 PLUGIN = PluginSpec(NoOptions, build)

@@ -1,6 +1,6 @@
 """Parts of the load-aware policies: a capacity filter and Little's-law scorers.
 
-Not a policy itself (no entry point): ``pending_load``, ``throughput`` and ``slo`` compose these.
+The ``pending_load``, ``throughput`` and ``slo`` profiles compose these (:mod:`plugins.routing.scorers`).
 Each reads the request's per-pod estimates (filled by the request pipeline, as the policies set
 ``needs_load``).
 """
@@ -11,7 +11,7 @@ import math
 
 from gateway.backends.registry import Pod
 from gateway.load.pending import Estimate, PendingLoad
-from gateway.routing.policy import RoutingRequest
+from gateway.routing.policy import Needs, RoutingRequest
 
 
 def estimate_of(load: PendingLoad, request: RoutingRequest, pod: Pod) -> Estimate:
@@ -29,6 +29,7 @@ class CapacityFilter:
     request was admitted, so it goes to the least loaded rather than nowhere)."""
 
     name = "capacity"
+    needs = Needs(load=True)
 
     def __init__(self, load: PendingLoad) -> None:
         self._load = load
@@ -42,6 +43,7 @@ class PendingLoadScorer:
     """1 minus the pod's load after taking the request (Little's law), floored at 0."""
 
     name = "pending_load"
+    needs = Needs(load=True)
 
     def __init__(self, load: PendingLoad) -> None:
         self._load = load
@@ -60,6 +62,7 @@ class ThroughputScorer:
     share), relative to the best candidate: the deployment that serves this shape fastest wins."""
 
     name = "throughput"
+    needs = Needs(load=True)
 
     def __init__(self, load: PendingLoad) -> None:
         self._load = load

@@ -3,16 +3,14 @@ with capacity for it (profiles from Redis; a default capacity per pod without on
 
 from __future__ import annotations
 
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.load_scoring import CapacityFilter, PendingLoadScorer
+from plugins.routing.filters import part, scorer, shipped
 
 
-def build(context: PolicyContext, options: NoOptions) -> Policy:
-    return Policy(name="pending_load", picker=MaxScorePicker("least_pending_load"),
-                  filters=[CapacityFilter(context.load)],
-                  scorers=[WeightedScorer(PendingLoadScorer(context.load))], needs_load=True)
+def build(context: None, options: NoOptions) -> ProfileConfig:
+    return shipped(part("capacity"), scorers=(scorer("pending_load"),),
+                   picker=part("max_score", reason="least_pending_load"))
 
 
 PLUGIN = PluginSpec(NoOptions, build)

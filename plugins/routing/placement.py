@@ -1,5 +1,5 @@
 """Placement by cost in tokens: the prompt tokens a pod saves now against the resumable contexts its LRU
-would evict to make room. Not a policy itself: ``kv_aware`` composes it.
+would evict to make room. The ``kv_aware`` profile composes it (:mod:`plugins.routing.scorers`).
 
 The cost model, for a request of ``P`` prompt tokens placed on pod ``p``:
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from gateway.backends.registry import Pod
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
-from gateway.routing.policy import PlacementCost, RoutingRequest
+from gateway.routing.policy import NO_NEEDS, Needs, PlacementCost, RoutingRequest
 from plugins.routing.prefix_scoring import PrefixScorer
 
 CapacityOf = Callable[[str], float | None]
@@ -120,6 +120,7 @@ class PlacementScorer:
     nothing to cost (no precise match)."""
 
     name = "placement"
+    needs: Needs = NO_NEEDS  # its matcher and planner, given where it is built (plugins.routing.scorers)
 
     def __init__(self, prefix: PrefixScorer) -> None:
         self._prefix = prefix

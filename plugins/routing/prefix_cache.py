@@ -6,20 +6,18 @@ there, with the same load scoring and overload guard as ``kv_aware``. No tokeniz
 
 from __future__ import annotations
 
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
-from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.prefix_scoring import CacheAwareOptions, CacheAwarePicker, LoadScorer, OverloadGuard, prefix_parts
+from plugins.routing.filters import part, scorer, shipped
+from plugins.routing.prefix_scoring import CacheAwareOptions
 
 
-def build(context: PolicyContext, options: CacheAwareOptions) -> Policy:
-    matcher, prefix = prefix_parts(context, precise=False, approximate_weight=1.0)
-    return Policy(
-        name="prefix_cache",
-        picker=CacheAwarePicker(),
-        filters=[OverloadGuard(context.ledger, options.overload_slack, options.overload_ratio)],
-        preparers=[matcher],
-        scorers=[WeightedScorer(prefix, options.prefix_weight),
-                 WeightedScorer(LoadScorer(context.ledger), options.load_weight)],
+def build(context: None, options: CacheAwareOptions) -> ProfileConfig:
+    return shipped(
+        part("overload_guard", slack=options.overload_slack, ratio=options.overload_ratio),
+        scorers=(scorer("prefix", options.prefix_weight, precise=False, approximate_weight=1.0),
+                 scorer("load", options.load_weight)),
+        picker=part("cache_aware"),
     )
 
 

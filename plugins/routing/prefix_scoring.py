@@ -1,7 +1,8 @@
 """Parts shared by the cache-aware policies: the prefix matcher, the prefix and load scorers, the
 overload guard and the picker.
 
-Not a policy itself (no entry point): ``kv_aware``, ``prefix_cache`` and ``slo`` compose these.
+The ``kv_aware``, ``prefix_cache`` and ``slo`` profiles compose these (entry points in
+:mod:`plugins.routing.filters`, :mod:`plugins.routing.scorers`, :mod:`plugins.routing.pickers`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Pick, PolicyContext, PrefixMatch, RoutingRequest
+from gateway.routing.policy import NO_NEEDS, Needs, Pick, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.tokenization.conversation import request_text
 
 
@@ -78,6 +79,7 @@ class PrefixScorer:
     """Share of the prompt cached on each pod, from the request's prefix match."""
 
     name = "prefix"
+    needs: Needs = NO_NEEDS  # its matcher, given where it is built (plugins.routing.scorers)
 
     def __init__(self, *, offload_weight: float = 0.5, approximate_weight: float = 0.7) -> None:
         self._offload_weight = offload_weight

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
-import msgspec
-
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
-from gateway.routing.pickers import RandomPicker
-from gateway.routing.policy import Policy, PolicyContext
+from plugins.routing.filters import part, shipped
+from plugins.routing.pickers import RandomOptions
 
 
-class RandomOptions(msgspec.Struct, forbid_unknown_fields=True):
-    seed: int | None = None  # for reproducible runs
-
-
-def build(context: PolicyContext, options: RandomOptions) -> Policy:
-    return Policy(name="random", picker=RandomPicker(random.Random(options.seed)))
+def build(context: None, options: RandomOptions) -> ProfileConfig:
+    return shipped(picker=part("random", seed=options.seed))
 
 
 PLUGIN = PluginSpec(RandomOptions, build)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 from gateway.backends.registry import Pod
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.routing.policy import Pick, Policy, PolicyContext, RoutingRequest
+from gateway.routing.policy import Pick, RoutingRequest
+from plugins.routing.filters import part, shipped
 
 
 class RoundRobinPicker:
@@ -20,8 +22,8 @@ class RoundRobinPicker:
         return Pick(pods[turn % len(pods)], "rotation", f"turn {turn} over {len(pods)}")
 
 
-def build(context: PolicyContext, options: NoOptions) -> Policy:
-    return Policy(name="round_robin", picker=RoundRobinPicker())
+def build(context: None, options: NoOptions) -> ProfileConfig:
+    return shipped(picker=part("round_robin"))
 
 
 PLUGIN = PluginSpec(NoOptions, build)

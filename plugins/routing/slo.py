@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
-from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.load_scoring import CapacityFilter, PendingLoadScorer
-from plugins.routing.prefix_scoring import CacheAwarePicker, prefix_parts
+from plugins.routing.filters import part, scorer, shipped
 
 
 class SloOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -21,18 +20,13 @@ class SloOptions(msgspec.Struct, forbid_unknown_fields=True):
     approximate_weight: float = 0.7
 
 
-def build(context: PolicyContext, options: SloOptions) -> Policy:
-    matcher, prefix = prefix_parts(context, offload_weight=options.offload_weight,
-                                   approximate_weight=options.approximate_weight)
-    return Policy(
-        name="slo",
-        picker=CacheAwarePicker(),
-        filters=[CapacityFilter(context.load)],
-        preparers=[matcher],
-        scorers=[WeightedScorer(prefix, options.prefix_weight),
-                 WeightedScorer(PendingLoadScorer(context.load), options.load_weight)],
-        needs_tokens=True,
-        needs_load=True,
+def build(context: None, options: SloOptions) -> ProfileConfig:
+    return shipped(
+        part("capacity"),
+        scorers=(scorer("prefix", options.prefix_weight, offload_weight=options.offload_weight,
+                        approximate_weight=options.approximate_weight),
+                 scorer("pending_load", options.load_weight)),
+        picker=part("cache_aware"),
     )
 
 

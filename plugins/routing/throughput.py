@@ -3,16 +3,13 @@ deployment's profile and its current load."""
 
 from __future__ import annotations
 
+from gateway.config import ProfileConfig
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.routing.pickers import MaxScorePicker
-from gateway.routing.policy import Policy, PolicyContext, WeightedScorer
-from plugins.routing.load_scoring import CapacityFilter, ThroughputScorer
+from plugins.routing.filters import part, scorer, shipped
 
 
-def build(context: PolicyContext, options: NoOptions) -> Policy:
-    return Policy(name="throughput", picker=MaxScorePicker("most_headroom"),
-                  filters=[CapacityFilter(context.load)],
-                  scorers=[WeightedScorer(ThroughputScorer(context.load))], needs_load=True)
+def build(context: None, options: NoOptions) -> ProfileConfig:
+    return shipped(part("capacity"), scorers=(scorer("throughput"),), picker=part("max_score", reason="most_headroom"))
 
 
 PLUGIN = PluginSpec(NoOptions, build)

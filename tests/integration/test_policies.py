@@ -237,3 +237,24 @@ async def test_the_gateway_exports_its_event_loop_lag(start_backend, start_gatew
     # Nothing stalls this loop: most samples are within a few ms of on time.
     assert samples['gateway_event_loop_lag_seconds_bucket{le="0.005"}'] >= \
         samples["gateway_event_loop_lag_seconds_count"] / 2, samples
+
+
+async def test_a_profile_declared_in_config_routes_by_default_and_by_header(start_backend, start_gateway, http):
+    hits: Counter = Counter()
+    a100, h200 = [await start_backend(counting_backend(name, hits)) for name in ("a100", "h200")]
+    profile = {"filters": ["saturated", "adapter_resident", "pin"], "picker": {"name": "max_score",
+                                                                              "options": {"reason": "preferred"}},
+               "scorers": [{"name": "deployment", "weight": 1.0, "options": {"prefer": ["h200"]}}]}
+    gw = await start_gateway([{"url": a100, "deployment": "a100"}, {"url": h200, "deployment": "h200"}],
+                             routing={"policy": "prefer_h200", "profiles": {"prefer_h200": profile}})
+    for _ in range(3):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            assert resp.status == 200 and resp.headers["x-gateway-policy"] == "prefer_h200"
+            assert (await resp.json())["pod"] == "h200"
+    # A shipped profile by header, beside the declared default.
+    for _ in range(2):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m"),
+                             headers={"x-routing-strategy": "round_robin"}) as resp:
+            assert resp.headers["x-gateway-policy"] == "round_robin"
+    assert hits == Counter({"h200": 4, "a100": 1})
+    assert await decisions(http, gw) == {("prefer_h200", "preferred"): 3.0, ("round_robin", "rotation"): 2.0}

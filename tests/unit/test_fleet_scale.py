@@ -86,7 +86,9 @@ def test_a_shortlist_finds_the_holder_among_a_thousand_pods_and_looks_at_no_more
         if i % 3:
             ledger.dispatch(f"busy{i}", f"pod{i}", 0.1, "chat")
     chosen = router.route(RoutingRequest("new", "m", "chat", base_model="m", token_ids=list(range(100, 400))), policy)
-    assert chosen.reason == "no_hit_least_loaded" and ledger.on_pod(chosen.pod.name) == 0
+    # (The sample is random: with two pods in three busy, it holds an idle one 96% of the time.)
+    assert chosen.reason == "no_hit_least_loaded" and len(chosen.scores) <= 8
+    assert ledger.on_pod(chosen.pod.name) == min(ledger.on_pod(pod) for pod in chosen.scores)
 
 
 def test_a_pin_and_the_pods_with_room_are_always_on_the_shortlist_and_excluded_pods_never():
