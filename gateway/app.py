@@ -267,7 +267,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     front = FrontDoor(auth, director, counting, proxy, pods, rules, responses, workflows, config.server)
     return Gateway(
         config=config, front=front, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router,
-        steps=steps, adapters=adapters, limits=limits, usage=usage_tally, policies=policies, kv=kv, tokens=tokens,
+        steps=steps, adapters=adapters, limits=limits, usage=usage_tally, kv=kv, tokens=tokens,
         profiles=profiles, load=load, flow=flow, working_set=working_set, capacity_of=capacity_of, health=health,
         verifier=verifier, membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
         keep_warm=keep_warm, shared_load=shared_load,

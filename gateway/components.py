@@ -41,7 +41,6 @@ from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader
 from gateway.models.rules import ModelRules
-from gateway.plugin_registry import PluginRegistry
 from gateway.pressure.modes import PressureModes
 from gateway.pressure.monitor import PressureMonitor
 from gateway.proxy.forward import Proxy
@@ -96,7 +95,6 @@ class Gateway:
     adapters: AdapterLoader  # LoRA adapters registered where needed (/debug/adapters)
     limits: KeyLimits  # token and concurrency limits per key and tenant (/debug/usage)
     usage: UsageTally  # requests and tokens per key, tenant and model (/debug/usage)
-    policies: PluginRegistry
     kv: KvEventService
     tokens: TokenizationService
     profiles: ProfileStore
