@@ -69,6 +69,10 @@ class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How long at most a prompt that does not fit beside a pod's queue waits for it to empty: an answer that is
     # not streamed counts as queued until it ends (its first token is not seen).
     prefill_fit_wait_s: Annotated[float, Meta(ge=0)] = 0.25
+    # While several flows are served, a held request (routed among the pods with room when released) joins a
+    # pod where its prompt fits the next step beside the running prefill's rest as counted down, not only
+    # beside the whole queue (docs/flow-isolation.md).
+    join_beside_prefill: bool = True
     # Requests waiting in the engine's own queue (vLLM's num_requests_waiting, SGLang's num_queue_reqs).
     engine_waiting: Annotated[int, Meta(ge=1)] = 5
     # KV-cache usage the engine reports (running requests' blocks, 0-1).

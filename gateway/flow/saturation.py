@@ -107,7 +107,8 @@ class SaturationDetector:
         if self._counting_down():
             return backlog >= limit and ledger.prefill_remaining(pod, self._clock()) >= limit
         # Several flows, first come first served: the prompt must fit beside what is ahead of it.
-        ahead = ledger.prefill_remaining(pod, self._clock()) if demand.held else backlog
+        joins = demand.held and self.config.join_beside_prefill
+        ahead = ledger.prefill_remaining(pod, self._clock()) if joins else backlog
         return ahead >= limit or ahead + demand.prompt_tokens > limit
 
     def prefill_room_in(self, pod: str, demand: Demand = NO_DEMAND) -> float | None:
@@ -116,7 +117,7 @@ class SaturationDetector:
         limit = self.config.prefill_tokens
         if not self._counting_down():
             limit -= demand.prompt_tokens
-            if not demand.held or limit <= 0:
+            if not (demand.held and self.config.join_beside_prefill) or limit <= 0:
                 return None
         return self._ledger.prefill_below_in(pod, limit, self._clock())
 

@@ -122,12 +122,14 @@ def test_flows_served_lately_are_counted_over_two_windows():
     assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
 
 
-def detector_on_one_pod() -> tuple[Clock, InFlightLedger, ServiceCounters, SaturationDetector]:
+def detector_on_one_pod(join_beside_prefill: bool = True
+                         ) -> tuple[Clock, InFlightLedger, ServiceCounters, SaturationDetector]:
     """A detector of 2,048-token steps over its own ledger, service counters and clock."""
     clock = Clock()
     ledger = InFlightLedger(clock=clock)
     counters = ServiceCounters()
-    detector = SaturationDetector(SaturationConfig(prefill_tokens=2048), ledger,
+    config = SaturationConfig(prefill_tokens=2048, join_beside_prefill=join_beside_prefill)
+    detector = SaturationDetector(config, ledger,
                                   PendingLoad(ProfileStore(None), ledger, 4, str), False,
                                   active_flows=counters.active_flows, clock=clock)
     return clock, ledger, counters, detector
@@ -176,6 +178,17 @@ def test_a_held_short_prompt_is_released_as_soon_as_it_fits_beside_the_running_c
     clock.now += 0.01
     assert detector.saturated_by("p", b) is None
     assert detector.saturated_by("p", Demand(prompt_tokens=3700, held=True)) == "prefill"  # a long one still waits
+
+
+def test_without_joining_beside_the_prefill_a_held_short_prompt_waits_for_the_whole_queue():
+    clock, ledger, counters, detector = detector_on_one_pod(join_beside_prefill=False)
+    counters.charge(FlowKey("a"), 1.0)
+    counters.charge(FlowKey("b"), 1.0)
+    ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=5700)
+    b = Demand(prompt_tokens=200, held=True)
+    assert detector.saturated_by("p", b) == "prefill" and detector.prefill_room_in("p", b) is None
+    clock.now += 0.39  # where joining would have let it go
+    assert detector.saturated_by("p", b) == "prefill"
 
 
 def test_with_several_flows_a_long_prompt_joins_a_queue_only_where_it_fits_in_one_step_with_it():
