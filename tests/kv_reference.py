@@ -114,7 +114,7 @@ class ReferenceIndex:
         tier = "gpu" if event.medium in _GPU else "offload"
         for i, engine_hash in enumerate(event.block_hashes):
             key = event.extra_keys[i] if event.extra_keys is not None and i < len(event.extra_keys) else None
-            if key and event.lora_name is not None and key[0] == event.lora_name:
+            if isinstance(key, (list, tuple)) and key and event.lora_name is not None and key[0] == event.lora_name:
                 key = key[1:]  # vLLM's own mark of the adapter the event already names
             parent = chain_hash(parent, event.token_ids[i * bs:(i + 1) * bs], repr(key).encode() if key else b"")
             own[engine_hash] = parent

@@ -155,7 +155,7 @@ def _extras(event: BlockStored) -> list[bytes] | None:
     lora = event.lora_name
     out = []
     for key in keys:
-        if key and lora is not None and key[0] == lora:
+        if isinstance(key, (list, tuple)) and key and lora is not None and key[0] == lora:
             key = key[1:]
         out.append(repr(key).encode() if key else b"")
     return out if any(out) else None
