@@ -16,8 +16,8 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   default: measured, it made B wait longer), a request released after waiting (routed among the pods with room
   then) needs less: that its prompt fits the pod's next step beside the running prefill's rest as counted
   down, so a short one rides in the step of the running prompt's last chunk. The controller bounds the wait
-  for an empty queue (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends. A pod that orders
-  its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
+  for an empty queue (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends.
+  A pod that orders its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
   least-served flow's request pass those waiting there (each carries its flow's priority,
   :func:`gateway.flow.flows.engine_priority`) but not the prefill it runs, so letting more wait there (tried:
   the count-down whoever is served) keeps its steps full at the cost of the newcomer's first token;
