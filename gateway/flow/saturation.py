@@ -9,18 +9,18 @@ A pod is saturated while any of these holds (``flow_control.saturation``):
   prompt is what lets a later, more urgent request start soon. While one flow alone is served, the running
   prefill is also counted down, which sends the next prompt before it ends so that a chunked-prefill engine
   runs full steps; while several are, a newcomer would wait behind that prompt too, and fairness goes first.
-  While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where
-  the queue is empty: a chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to
-  the prefills it runs, then packs its waiting prompts first come, first served, so a short prompt sent just
-  before a long one would wait for the long one's first chunk too. With ``join_beside_prefill`` (off by
-  default: measured, it made B wait longer), a request released after waiting (routed among the pods with room
-  then) needs less: that its prompt fits the pod's next step beside the running prefill's rest as counted
-  down, so a short one rides in the step of the running prompt's last chunk. The controller bounds the wait
-  for an empty queue (``prefill_fit_wait_s``): an answer that is not streamed counts as queued until it ends.
-  A pod that orders its waiting requests by priority (``scheduling: priority``) is held to the same rules: its engine lets the
-  least-served flow's request pass those waiting there (each carries its flow's priority,
-  :func:`gateway.flow.flows.engine_priority`) but not the prefill it runs, so letting more wait there (tried:
-  the count-down whoever is served) keeps its steps full at the cost of the newcomer's first token;
+  While several are, a prompt also joins a pod's queue only where both fit in ``prefill_tokens``, or where the queue
+  is empty: a chunked-prefill engine (vLLM: ``max_num_batched_tokens``) gives each step first to the prefills it
+  runs, then packs its waiting prompts first come, first served, so a short prompt sent just before a long one would
+  wait for the long one's first chunk too. With ``join_beside_prefill`` (off by default: measured, it made B wait
+  longer), a request released after waiting (routed among the pods with room then) needs less: that its prompt fits
+  the pod's next step beside the running prefill's rest as counted down, so a short one rides in the step of the
+  running prompt's last chunk. The controller bounds the wait for an empty queue (``prefill_fit_wait_s``): an answer
+  that is not streamed counts as queued until it ends. A pod that orders its waiting requests by priority
+  (``scheduling: priority``) is held to the same rules: its engine lets the least-served flow's request pass those
+  waiting there (each carries its flow's priority, :func:`gateway.flow.flows.engine_priority`) but not the prefill
+  it runs, so letting more wait there (tried: the count-down whoever is served) keeps its steps full at the cost of
+  the newcomer's first token;
 - ``engine_waiting``: the engine's own queue (vLLM's ``num_requests_waiting``) reaches ``engine_waiting``:
   it has no room in its running batch (other gateways' requests count there too);
 - ``kv_usage``: the engine's KV-cache usage reaches ``kv_usage``;
