@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -130,8 +130,12 @@ class PodRegistry:
         return list(self._pods.values())
 
     def knows_model(self, model: str) -> bool:
-        base = self.loadable.get(model)
-        return any(p.serves(model) or (base is not None and p.serves(base)) for p in self._pods.values())
+        return next(self._serving(model), None) is not None
+
+    def _serving(self, model: str) -> Iterator[Pod]:
+        """The pods that list ``model``, or (an adapter registered where it is needed) its base model."""
+        base = self._loadable.get(model)
+        return (p for p in self._pods.values() if p.serves(model) or (base is not None and p.serves(base)))
 
     def base_model(self, model: str) -> str:
         """The base model of a LoRA adapter (its card's ``parent``, else the config's), or ``model`` itself."""
@@ -161,9 +165,7 @@ class PodRegistry:
         return [p for p in pods if p.name not in exclude] if exclude else list(pods)
 
     def _available(self, model: str, leg: Leg | None, now: float) -> tuple[int, float, list[Pod]]:
-        base = self.loadable.get(model)
-        serving = [p for p in self._pods.values()
-                   if (p.serves(model) or (base is not None and p.serves(base))) and p.takes(leg)]
+        serving = [p for p in self._serving(model) if p.takes(leg)]
         # They hold until the soonest ejection among them ends: that pod is back.
         until = min((p.ejected_until for p in serving if p.healthy and p.ejected_until > now), default=math.inf)
         return self._version, until, [p for p in serving if p.available(now)]
