@@ -67,9 +67,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         front = self._front
         path = edge.path.partition("?")[0]
         anthropic = path in ANTHROPIC_PATHS
+        kind = PROXIED_ROUTES.get(path)
         try:
-            key = self._key(edge, PROXIED_ROUTES.get(path))
-            if (kind := PROXIED_ROUTES.get(path)) is not None:
+            key = self._key(edge, kind)
+            if kind is not None:
                 await front.director.handle(edge, kind, key)
             elif path == PATHS[RequestKind.COUNT_TOKENS]:
                 await front.counting.handle(edge, RequestKind.COUNT_TOKENS, key)
