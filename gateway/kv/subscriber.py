@@ -277,6 +277,7 @@ class KvEventSubscriber:
                 if seq_frame == END_OF_REPLAY_SEQ or not payload:
                     return (first if first is not None else start), None
                 seq = decode_seq(seq_frame)
+                self.stats.batches += 1  # every batch received counts, live or replayed: batches >= applied
                 if first is None:
                     first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
                     if first_pass:
@@ -287,6 +288,8 @@ class KvEventSubscriber:
                     return first, self.view.last_seq + 1
                 if seq > self.view.last_seq:
                     self._apply(seq, payload)
+                else:
+                    self.stats.duplicates += 1  # already applied live while the replay was on its way
         except TimeoutError:
             log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
             return first, None

@@ -171,6 +171,9 @@ async def test_subscriber_started_late_catches_up_by_replay(rig_factory):
     rig.store_next()
     await eventually(lambda: rig.view.last_seq == 5)
     assert rig.held() == chain_hashes(6) and rig.sub.stats.restarts == 0
+    # Replayed batches are received batches too: every one counted is applied, a duplicate or malformed.
+    stats = rig.sub.stats
+    assert stats.applied == 6 and stats.batches == stats.applied + stats.duplicates + stats.malformed
 
 
 async def test_publisher_down_at_start_then_up(rig_factory):
