@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -106,6 +107,7 @@ PRESSURE_GROUP = "gateway.pressure_sources"
 DISCOVERY_GROUP = "gateway.discovery_sources"
 
 log = logging.getLogger("gateway.app")
+SLOW_STOP_S = 2.0  # a component that takes longer to stop is named in the log: a slow shutdown says who
 
 
 def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None,
@@ -379,7 +381,10 @@ def lifecycle(start: Callable[[], Awaitable[None] | None], stop: Callable[[], Aw
             await started
         yield
         if stop is not None:
+            began = time.monotonic()
             await stop()
+            if (took := time.monotonic() - began) > SLOW_STOP_S:
+                log.warning("stopping %s took %.1f s", getattr(stop, "__qualname__", stop), took)
 
     return run
 

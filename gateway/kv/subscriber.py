@@ -102,8 +102,7 @@ class KvEventSubscriber:
                        asyncio.create_task(self._watch_connection(), name=f"kv-connection-{name}")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            await cancel_and_wait(task)
+        await asyncio.gather(*(cancel_and_wait(task) for task in self._tasks))
         if self._sub is not None:
             self._sub.disable_monitor()
             self._sub.close(linger=0)
@@ -280,7 +279,8 @@ class KvEventSubscriber:
                 self.stats.batches += 1  # every batch received counts, live or replayed: batches >= applied
                 if first is None:
                     first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
-                    if first_pass:
+                    if first_pass and self._replayed_from is None:
+                        # The earliest replayed seq: live copies of an earlier replay may still be queued.
                         self._replayed_from = seq
                     elif seq > start:
                         self._lost(start, seq)  # gone from the pod's buffer since the first pass

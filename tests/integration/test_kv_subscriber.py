@@ -176,6 +176,28 @@ async def test_subscriber_started_late_catches_up_by_replay(rig_factory):
     assert stats.applied == 6 and stats.batches == stats.applied + stats.duplicates + stats.malformed
 
 
+async def test_live_copies_of_a_first_replay_stay_duplicates_after_a_second_replay(rig_factory):
+    """A live batch reaches a new subscriber before its connection's catch-up: the gap before it is replayed,
+    then the catch-up replays what came since. Live copies of the first replay still queued are duplicates,
+    not an engine restart (which would drop the pod's view and rebuild it: every pod of a busy fleet did)."""
+    rig = rig_factory()
+    rig.pub.start()  # the subscriber is driven by hand: no socket of its own
+    for _ in range(6):
+        rig.store_next()
+
+    def live(seq: int) -> list[bytes]:
+        return [rig.pub.topic, encode_seq(seq), dict(rig.pub.buffer)[seq]]
+
+    await rig.sub.handle(live(3))  # seqs 0..2 are a gap: replayed, with 3..5
+    assert rig.view.last_seq == 5
+    rig.store_next()
+    await rig.sub._catch_up()  # the connection's catch-up: replays 6
+    assert rig.view.last_seq == 6
+    await rig.sub.handle(live(4))  # still queued from before the catch-up
+    stats = rig.sub.stats
+    assert stats.restarts == 0 and stats.duplicates == 1 and rig.held() == chain_hashes(7)
+
+
 async def test_publisher_down_at_start_then_up(rig_factory):
     rig = rig_factory(replay=False)
     rig.sub.start()
