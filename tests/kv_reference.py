@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Hash, KvEvent
 from gateway.kv.hashing import PromptHashes
-from gateway.kv.index import IndexStats, PodMatch
+from gateway.kv.views import IndexStats, PodMatch
 
 _GPU = ("GPU", "gpu", None)
 

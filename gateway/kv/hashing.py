@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from gateway.kv._blockindex import hash64 as _hash
 
@@ -33,6 +34,20 @@ def prefix_hashes(root: int, token_ids: Sequence[int], block_size: int,
         parent = _hash(block + extras[i] if extras is not None and i < len(extras) else block, parent)
         out.append(parent)
     return out
+
+
+def extra_key_bytes(extra_keys: Sequence[Any] | None, lora_name: str | None) -> list[bytes] | None:
+    """Per block of a KV event, what else the engine hashed into it besides the tokens, as bytes for the own
+    hash (a block with any can never match a prompt the gateway hashes). A LoRA request's blocks lead their
+    keys with the adapter's name (vLLM 0.32): that is the namespace the event already names, not more."""
+    if not extra_keys:
+        return None
+    out = []
+    for key in extra_keys:
+        if isinstance(key, (list, tuple)) and key and lora_name is not None and key[0] == lora_name:
+            key = key[1:]
+        out.append(repr(key).encode() if key else b"")
+    return out if any(out) else None
 
 
 def leading_run(holds: Callable[[int], bool], end: int) -> int:

@@ -33,132 +33,27 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.core.facts import BlocksExpected, Publish, unshared
 from gateway.kv._blockindex import BlockIndex
 from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, decode_batch
-from gateway.kv.hashing import PromptHashes, namespace_root, prefix_hashes
+from gateway.kv.hashing import PromptHashes, extra_key_bytes, namespace_root, prefix_hashes
+from gateway.kv.views import (
+    APPROXIMATE,
+    BLOCK_SIZE,
+    EngineView,
+    EvictionListener,
+    IndexStats,
+    PodMatch,
+    closed_run,
+    leading_runs,
+    walk,
+)
 
 log = logging.getLogger("gateway.kv.index")
 
 _GPU_MEDIA = (None, "GPU", "gpu")
-# BlockIndex.view_field's fields.
-_BLOCK_SIZE, _APPROXIMATE, _LAST_SEQ, _GPU_BLOCKS, _BLOCKS, _ORPHANS, _EVICTIONS, _ENGINE_HASHES = range(8)
-
-
-@dataclass(slots=True)
-class IndexStats:
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    clears: int = 0
-    unknown_parent: int = 0
-    unknown_removed: int = 0
-    rejected: int = 0  # malformed BlockStored (token count mismatch, lookahead tokens)
-    evicted_for_memory: int = 0
-
-
-class EngineView:
-    """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
-    record in a block index (``bit``: its id there), whose fields the index's writer sets."""
-
-    __slots__ = ("_store", "bit", "model", "pod", "rank")
-
-    def __init__(self, store: BlockIndex, bit: int, pod: str, rank: int, model: str) -> None:
-        self._store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
-
-    @property
-    def store(self) -> BlockIndex:
-        return self._store
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.pod, self.rank)
-
-    @property
-    def block_size(self) -> int | None:
-        return self._store.view_field(self.bit, _BLOCK_SIZE) or None
-
-    @block_size.setter
-    def block_size(self, value: int | None) -> None:
-        self._store.set_view(self.bit, block_size=value or 0)
-
-    @property
-    def approximate(self) -> bool:
-        """Events of the view were lost for good: routing trusts it less until a clean base returns."""
-        return self._store.view_field(self.bit, _APPROXIMATE)
-
-    @approximate.setter
-    def approximate(self, value: bool) -> None:
-        self._store.set_view(self.bit, approximate=value)
-
-    @property
-    def last_seq(self) -> int:
-        return self._store.view_field(self.bit, _LAST_SEQ)
-
-    @last_seq.setter
-    def last_seq(self, value: int) -> None:
-        self._store.set_view(self.bit, last_seq=value)
-
-    @property
-    def blocks(self) -> int:
-        """Distinct blocks held in any tier."""
-        return self._store.view_field(self.bit, _BLOCKS)
-
-    @property
-    def gpu_blocks(self) -> int:
-        return self._store.view_field(self.bit, _GPU_BLOCKS)
-
-    @property
-    def orphans(self) -> int:
-        """Held GPU blocks whose parent the view does not hold (0: what it holds is closed under prefixes)."""
-        return self._store.view_field(self.bit, _ORPHANS)
-
-    @property
-    def evictions(self) -> int:
-        """BlockRemoved blocks: the engine reused a cached block's slot."""
-        return self._store.view_field(self.bit, _EVICTIONS)
-
-    @property
-    def engine_hashes(self) -> int:
-        return self._store.view_field(self.bit, _ENGINE_HASHES)
-
-
-@dataclass(slots=True)
-class PodMatch:
-    """Cached tokens of the prompt's prefix on one pod (the best of its ranks)."""
-
-    gpu_tokens: int = 0
-    offload_tokens: int = 0  # beyond the GPU run, found in the offload tier
-    speculative_tokens: int = 0  # of ``gpu_tokens``, expected from recent routing but not yet confirmed
-    approximate: bool = False
-
-
-class EvictionListener(Protocol):
-    """Told what the pods' events say their LRU did (:class:`~gateway.kv.free_queue.FreeQueues`)."""
-
-    def evicted(self, pod: str, blocks: Iterable[int]) -> None: ...
-
-    def cleared(self, pod: str, blocks: Iterable[int]) -> None: ...
-
-    def dropped(self, pod: str) -> None: ...
-
-
-def _extras(event: BlockStored) -> list[bytes] | None:
-    """Per block, what else the engine hashed into it besides the tokens, as bytes for the own hash (a block
-    with any can never match a prompt the gateway hashes). A LoRA request's blocks lead their keys with the
-    adapter's name (vLLM 0.32): that is the namespace the event already names (``lora_name``), not more."""
-    keys = event.extra_keys
-    if not keys:
-        return None
-    lora = event.lora_name
-    out = []
-    for key in keys:
-        if isinstance(key, (list, tuple)) and key and lora is not None and key[0] == lora:
-            key = key[1:]
-        out.append(repr(key).encode() if key else b"")
-    return out if any(out) else None
 
 
 class PrefixIndex:
@@ -327,7 +222,7 @@ class PrefixIndex:
                 self._store.count("unknown_parent")
                 return
             chained = parent
-        extras = _extras(event)
+        extras = extra_key_bytes(event.extra_keys, event.lora_name)
         try:
             owns = prefix_hashes(chained, tokens, bs, extras)
         except (OverflowError, TypeError):  # a token id that is no uint32
@@ -353,7 +248,7 @@ class PrefixIndex:
             out[pod] = None
             for view in self._by_pod.get(pod, ()):
                 try:
-                    bs = view.store.view_field(view.bit, _BLOCK_SIZE) or self._reported_block_size(view.pod)
+                    bs = view.store.view_field(view.bit, BLOCK_SIZE) or self._reported_block_size(view.pod)
                 except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
                     continue
                 if bs:
@@ -363,29 +258,13 @@ class PrefixIndex:
             # The engine always recomputes the last prompt token: it never counts as a hit.
             usable = (hashes.token_count - 1) // bs
             offloaded = store.offload_held() > 0
-            for view, confirmed in zip(views, self._runs(store, [v.bit for v in views], hashes, bs, usable),
+            for view, confirmed in zip(views, leading_runs(store, [v.bit for v in views], hashes, bs, usable),
                                        strict=True):
                 match = self._match(store, view, hashes, bs, usable, confirmed, offloaded, now)
                 best = out[view.pod]
                 if best is None or match.gpu_tokens > best.gpu_tokens:
                     out[view.pod] = match
         return {pod: match or PodMatch() for pod, match in out.items()}
-
-    @staticmethod
-    def _runs(store: BlockIndex, bits: list[int], prompt: PromptHashes, bs: int, usable: int) -> list[int]:
-        """Each view's run of leading blocks on its GPU tier: each pass checks the last of the hashes known so far
-        (bisecting below it when it is not held, or walking a view with orphans); the views whose run reached it
-        go on with twice as many; the prompt is hashed no further than about twice the longest run."""
-        count = min(usable, 16)
-        runs = store.runs(bits, None, prompt.first(bs, count), count)
-        going = [i for i, run in enumerate(runs) if run == count < usable]
-        while going:
-            count = min(usable, 2 * count)
-            more = store.runs([bits[i] for i in going], [runs[i] for i in going], prompt.first(bs, count), count)
-            for i, run in zip(going, more, strict=True):
-                runs[i] = run
-            going = [i for i in going if runs[i] == count < usable]
-        return runs
 
     def _match(self, store: BlockIndex, view: EngineView, hashes: PromptHashes, bs: int, usable: int, confirmed: int,
                offloaded: bool, now: float) -> PodMatch:
@@ -394,36 +273,13 @@ class PrefixIndex:
             expected = self._speculative.get(hashes.first(bs, confirmed + 1)[confirmed])
             if expected is not None and expected.get(bit, 0.0) > now:
                 gpu = self._speculative_run(store, bit, hashes, bs, usable, confirmed, now)
-        any_tier = self._walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) \
+        any_tier = walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) \
             if offloaded and confirmed < usable else confirmed
         try:
-            approximate = store.view_field(bit, _APPROXIMATE)
+            approximate = store.view_field(bit, APPROXIMATE)
         except KeyError:
             approximate = False
         return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, approximate)
-
-    @staticmethod
-    def _closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
-        """The run of leading blocks on the GPU tier of a view closed under prefixes: each pass checks the last
-        of the hashes known so far, and bisects below it when it is not held; the prompt is hashed no further
-        than about twice the run."""
-        low, count = 0, min(usable, 16)
-        while True:
-            low = store.run(bit, prompt.first(bs, count), low, count)
-            if low < count or count >= usable:
-                return low
-            count = min(usable, 2 * count)
-
-    @staticmethod
-    def _walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
-              any_tier: bool = False) -> int:
-        """The run from ``start`` on, block by block, on the GPU tier (or either tier)."""
-        i, count = start, min(usable, start + 8)
-        while True:
-            i = store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
-            if i < count or count >= usable:
-                return i
-            count = min(usable, 2 * count)
 
     def _speculative_run(self, store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
                          now: float) -> int:
@@ -454,7 +310,7 @@ class PrefixIndex:
             by_bit = self._pod_of_bit.get(store, {})
             for bs in self._block_sizes(store, by_bit, now):
                 usable = (prompt.token_count - 1) // bs
-                deepest = self._closed_run(store, -1, prompt, bs, usable)
+                deepest = closed_run(store, -1, prompt, bs, usable)
                 hashes = prompt.first(bs, min(usable, deepest + 1))
                 if self._speculative and deepest < len(hashes):
                     self._expected_holders(hashes[deepest], by_bit, names)
@@ -475,7 +331,7 @@ class PrefixIndex:
             sizes = set()
             for bit, pod in bits.items():
                 with contextlib.suppress(KeyError):
-                    if bs := store.view_field(bit, _BLOCK_SIZE) or self._reported_block_size(pod):
+                    if bs := store.view_field(bit, BLOCK_SIZE) or self._reported_block_size(pod):
                         sizes.add(bs)
             self._sizes[store] = (now, sizes)
         return sizes

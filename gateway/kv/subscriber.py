@@ -30,7 +30,8 @@ import zmq.asyncio
 
 from gateway.background import LoopShare, Turn, cancel_and_wait
 from gateway.kv.events import END_OF_REPLAY_SEQ, BadEventBatch, decode_seq, encode_seq
-from gateway.kv.index import EngineView, PrefixIndex
+from gateway.kv.index import PrefixIndex
+from gateway.kv.views import EngineView
 
 log = logging.getLogger("gateway.kv.subscriber")
 

@@ -16,9 +16,10 @@ from typing import Any
 from gateway.backends.registry import PodRegistry
 from gateway.core.retention import declared_retention_s
 from gateway.kv.approx import ApproximatePrefixIndex
+from gateway.kv.contexts import Context, shared_blocks
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import Context, ResumableWorkingSet, shared_blocks
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Attempt, ClientRequest

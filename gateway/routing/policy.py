@@ -19,9 +19,11 @@ from gateway.core.requests import RequestKind
 
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex
+    from gateway.kv.contexts import Context
     from gateway.kv.hashing import PromptHashes
-    from gateway.kv.index import PodMatch, PrefixIndex
-    from gateway.kv.working_set import Context, ResumableWorkingSet
+    from gateway.kv.index import PrefixIndex
+    from gateway.kv.views import PodMatch
+    from gateway.kv.working_set import ResumableWorkingSet
     from gateway.load.ledger import InFlightLedger
     from gateway.load.pending import Estimate, PendingLoad
     from gateway.metrics import GatewayMetrics

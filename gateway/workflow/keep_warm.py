@@ -41,9 +41,10 @@ from typing import Any
 from gateway.backends.registry import PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import KeepWarmConfig
+from gateway.kv.contexts import Context, RunningMean
 from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
-from gateway.kv.working_set import Context, ResumableWorkingSet, RunningMean
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.metrics import GatewayMetrics

@@ -34,8 +34,9 @@ from gateway.core.requests import RequestKind, parse_inference_request
 from gateway.core.usage import PromptTokensDetails, Usage
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
-from gateway.kv.index import PodMatch, PrefixIndex
+from gateway.kv.index import PrefixIndex
 from gateway.kv.verification import PredictionVerifier
+from gateway.kv.views import PodMatch
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad

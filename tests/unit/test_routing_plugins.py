@@ -12,7 +12,8 @@ from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PlacementConfig, PodConfig
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.events import BlockStored
-from gateway.kv.index import PodMatch, PrefixIndex
+from gateway.kv.index import PrefixIndex
+from gateway.kv.views import PodMatch
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, Estimate, PendingLoad

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from gateway.config import PlacementConfig, load_config
-from gateway.kv.working_set import Context, ResumableWorkingSet, shared_blocks
+from gateway.kv.contexts import Context, shared_blocks
+from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import Dispatch, InFlightLedger
 
 BS = 16

@@ -1,0 +1,154 @@
+"""What the prefix index keeps of each engine (its views) and says of a prompt on a pod (a match), and the walks
+that find how far a prompt's blocks run in a view.
+
+A view is a handle on its record in a :class:`~gateway.kv._blockindex.BlockIndex`, whose fields the index's
+writer (:class:`~gateway.kv.index.PrefixIndex`) sets; the walks only read a block index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.kv._blockindex import BlockIndex
+from gateway.kv.hashing import PromptHashes
+
+# BlockIndex.view_field's fields.
+BLOCK_SIZE, APPROXIMATE, LAST_SEQ, GPU_BLOCKS, BLOCKS, ORPHANS, EVICTIONS, ENGINE_HASHES = range(8)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    unknown_parent: int = 0
+    unknown_removed: int = 0
+    rejected: int = 0  # malformed BlockStored (token count mismatch, lookahead tokens)
+    evicted_for_memory: int = 0
+
+
+class EngineView:
+    """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
+    record in a block index (``bit``: its id there), whose fields the index's writer sets."""
+
+    __slots__ = ("_store", "bit", "model", "pod", "rank")
+
+    def __init__(self, store: BlockIndex, bit: int, pod: str, rank: int, model: str) -> None:
+        self._store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
+
+    @property
+    def store(self) -> BlockIndex:
+        return self._store
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.pod, self.rank)
+
+    @property
+    def block_size(self) -> int | None:
+        return self._store.view_field(self.bit, BLOCK_SIZE) or None
+
+    @block_size.setter
+    def block_size(self, value: int | None) -> None:
+        self._store.set_view(self.bit, block_size=value or 0)
+
+    @property
+    def approximate(self) -> bool:
+        """Events of the view were lost for good: routing trusts it less until a clean base returns."""
+        return self._store.view_field(self.bit, APPROXIMATE)
+
+    @approximate.setter
+    def approximate(self, value: bool) -> None:
+        self._store.set_view(self.bit, approximate=value)
+
+    @property
+    def last_seq(self) -> int:
+        return self._store.view_field(self.bit, LAST_SEQ)
+
+    @last_seq.setter
+    def last_seq(self, value: int) -> None:
+        self._store.set_view(self.bit, last_seq=value)
+
+    @property
+    def blocks(self) -> int:
+        """Distinct blocks held in any tier."""
+        return self._store.view_field(self.bit, BLOCKS)
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self._store.view_field(self.bit, GPU_BLOCKS)
+
+    @property
+    def orphans(self) -> int:
+        """Held GPU blocks whose parent the view does not hold (0: what it holds is closed under prefixes)."""
+        return self._store.view_field(self.bit, ORPHANS)
+
+    @property
+    def evictions(self) -> int:
+        """BlockRemoved blocks: the engine reused a cached block's slot."""
+        return self._store.view_field(self.bit, EVICTIONS)
+
+    @property
+    def engine_hashes(self) -> int:
+        return self._store.view_field(self.bit, ENGINE_HASHES)
+
+
+@dataclass(slots=True)
+class PodMatch:
+    """Cached tokens of the prompt's prefix on one pod (the best of its ranks)."""
+
+    gpu_tokens: int = 0
+    offload_tokens: int = 0  # beyond the GPU run, found in the offload tier
+    speculative_tokens: int = 0  # of ``gpu_tokens``, expected from recent routing but not yet confirmed
+    approximate: bool = False
+
+
+class EvictionListener(Protocol):
+    """Told what the pods' events say their LRU did (:class:`~gateway.kv.free_queue.FreeQueues`)."""
+
+    def evicted(self, pod: str, blocks: Iterable[int]) -> None: ...
+
+    def cleared(self, pod: str, blocks: Iterable[int]) -> None: ...
+
+    def dropped(self, pod: str) -> None: ...
+
+
+def leading_runs(store: BlockIndex, bits: list[int], prompt: PromptHashes, bs: int, usable: int) -> list[int]:
+    """Each view's run of leading blocks on its GPU tier: each pass checks the last of the hashes known so far
+    (bisecting below it when it is not held, or walking a view with orphans); the views whose run reached it
+    go on with twice as many; the prompt is hashed no further than about twice the longest run."""
+    count = min(usable, 16)
+    runs = store.runs(bits, None, prompt.first(bs, count), count)
+    going = [i for i, run in enumerate(runs) if run == count < usable]
+    while going:
+        count = min(usable, 2 * count)
+        more = store.runs([bits[i] for i in going], [runs[i] for i in going], prompt.first(bs, count), count)
+        for i, run in zip(going, more, strict=True):
+            runs[i] = run
+        going = [i for i in going if runs[i] == count < usable]
+    return runs
+
+
+def closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
+    """The run of leading blocks on the GPU tier of a view closed under prefixes: each pass checks the last
+    of the hashes known so far, and bisects below it when it is not held; the prompt is hashed no further
+    than about twice the run."""
+    low, count = 0, min(usable, 16)
+    while True:
+        low = store.run(bit, prompt.first(bs, count), low, count)
+        if low < count or count >= usable:
+            return low
+        count = min(usable, 2 * count)
+
+
+def walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+         any_tier: bool = False) -> int:
+    """The run from ``start`` on, block by block, on the GPU tier (or either tier)."""
+    i, count = start, min(usable, start + 8)
+    while True:
+        i = store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
+        if i < count or count >= usable:
+            return i
+        count = min(usable, 2 * count)
