@@ -263,9 +263,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
             rules.reconfigure(models)
             adapters.reconfigure(models)
 
-        reloader = ConfigReloader(source, flow.reconfigure, ReloadMetrics(metrics.registry),
-                                  config.server.config_watch_interval_s,
-                                  {"models": reconfigure_models, "limits": limits.reconfigure})
+        reloader = ConfigReloader(source, {"flow_control": flow.reconfigure, "models": reconfigure_models,
+                                           "limits": limits.reconfigure, "routing": router.reconfigure},
+                                  ReloadMetrics(metrics.registry), config.server.config_watch_interval_s,
+                                  checks={"routing": router.check})
     front = FrontDoor(auth, director, counting, proxy, pods, rules, responses, workflows, config.server)
     return Gateway(
         config=config, front=front, http=http, pods=pods, metrics=metrics, ledger=ledger, router=router,

@@ -4,15 +4,19 @@ The config file is read again when its bytes change (checked every ``server.conf
 Kubernetes ConfigMap mounted as a volume changes in place) or when the process gets SIGHUP. What applies
 live is handed to its owner: ``flow_control`` (flows, tenants and their weights, objectives, API-key
 tenants, token weights, saturation thresholds, queue limits), all but ``enabled``, which decides whether the
-flow-control step is in the pipeline at all; ``models`` (public names, splits, fallbacks, adapters); and
-``limits`` (token and concurrency limits per key and tenant). Any other section that changed is logged as
-waiting for a restart, and counted. A file that cannot be read or does not validate is logged and counted,
-and the running config stays whole: a reload applies everything it can or nothing.
+flow-control step is in the pipeline at all; ``models`` (public names, splits, fallbacks, adapters);
+``limits`` (token and concurrency limits per key and tenant); and ``routing`` (the default policy, the
+declared profiles, the shipped ones' options, the shortlist size), all but ``max_retries`` and
+``allow_strategy_header``. Any other section or field that changed is logged as waiting for a restart, and
+counted. A file that cannot be read or does not validate (routing profiles included: each is built before
+anything is applied) is logged and counted, and the running config stays whole: a reload applies everything
+it can or nothing.
 
 Owner: the :class:`ConfigReloader` owns the config source in force (the last valid one read) and whether
 the last reload worked. The parts it applies are owned by their components (flow control: the
 :class:`~gateway.flow.controller.FlowController`; models: :class:`~gateway.models.rules.ModelRules` and the
-adapters; limits: :class:`~gateway.limits.enforcer.KeyLimits`).
+adapters; limits: :class:`~gateway.limits.enforcer.KeyLimits`; routing: the
+:class:`~gateway.routing.router.Router`).
 """
 
 from __future__ import annotations
@@ -26,30 +30,36 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.background import cancel_and_wait
-from gateway.config import ConfigError, ConfigSource, FlowControlConfig, GatewayConfig, file_digest
+from gateway.config import ConfigError, ConfigSource, GatewayConfig, file_digest
 
 log = logging.getLogger("gateway.config")
 
-# The sections of the config that apply without a restart.
-LIVE_SECTIONS = frozenset({"flow_control", "models", "limits"})
+# The sections of the config that apply without a restart, less the fields of theirs that need one (they
+# decide what is built: whether flow control is in the pipeline; what the director was given).
+LIVE_SECTIONS = frozenset({"flow_control", "models", "limits", "routing"})
+RESTART_FIELDS = {"flow_control": ("enabled",), "routing": ("max_retries", "allow_strategy_header")}
 OUTCOMES = ("applied", "unchanged", "restart_needed", "invalid")
 
 
+def as_running(section: str, fresh: Any, running: Any) -> Any:
+    """Section ``fresh`` with the fields that need a restart as they run (``running``'s)."""
+    kept = RESTART_FIELDS.get(section, ())
+    return msgspec.structs.replace(fresh, **{f: getattr(running, f) for f in kept}) if kept else fresh
+
+
 def changed_sections(old: GatewayConfig, new: GatewayConfig) -> tuple[list[str], list[str]]:
-    """The sections that differ, split into (applied live, needing a restart)."""
+    """The sections (or fields) that differ, split into (applied live, needing a restart)."""
     live, restart = [], []
     for name in old.__struct_fields__:
         before, after = getattr(old, name), getattr(new, name)
         if before == after:
             continue
-        if name == "flow_control" and before.enabled != after.enabled:
-            restart.append("flow_control.enabled")
-            if msgspec.structs.replace(before, enabled=after.enabled) != after:
-                live.append(name)
-        elif name in LIVE_SECTIONS:
-            live.append(name)
-        else:
+        if name not in LIVE_SECTIONS:
             restart.append(name)
+            continue
+        restart += [f"{name}.{f}" for f in RESTART_FIELDS.get(name, ()) if getattr(before, f) != getattr(after, f)]
+        if as_running(name, after, before) != before:
+            live.append(name)
     return live, restart
 
 
@@ -72,13 +82,14 @@ class ReloadMetrics:
 
 
 class ConfigReloader:
-    def __init__(self, source: ConfigSource, apply_flow_control: Callable[[FlowControlConfig], None],
-                 metrics: ReloadMetrics, interval_s: float,
-                 appliers: Mapping[str, Callable[[Any], None]] | None = None) -> None:
+    def __init__(self, source: ConfigSource, appliers: Mapping[str, Callable[[Any], None]], metrics: ReloadMetrics,
+                 interval_s: float, checks: Mapping[str, Callable[[Any], None]] | None = None) -> None:
+        """``appliers``: each live section's owner, by section, taking the section whole; ``checks``: for a
+        section whose validity only its owner can judge (``routing``: its plugins' options), a call that raises
+        what applying it would, run before anything is applied."""
         self.source = source
-        self._apply_flow_control = apply_flow_control
-        # The other live sections' owners, by section (``models``, ``limits``): each takes its section whole.
-        self._appliers = dict(appliers or {})
+        self._appliers = dict(appliers)
+        self._checks = dict(checks or {})
         self._metrics = metrics
         self._interval_s = interval_s
         self._digest = source.digest  # the bytes the running config was read from
@@ -124,14 +135,20 @@ class ConfigReloader:
             return "invalid"
         self._digest = fresh.digest
         live, restart = changed_sections(self.source.loaded, fresh.loaded)
-        if "flow_control" in live:
-            self._apply_flow_control(
-                msgspec.structs.replace(fresh.loaded.flow_control, enabled=self.source.loaded.flow_control.enabled))
+        running = self._running(fresh.loaded, live)
+        try:
+            for name in live:
+                if (check := self._checks.get(name)) is not None:
+                    check(getattr(running, name))
+        except (ConfigError, ValueError, LookupError) as exc:  # the plugins' errors: a bad name or options
+            log.error("config reload refused, the running config stays: %s", exc)
+            self._metrics.observe("invalid")
+            return "invalid"
         for name in live:
             if (apply := self._appliers.get(name)) is not None:
-                apply(getattr(fresh.loaded, name))
+                apply(getattr(running, name))
         # What waits for a restart stays as it runs, so that it is reported again until then.
-        self.source = msgspec.structs.replace(fresh, loaded=self._running(fresh.loaded, live))
+        self.source = msgspec.structs.replace(fresh, loaded=running)
         outcome = "restart_needed" if restart else "applied" if live else "unchanged"
         if restart:
             log.warning("config reloaded: %s applied; %s changed and applies after a restart",
@@ -142,8 +159,8 @@ class ConfigReloader:
         return outcome
 
     def _running(self, fresh: GatewayConfig, live: list[str]) -> GatewayConfig:
-        """The config in force after a reload: the live sections from ``fresh``, the rest as they were."""
-        running = msgspec.structs.replace(self.source.loaded, **{name: getattr(fresh, name) for name in live})
-        enabled = self.source.loaded.flow_control.enabled
-        return msgspec.structs.replace(running, flow_control=msgspec.structs.replace(running.flow_control,
-                                                                                     enabled=enabled))
+        """The config in force after a reload: the live sections from ``fresh`` (less the fields that need a
+        restart), the rest as they were."""
+        old = self.source.loaded
+        return msgspec.structs.replace(old, **{name: as_running(name, getattr(fresh, name), getattr(old, name))
+                                               for name in live})

@@ -58,6 +58,10 @@ class Profiles:
     def names(self) -> list[str]:
         return sorted({*self._shipped.names(), *self._declared})
 
+    def configured(self) -> set[str]:
+        """The profiles the config names: declared, or shipped with options set."""
+        return {*self._options, *self._declared}
+
     def profile(self, name: str) -> ProfileConfig:
         """The declaration of profile ``name`` (a shipped one's with its ``routing.options``); raises
         :class:`~gateway.plugin_registry.UnknownPlugin` when no profile has that name."""

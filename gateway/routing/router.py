@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
-from gateway.config import ProfileConfig
+from gateway.config import ProfileConfig, RoutingConfig
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
 from gateway.routing.candidates import Shortlist
@@ -43,12 +43,28 @@ class Router:
         self._context = context
         # ``plugins``: the shipped profiles (``gateway.policies``), ``options`` their settings; ``profiles``
         # those declared in ``routing.profiles``.
+        self._plugins = plugins
         self.profiles = Profiles(plugins, options, profiles or {})
-        self._policies: dict[str, Policy] = {}
         self.default_policy = default_policy
         # Fail at start on an unknown default, and on any policy's bad options (not at its first use).
-        for name in {default_policy, *options, *(profiles or {})}:
-            self.policy(name)
+        self._policies = self._built(self.profiles, default_policy)
+
+    def _built(self, profiles: Profiles, default_policy: str) -> dict[str, Policy]:
+        """Every policy the config names, built (raises on an unknown one or bad options)."""
+        return {name: profiles.build(name, self._context) for name in {default_policy, *profiles.configured()}}
+
+    def check(self, routing: RoutingConfig) -> None:
+        """Raises what :meth:`reconfigure` would on ``routing``, changing nothing."""
+        self._built(Profiles(self._plugins, routing.options, routing.profiles), routing.policy)
+
+    def reconfigure(self, routing: RoutingConfig) -> None:
+        """A reloaded ``routing`` section: the default policy, profiles, options and shortlist size. Its policies
+        are built anew, all before any replaces the running ones (a bad one raises and changes nothing); a
+        request already routed keeps the policy it had."""
+        profiles = Profiles(self._plugins, routing.options, routing.profiles)
+        policies = self._built(profiles, routing.policy)
+        self.profiles, self._policies, self.default_policy = profiles, policies, routing.policy
+        self._shortlist.limit = routing.max_candidates
 
     def policy(self, name: str) -> Policy:
         """The policy named ``name``, built on first use and kept (its state persists)."""

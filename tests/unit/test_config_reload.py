@@ -37,7 +37,9 @@ class Applied:
 
 def reloader_for(path: Path, interval_s: float = 0.0) -> tuple[ConfigReloader, Applied, CollectorRegistry]:
     applied, registry = Applied(), CollectorRegistry()
-    return ConfigReloader(ConfigSource.read(str(path)), applied, ReloadMetrics(registry), interval_s), applied, registry
+    reloader = ConfigReloader(ConfigSource.read(str(path)), {"flow_control": applied}, ReloadMetrics(registry),
+                              interval_s)
+    return reloader, applied, registry
 
 
 def reloads(registry: CollectorRegistry, outcome: str) -> float:
@@ -49,7 +51,12 @@ def test_sections_split_into_live_and_restart():
     objectives = load_config(overrides=with_flow(objectives={"chat": {"priority": 5}}))
     assert changed_sections(old, objectives) == (["flow_control"], [])
     policy = load_config(overrides={**BASE, "routing": {"policy": "kv_aware"}})
-    assert changed_sections(old, policy) == ([], ["routing"])
+    assert changed_sections(old, policy) == (["routing"], [])
+    # The director was given its retries: a restart; the shortlist size that came with them applies now.
+    retries = load_config(overrides={**BASE, "routing": {"max_retries": 5, "max_candidates": 4}})
+    assert changed_sections(old, retries) == (["routing"], ["routing.max_retries"])
+    port = load_config(overrides={**BASE, "server": {"port": 9999}})
+    assert changed_sections(old, port) == ([], ["server"])
     # Turning flow control off changes the pipeline: a restart; the weights that came with it apply now.
     off = load_config(overrides=with_flow(enabled=False, tenants={"A": {"weight": 2}}))
     assert changed_sections(old, off) == (["flow_control"], ["flow_control.enabled"])
@@ -92,14 +99,14 @@ async def test_what_needs_a_restart_is_logged_until_then_and_the_rest_applies(tm
     path = tmp_path / "gateway.yaml"
     write(path, BASE)
     reloader, applied, registry = reloader_for(path)
-    write(path, {**with_flow(enabled=False, max_wait_s=7), "routing": {"policy": "kv_aware"}})
+    write(path, {**with_flow(enabled=False, max_wait_s=7), "server": {"port": 9999}})
     with caplog.at_level(logging.WARNING, "gateway.config"):
         assert await reloader.reload() == "restart_needed"
-    assert "routing, flow_control.enabled changed and applies after a restart" in caplog.text
+    assert "server, flow_control.enabled changed and applies after a restart" in caplog.text
     # The live part applies; flow control stays on, as the pipeline was built.
     assert applied.configs[-1].max_wait_s == 7 and applied.configs[-1].enabled
     running = reloader.source.loaded
-    assert running.routing.policy == "round_robin" and running.flow_control.enabled
+    assert running.server.port != 9999 and running.flow_control.enabled
     assert await reloader.reload() == "restart_needed" and len(applied.configs) == 1
     assert reloads(registry, "restart_needed") == 2
 
@@ -121,7 +128,8 @@ async def test_the_file_is_watched_and_a_signal_rereads_it(tmp_path):
 
 
 async def test_without_a_file_there_is_nothing_to_watch():
-    reloader = ConfigReloader(ConfigSource.read(None, BASE), Applied(), ReloadMetrics(CollectorRegistry()), 0.01)
+    reloader = ConfigReloader(ConfigSource.read(None, BASE), {"flow_control": Applied()},
+                              ReloadMetrics(CollectorRegistry()), 0.01)
     await reloader.start()
     reloader.request()  # nothing to read: ignored
     await reloader.stop()
@@ -150,3 +158,31 @@ async def test_model_rules_adapters_and_limits_apply_to_a_running_gateway(tmp_pa
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "mini"}}}})  # a bad rule: nothing changes
     assert await gateway.reloader.reload() == "invalid"
     assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
+
+
+async def test_routing_profiles_default_and_shortlist_apply_to_a_running_gateway_or_nothing_does(tmp_path, caplog):
+    """A declared profile, its weights, the default policy and the shortlist size change on reload; a profile
+    naming an unknown scorer is refused before anything applies (the flow-control change beside it too)."""
+    from gateway.app import build_gateway
+
+    path = tmp_path / "gateway.yaml"
+    write(path, BASE)
+    source = ConfigSource.read(str(path))
+    gateway = build_gateway(source.loaded, source=source)
+    router = gateway.router
+    assert router.default_policy == "round_robin" and "mine" not in router.profiles.names()
+    profile = {"filters": ["saturated"], "scorers": [{"name": "prefix", "weight": 3}, "load"]}
+    write(path, {**with_flow(max_queued=9), "routing": {"policy": "mine", "profiles": {"mine": profile},
+                                                        "max_candidates": 4, "max_retries": 7}})
+    assert gateway.reloader is not None and await gateway.reloader.reload() == "restart_needed"
+    policy = router.resolve(None)
+    assert router.default_policy == "mine" and policy.name == "mine"
+    assert [ws.weight for ws in policy.scorers] == [3, 1]
+    assert router._shortlist.limit == 4 and gateway.flow.config.max_queued == 9
+    assert gateway.reloader.source.loaded.routing.max_retries == 2  # the director keeps its retries until a restart
+    bad = {**profile, "scorers": [{"name": "no_such_scorer"}]}
+    write(path, {**with_flow(max_queued=11), "routing": {"policy": "mine", "profiles": {"mine": bad}}})
+    with caplog.at_level(logging.ERROR, "gateway.config"):
+        assert await gateway.reloader.reload() == "invalid"
+    assert "no_such_scorer" in caplog.text
+    assert router.resolve(None) is policy and router._shortlist.limit == 4 and gateway.flow.config.max_queued == 9
