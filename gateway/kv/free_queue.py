@@ -99,28 +99,15 @@ class _PodQueue:
     # A request's prompt
 
     def take(self, chain: Sequence[int]) -> None:
-        n = len(chain)
-        parent, siblings, depth = None, self.roots, 0
-        while depth < n and (run := siblings.get(chain[depth])) is not None:
-            self.stats.runs_walked += 1
-            end = run.match(chain, n)
-            if end < run.hi:
-                run = self._split(run, end)[0]
+        path = self._path(chain)
+        for run in path:
             self._hold(run)
-            parent, siblings, depth = run, run.children, end
-        if depth < n:
-            self._grow(parent, siblings, chain, depth)
+        parent = path[-1] if path else None
+        if (depth := parent.hi if parent else 0) < len(chain):
+            self._grow(parent, parent.children if parent else self.roots, chain, depth)
 
     def give_back(self, chain: Sequence[int], cached: int) -> None:
-        path: list[_Run] = []
-        siblings, depth, n = self.roots, 0, len(chain)
-        while depth < n and (run := siblings.get(chain[depth])) is not None:
-            self.stats.runs_walked += 1
-            end = run.match(chain, n)
-            if end < run.hi:
-                run = self._split(run, end)[0]
-            path.append(run)
-            siblings, depth = run.children, end
+        path = self._path(chain)
         for run in reversed(path):  # tail first: the deepest run is evicted first
             self._release(run, cached)
         if path:  # heal the cuts that no longer part anything: a free run and its only child, just ahead
@@ -131,6 +118,20 @@ class _PodQueue:
                     upper = self._merge(upper, lower)
                 else:
                     upper = lower
+
+    def _path(self, chain: Sequence[int]) -> list[_Run]:
+        """The runs ``chain`` follows from the root, the last one cut where the chain leaves it (so that the
+        last run ends at the depth the chain reaches)."""
+        path: list[_Run] = []
+        siblings, depth, n = self.roots, 0, len(chain)
+        while depth < n and (run := siblings.get(chain[depth])) is not None:
+            self.stats.runs_walked += 1
+            end = run.match(chain, n)
+            if end < run.hi:
+                run = self._split(run, end)[0]
+            path.append(run)
+            siblings, depth = run.children, end
+        return path
 
     def _grow(self, parent: _Run | None, siblings: dict[int, _Run], chain: Sequence[int], depth: int) -> None:
         """The prompt's blocks from ``depth`` on are new here: they join ``parent`` where only this request

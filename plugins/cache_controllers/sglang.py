@@ -7,23 +7,19 @@ import aiohttp
 
 from gateway.backends.registry import Pod
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.workflow.actions import FlushOutcome
-
-TIMEOUT = aiohttp.ClientTimeout(total=10)
+from gateway.workflow.actions import FlushOutcome, post_flush
 
 
 class SglangCacheController:
     name = "sglang"
 
     async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]:
-        try:
-            async with session.post(f"{pod.url}/flush_cache", timeout=TIMEOUT) as resp:
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return "refused", str(exc)
-        if resp.status == 404:
+        status, text = await post_flush(session, f"{pod.url}/flush_cache")
+        if status == 0:
+            return "refused", text
+        if status == 404:
             return "failed", "no /flush_cache"
-        if "not flushed" in text.lower() or resp.status >= 400:
+        if "not flushed" in text.lower() or status >= 400:
             return "refused", text[:200]
         return "done", text[:200]
 

@@ -7,27 +7,23 @@ import aiohttp
 
 from gateway.backends.registry import Pod
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.workflow.actions import FlushOutcome
-
-TIMEOUT = aiohttp.ClientTimeout(total=10)
+from gateway.workflow.actions import FlushOutcome, post_flush
 
 
 class VllmCacheController:
     name = "vllm"
 
     async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]:
-        try:
-            async with session.post(f"{pod.url}/reset_prefix_cache", timeout=TIMEOUT) as resp:
-                text = await resp.text()
-                if resp.status == 404:
-                    return "failed", "no /reset_prefix_cache (is VLLM_SERVER_DEV_MODE=1 set?)"
-                if resp.status >= 500:
-                    return "refused", f"HTTP {resp.status}"
-                if resp.status >= 400 or '"success": false' in text or '"success":false' in text:
-                    return "refused", text[:200] or f"HTTP {resp.status}"
-                return "done", text[:200]
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return "refused", str(exc)
+        status, text = await post_flush(session, f"{pod.url}/reset_prefix_cache")
+        if status == 0:
+            return "refused", text
+        if status == 404:
+            return "failed", "no /reset_prefix_cache (is VLLM_SERVER_DEV_MODE=1 set?)"
+        if status >= 500:
+            return "refused", f"HTTP {status}"
+        if status >= 400 or '"success": false' in text or '"success":false' in text:
+            return "refused", text[:200] or f"HTTP {status}"
+        return "done", text[:200]
 
 
 def build(context: None, options: NoOptions) -> VllmCacheController:
