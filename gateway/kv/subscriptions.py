@@ -108,7 +108,7 @@ class KvEventService:
     async def stop(self) -> None:
         await cancel_and_wait(self._follower)
         # All at once: one by one, each waits a turn of a loop that a thousand pods' events keep busy (26 s
-        # to stop 1,000 subscriptions under a firehose of 600k block events/s, 0.1 s together).
+        # to stop 1,000 subscriptions under a firehose of 600k block events/s; the whole gateway stops in 1.3 s now).
         subs = self.subscribers()
         for sub, outcome in zip(subs, await asyncio.gather(*(s.stop() for s in subs), return_exceptions=True),
                                 strict=True):
