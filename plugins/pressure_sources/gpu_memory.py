@@ -4,6 +4,7 @@ index}``. Without the library or a GPU a source is unavailable and the monitor f
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from gateway.backends.registry import Pod
@@ -41,11 +42,15 @@ class RocmSmiSource:
         return self._rocml.smi_get_device_memory_used(index) / total if total else None
 
 
-def build_nvml(context: PressureContext, options: DeviceOptions) -> NvmlSource:
+def _library(module: str, package: str) -> Any:
     try:
-        import pynvml
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise PressureSourceUnavailable("nvidia-ml-py is not installed") from exc
+        raise PressureSourceUnavailable(f"{package} is not installed") from exc
+
+
+def build_nvml(context: PressureContext, options: DeviceOptions) -> NvmlSource:
+    pynvml = _library("pynvml", "nvidia-ml-py")
     try:
         pynvml.nvmlInit()
         return NvmlSource(pynvml, options.devices)
@@ -54,10 +59,7 @@ def build_nvml(context: PressureContext, options: DeviceOptions) -> NvmlSource:
 
 
 def build_rocm_smi(context: PressureContext, options: DeviceOptions) -> RocmSmiSource:
-    try:
-        from pyrsmi import rocml
-    except ImportError as exc:
-        raise PressureSourceUnavailable("pyrsmi is not installed") from exc
+    rocml = _library("pyrsmi.rocml", "pyrsmi")
     try:
         rocml.smi_initialize()
     except Exception as exc:  # the library raises its own types when no ROCm device or driver is present
