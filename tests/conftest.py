@@ -41,6 +41,11 @@ class RunningGateway:
     def gateway(self) -> Gateway:
         return self.app[GATEWAY_KEY]
 
+    async def serving(self, model: str) -> None:
+        """Until a healthy pod serves ``model``: on a loaded machine the first health check (before the gateway
+        serves) can time out, and the pod is back a few checks later."""
+        await eventually(lambda: any(p.healthy and p.serves(model) for p in self.gateway.pods.all()))
+
 
 async def serve_app(app: web.Application) -> web.AppRunner:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1, **SERVER_OPTIONS)

@@ -131,12 +131,14 @@ class AdapterServed(Fact):
 
 # Key and tenant limits: tokens a scope (``key:<name>``, ``tenant:<id>``) used in a wall-clock minute (a
 # correction may be negative), its requests began (+1) or ended (-1), and every heartbeat a process's own
-# counts whole (minutes and days: (scope, index, input, output)), replacing what came before.
+# counts whole (minutes and days: (scope, index, input, output)), replacing what came before. ``sent``: the
+# charging process's wall clock (0: not said), from which the others learn how late they hear of a charge.
 class UsageCharged(Fact):
     scope: str
     minute: int
     input_tokens: int
     output_tokens: int
+    sent: float = 0.0
 
 
 class ScopeRequests(Fact):

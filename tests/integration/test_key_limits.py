@@ -54,9 +54,20 @@ def minute_to_spare(seconds: float = 12.0) -> float:
     return 60.5 - into if into > 60 - seconds else 0.0
 
 
-async def flood(http, gateways, key: str, until_refused_s: float = 0.4) -> tuple[int, int]:
-    """Requests from 16 clients spread over ``gateways`` until every client was refused for a while:
-    (prompt tokens served, as the engine counted them; requests refused)."""
+def sliding(limit: float, started: float) -> float:
+    """What a minute's limit lets through by now of a burst that began at ``started``: all of it within that
+    wall-clock minute; past its end the burst's minute weighs only its part still inside the sliding window,
+    so more fits (a loaded machine can stretch the burst past the minute it was given)."""
+    now = time.time()
+    if int(now // 60) == int(started // 60):
+        return limit
+    return limit / (1 - (now % 60) / 60)
+
+
+async def flood(http, gateways, key: str, until_refused_s: float = 2.5) -> tuple[int, int]:
+    """Requests from 16 clients spread over ``gateways`` until every client was refused for a while (longer
+    than a charge may stay unconfirmed: a limit nearly reached lets requests in again by then): (prompt tokens
+    served, as the engine counted them; requests refused)."""
     served, refused = 0, 0
 
     async def client(n: int) -> None:
@@ -125,13 +136,18 @@ async def test_two_replicas_of_two_workers_serve_a_minutes_tokens_within_5_perce
     gateways = [await start_gateway(pods, identity=identity, **config) for identity in identities]
     await eventually(lambda: all(len(g.gateway.bus.peers) == 3 for g in gateways), within_s=10)
     await asyncio.sleep(minute_to_spare())
+    started = time.time()
     served, refused = await flood(http, gateways, "alice")
-    assert refused and abs(served - limit) / limit <= 0.05, served
+    allowed = sliding(limit, started)
+    assert refused and abs(served - allowed) / allowed <= 0.05, (served, allowed)
 
     # Redis lost: each replica keeps to half of bob's limit on its own; together, the limit again.
     redis_server.stop()
     await eventually(lambda: all(g.gateway.bus.redis_up is False for g in gateways), within_s=10)
     assert all(g.gateway.limits.usage.share() == 0.5 for g in gateways)
     await asyncio.sleep(minute_to_spare())
-    per_replica = [(await flood(http, gateways[r * 2:r * 2 + 2], "bob"))[0] for r in range(2)]
-    assert all(abs(s - limit / 2) / (limit / 2) <= 0.05 for s in per_replica), per_replica
+    for r in range(2):
+        started = time.time()
+        served = (await flood(http, gateways[r * 2:r * 2 + 2], "bob"))[0]
+        allowed = sliding(limit, started) / 2
+        assert abs(served - allowed) / allowed <= 0.05, (r, served, allowed)

@@ -76,6 +76,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream(start_backend, star
     app.router.add_post("/v1/chat/completions", endless)
     app.router.add_get("/v1/models", models_of("m"))
     gw = await start_gateway([await start_backend(app)])
+    await gw.serving("m")
     resp = await http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m", stream=True))
     assert (await resp.content.readany()).startswith(b"data: ")
     resp.close()  # the client hangs up mid-stream

@@ -67,6 +67,32 @@ def test_a_replica_cut_off_from_the_others_enforces_its_share_on_its_own_use():
     assert shared.used("key:a").input_minute == 100  # its own replica's use only
 
 
+def test_a_charge_stays_unconfirmed_as_long_as_the_others_take_to_hear_of_one():
+    """Charges count as unconfirmed for ``confirm_s`` (50 ms), or twice the longest the others' charges took
+    to arrive over the last 5 s, at most 2 s; a charge that does not say when it was sent teaches nothing."""
+    clock, sent = Clock(), []
+    one, other = usage(clock, "ra/w0/1", sent=sent), usage(clock, "ra/w1/2")
+    minute = int(clock.now // 60)
+    assert one.confirm_window_s() == 0.05
+    one.apply_remote("ra/w1/2", UsageCharged("key:a", minute, 10, 0))  # an older peer: no time sent
+    assert one.confirm_window_s() == 0.05
+    one.apply_remote("ra/w1/2", UsageCharged("key:a", minute, 10, 0, clock.now - 0.3))  # heard 0.3 s late
+    one.apply_remote("ra/w1/2", UsageCharged("key:a", minute, 10, 0, clock.now - 0.1))
+    assert one.confirm_window_s() == pytest.approx(0.6)
+    one.charge("key:a", 500, 0)
+    clock.now += 0.1
+    other.apply_remote("ra/w0/1", sent[-1])  # what this process sends says when: the others learn from it
+    assert isinstance(sent[-1], UsageCharged) and other.confirm_window_s() == pytest.approx(0.2)
+    clock.now += 0.4
+    assert one.used("key:a").unconfirmed_input == 500  # the others may still not know it
+    clock.now += 0.2
+    assert one.used("key:a").unconfirmed_input == 0
+    clock.now += 5  # the late ones are out of the window: back to the floor
+    assert one.confirm_window_s() == 0.05
+    one.apply_remote("ra/w1/2", UsageCharged("key:a", minute, 10, 0, clock.now - 30))  # a clock far off
+    assert one.confirm_window_s() == 2.0
+
+
 def limits(keys=None, tenants=None, tenant_of=lambda key: "team", clock=None, cut=None):
     clock = clock or Clock()
     config = LimitsConfig(keys={k: UsageLimits(**v) for k, v in (keys or {}).items()},
