@@ -123,7 +123,7 @@ class SharedUsage:
         self._monotonic = monotonic
         self._own = _Counts()
         self._remote: dict[str, _Counts] = {}
-        # Per scope, this process's charges of the last ``confirm_s``: what the others may not know yet.
+        # Per scope, this process's charges within the confirmation window: what the others may not know yet.
         self._recent: dict[str, _Recent] = {}
         self._origins_seen: dict[str, float] = {}  # other process → when last heard from (monotonic)
         # How late the others' charges arrived of late, (when heard (monotonic), how late): a sliding maximum.
