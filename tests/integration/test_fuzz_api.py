@@ -124,7 +124,8 @@ def post(url: str, path: str, body: bytes, hdrs: dict[str, str]) -> tuple[int, b
 def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "/v1/chat/completions",
           names_field: bool = False) -> None:
     """No 5xx (the gateway's or a pod's), and an error in the route's shape, whoever decided it; with
-    ``names_field`` (a JSON body was sent), a refusal names the field or header at fault."""
+    ``names_field`` (a JSON body was sent), a refusal names the field or header at fault (on the Anthropic
+    routes, the gateway's own: a pod's message is relayed as the pod wrote it, and vLLM's name none)."""
     assert status < 500, payload[:500]
     assert b"Traceback" not in payload
     if status < 400:
@@ -141,7 +142,7 @@ def check(status: int, payload: bytes, ctype: str, from_pod: bool, path: str = "
         assert error["message"] and error["type"] in OPENAI_TYPES, body  # not a pod's "BadRequestError"
         assert error["code"] is None or isinstance(error["code"], str), body  # not a pod's integer code
         field = error["param"]
-    if names_field and status in (400, 404, 422):
+    if names_field and status in (400, 404, 422) and not (from_pod and path in ANTHROPIC_PATHS):
         assert field and " " not in field, body
 
 
@@ -185,6 +186,8 @@ def stored_response(url: str) -> str:
                                               "messages": [{"role": "user", "content": 5}]})
 @example(path="/v1/messages/count_tokens", hdrs={}, body={"model": "mock-llama", "thinking": "on",
                                                            "messages": [{"role": "user", "content": [5]}]})
+@example(path="/v1/messages", hdrs={}, body={"model": "mock-llama", "max_tokens": 4,  # more than the pod holds
+                                              "messages": [{"role": "user", "content": "many words " * 40_000}]})
 def test_anthropic_bodies_and_headers(gateway_url, path, body, hdrs):
     url, proc = gateway_url
     check(*post(url, path, json.dumps(body).encode(), {**hdrs, "anthropic-version": "2023-06-01"}), path,
