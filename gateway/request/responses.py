@@ -33,7 +33,7 @@ import orjson
 from gateway.auth import ApiKey
 from gateway.backends.registry import PodRegistry
 from gateway.config import ResponsesConfig
-from gateway.core.errors import ErrorKind, GatewayError, not_implemented
+from gateway.core.errors import ErrorKind, GatewayError, bad_request
 from gateway.core.requests import RequestKind
 from gateway.request.types import ClientRequest
 from gateway.responses.store import ResponsesMetrics, ResponseStore, StoredResponse, StoreUnavailable
@@ -91,9 +91,10 @@ class ResponsesState:
             if parsed.previous_response_id is not None:
                 return self._on_keeping_pod(request)
             return dataclasses.replace(request, answer_tap=_Tap(self, owner_of(request.key), None, None))
-        if parsed.background:
-            raise not_implemented("background: background responses need a pod's own store; this gateway keeps "
-                                  "responses itself (responses.store: gateway).", param="background")
+        if parsed.background:  # a 400, as OpenAI refuses a parameter: the SDKs retry a 5xx, to no end here
+            raise bad_request("background: background responses need a pod's own store; this gateway keeps "
+                              "responses itself (responses.store: gateway).", param="background",
+                              code="unsupported_parameter")
         if parsed.previous_response_id is not None:
             return self._continued(request)
         if parsed.store is False:

@@ -160,6 +160,7 @@ def test_structured_bodies_and_headers(gateway_url, path, body, hdrs):
 @given(body=responses_bodies, hdrs=headers, continued=st.booleans())
 @example(body={"model": "mock-llama", "input": [{"type": "function_call_output", "output": 5}]}, hdrs={},
          continued=True)
+@example(body={"model": "mock-llama", "input": "Hi", "background": True}, hdrs={}, continued=False)  # refused: a 400
 def test_responses_bodies_and_headers(gateway_url, body, hdrs, continued):
     """The Responses API: input items of every kind, stored or not, continuing a stored response or an
     unknown one."""

@@ -150,7 +150,8 @@ async def test_stored_responses_routes(start_mock_pod, start_gateway, http):
         await a.responses.retrieve(unstored.id)
     async with http.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "x", "background": True},
                          headers={"authorization": "Bearer sk-a"}) as resp:
-        assert resp.status == 501 and (await resp.json())["error"]["param"] == "background"
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "background" and error["code"] == "unsupported_parameter"
     async with http.get(f"{gw.url}/v1/responses/{second.id}") as resp:
         assert resp.status == 401
     await a.close()
