@@ -248,6 +248,20 @@ def wait_tcp(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None
     raise RuntimeError(f"{proc.args[0]} did not listen on port {port}")
 
 
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM to every process still running, then each given ``timeout_s`` to exit before it is killed."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def start_redis_server(binary: str, port: int) -> subprocess.Popen[bytes]:
     """A throw-away ``redis-server`` on loopback (no persistence), returned once it accepts connections."""
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -700,15 +714,7 @@ class BenchRunner:
         return pods[0].block_size or self.block_size
 
     def _stop_procs(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self._procs)
         self._procs.clear()
         self.router_processes.clear()
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from bench.runner import wait_http
+from bench.runner import stop_processes, wait_http
 from bench.workloads import WORDS
 from gateway.config import hash_api_key
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
@@ -146,12 +146,8 @@ def main() -> int:
             print(f"{name:<16}{median:>22.3f}{median / base:>10.3f}{statistics.median(paired):>10.3f}{error:>8.3f}")
         print(json.dumps({name: [round(v, 4) for v in values] for name, values in per_request.items()}))
     finally:
-        for proc, path in started:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(proc for proc, _ in started)
+        for _, path in started:
             os.unlink(path)
         fleet.stop()
     return 0

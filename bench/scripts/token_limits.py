@@ -24,7 +24,7 @@ from collections import Counter
 
 import aiohttp
 
-from bench.runner import start_redis_server, wait_http
+from bench.runner import start_redis_server, stop_processes, wait_http
 from bench.workloads import WORDS
 from gateway.config import hash_api_key
 from simulator.config import MockPodsConfig
@@ -106,12 +106,8 @@ def main() -> int:
         print(json.dumps({"per_minute": [served[m] for m in range(first_full, first_full + args.minutes)],
                           "limit": args.limit, "outcomes": dict(outcomes)}))
     finally:
-        for proc, _, path in replicas:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes((proc for proc, _, _ in replicas), timeout_s=15)
+        for _, _, path in replicas:
             os.unlink(path)
         pods.stop()
         redis.terminate()
