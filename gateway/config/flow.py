@@ -114,3 +114,8 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     keys: dict[str, str] = {}
     # Flows kept at once (each with its service counter); a new fairness id beyond it joins ``overflow``.
     max_flows: Annotated[int, Meta(ge=1)] = 10_000
+    # A flow that starts to wait (it was idle, or kept up) has its counter lifted to the least-served waiting
+    # flow's, less this much weighted service: what it may take before the flows that waited all along, so that
+    # a tenant whose few requests come back one at a time sends them together, not one per long prompt of a
+    # flood's (0: the Virtual Token Counter's lift, level with them).
+    lift_credit: Annotated[float, Meta(ge=0)] = 4096.0

@@ -212,13 +212,13 @@ class FlowController:
         band = self._bands.setdefault(key.priority, {})
         queue = band.get(key)
         if queue is None:
-            # The flow starts to wait: no service banked while it did not (the VTC's counter lift), against
-            # the flows waiting here and in the other workers.
+            # The flow starts to wait: no more than ``lift_credit`` of service banked while it did not (the VTC's
+            # counter lift, short of level), against the flows waiting here and in the other workers.
             floors = [self.counters.get(k) for k in band]
             elsewhere = self._order.floor(key.priority, self._clock())
             floor = min([*floors, elsewhere] if elsewhere is not None else floors, default=None)
             if floor is not None:
-                self.counters.lift(key, floor)
+                self.counters.lift(key, floor - self.config.lift_credit)
             queue = band[key] = _FlowQueue(key)
         heapq.heappush(queue.heap, held)
         queue.size += 1

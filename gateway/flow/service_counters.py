@@ -7,7 +7,10 @@ saturated the least-served flow of the highest band goes next. A flow that was n
 (it was idle, or kept up) has its counter *lifted* to the least counter among the flows waiting in its
 band, so that it cannot bank service it did not ask for and then starve the others; this is what makes the
 scheduler fair and work-conserving at once (the paper's bound: two backlogged flows' service differs by at
-most about twice a request's worth).
+most about twice a request's worth). The lift stops ``flow_control.lift_credit`` short of that counter: level
+with it, a tenant that keeps up (its few requests come back one at a time) would go after a flood's next
+request each time it waits, and where a pod prefills one long prompt at a time that is a whole prefill more
+for its second request; the credit bounds what it takes first.
 
 Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
 controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
@@ -92,17 +95,18 @@ class ServiceCounters:
             self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
         return len(self._charged_now | self._charged_before)
 
-    def tag(self, key: FlowKey) -> float:
+    def tag(self, key: FlowKey, credit: float = 0.0) -> float:
         """``key``'s service as the tag of a request it sends now: its counter, lifted to the least counter of its
-        band's flows served lately when it is not one of them (no service banked while it was idle, as the
-        counter of a flow that starts to wait is lifted). Requests ordered by their tags go least-served flow
-        first, and in the order each flow sent them (start-time fair queueing)."""
+        band's flows served lately less ``credit`` when it is not one of them (no more service banked while it was
+        idle, as the counter of a flow that starts to wait is lifted). Requests ordered by their tags go
+        least-served flow first, and in the order each flow sent them (start-time fair queueing)."""
         served = self._served
         mine = served.get(key, 0.0)
         lately = self._charged_now | self._charged_before
         if key in lately:
             return mine
-        return max(mine, min((served.get(k, 0.0) for k in lately if k.priority == key.priority), default=mine))
+        floor = min((served.get(k, 0.0) for k in lately if k.priority == key.priority), default=None)
+        return mine if floor is None else max(mine, floor - credit)
 
     def snapshot(self) -> dict[FlowKey, float]:
         return dict(self._served)

@@ -116,7 +116,8 @@ class FlowControl:
     def _engine_priority(self, key: FlowKey) -> int:
         """Its band and its flow's service as it leaves: the least-served flow's requests go first on a pod that
         orders its waiting requests by priority."""
-        return engine_priority(key.priority, self._controller.counters.tag(key))
+        controller = self._controller
+        return engine_priority(key.priority, controller.counters.tag(key, controller.config.lift_credit))
 
     def dispatched(self, attempt: Attempt) -> None:
         state = self._requests.get(attempt.request)

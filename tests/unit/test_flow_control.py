@@ -53,8 +53,10 @@ def test_the_engine_priority_puts_the_band_first_then_the_least_served_flow():
     counters.charge(FlowKey("a"), 9_000.0)
     counters.charge(FlowKey("b"), 1_000.0)  # b has been served 8,000 weighted tokens less than a
     assert counters.tag(FlowKey("a")) == 9_000.0 and counters.tag(FlowKey("b")) == 1_000.0
-    # A flow not served lately banks nothing: its tag is the least of its band's, not its own 0.
-    assert counters.tag(FlowKey("new")) == 1_000.0
+    # A flow not served lately banks nothing: its tag is the least of its band's, not its own 0 (or, given a
+    # credit, that less the credit).
+    assert counters.tag(FlowKey("new")) == 1_000.0 and counters.tag(FlowKey("new"), credit=400.0) == 600.0
+    assert counters.tag(FlowKey("b"), credit=400.0) == 1_000.0  # served lately: its own counter
     # vLLM serves lower values first: b before a, a higher band before both whatever its service.
     a, b = (engine_priority(0, counters.tag(FlowKey(f))) for f in "ab")
     assert b == 1_000 < a == 9_000 and engine_priority(5, 10 ** 15) == -5 * ENGINE_BAND_SPAN + ENGINE_BAND_SPAN - 1 < b
@@ -78,10 +80,10 @@ def one_pod() -> PodRegistry:
     return registry
 
 
-def controller(ledger: InFlightLedger, counters: ServiceCounters, registry: PodRegistry | None = None
-               ) -> FlowController:
+def controller(ledger: InFlightLedger, counters: ServiceCounters, registry: PodRegistry | None = None,
+               lift_credit: float = FlowControlConfig.lift_credit) -> FlowController:
     registry = registry or one_pod()
-    config = FlowControlConfig(saturation=SaturationConfig(in_flight=1), max_wait_s=30)
+    config = FlowControlConfig(saturation=SaturationConfig(in_flight=1), max_wait_s=30, lift_credit=lift_credit)
     detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
     return FlowController(config, registry, detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
 
@@ -89,7 +91,7 @@ def controller(ledger: InFlightLedger, counters: ServiceCounters, registry: PodR
 async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_highest_band_then_the_least_served():
     ledger, counters = InFlightLedger(), ServiceCounters()
     registry = one_pod()
-    flows = controller(ledger, counters, registry)
+    flows = controller(ledger, counters, registry, lift_credit=0.0)  # the Virtual Token Counter's own lift
     pods = registry.candidates(MODEL)
     assert flows.room_now(pods, Demand()) == frozenset({"p0"})  # work-conserving
     busy = ledger.dispatch("busy", "p0", 1.0, "chat")  # the pod is full (in_flight=1)
@@ -126,6 +128,47 @@ async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_high
     assert order[0] == "urgent"  # the highest band first
     assert order[1:] in (["a1", "b1", "a2"], ["b1", "a1", "a2"])  # equal service: the flows take turns
     assert flows.queued == 0
+
+
+@pytest.mark.parametrize("lift_credit", [4096.0, 0.0])
+async def test_a_flow_that_kept_up_takes_up_to_its_credit_before_the_flows_that_waited_all_along(lift_credit):
+    # a floods with long prompts (3,700 weighted tokens each) and has been served 100,000; b kept up (it was
+    # served 2,000) and now has eight short requests (1,000 each) at once, as a chatting tenant's come back.
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    flows = controller(ledger, counters, lift_credit=lift_credit)
+    counters.charge(FlowKey("a"), 100_000.0)
+    counters.charge(FlowKey("b"), 2_000.0)
+    busy = ledger.dispatch("busy", "p0", 1.0, "chat")
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        key = FlowKey(name[0])
+        release = await flows.hold(Flow(key), MODEL, None, Demand(), 30.0)
+        order.append(name)
+        counters.charge(key, 3_700.0 if key.fairness_id == "a" else 1_000.0)  # as the flow-control step does
+        entry = ledger.dispatch(name, "p0", 1.0, "chat")
+        flows.landed(release.held)
+        await asyncio.sleep(0.005)
+        ledger.finish(entry)
+
+    tasks = [asyncio.create_task(wait(f"a{i}")) for i in range(3)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(wait(f"b{i}")) for i in range(8)]
+    await asyncio.sleep(0.01)
+    # b started to wait after a: lifted short of a's counter by the credit, never above it.
+    assert counters.get(FlowKey("b")) == 100_000.0 - lift_credit
+    flows.start()
+    try:
+        ledger.finish(busy)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        await flows.stop()
+    if lift_credit:
+        # b's first five go before a's next (95,904 → 100,904); then the flows take turns by their counters.
+        assert order == ["b0", "b1", "b2", "b3", "b4", "a0", "b5", "b6", "b7", "a1", "a2"], order
+    else:
+        # Level with a, b waits for a's next long prompt first (a tie: the flow that waited longer goes).
+        assert order == ["a0", "b0", "b1", "b2", "b3", "a1", "b4", "b5", "b6", "b7", "a2"], order
 
 
 async def test_a_client_that_leaves_while_held_leaves_no_trace_and_a_timeout_is_a_429():
