@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from simulator.pod import free_port
-from tests.conftest import chat_body
+from tests.conftest import answers_ok, chat_body
 from tests.integration.test_errors import backend
 
 
@@ -57,16 +57,9 @@ def test_start_up_errors_are_one_clear_line():
 
 
 async def wait_ready(url: str, http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> None:
-    for _ in range(300):
+    if not await answers_ok(http, f"{url}/readyz", lambda: proc.returncode is None):
         assert proc.returncode is None, "gateway exited during start-up"
-        try:
-            async with http.get(f"{url}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("gateway never became ready")
+        raise AssertionError("gateway never became ready")
 
 
 async def test_sigterm_drains_in_flight_stream(start_backend, http):
