@@ -13,6 +13,7 @@ has sessions that do not carry their history: each step's messages are its whole
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +132,23 @@ def stage_headers(workflow_id: str, stage: int, stages: int) -> dict[str, str]:
     return headers
 
 
+def workflow_stages(rng: random.Random, workflows: int, rate: float, min_stages: int, max_stages: int,
+                    prefix: str) -> Iterator[tuple[int, float, list[dict[str, str]]]]:
+    """Workflows started at Poisson times, each of ``min_stages`` to ``max_stages`` stages: its number, its
+    start and each stage's headers (workflow ``<prefix>-<number>``)."""
+    for w, start in enumerate(poisson_starts(rng, workflows, rate)):
+        n = rng.randint(min_stages, max_stages)
+        yield w, start, [stage_headers(f"{prefix}-{w}", s, n) for s in range(n)]
+
+
 def agentic(seed: int = 0, workflows: int = 16, min_stages: int = 5, max_stages: int = 10, context_words: int = 1200,
             increment_words: int = 40, rate: float = 2.0, think_s: float = 0.2, max_tokens: int = 24) -> Trace:
     """Concurrent workflows of 5-10 stages with workflow/stage headers and small increments (tool output)."""
     rng = random.Random(seed)
     sessions = []
-    for w, start in enumerate(poisson_starts(rng, workflows, rate)):
-        n = rng.randint(min_stages, max_stages)
+    for w, start, stages in workflow_stages(rng, workflows, rate, min_stages, max_stages, f"wf-{seed}"):
         steps = []
-        for s in range(n):
-            headers = stage_headers(f"wf-{seed}-{w}", s, n)
+        for s, headers in enumerate(stages):
             messages = [{"role": "user", "content": f"Tool output {s}: " + text(rng, increment_words)}]
             if s == 0:
                 messages.insert(0, {"role": "system", "content": f"Agent {w} task. " + text(rng, context_words)})
@@ -164,11 +172,9 @@ def agentic_shared(seed: int = 0, workflows: int = 32, min_stages: int = 4, max_
     preamble = "Tools available to every agent: " + text(rng, common_words)
     role_prompts = [f"{preamble}\nYou are agent role {r}. " + text(rng, role_words) for r in range(roles)]
     sessions = []
-    for w, start in enumerate(poisson_starts(rng, workflows, rate)):
-        n = rng.randint(min_stages, max_stages)
+    for w, start, stages in workflow_stages(rng, workflows, rate, min_stages, max_stages, f"wfs-{seed}"):
         steps = []
-        for s in range(n):
-            headers = stage_headers(f"wfs-{seed}-{w}", s, n)
+        for s, headers in enumerate(stages):
             if s == 0:
                 messages = [{"role": "system", "content": role_prompts[w % roles]},
                             {"role": "user", "content": f"Task {w}: " + text(rng, task_words)}]

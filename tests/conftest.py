@@ -143,6 +143,23 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+async def answers_ok(http: aiohttp.ClientSession, url: str, running: Callable[[], bool], tries: int = 300,
+                     every_s: float = 0.1) -> bool:
+    """GET ``url`` until it answers 200 (True), or until ``running`` says the process behind it has exited or
+    the ``tries``, ``every_s`` apart, run out (False)."""
+    for _ in range(tries):
+        if not running():
+            return False
+        try:
+            async with http.get(url) as resp:
+                if resp.status == 200:
+                    return True
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(every_s)
+    return False
+
+
 async def eventually(condition: Callable[[], bool], within_s: float = 5.0,
                      nudge: Callable[[], Awaitable[Any]] | None = None) -> None:
     """Wait for ``condition``; ``nudge`` (if given) runs every 2 s to move things along."""

@@ -30,19 +30,20 @@ class WorkerIdentity:
     def name(self) -> str:
         return f"w{self.index}"
 
-    def bus_socket(self, index: int) -> str:
+    def _in_run_dir(self, name: str) -> str:
         assert self.run_dir is not None
-        return os.path.join(self.run_dir, f"bus-{index}.sock")
+        return os.path.join(self.run_dir, name)
+
+    def bus_socket(self, index: int) -> str:
+        return self._in_run_dir(f"bus-{index}.sock")
 
     def http_socket(self, index: int) -> str:
         """Where worker ``index`` also answers HTTP, so that a sibling can ask it for its own metrics."""
-        assert self.run_dir is not None
-        return os.path.join(self.run_dir, f"http-{index}.sock")
+        return self._in_run_dir(f"http-{index}.sock")
 
     @property
     def load_table(self) -> str:
-        assert self.run_dir is not None
-        return os.path.join(self.run_dir, "load-table")
+        return self._in_run_dir("load-table")
 
     def index_path(self, shard: int) -> str:
         """The prefix index that ingest process ``shard`` writes (its data files beside it)."""
@@ -52,8 +53,7 @@ class WorkerIdentity:
     @property
     def release_order(self) -> str:
         """The table through which the workers agree which held request goes next (flow control)."""
-        assert self.run_dir is not None
-        return os.path.join(self.run_dir, "release-order")
+        return self._in_run_dir("release-order")
 
 
 def new_replica_id() -> str:

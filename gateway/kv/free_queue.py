@@ -295,14 +295,8 @@ class _PodQueue:
 
     def _append(self, run: _Run) -> None:
         run.cached = True
-        run.prev, run.next = self.tail, None
-        if self.tail is not None:
-            self.tail.next = run
-        else:
-            self.head = run
-        self.tail = run
         self.free += run.hi - run.lo
-        self._version += 1
+        self._link_after(run, self.tail)
 
     def _unlink(self, run: _Run) -> None:
         if run.prev is not None:
@@ -319,22 +313,20 @@ class _PodQueue:
 
     def _link_before(self, run: _Run, behind: _Run) -> None:
         """``run`` (its blocks just cut from ``behind``, already counted free) right ahead of ``behind``."""
-        run.prev, run.next = behind.prev, behind
-        if behind.prev is not None:
-            behind.prev.next = run
+        self._link_after(run, behind.prev)
+
+    def _link_after(self, run: _Run, ahead: _Run | None) -> None:
+        """``run`` (its blocks already counted free) right behind ``ahead`` (None: at the head)."""
+        after = ahead.next if ahead is not None else self.head
+        run.prev, run.next = ahead, after
+        if ahead is not None:
+            ahead.next = run
         else:
             self.head = run
-        behind.prev = run
-        self._version += 1
-
-    def _link_after(self, run: _Run, ahead: _Run) -> None:
-        """``run`` (its blocks just cut from ``ahead``, already counted free) right behind ``ahead``."""
-        run.prev, run.next = ahead, ahead.next
-        if ahead.next is not None:
-            ahead.next.prev = run
+        if after is not None:
+            after.prev = run
         else:
             self.tail = run
-        ahead.next = run
         self._version += 1
 
 

@@ -29,6 +29,19 @@ class IndexStats:
     evicted_for_memory: int = 0
 
 
+def _field(field: int, doc: str | None = None, *, settable: str | None = None) -> property:
+    """An :class:`EngineView` property reading its ``field`` in the block index (and, where ``settable``
+    names it for ``BlockIndex.set_view``, writing it)."""
+
+    def read(view: EngineView) -> int:
+        return view._store.view_field(view.bit, field)
+
+    def write(view: EngineView, value: int) -> None:
+        view._store.set_view(view.bit, **{settable: value})
+
+    return property(read, write if settable else None, doc=doc)
+
+
 class EngineView:
     """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
     record in a block index (``bit``: its id there), whose fields the index's writer sets."""
@@ -54,45 +67,15 @@ class EngineView:
     def block_size(self, value: int | None) -> None:
         self._store.set_view(self.bit, block_size=value or 0)
 
-    @property
-    def approximate(self) -> bool:
-        """Events of the view were lost for good: routing trusts it less until a clean base returns."""
-        return self._store.view_field(self.bit, APPROXIMATE)
-
-    @approximate.setter
-    def approximate(self, value: bool) -> None:
-        self._store.set_view(self.bit, approximate=value)
-
-    @property
-    def last_seq(self) -> int:
-        return self._store.view_field(self.bit, LAST_SEQ)
-
-    @last_seq.setter
-    def last_seq(self, value: int) -> None:
-        self._store.set_view(self.bit, last_seq=value)
-
-    @property
-    def blocks(self) -> int:
-        """Distinct blocks held in any tier."""
-        return self._store.view_field(self.bit, BLOCKS)
-
-    @property
-    def gpu_blocks(self) -> int:
-        return self._store.view_field(self.bit, GPU_BLOCKS)
-
-    @property
-    def orphans(self) -> int:
-        """Held GPU blocks whose parent the view does not hold (0: what it holds is closed under prefixes)."""
-        return self._store.view_field(self.bit, ORPHANS)
-
-    @property
-    def evictions(self) -> int:
-        """BlockRemoved blocks: the engine reused a cached block's slot."""
-        return self._store.view_field(self.bit, EVICTIONS)
-
-    @property
-    def engine_hashes(self) -> int:
-        return self._store.view_field(self.bit, ENGINE_HASHES)
+    approximate = _field(APPROXIMATE, "Events of the view were lost for good: routing trusts it less until a clean "
+                         "base returns.", settable="approximate")
+    last_seq = _field(LAST_SEQ, settable="last_seq")
+    blocks = _field(BLOCKS, "Distinct blocks held in any tier.")
+    gpu_blocks = _field(GPU_BLOCKS)
+    orphans = _field(ORPHANS, "Held GPU blocks whose parent the view does not hold (0: what it holds is closed "
+                     "under prefixes).")
+    evictions = _field(EVICTIONS, "BlockRemoved blocks: the engine reused a cached block's slot.")
+    engine_hashes = _field(ENGINE_HASHES)
 
 
 @dataclass(slots=True)

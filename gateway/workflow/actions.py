@@ -37,19 +37,6 @@ class CacheController(Protocol):
     async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]: ...
 
 
-FLUSH_TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-
-async def post_flush(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
-    """POST an engine's flush endpoint: its status and body, or status 0 and why it could not be asked (a
-    controller reads the answer: each engine says a refusal its own way)."""
-    try:
-        async with session.post(url, timeout=FLUSH_TIMEOUT) as resp:
-            return resp.status, await resp.text()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return 0, str(exc)
-
-
 class CacheActionExecutor:
     def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
                  metrics: GatewayMetrics,

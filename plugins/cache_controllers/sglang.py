@@ -3,25 +3,17 @@ body decides."""
 
 from __future__ import annotations
 
-import aiohttp
-
-from gateway.backends.registry import Pod
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.workflow.actions import FlushOutcome, post_flush
+from plugins.cache_controllers import FlushEndpoint
 
 
-class SglangCacheController:
+class SglangCacheController(FlushEndpoint):
     name = "sglang"
+    path = "/flush_cache"
+    missing = "no /flush_cache"
 
-    async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]:
-        status, text = await post_flush(session, f"{pod.url}/flush_cache")
-        if status == 0:
-            return "refused", text
-        if status == 404:
-            return "failed", "no /flush_cache"
-        if "not flushed" in text.lower() or status >= 400:
-            return "refused", text[:200]
-        return "done", text[:200]
+    def refusal(self, status: int, text: str) -> str | None:
+        return text[:200] if "not flushed" in text.lower() or status >= 400 else None
 
 
 def build(context: None, options: NoOptions) -> SglangCacheController:

@@ -3,27 +3,21 @@ A ``{"success": false}`` body or a 4xx is a refusal (blocks still in use); 404 m
 
 from __future__ import annotations
 
-import aiohttp
-
-from gateway.backends.registry import Pod
 from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.workflow.actions import FlushOutcome, post_flush
+from plugins.cache_controllers import FlushEndpoint
 
 
-class VllmCacheController:
+class VllmCacheController(FlushEndpoint):
     name = "vllm"
+    path = "/reset_prefix_cache"
+    missing = "no /reset_prefix_cache (is VLLM_SERVER_DEV_MODE=1 set?)"
 
-    async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]:
-        status, text = await post_flush(session, f"{pod.url}/reset_prefix_cache")
-        if status == 0:
-            return "refused", text
-        if status == 404:
-            return "failed", "no /reset_prefix_cache (is VLLM_SERVER_DEV_MODE=1 set?)"
+    def refusal(self, status: int, text: str) -> str | None:
         if status >= 500:
-            return "refused", f"HTTP {status}"
+            return f"HTTP {status}"
         if status >= 400 or '"success": false' in text or '"success":false' in text:
-            return "refused", text[:200] or f"HTTP {status}"
-        return "done", text[:200]
+            return text[:200] or f"HTTP {status}"
+        return None
 
 
 def build(context: None, options: NoOptions) -> VllmCacheController:

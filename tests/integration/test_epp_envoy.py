@@ -5,7 +5,6 @@ hint and immediate responses, and the same precise hits as the HTTP proxy on the
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import shutil
@@ -26,7 +25,7 @@ from gateway.epp.envoy_config import bootstrap
 from gateway.epp.server import EppServer
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.pod import MockPod, free_port
-from tests.conftest import eventually
+from tests.conftest import answers_ok, eventually
 
 MODEL = "mock-llama"
 
@@ -53,15 +52,9 @@ class Envoy:
 
     async def ready(self) -> None:
         async with aiohttp.ClientSession() as http:
-            for _ in range(300):
-                assert self.process.poll() is None, self.log.read_text()[-3000:]
-                try:
-                    async with http.get(f"{self.admin}/ready") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
+            if await answers_ok(http, f"{self.admin}/ready", lambda: self.process.poll() is None, every_s=0.05):
+                return
+        assert self.process.poll() is None, self.log.read_text()[-3000:]
         raise AssertionError(f"Envoy did not start: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:

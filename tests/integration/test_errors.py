@@ -40,6 +40,20 @@ async def gw(start_backend, start_gateway):
     return await start_gateway([await start_backend(backend(ok))], server={"max_body_bytes": 4096})
 
 
+@pytest.fixture
+def answer_over(start_backend, start_gateway, http):
+    """The gateway's status and JSON for a chat request, its one pod answering ``status`` with ``text``."""
+    async def answer(status: int, text: str) -> tuple[int, dict]:
+        async def pod(request: web.Request) -> web.Response:
+            return web.Response(status=status, text=text)
+
+        gw = await start_gateway([await start_backend(backend(pod))])
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            return resp.status, await resp.json()
+
+    return answer
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "param"),
     [
@@ -109,15 +123,11 @@ async def test_pod_dying_after_health_check_is_502(start_gateway, http):
         assert "unreachable" in error["message"]
 
 
-async def test_backend_500_is_502_with_its_message(start_backend, start_gateway, http):
-    async def broken(request: web.Request) -> web.Response:
-        return web.Response(status=500, text="CUDA out of memory")
-
-    gw = await start_gateway([await start_backend(backend(broken))])
-    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
-        assert resp.status == 502
-        error = assert_openai_error(await resp.json(), "bad_gateway")
-        assert "HTTP 500" in error["message"] and "CUDA out of memory" in error["message"]
+async def test_backend_500_is_502_with_its_message(answer_over):
+    status, body = await answer_over(500, "CUDA out of memory")
+    assert status == 502
+    error = assert_openai_error(body, "bad_gateway")
+    assert "HTTP 500" in error["message"] and "CUDA out of memory" in error["message"]
 
 
 async def test_a_pods_4xx_keeps_its_status_and_text_in_the_routes_shape(start_backend, start_gateway, http):
@@ -192,14 +202,10 @@ async def test_authorization_passthrough_by_default(start_backend, start_gateway
     assert seen_auth == ["Bearer client-token", None]
 
 
-async def test_non_json_upstream_errors_get_the_openai_shape(start_backend, start_gateway, http):
-    async def plain(request: web.Request) -> web.Response:
-        return web.Response(status=409, text="busy elsewhere")
-
-    gw = await start_gateway([await start_backend(backend(plain))])
-    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
-        assert resp.status == 409
-        assert assert_openai_error(await resp.json())["message"] == "busy elsewhere"
+async def test_non_json_upstream_errors_get_the_openai_shape(answer_over):
+    status, body = await answer_over(409, "busy elsewhere")
+    assert status == 409
+    assert assert_openai_error(body)["message"] == "busy elsewhere"
 
 
 async def test_an_endpoint_the_pods_do_not_serve_says_so(start_backend, start_gateway, http):

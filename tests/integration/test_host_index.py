@@ -18,7 +18,7 @@ from gateway.kv._blockindex import BlockIndex
 from gateway.kv.index import PrefixIndex
 from simulator.pod import free_port
 from tests.integration.test_kv_subscriber import eventually
-from tests.integration.test_server_process import gateway_cmd, wait_ready
+from tests.integration.test_server_process import gateway_process, stop_cleanly, wait_ready
 from tests.unit.test_prefix_index import Notes
 
 MODEL = "mock-llama"
@@ -80,16 +80,14 @@ async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_p
     replay buffers, and the workers route by it again."""
     port = free_port()
     log = tmp_path / "gateway.log"
-    with log.open("wb") as stderr:
-        proc = await asyncio.create_subprocess_exec(
-            *gateway_cmd("--mock-pods", "3", "--mock-speed", "0", "--workers", "2", "--policy", "kv_aware",
-                         "--port", str(port)), stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     body = {"model": MODEL, "max_tokens": 2, "messages": [
         {"role": "system", "content": "You plan trips. " + " ".join(["itinerary"] * 300)},
         {"role": "user", "content": "Three days in Lisbon?"}]}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                     timeout=aiohttp.ClientTimeout(total=20)) as http:
+    async with (gateway_process("--mock-pods", "3", "--mock-speed", "0", "--workers", "2", "--policy", "kv_aware",
+                                "--port", str(port), log=log) as proc,
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                      timeout=aiohttp.ClientTimeout(total=20)) as http):
 
         async def ask() -> tuple[str, str, int]:
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -101,36 +99,30 @@ async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_p
             async with http.get(f"{url}/debug/index") as resp:
                 return await resp.json()
 
-        try:
-            await wait_ready(url, http, proc)
-            first_worker, holder, _ = await ask()
-            await asyncio.sleep(0.5)  # the pod's events reach the indexer
-            seen = {first_worker}
-            for _ in range(12):
-                worker, pod, cached = await ask()
-                seen.add(worker)
-                assert pod == holder and cached > 250
-            assert seen == {"w0", "w1"}
+        await wait_ready(url, http, proc)
+        first_worker, holder, _ = await ask()
+        await asyncio.sleep(0.5)  # the pod's events reach the indexer
+        seen = {first_worker}
+        for _ in range(12):
+            worker, pod, cached = await ask()
+            seen.add(worker)
+            assert pod == holder and cached > 250
+        assert seen == {"w0", "w1"}
+        info = await index_of_a_worker()
+        assert info["applied_here"] is False and len(info["views"]) == 3
+        (indexer_pid,) = info["memory"]["writer_pids"]
+        assert indexer_pid not in (os.getpid(), proc.pid)
+        os.kill(indexer_pid, signal.SIGKILL)
+        for _ in range(100):  # started again: a new writer, the index rebuilt from the pods' replays
             info = await index_of_a_worker()
-            assert info["applied_here"] is False and len(info["views"]) == 3
-            (indexer_pid,) = info["memory"]["writer_pids"]
-            assert indexer_pid not in (os.getpid(), proc.pid)
-            os.kill(indexer_pid, signal.SIGKILL)
-            for _ in range(100):  # started again: a new writer, the index rebuilt from the pods' replays
-                info = await index_of_a_worker()
-                if info["memory"]["writer_pids"] != [indexer_pid] and info["indexed_blocks"] > 0:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the indexer was not started again, or did not rebuild the index")
-            for _ in range(4):
-                _, pod, cached = await ask()
-                assert pod == holder and cached > 250
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-            text = log.read_text()
-            assert "indexer 0 exited" in text and "Traceback" not in text
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            if info["memory"]["writer_pids"] != [indexer_pid] and info["indexed_blocks"] > 0:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the indexer was not started again, or did not rebuild the index")
+        for _ in range(4):
+            _, pod, cached = await ask()
+            assert pod == holder and cached > 250
+        await stop_cleanly(proc)
+        text = log.read_text()
+        assert "indexer 0 exited" in text and "Traceback" not in text

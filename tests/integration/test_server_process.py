@@ -6,17 +6,43 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from simulator.pod import free_port
-from tests.conftest import chat_body, models_of
+from tests.conftest import answers_ok, chat_body
+from tests.integration.test_errors import backend
 
 
 def gateway_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway", "serve", *args]
+
+
+@asynccontextmanager
+async def gateway_process(*args: str, log: Path | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``gateway serve <args>`` as a process, its stderr piped, or written to ``log`` (a file, not a pipe,
+    where nobody reads while it logs every request); killed on the way out if the test left it running."""
+    if log is None:
+        proc = await asyncio.create_subprocess_exec(*gateway_cmd(*args), stderr=asyncio.subprocess.PIPE)
+    else:
+        with log.open("wb") as stderr:
+            proc = await asyncio.create_subprocess_exec(*gateway_cmd(*args), stderr=stderr)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def stop_cleanly(proc: asyncio.subprocess.Process, timeout_s: float = 30) -> None:
+    """SIGTERM, and the gateway exits with 0 within ``timeout_s``."""
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), timeout=timeout_s) == 0
 
 
 def test_start_up_errors_are_one_clear_line():
@@ -31,16 +57,9 @@ def test_start_up_errors_are_one_clear_line():
 
 
 async def wait_ready(url: str, http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> None:
-    for _ in range(300):
+    if not await answers_ok(http, f"{url}/readyz", lambda: proc.returncode is None):
         assert proc.returncode is None, "gateway exited during start-up"
-        try:
-            async with http.get(f"{url}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("gateway never became ready")
+        raise AssertionError("gateway never became ready")
 
 
 async def test_sigterm_drains_in_flight_stream(start_backend, http):
@@ -55,16 +74,10 @@ async def test_sigterm_drains_in_flight_stream(start_backend, http):
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", slow_stream)
-    app.router.add_get("/v1/models", models_of("m"))
-    backend = await start_backend(app)
+    pod = await start_backend(backend(slow_stream))
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        *gateway_cmd("--pod", backend, "--port", str(port)), stderr=asyncio.subprocess.PIPE
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
+    async with gateway_process("--pod", pod, "--port", str(port)) as proc:
         await wait_ready(url, http, proc)
         resp = await http.post(f"{url}/v1/chat/completions", json=chat_body(model="m", stream=True))
         assert await resp.content.readany() == b'data: {"n": 1}\n\n'
@@ -77,10 +90,6 @@ async def test_sigterm_drains_in_flight_stream(start_backend, http):
         assert await asyncio.wait_for(proc.wait(), timeout=15) == 0
         stderr = (await proc.stderr.read()).decode()
         assert "draining" in stderr and "gateway stopped" in stderr and "Traceback" not in stderr
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_serve_with_mock_pods_answers_an_openai_client(http):
@@ -88,11 +97,8 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
     import openai
 
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        *gateway_cmd("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)), stderr=asyncio.subprocess.PIPE
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
+    async with gateway_process("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)) as proc:
         await wait_ready(url, http, proc)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         models = await client.models.list()
@@ -105,12 +111,7 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
             pods.add(raw.headers["x-gateway-pod"])
         assert pods == {"mock-0", "mock-1"}
         await client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop_cleanly(proc, timeout_s=20)
 
 
 async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
@@ -119,62 +120,54 @@ async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
     import os
 
     port = free_port()
-    log = tmp_path / "gateway.log"  # a file, not a pipe: nobody reads while the workers log every request
-    with log.open("wb") as stderr:
-        proc = await asyncio.create_subprocess_exec(
-            *gateway_cmd("--mock-pods", "2", "--mock-speed", "0", "--workers", "2", "--port", str(port)),
-            stderr=stderr)
+    log = tmp_path / "gateway.log"
     url = f"http://127.0.0.1:{port}"
     # A new connection per request: SO_REUSEPORT spreads connections, not requests.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                     timeout=aiohttp.ClientTimeout(total=20)) as http:
-        try:
-            await wait_ready(url, http, proc)
-            workers: dict[str, int] = {}
-            while len(workers) < 2:
-                async with http.get(f"{url}/debug/workers") as resp:
-                    info = await resp.json()
-                    assert resp.headers["x-gateway-worker"] == info["worker"] and info["workers"] == 2
-                    workers[info["worker"]] = info["pid"]
-            answered = set()
-            for _ in range(20):
-                async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama")) as resp:
-                    assert resp.status == 200
-                    answered.add(resp.headers["x-gateway-worker"])
-            assert answered == {"w0", "w1"}
-            text = await (await http.get(f"{url}/metrics")).text()
-            counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("gateway_requests_total{"))
-            assert counted == 20 and "gateway_workers 2.0" in text and "gateway_workers_unscraped 0.0" in text
+    async with (gateway_process("--mock-pods", "2", "--mock-speed", "0", "--workers", "2", "--port", str(port),
+                                log=log) as proc,
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                      timeout=aiohttp.ClientTimeout(total=20)) as http):
+        await wait_ready(url, http, proc)
+        workers: dict[str, int] = {}
+        while len(workers) < 2:
+            async with http.get(f"{url}/debug/workers") as resp:
+                info = await resp.json()
+                assert resp.headers["x-gateway-worker"] == info["worker"] and info["workers"] == 2
+                workers[info["worker"]] = info["pid"]
+        answered = set()
+        for _ in range(20):
+            async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama")) as resp:
+                assert resp.status == 200
+                answered.add(resp.headers["x-gateway-worker"])
+        assert answered == {"w0", "w1"}
+        text = await (await http.get(f"{url}/metrics")).text()
+        counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("gateway_requests_total{"))
+        assert counted == 20 and "gateway_workers 2.0" in text and "gateway_workers_unscraped 0.0" in text
 
-            os.kill(workers["w1"], signal.SIGKILL)
-            # A connection the kernel had queued for w1 as it died is reset (as with any SO_REUSEPORT
-            # server): a client retries it once, and it reaches w0.
-            for _ in range(10):  # the other worker serves meanwhile
-                for attempt in range(2):
-                    try:
-                        async with http.post(f"{url}/v1/chat/completions",
-                                             json=chat_body(model="mock-llama")) as resp:
-                            assert resp.status == 200
-                        break
-                    except aiohttp.ClientOSError:
-                        assert attempt == 0
-            for _ in range(100):
-                async with http.get(f"{url}/debug/workers") as resp:
-                    info = await resp.json()
-                if info["worker"] == "w1" and info["pid"] != workers["w1"]:
+        os.kill(workers["w1"], signal.SIGKILL)
+        # A connection the kernel had queued for w1 as it died is reset (as with any SO_REUSEPORT
+        # server): a client retries it once, and it reaches w0.
+        for _ in range(10):  # the other worker serves meanwhile
+            for attempt in range(2):
+                try:
+                    async with http.post(f"{url}/v1/chat/completions",
+                                         json=chat_body(model="mock-llama")) as resp:
+                        assert resp.status == 200
                     break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("worker w1 was not started again")
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-            text = log.read_text()
-            assert "worker w1 exited" in text and "Traceback" not in text
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+                except aiohttp.ClientOSError:
+                    assert attempt == 0
+        for _ in range(100):
+            async with http.get(f"{url}/debug/workers") as resp:
+                info = await resp.json()
+            if info["worker"] == "w1" and info["pid"] != workers["w1"]:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("worker w1 was not started again")
+        await stop_cleanly(proc)
+        text = log.read_text()
+        assert "worker w1 exited" in text and "Traceback" not in text
 
 
 async def test_workers_stop_after_a_load_run_waiting_only_for_what_is_in_flight(start_backend, tmp_path):
@@ -188,47 +181,38 @@ async def test_workers_stop_after_a_load_run_waiting_only_for_what_is_in_flight(
             await release.wait()
         return web.json_response({"id": "x", "choices": []})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    app.router.add_get("/v1/models", models_of("m"))
-    backend = await start_backend(app)
+    pod = await start_backend(backend(answer))
     port = free_port()
-    with (tmp_path / "gateway.log").open("wb") as stderr:
-        proc = await asyncio.create_subprocess_exec(
-            *gateway_cmd("--pod", backend, "--workers", "2", "--port", str(port)), stderr=stderr)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    async with aiohttp.ClientSession() as http:  # kept-alive connections, open through the shutdown
-        try:
-            await wait_ready(f"http://127.0.0.1:{port}", http, proc)
+    async with (gateway_process("--pod", pod, "--workers", "2", "--port", str(port),
+                                log=tmp_path / "gateway.log") as proc,
+                aiohttp.ClientSession() as http):  # kept-alive connections, open through the shutdown
+        await wait_ready(f"http://127.0.0.1:{port}", http, proc)
 
-            async def ask(content: str) -> int:
-                async with http.post(url, json=chat_body(content, model="m")) as resp:
-                    await resp.read()
-                    return resp.status
+        async def ask(content: str) -> int:
+            async with http.post(url, json=chat_body(content, model="m")) as resp:
+                await resp.read()
+                return resp.status
 
-            for _ in range(10):
-                assert set(await asyncio.gather(*(ask("fast") for _ in range(16)))) == {200}
-            quitters = [asyncio.create_task(ask("slow")) for _ in range(8)]
-            await asyncio.sleep(0.2)
-            for task in quitters:  # clients that gave up mid-request
-                task.cancel()
-            release.set()
-            await asyncio.sleep(0.2)
-            release.clear()
-            in_flight = asyncio.create_task(ask("slow"))
-            await asyncio.sleep(0.3)
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(1.0)
-            assert proc.returncode is None  # draining the request still running
-            release.set()
-            assert await asyncio.wait_for(in_flight, timeout=10) == 200
-            stopping = asyncio.get_running_loop().time()
-            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-            assert asyncio.get_running_loop().time() - stopping < 3.0, "waited for something not in flight"
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+        for _ in range(10):
+            assert set(await asyncio.gather(*(ask("fast") for _ in range(16)))) == {200}
+        quitters = [asyncio.create_task(ask("slow")) for _ in range(8)]
+        await asyncio.sleep(0.2)
+        for task in quitters:  # clients that gave up mid-request
+            task.cancel()
+        release.set()
+        await asyncio.sleep(0.2)
+        release.clear()
+        in_flight = asyncio.create_task(ask("slow"))
+        await asyncio.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.0)
+        assert proc.returncode is None  # draining the request still running
+        release.set()
+        assert await asyncio.wait_for(in_flight, timeout=10) == 200
+        stopping = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+        assert asyncio.get_running_loop().time() - stopping < 3.0, "waited for something not in flight"
     assert "Traceback" not in (tmp_path / "gateway.log").read_text()
 
 
@@ -300,23 +284,16 @@ async def test_sighup_makes_every_worker_read_the_config_again(tmp_path):
               "mock_pods": {"count": 1, "speed": 0}, "flow_control": {"enabled": True}}
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / "gateway.log"
-    with log.open("wb") as stderr:
-        proc = await asyncio.create_subprocess_exec(*gateway_cmd("--config", str(path)), stderr=stderr)
     url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                     timeout=aiohttp.ClientTimeout(total=20)) as http:
-        try:
-            await wait_ready(url, http, proc)
-            config["flow_control"]["tenants"] = {"A": {"weight": 4}}
-            path.write_text(yaml.safe_dump(config))
-            await asyncio.sleep(0.5)
-            assert reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 0  # not watched
-            proc.send_signal(signal.SIGHUP)
-            await metrics_until(http, url, lambda text: reloads_applied(text) == 2, "both workers did not reload")
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    async with (gateway_process("--config", str(path), log=log) as proc,
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                      timeout=aiohttp.ClientTimeout(total=20)) as http):
+        await wait_ready(url, http, proc)
+        config["flow_control"]["tenants"] = {"A": {"weight": 4}}
+        path.write_text(yaml.safe_dump(config))
+        await asyncio.sleep(0.5)
+        assert reloads_applied(await (await http.get(f"{url}/metrics")).text()) == 0  # not watched
+        proc.send_signal(signal.SIGHUP)
+        await metrics_until(http, url, lambda text: reloads_applied(text) == 2, "both workers did not reload")
+        await stop_cleanly(proc)
     assert "Traceback" not in log.read_text()
