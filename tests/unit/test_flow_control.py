@@ -17,7 +17,7 @@ from gateway.flow.flows import ENGINE_BAND_SPAN, Flow, FlowKey, FlowPolicy, engi
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
-from gateway.load.ledger import InFlightLedger
+from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.profiles import ProfileStore
 
@@ -88,6 +88,31 @@ def controller(ledger: InFlightLedger, counters: ServiceCounters, registry: PodR
     return FlowController(config, registry, detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
 
 
+async def take_turn(flows: FlowController, ledger: InFlightLedger, counters: ServiceCounters, order: list[str],
+                    name: str, flow: Flow, charge: float = 0.0) -> None:
+    """Wait to be released, then go as the flow-control step sends a request: charged ``charge``, dispatched
+    (the pod full again), ended soon after."""
+    release = await flows.hold(flow, MODEL, None, Demand(), 30.0)
+    order.append(name)
+    assert release.room == frozenset({"p0"}) and release.waited_s >= 0
+    counters.charge(flow.key, charge)
+    entry = ledger.dispatch(name, "p0", 1.0, "chat")
+    flows.landed(release.held)
+    await asyncio.sleep(0.01)
+    ledger.finish(entry)
+
+
+async def release_all(flows: FlowController, ledger: InFlightLedger, busy: Dispatch, tasks: list[asyncio.Task[None]]
+                      ) -> None:
+    """Free the pod ``busy`` filled and let every held request go, one at a time."""
+    flows.start()
+    try:
+        ledger.finish(busy)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        await flows.stop()
+
+
 async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_highest_band_then_the_least_served():
     ledger, counters = InFlightLedger(), ServiceCounters()
     registry = one_pod()
@@ -100,31 +125,19 @@ async def test_an_idle_fleet_holds_nothing_and_a_saturated_one_releases_the_high
     counters.charge(FlowKey("a"), 500.0)  # a has been served much more than b
     order: list[str] = []
 
-    async def wait(name: str, flow: Flow) -> None:
-        release = await flows.hold(flow, MODEL, None, Demand(), 30.0)
-        order.append(name)
-        assert release.room == frozenset({"p0"}) and release.waited_s >= 0
-        entry = ledger.dispatch(name, "p0", 1.0, "chat")  # dispatched: the pod is full again
-        flows.landed(release.held)
-        await asyncio.sleep(0.01)
-        ledger.finish(entry)
+    def wait(name: str, key: FlowKey) -> asyncio.Task[None]:
+        return asyncio.create_task(take_turn(flows, ledger, counters, order, name, Flow(key)))
 
-    tasks = [asyncio.create_task(wait("a1", Flow(FlowKey("a")))),
-             asyncio.create_task(wait("a2", Flow(FlowKey("a"))))]
+    tasks = [wait("a1", FlowKey("a")), wait("a2", FlowKey("a"))]
     await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(wait("b1", Flow(FlowKey("b")))))
+    tasks.append(wait("b1", FlowKey("b")))
     await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(wait("urgent", Flow(FlowKey("c", 9)))))
+    tasks.append(wait("urgent", FlowKey("c", 9)))
     await asyncio.sleep(0.01)
     assert flows.queued == 4 and order == []
     # b started waiting after a: lifted to a's counter, never below it (no banked service).
     assert counters.get(FlowKey("b")) == 500.0
-    flows.start()
-    try:
-        ledger.finish(busy)
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    finally:
-        await flows.stop()
+    await release_all(flows, ledger, busy, tasks)
     assert order[0] == "urgent"  # the highest band first
     assert order[1:] in (["a1", "b1", "a2"], ["b1", "a1", "a2"])  # equal service: the flows take turns
     assert flows.queued == 0
@@ -141,28 +154,16 @@ async def test_a_flow_that_kept_up_takes_up_to_its_credit_before_the_flows_that_
     busy = ledger.dispatch("busy", "p0", 1.0, "chat")
     order: list[str] = []
 
-    async def wait(name: str) -> None:
-        key = FlowKey(name[0])
-        release = await flows.hold(Flow(key), MODEL, None, Demand(), 30.0)
-        order.append(name)
-        counters.charge(key, 3_700.0 if key.fairness_id == "a" else 1_000.0)  # as the flow-control step does
-        entry = ledger.dispatch(name, "p0", 1.0, "chat")
-        flows.landed(release.held)
-        await asyncio.sleep(0.005)
-        ledger.finish(entry)
+    def wait(name: str, charge: float) -> asyncio.Task[None]:
+        return asyncio.create_task(take_turn(flows, ledger, counters, order, name, Flow(FlowKey(name[0])), charge))
 
-    tasks = [asyncio.create_task(wait(f"a{i}")) for i in range(3)]
+    tasks = [wait(f"a{i}", 3_700.0) for i in range(3)]
     await asyncio.sleep(0)
-    tasks += [asyncio.create_task(wait(f"b{i}")) for i in range(8)]
+    tasks += [wait(f"b{i}", 1_000.0) for i in range(8)]
     await asyncio.sleep(0.01)
     # b started to wait after a: lifted short of a's counter by the credit, never above it.
     assert counters.get(FlowKey("b")) == 100_000.0 - lift_credit
-    flows.start()
-    try:
-        ledger.finish(busy)
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    finally:
-        await flows.stop()
+    await release_all(flows, ledger, busy, tasks)
     if lift_credit:
         # b's first five go before a's next (95,904 → 100,904); then the flows take turns by their counters.
         assert order == ["b0", "b1", "b2", "b3", "b4", "a0", "b5", "b6", "b7", "a1", "a2"], order
