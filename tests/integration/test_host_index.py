@@ -18,7 +18,7 @@ from gateway.kv._blockindex import BlockIndex
 from gateway.kv.index import PrefixIndex
 from simulator.pod import free_port
 from tests.integration.test_kv_subscriber import eventually
-from tests.integration.test_server_process import gateway_process, stop_cleanly, wait_ready
+from tests.integration.test_server_process import gateway_subprocess, stop_cleanly, wait_ready
 from tests.unit.test_prefix_index import Notes
 
 MODEL = "mock-llama"
@@ -84,7 +84,7 @@ async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_p
     body = {"model": MODEL, "max_tokens": 2, "messages": [
         {"role": "system", "content": "You plan trips. " + " ".join(["itinerary"] * 300)},
         {"role": "user", "content": "Three days in Lisbon?"}]}
-    async with (gateway_process("--mock-pods", "3", "--mock-speed", "0", "--workers", "2", "--policy", "kv_aware",
+    async with (gateway_subprocess("--mock-pods", "3", "--mock-speed", "0", "--workers", "2", "--policy", "kv_aware",
                                 "--port", str(port), log=log) as proc,
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                       timeout=aiohttp.ClientTimeout(total=20)) as http):

@@ -23,7 +23,7 @@ def gateway_cmd(*args: str) -> list[str]:
 
 
 @asynccontextmanager
-async def gateway_process(*args: str, log: Path | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
+async def gateway_subprocess(*args: str, log: Path | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
     """``gateway serve <args>`` as a process, its stderr piped, or written to ``log`` (a file, not a pipe,
     where nobody reads while it logs every request); killed on the way out if the test left it running."""
     if log is None:
@@ -77,7 +77,7 @@ async def test_sigterm_drains_in_flight_stream(start_backend, http):
     pod = await start_backend(backend(slow_stream))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    async with gateway_process("--pod", pod, "--port", str(port)) as proc:
+    async with gateway_subprocess("--pod", pod, "--port", str(port)) as proc:
         await wait_ready(url, http, proc)
         resp = await http.post(f"{url}/v1/chat/completions", json=chat_body(model="m", stream=True))
         assert await resp.content.readany() == b'data: {"n": 1}\n\n'
@@ -98,7 +98,7 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    async with gateway_process("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)) as proc:
+    async with gateway_subprocess("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)) as proc:
         await wait_ready(url, http, proc)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         models = await client.models.list()
@@ -123,7 +123,7 @@ async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
     log = tmp_path / "gateway.log"
     url = f"http://127.0.0.1:{port}"
     # A new connection per request: SO_REUSEPORT spreads connections, not requests.
-    async with (gateway_process("--mock-pods", "2", "--mock-speed", "0", "--workers", "2", "--port", str(port),
+    async with (gateway_subprocess("--mock-pods", "2", "--mock-speed", "0", "--workers", "2", "--port", str(port),
                                 log=log) as proc,
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                       timeout=aiohttp.ClientTimeout(total=20)) as http):
@@ -184,7 +184,7 @@ async def test_workers_stop_after_a_load_run_waiting_only_for_what_is_in_flight(
     pod = await start_backend(backend(answer))
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    async with (gateway_process("--pod", pod, "--workers", "2", "--port", str(port),
+    async with (gateway_subprocess("--pod", pod, "--workers", "2", "--port", str(port),
                                 log=tmp_path / "gateway.log") as proc,
                 aiohttp.ClientSession() as http):  # kept-alive connections, open through the shutdown
         await wait_ready(f"http://127.0.0.1:{port}", http, proc)
@@ -285,7 +285,7 @@ async def test_sighup_makes_every_worker_read_the_config_again(tmp_path):
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / "gateway.log"
     url = f"http://127.0.0.1:{port}"
-    async with (gateway_process("--config", str(path), log=log) as proc,
+    async with (gateway_subprocess("--config", str(path), log=log) as proc,
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                       timeout=aiohttp.ClientTimeout(total=20)) as http):
         await wait_ready(url, http, proc)
