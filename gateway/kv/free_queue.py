@@ -81,20 +81,69 @@ class _Run:
         return low
 
 
+class _EvictionOrder:
+    """A pod's free runs in the order its engine evicts them (head: first), linked through the runs' ``prev``
+    and ``next``, which only it writes; and the free blocks ahead of each run, summed in one pass when first
+    asked after a change. Which runs join it and when, and how many blocks it holds, is the
+    :class:`_PodQueue`'s."""
+
+    __slots__ = ("_ahead", "_stale", "head", "tail")
+
+    def __init__(self) -> None:
+        self.head: _Run | None = None
+        self.tail: _Run | None = None
+        self._ahead: dict[_Run, int] = {}
+        self._stale = True  # the order changed since the sums of blocks ahead
+
+    def unlink(self, run: _Run) -> None:
+        if run.prev is not None:
+            run.prev.next = run.next
+        else:
+            self.head = run.next
+        if run.next is not None:
+            run.next.prev = run.prev
+        else:
+            self.tail = run.prev
+        run.prev = run.next = None
+        self._stale = True
+
+    def link_after(self, run: _Run, ahead: _Run | None) -> None:
+        """``run`` right behind ``ahead`` (None: at the head)."""
+        after = ahead.next if ahead is not None else self.head
+        run.prev, run.next = ahead, after
+        if ahead is not None:
+            ahead.next = run
+        else:
+            self.head = run
+        if after is not None:
+            after.prev = run
+        else:
+            self.tail = run
+        self._stale = True
+
+    def ahead_of(self, run: _Run) -> int:
+        """Free blocks ahead of the run's deepest block."""
+        if self._stale:
+            self._ahead, total, at = {}, 0, self.head
+            while at is not None:
+                self._ahead[at] = total
+                total += at.hi - at.lo
+                at = at.next
+            self._stale = False
+        return self._ahead[run]
+
+
 class _PodQueue:
-    """One pod's tree of runs and the queue of its free ones (head: evicted first)."""
+    """One pod's tree of runs (which blocks are held, free or gone, and the way to them), its counts, and
+    through its :class:`_EvictionOrder` the queue of its free runs."""
 
     def __init__(self, stats: QueueStats) -> None:
         self.stats = stats
         self.roots: dict[int, _Run] = {}
         self.run_of: dict[int, _Run] = {}  # each held or free block → its run
-        self.head: _Run | None = None
-        self.tail: _Run | None = None
+        self.order = _EvictionOrder()
         self.free = 0  # blocks in the queue
         self.held = 0  # blocks requests hold
-        self._version = 0  # changes with the queue: the sums of blocks ahead are stale
-        self._ahead: dict[_Run, int] = {}
-        self._ahead_version = -1
 
     # A request's prompt
 
@@ -146,7 +195,8 @@ class _PodQueue:
     def _hold(self, run: _Run) -> None:
         if not run.holders:
             if run.cached:
-                self._unlink(run)
+                self.order.unlink(run)
+                self.free -= run.hi - run.lo
                 run.cached = False  # whether it is cached is said again when it is given back
             else:  # gone: its blocks are back in a prompt
                 self._assign(run, run.lo, run.hi)
@@ -182,7 +232,7 @@ class _PodQueue:
             return
         depth = run.hi - 1 if run.chain[run.hi - 1] == block else run.chain.index(block, run.lo, run.hi - 1)
         if count:
-            if run is self.head and depth == run.hi - 1:
+            if run is self.order.head and depth == run.hi - 1:
                 self.stats.evicted_first += 1
             else:
                 self.stats.evicted_out_of_order += 1
@@ -190,33 +240,24 @@ class _PodQueue:
             run = self._split(run, depth + 1)[0]
         if depth > run.lo:
             run = self._split(run, depth)[1]
-        self._unlink(run)
-        self._forget(run)
+        self._evict(run)
 
     def drop_all_free(self) -> None:
-        while self.head is not None:
-            run = self.head
-            self._unlink(run)
-            self._forget(run)
+        while self.order.head is not None:
+            self._evict(self.order.head)
+
+    def _evict(self, run: _Run) -> None:
+        self.order.unlink(run)
+        self.free -= run.hi - run.lo
+        self._forget(run)
 
     # Reads
-
-    def ahead_of(self, run: _Run) -> int:
-        """Free blocks ahead of the run's deepest block."""
-        if self._ahead_version != self._version:
-            self._ahead, total, at = {}, 0, self.head
-            while at is not None:
-                self._ahead[at] = total
-                total += at.hi - at.lo
-                at = at.next
-            self._ahead_version = self._version
-        return self._ahead[run]
 
     def ahead(self, block: int) -> int | None:
         run = self.run_of.get(block)
         if run is None or not run.free:
             return None
-        return self.ahead_of(run) + run.hi - 1 - run.chain.index(block, run.lo, run.hi)
+        return self.order.ahead_of(run) + run.hi - 1 - run.chain.index(block, run.lo, run.hi)
 
     def first_to_go(self, chain: Sequence[int]) -> tuple[int, int] | None:
         found: tuple[int, int] | None = None
@@ -224,13 +265,13 @@ class _PodQueue:
         while depth < n and (run := siblings.get(chain[depth])) is not None:
             end = run.match(chain, n)
             if run.free:  # its deepest block of the prompt, and the run's blocks ahead of it
-                found = (end - 1, self.ahead_of(run) + run.hi - end)
+                found = (end - 1, self.order.ahead_of(run) + run.hi - end)
             if end < run.hi:
                 break
             siblings, depth = run.children, end
         return found
 
-    # The tree and the queue
+    # The tree
 
     def _split(self, run: _Run, at: int) -> tuple[_Run, _Run]:
         """Cut ``run`` at depth ``at`` (inside it) into the upper part and the lower, its only child, in the
@@ -243,7 +284,7 @@ class _PodQueue:
             run.lo, run.parent, lower = at, upper, run
             upper.children[chain[at]] = lower
             if upper.free:
-                self._link_after(upper, lower)
+                self.order.link_after(upper, lower)
             if not upper.gone:
                 self._assign(upper, upper.lo, at)
         else:  # a new lower part
@@ -252,7 +293,7 @@ class _PodQueue:
             for child in lower.children.values():
                 child.parent = lower
             if lower.free:
-                self._link_before(lower, upper)
+                self.order.link_after(lower, upper.prev)
             if not lower.gone:
                 self._assign(lower, at, lower.hi)
         return upper, lower
@@ -260,17 +301,15 @@ class _PodQueue:
     def _merge(self, upper: _Run, lower: _Run) -> _Run:
         """Join a free run and its only child, right ahead of it in the queue, into one (returned)."""
         if upper.hi - upper.lo <= lower.hi - lower.lo:  # ``lower`` takes the blocks of ``upper``
-            self._unlink(upper)
+            self.order.unlink(upper)
             self._siblings(upper)[upper.chain[upper.lo]] = lower
             lower.lo, lower.parent = upper.lo, upper.parent
-            self.free += upper.hi - upper.lo
             self._assign(lower, upper.lo, upper.hi)
             return lower
-        self._unlink(lower)
+        self.order.unlink(lower)
         upper.chain, upper.hi, upper.children = lower.chain, lower.hi, lower.children
         for child in upper.children.values():
             child.parent = upper
-        self.free += lower.hi - lower.lo
         self._assign(upper, lower.lo, lower.hi)
         return upper
 
@@ -296,38 +335,7 @@ class _PodQueue:
     def _append(self, run: _Run) -> None:
         run.cached = True
         self.free += run.hi - run.lo
-        self._link_after(run, self.tail)
-
-    def _unlink(self, run: _Run) -> None:
-        if run.prev is not None:
-            run.prev.next = run.next
-        else:
-            self.head = run.next
-        if run.next is not None:
-            run.next.prev = run.prev
-        else:
-            self.tail = run.prev
-        run.prev = run.next = None
-        self.free -= run.hi - run.lo
-        self._version += 1
-
-    def _link_before(self, run: _Run, behind: _Run) -> None:
-        """``run`` (its blocks just cut from ``behind``, already counted free) right ahead of ``behind``."""
-        self._link_after(run, behind.prev)
-
-    def _link_after(self, run: _Run, ahead: _Run | None) -> None:
-        """``run`` (its blocks already counted free) right behind ``ahead`` (None: at the head)."""
-        after = ahead.next if ahead is not None else self.head
-        run.prev, run.next = ahead, after
-        if ahead is not None:
-            ahead.next = run
-        else:
-            self.head = run
-        if after is not None:
-            after.prev = run
-        else:
-            self.tail = run
-        self._version += 1
+        self.order.link_after(run, self.order.tail)
 
 
 class FreeQueues:
