@@ -54,8 +54,7 @@ class _Run:
         self.chain, self.lo, self.hi, self.parent = chain, lo, hi, parent
         self.holders, self.cached = holders, cached
         self.children: dict[int, _Run] = {}  # the runs that go on from depth ``hi``, by their first block
-        self.prev: _Run | None = None  # in the queue: the run ahead, and the run behind
-        self.next: _Run | None = None
+        self.prev = self.next = None  # in the queue: the run ahead, and the run behind (the order's to write)
 
     @property
     def free(self) -> bool:
@@ -81,45 +80,52 @@ class _Run:
         return low
 
 
-class _PodQueue:
-    """One pod's tree of runs and the queue of its free ones (head: evicted first)."""
+class _EvictionOrder:
+    """A pod's free runs in the order its engine evicts them, a ring linked through the runs' ``prev`` (the run
+    ahead) and ``next``, which only it writes; and the free blocks ahead of each run, summed in one pass when
+    first asked after a change. Which runs join it and when, and how many blocks it holds, is the
+    :class:`_PodQueue`'s."""
 
-    def __init__(self, stats: QueueStats) -> None:
-        self.stats = stats
+    def __init__(self) -> None:
+        self.end = _Run((), 0, 0, None, 0, False)  # where the ring closes: the head behind it, the tail ahead
+        self.end.prev = self.end.next = self.end
+        self._ahead: dict[_Run, int] | None = None  # the blocks ahead of each run; None: to sum (the order changed)
+
+    def unlink(self, run: _Run) -> None:
+        run.prev.next, run.next.prev = run.next, run.prev
+        run.prev = run.next = None
+        self._ahead = None
+
+    def link_after(self, run: _Run, ahead: _Run) -> None:
+        """``run`` right behind ``ahead`` (:attr:`end`: at the head)."""
+        run.prev, run.next = ahead, ahead.next
+        ahead.next.prev = run
+        ahead.next = run
+        self._ahead = None
+
+    def ahead_of(self, run: _Run) -> int:
+        """Free blocks ahead of the run's deepest block."""
+        if self._ahead is None:
+            self._ahead, total, at = {}, 0, self.end.next
+            while at is not self.end:
+                self._ahead[at] = total
+                total += at.hi - at.lo
+                at = at.next
+        return self._ahead[run]
+
+
+class _RunTree:
+    """The runs a pod's blocks form, from ``roots`` by their first block, and ``run_of``, each held or free
+    block's run: it walks a prompt's path, cuts runs and joins them (a free one keeping its place in the
+    :class:`_EvictionOrder`) and forgets their blocks. Which state a run is in, and when it changes, is the
+    :class:`_PodQueue`'s."""
+
+    def __init__(self, order: _EvictionOrder, stats: QueueStats) -> None:
+        self.order, self.stats = order, stats
         self.roots: dict[int, _Run] = {}
-        self.run_of: dict[int, _Run] = {}  # each held or free block → its run
-        self.head: _Run | None = None
-        self.tail: _Run | None = None
-        self.free = 0  # blocks in the queue
-        self.held = 0  # blocks requests hold
-        self._version = 0  # changes with the queue: the sums of blocks ahead are stale
-        self._ahead: dict[_Run, int] = {}
-        self._ahead_version = -1
+        self.run_of: dict[int, _Run] = {}
 
-    # A request's prompt
-
-    def take(self, chain: Sequence[int]) -> None:
-        path = self._path(chain)
-        for run in path:
-            self._hold(run)
-        parent = path[-1] if path else None
-        if (depth := parent.hi if parent else 0) < len(chain):
-            self._grow(parent, parent.children if parent else self.roots, chain, depth)
-
-    def give_back(self, chain: Sequence[int], cached: int) -> None:
-        path = self._path(chain)
-        for run in reversed(path):  # tail first: the deepest run is evicted first
-            self._release(run, cached)
-        if path:  # heal the cuts that no longer part anything: a free run and its only child, just ahead
-            upper = path[0]
-            for lower in path[1:]:
-                if lower.parent is upper and upper.free and lower.free and lower.next is upper \
-                        and len(upper.children) == 1:
-                    upper = self._merge(upper, lower)
-                else:
-                    upper = lower
-
-    def _path(self, chain: Sequence[int]) -> list[_Run]:
+    def path(self, chain: Sequence[int]) -> list[_Run]:
         """The runs ``chain`` follows from the root, the last one cut where the chain leaves it (so that the
         last run ends at the depth the chain reaches)."""
         path: list[_Run] = []
@@ -128,111 +134,12 @@ class _PodQueue:
             self.stats.runs_walked += 1
             end = run.match(chain, n)
             if end < run.hi:
-                run = self._split(run, end)[0]
+                run = self.split(run, end)[0]
             path.append(run)
             siblings, depth = run.children, end
         return path
 
-    def _grow(self, parent: _Run | None, siblings: dict[int, _Run], chain: Sequence[int], depth: int) -> None:
-        """The prompt's blocks from ``depth`` on are new here: they join ``parent`` where only this request
-        holds it and nothing goes on from it, else make a run of their own."""
-        if parent is not None and parent.holders == 1 and not parent.children:
-            parent.chain, parent.hi, run = chain, len(chain), parent
-        else:
-            run = siblings[chain[depth]] = _Run(chain, depth, len(chain), parent, 1, False)
-        self._assign(run, depth, len(chain))
-        self.held += len(chain) - depth
-
-    def _hold(self, run: _Run) -> None:
-        if not run.holders:
-            if run.cached:
-                self._unlink(run)
-                run.cached = False  # whether it is cached is said again when it is given back
-            else:  # gone: its blocks are back in a prompt
-                self._assign(run, run.lo, run.hi)
-            self.held += run.hi - run.lo
-        run.holders += 1
-
-    def _release(self, run: _Run, cached: int) -> None:
-        if run.holders != 1:  # others still hold it (none: it was not this request's)
-            run.holders = max(0, run.holders - 1)
-            return
-        self.held -= run.hi - run.lo
-        if run.lo < cached < run.hi:
-            run, tail = self._split(run, cached)  # cut while held: both keep their blocks' map
-            tail.holders = 0
-            run.holders = 0
-            self._append(run)  # before its uncached tail goes, which would take the way to it along
-            self._forget(tail)
-        else:
-            run.holders = 0
-            if run.hi <= cached:
-                self._append(run)
-            else:
-                self._forget(run)
-
-    # Evictions
-
-    def drop_block(self, block: int, count: bool) -> None:
-        """The pod no longer caches ``block``: out of the queue if it was there (a held one stays held)."""
-        run = self.run_of.get(block)
-        if run is None or not run.free:
-            if count:
-                self.stats.evicted_unknown += 1
-            return
-        depth = run.hi - 1 if run.chain[run.hi - 1] == block else run.chain.index(block, run.lo, run.hi - 1)
-        if count:
-            if run is self.head and depth == run.hi - 1:
-                self.stats.evicted_first += 1
-            else:
-                self.stats.evicted_out_of_order += 1
-        if depth + 1 < run.hi:
-            run = self._split(run, depth + 1)[0]
-        if depth > run.lo:
-            run = self._split(run, depth)[1]
-        self._unlink(run)
-        self._forget(run)
-
-    def drop_all_free(self) -> None:
-        while self.head is not None:
-            run = self.head
-            self._unlink(run)
-            self._forget(run)
-
-    # Reads
-
-    def ahead_of(self, run: _Run) -> int:
-        """Free blocks ahead of the run's deepest block."""
-        if self._ahead_version != self._version:
-            self._ahead, total, at = {}, 0, self.head
-            while at is not None:
-                self._ahead[at] = total
-                total += at.hi - at.lo
-                at = at.next
-            self._ahead_version = self._version
-        return self._ahead[run]
-
-    def ahead(self, block: int) -> int | None:
-        run = self.run_of.get(block)
-        if run is None or not run.free:
-            return None
-        return self.ahead_of(run) + run.hi - 1 - run.chain.index(block, run.lo, run.hi)
-
-    def first_to_go(self, chain: Sequence[int]) -> tuple[int, int] | None:
-        found: tuple[int, int] | None = None
-        siblings, depth, n = self.roots, 0, len(chain)
-        while depth < n and (run := siblings.get(chain[depth])) is not None:
-            end = run.match(chain, n)
-            if run.free:  # its deepest block of the prompt, and the run's blocks ahead of it
-                found = (end - 1, self.ahead_of(run) + run.hi - end)
-            if end < run.hi:
-                break
-            siblings, depth = run.children, end
-        return found
-
-    # The tree and the queue
-
-    def _split(self, run: _Run, at: int) -> tuple[_Run, _Run]:
+    def split(self, run: _Run, at: int) -> tuple[_Run, _Run]:
         """Cut ``run`` at depth ``at`` (inside it) into the upper part and the lower, its only child, in the
         same state; free, the lower one is right ahead of the upper in the queue. The new object takes the
         side with fewer blocks, whose blocks are renumbered."""
@@ -243,40 +150,37 @@ class _PodQueue:
             run.lo, run.parent, lower = at, upper, run
             upper.children[chain[at]] = lower
             if upper.free:
-                self._link_after(upper, lower)
+                self.order.link_after(upper, lower)
             if not upper.gone:
-                self._assign(upper, upper.lo, at)
+                self.assign(upper, upper.lo, at)
         else:  # a new lower part
             lower = _Run(chain, at, run.hi, run, run.holders, run.cached)
             lower.children, run.children, run.hi, upper = run.children, {chain[at]: lower}, at, run
             for child in lower.children.values():
                 child.parent = lower
             if lower.free:
-                self._link_before(lower, upper)
+                self.order.link_after(lower, upper.prev)
             if not lower.gone:
-                self._assign(lower, at, lower.hi)
+                self.assign(lower, at, lower.hi)
         return upper, lower
 
-    def _merge(self, upper: _Run, lower: _Run) -> _Run:
+    def merge(self, upper: _Run, lower: _Run) -> _Run:
         """Join a free run and its only child, right ahead of it in the queue, into one (returned)."""
         if upper.hi - upper.lo <= lower.hi - lower.lo:  # ``lower`` takes the blocks of ``upper``
-            self._unlink(upper)
+            self.order.unlink(upper)
             self._siblings(upper)[upper.chain[upper.lo]] = lower
             lower.lo, lower.parent = upper.lo, upper.parent
-            self.free += upper.hi - upper.lo
-            self._assign(lower, upper.lo, upper.hi)
+            self.assign(lower, upper.lo, upper.hi)
             return lower
-        self._unlink(lower)
+        self.order.unlink(lower)
         upper.chain, upper.hi, upper.children = lower.chain, lower.hi, lower.children
         for child in upper.children.values():
             child.parent = upper
-        self.free += lower.hi - lower.lo
-        self._assign(upper, lower.lo, lower.hi)
+        self.assign(upper, lower.lo, lower.hi)
         return upper
 
-    def _forget(self, run: _Run) -> None:
-        """The run's blocks are cached no more; it stays, gone, while runs below it need the way."""
-        run.cached = False
+    def forget(self, run: _Run) -> None:
+        """The run's blocks (cached no more) leave the map; it stays, gone, while runs below it need the way."""
         run_of = self.run_of
         for block in run.chain[run.lo : run.hi]:
             if run_of.get(block) is run:
@@ -286,48 +190,142 @@ class _PodQueue:
             del self._siblings(run)[run.chain[run.lo]]
             run = run.parent
 
-    def _assign(self, run: _Run, lo: int, hi: int) -> None:
+    def assign(self, run: _Run, lo: int, hi: int) -> None:
         self.run_of.update(dict.fromkeys(run.chain[lo:hi], run))
         self.stats.block_writes += hi - lo
 
     def _siblings(self, run: _Run) -> dict[int, _Run]:
         return run.parent.children if run.parent is not None else self.roots
 
+
+class _PodQueue:
+    """One pod's queue: what its requests and evictions do to its runs (held, free in its
+    :class:`_EvictionOrder`, or gone), and how many blocks are held and free; the runs' shape is its
+    :class:`_RunTree`'s."""
+
+    def __init__(self, stats: QueueStats) -> None:
+        self.stats = stats
+        self.order = _EvictionOrder()
+        self.tree = _RunTree(self.order, stats)
+        self.free = 0  # blocks in the queue
+        self.held = 0  # blocks requests hold
+
+    # A request's prompt
+
+    def take(self, chain: Sequence[int]) -> None:
+        path = self.tree.path(chain)
+        for run in path:
+            self._hold(run)
+        parent = path[-1] if path else None
+        if (depth := parent.hi if parent else 0) < len(chain):
+            self._grow(parent, parent.children if parent else self.tree.roots, chain, depth)
+
+    def give_back(self, chain: Sequence[int], cached: int) -> None:
+        path = self.tree.path(chain)
+        for run in reversed(path):  # tail first: the deepest run is evicted first
+            self._release(run, cached)
+        if path:  # heal the cuts that no longer part anything: a free run and its only child, just ahead
+            upper = path[0]
+            for lower in path[1:]:
+                if lower.parent is upper and upper.free and lower.free and lower.next is upper \
+                        and len(upper.children) == 1:
+                    upper = self.tree.merge(upper, lower)
+                else:
+                    upper = lower
+
+    def _grow(self, parent: _Run | None, siblings: dict[int, _Run], chain: Sequence[int], depth: int) -> None:
+        """The prompt's blocks from ``depth`` on are new here: they join ``parent`` where only this request
+        holds it and nothing goes on from it, else make a run of their own."""
+        if parent is not None and parent.holders == 1 and not parent.children:
+            parent.chain, parent.hi, run = chain, len(chain), parent
+        else:
+            run = siblings[chain[depth]] = _Run(chain, depth, len(chain), parent, 1, False)
+        self.tree.assign(run, depth, len(chain))
+        self.held += len(chain) - depth
+
+    def _hold(self, run: _Run) -> None:
+        if not run.holders:
+            if run.cached:
+                self.order.unlink(run)
+                self.free -= run.hi - run.lo
+                run.cached = False  # whether it is cached is said again when it is given back
+            else:  # gone: its blocks are back in a prompt
+                self.tree.assign(run, run.lo, run.hi)
+            self.held += run.hi - run.lo
+        run.holders += 1
+
+    def _release(self, run: _Run, cached: int) -> None:
+        if run.holders != 1:  # others still hold it (none: it was not this request's)
+            run.holders = max(0, run.holders - 1)
+            return
+        self.held -= run.hi - run.lo
+        if run.lo < cached < run.hi:
+            run, tail = self.tree.split(run, cached)  # cut while held: both keep their blocks' map
+            run.holders = tail.holders = 0
+            self._append(run)  # before its uncached tail goes, which would take the way to it along
+            self.tree.forget(tail)
+        else:
+            run.holders = 0
+            if run.hi <= cached:
+                self._append(run)
+            else:
+                self.tree.forget(run)
+
+    # Evictions
+
+    def drop_block(self, block: int, count: bool) -> None:
+        """The pod no longer caches ``block``: out of the queue if it was there (a held one stays held)."""
+        run = self.tree.run_of.get(block)
+        if run is None or not run.free:
+            if count:
+                self.stats.evicted_unknown += 1
+            return
+        depth = run.hi - 1 if run.chain[run.hi - 1] == block else run.chain.index(block, run.lo, run.hi - 1)
+        if count:
+            if run is self.order.end.next and depth == run.hi - 1:  # the head's deepest block
+                self.stats.evicted_first += 1
+            else:
+                self.stats.evicted_out_of_order += 1
+        if depth + 1 < run.hi:
+            run = self.tree.split(run, depth + 1)[0]
+        if depth > run.lo:
+            run = self.tree.split(run, depth)[1]
+        self._evict(run)
+
+    def drop_all_free(self) -> None:
+        while (run := self.order.end.next) is not self.order.end:
+            self._evict(run)
+
+    def _evict(self, run: _Run) -> None:
+        self.order.unlink(run)
+        self.free -= run.hi - run.lo
+        run.cached = False
+        self.tree.forget(run)
+
+    # Reads
+
+    def ahead(self, block: int) -> int | None:
+        run = self.tree.run_of.get(block)
+        if run is None or not run.free:
+            return None
+        return self.order.ahead_of(run) + run.hi - 1 - run.chain.index(block, run.lo, run.hi)
+
+    def first_to_go(self, chain: Sequence[int]) -> tuple[int, int] | None:
+        found: tuple[int, int] | None = None
+        siblings, depth, n = self.tree.roots, 0, len(chain)
+        while depth < n and (run := siblings.get(chain[depth])) is not None:
+            end = run.match(chain, n)
+            if run.free:  # its deepest block of the prompt, and the run's blocks ahead of it
+                found = (end - 1, self.order.ahead_of(run) + run.hi - end)
+            if end < run.hi:
+                break
+            siblings, depth = run.children, end
+        return found
+
     def _append(self, run: _Run) -> None:
         run.cached = True
         self.free += run.hi - run.lo
-        self._link_after(run, self.tail)
-
-    def _unlink(self, run: _Run) -> None:
-        if run.prev is not None:
-            run.prev.next = run.next
-        else:
-            self.head = run.next
-        if run.next is not None:
-            run.next.prev = run.prev
-        else:
-            self.tail = run.prev
-        run.prev = run.next = None
-        self.free -= run.hi - run.lo
-        self._version += 1
-
-    def _link_before(self, run: _Run, behind: _Run) -> None:
-        """``run`` (its blocks just cut from ``behind``, already counted free) right ahead of ``behind``."""
-        self._link_after(run, behind.prev)
-
-    def _link_after(self, run: _Run, ahead: _Run | None) -> None:
-        """``run`` (its blocks already counted free) right behind ``ahead`` (None: at the head)."""
-        after = ahead.next if ahead is not None else self.head
-        run.prev, run.next = ahead, after
-        if ahead is not None:
-            ahead.next = run
-        else:
-            self.head = run
-        if after is not None:
-            after.prev = run
-        else:
-            self.tail = run
-        self._version += 1
+        self.order.link_after(run, self.order.end.prev)
 
 
 class FreeQueues:
