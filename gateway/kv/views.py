@@ -78,6 +78,57 @@ class EngineView:
     engine_hashes = _field(ENGINE_HASHES)
 
 
+class EngineViews:
+    """The views this process knows over its block indexes, by (pod, rank), by pod, and per index by bit.
+    Owner: a writer's are added by :meth:`~gateway.kv.index.PrefixIndex.view` and dropped with their pod; a
+    reader (``writes`` false) learns them from the writers' files in :meth:`sync`. Read by the index's
+    lookups, which call :meth:`sync` first; the other accessors sync themselves."""
+
+    def __init__(self, stores: list[BlockIndex], writes: bool) -> None:
+        self._stores, self.writes = stores, writes
+        self.by_key: dict[tuple[str, int], EngineView] = {}
+        self.by_pod: dict[str, list[EngineView]] = {}
+        self.pod_of_bit: dict[BlockIndex, dict[int, str]] = {}
+        self._version: tuple[int, ...] = ()
+
+    def add(self, view: EngineView) -> EngineView:
+        self.by_key[view.key] = view
+        self.by_pod.setdefault(view.pod, []).append(view)
+        self.pod_of_bit.setdefault(view.store, {})[view.bit] = view.pod
+        return view
+
+    def drop(self, pod: str) -> list[EngineView]:
+        """Forget the pod's views (a writer also drops them from its index); the views it had."""
+        for view in (gone := self.by_pod.pop(pod, [])):
+            del self.by_key[view.key]
+            self.pod_of_bit.get(view.store, {}).pop(view.bit, None)
+        return gone
+
+    def sync(self) -> None:
+        """A reader learns the views from the writers', when they changed."""
+        if self.writes:
+            return
+        version = tuple(s.views_version() for s in self._stores)
+        if version == self._version:
+            return
+        known = self.by_key
+        self.by_key, self.by_pod, self.pod_of_bit = {}, {}, {}
+        for store in self._stores:
+            for bit, pod, rank in store.views()[1]:
+                was = known.get((pod, rank))
+                self.add(was if was is not None and was.bit == bit and was.store is store
+                         else EngineView(store, bit, pod, rank, ""))
+        self._version = version
+
+    def of(self, pod: str) -> list[EngineView]:
+        self.sync()
+        return self.by_pod.get(pod, [])
+
+    def rank0(self, pod: str) -> EngineView | None:
+        self.sync()
+        return self.by_key.get((pod, 0))
+
+
 @dataclass(slots=True)
 class PodMatch:
     """Cached tokens of the prompt's prefix on one pod (the best of its ranks)."""
