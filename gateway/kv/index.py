@@ -2,17 +2,16 @@
 
 Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply_payload` and
 :meth:`PrefixIndex.apply`) and by the pipeline's speculative insertion (the ``RoutedPrefix`` dispatch step,
-through :meth:`PrefixIndex.expect`); read by routing through :meth:`PrefixIndex.lookup` and
-:meth:`PrefixIndex.holders`. Its speculative blocks go to the other workers and replicas through the sink it
-is built with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
+through :meth:`PrefixIndex.expect`, into :class:`ExpectedBlocks`); read by routing through
+:meth:`PrefixIndex.lookup` and :meth:`PrefixIndex.holders` (its :class:`PrefixLookup`). Its speculative blocks go
+to the other workers and replicas through the sink it is built with, theirs come in through ``apply_remote``.
 
 The blocks themselves live in a :class:`~gateway.kv._blockindex.BlockIndex` (``gateway/kv/native/``): in
 this process's memory, or, with several workers, in files every process of the host maps, written by the
 host's indexer (:mod:`gateway.kv.host`) and read here without copying (a *reader* index: it applies no
 events and learns the views from the files). Per (block, view) it keeps the copies per tier (vLLM stores
 duplicates; each copy is stored and removed) and, per block, which views hold it (for the candidates of a
-lookup that does not look at every pod). Speculative blocks (just routed, not yet confirmed by an event)
-are this process's own, kept here.
+lookup that does not look at every pod).
 
 Engines evict a cached block only after its descendants (vLLM frees a finished request's blocks tail
 first and evicts least recently freed first; SGLang evicts radix-tree leaves), so what one holds is closed
@@ -47,7 +46,6 @@ from gateway.kv.views import (
     EvictionListener,
     IndexStats,
     PodMatch,
-    closed_run,
     leading_runs,
     walk,
 )
@@ -59,9 +57,9 @@ _GPU_MEDIA = (None, "GPU", "gpu")
 
 class ExpectedBlocks:
     """Speculative blocks: those just routed to a pod's rank-0 view (by this process, or by a peer over the bus),
-    expected there until their expiry, before its events confirm them. Owner: written by
-    :meth:`PrefixIndex.expect` and :meth:`PrefixIndex.apply_remote` (each sweeps the expired first); read by
-    :class:`PrefixLookup`."""
+    expected there until their expiry, before its events confirm them; this process's own, not in the block
+    index. Owner: written by :meth:`PrefixIndex.expect` and :meth:`PrefixIndex.apply_remote` (each sweeps the
+    expired first); read by :class:`PrefixLookup`."""
 
     def __init__(self) -> None:
         self._expiries: dict[int, dict[int, float]] = {}  # own hash → {view bit: expiry}
@@ -90,19 +88,16 @@ class ExpectedBlocks:
             now: float) -> int:
         """From the end of the view's confirmed run (``start``), the run of blocks expected on the view until
         past ``now`` or held on its GPU tier: ``start`` unless the block there is expected."""
-        expiries, i = self._expiries, start
+        expiries = self._expiries
         expected = expiries.get(prompt.first(bs, start + 1)[start])
         if expected is None or expected.get(bit, 0.0) <= now:
             return start
-        hashes = prompt.first(bs, min(usable, start + 8))
+        i, hashes = start + 1, prompt.first(bs, min(usable, start + 8))
         while i < usable:
             if i == len(hashes):
                 hashes = prompt.first(bs, min(usable, 2 * i))
-            h = hashes[i]
-            expected = expiries.get(h)
-            if expected is None or (expiry := expected.get(bit)) is None or expiry <= now:
-                if not store.holds(bit, h)[0]:
-                    break
+            if expiries.get(hashes[i], {}).get(bit, 0.0) <= now and not store.holds(bit, hashes[i])[0]:
+                break
             i += 1
         return i
 
@@ -124,11 +119,10 @@ class PrefixLookup:
 
     def lookup(self, hashes: PromptHashes, pods: Iterable[str]) -> dict[str, PodMatch]:
         self._views.sync()
-        out: dict[str, PodMatch | None] = {}
+        out: dict[str, PodMatch | None] = dict.fromkeys(pods)
         groups: dict[tuple[BlockIndex, int], list[EngineView]] = {}  # by store and block size
         by_pod = self._views.by_pod
-        for pod in pods:
-            out[pod] = None
+        for pod in out:
             for view in by_pod.get(pod, ()):
                 try:
                     bs = view.store.view_field(view.bit, BLOCK_SIZE) or self._reported_block_size(view.pod)
@@ -168,7 +162,7 @@ class PrefixLookup:
             by_bit = self._views.pod_of_bit.get(store, {})
             for bs in self._block_sizes(store, by_bit, now):
                 usable = (prompt.token_count - 1) // bs
-                deepest = closed_run(store, -1, prompt, bs, usable)
+                deepest = walk(store, -1, prompt, bs, usable, closed=True)
                 hashes = prompt.first(bs, min(usable, deepest + 1))
                 if self._expected and deepest < len(hashes):  # pods just routed the block, not confirmed yet
                     names.update((pod, None) for bit in self._expected.bits(hashes[deepest], now)
@@ -264,9 +258,7 @@ class PrefixIndex:
         view.last_seq = seq
 
     def drop_pod(self, pod: str) -> None:
-        for view in self._views.drop(pod):
-            if self.writes:
-                self._store.drop_view(view.bit)
+        self._views.drop(pod)
         if self._evictions is not None:
             self._evictions.dropped(pod)
 
@@ -341,15 +333,16 @@ class PrefixIndex:
 
     # Lookup (routing's side)
 
-    def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int]) -> PromptHashes:
+    def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes) -> PromptHashes:
+        if isinstance(token_ids, PromptHashes):
+            return token_ids
         return PromptHashes(namespace_root(model, lora_name), token_ids)
 
     def lookup(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                pods: Iterable[str]) -> dict[str, PodMatch]:
         """Per pod, the longest run of the prompt's blocks cached from the first block. Costs the pods asked
         about (their runs found together, a native call per pass), not the pods indexed."""
-        hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
-        return self._lookup.lookup(hashes, pods)
+        return self._lookup.lookup(self.prompt_hashes(model, lora_name, token_ids), pods)
 
     def holders(self, prompt: PromptHashes, limit: int) -> list[str]:
         """Up to ``limit`` pods holding the longest runs of the prompt's blocks, longest first: the pods whose
@@ -369,7 +362,7 @@ class PrefixIndex:
         view = self._views.rank0(pod)
         if view is None or not (bs := self._block_size_of(view)) or self.speculative_ttl_s <= 0:
             return
-        prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
+        prompt = self.prompt_hashes(model, lora_name, token_ids)
         new = prompt.first(bs, prompt.token_count)[confirmed_tokens // bs:]
         if new:
             self._speculative.add(view.bit, new, now + self.speculative_ttl_s)
