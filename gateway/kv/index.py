@@ -164,9 +164,10 @@ class PrefixLookup:
                 usable = (prompt.token_count - 1) // bs
                 deepest = walk(store, -1, prompt, bs, usable, closed=True)
                 hashes = prompt.first(bs, min(usable, deepest + 1))
-                if self._expected and deepest < len(hashes):  # pods just routed the block, not confirmed yet
-                    names.update((pod, None) for bit in self._expected.bits(hashes[deepest], now)
-                                 if (pod := by_bit.get(bit)) is not None)
+                if deepest < len(hashes) and self._expected:  # pods just routed the block, not confirmed yet
+                    for bit in self._expected.bits(hashes[deepest], now):
+                        if (pod := by_bit.get(bit)) is not None:
+                            names[pod] = None
                 # From the deepest held block back to the first, halving: pods with shorter runs too.
                 at = deepest
                 while at > 0 and len(names) < limit:
