@@ -2,17 +2,16 @@
 
 Owner: written only by the KV-event subscribers (through :meth:`PrefixIndex.apply_payload` and
 :meth:`PrefixIndex.apply`) and by the pipeline's speculative insertion (the ``RoutedPrefix`` dispatch step,
-through :meth:`PrefixIndex.expect`); read by routing through :meth:`PrefixIndex.lookup` and
-:meth:`PrefixIndex.holders`. Its speculative blocks go to the other workers and replicas through the sink it
-is built with, and theirs come in through :meth:`PrefixIndex.apply_remote`.
+through :meth:`PrefixIndex.expect`, into :class:`ExpectedBlocks`); read by routing through
+:meth:`PrefixIndex.lookup` and :meth:`PrefixIndex.holders` (its :class:`PrefixLookup`). Its speculative blocks go
+to the other workers and replicas through the sink it is built with, theirs come in through ``apply_remote``.
 
 The blocks themselves live in a :class:`~gateway.kv._blockindex.BlockIndex` (``gateway/kv/native/``): in
 this process's memory, or, with several workers, in files every process of the host maps, written by the
 host's indexer (:mod:`gateway.kv.host`) and read here without copying (a *reader* index: it applies no
 events and learns the views from the files). Per (block, view) it keeps the copies per tier (vLLM stores
 duplicates; each copy is stored and removed) and, per block, which views hold it (for the candidates of a
-lookup that does not look at every pod). Speculative blocks (just routed, not yet confirmed by an event)
-are this process's own, kept here.
+lookup that does not look at every pod).
 
 Engines evict a cached block only after its descendants (vLLM frees a finished request's blocks tail
 first and evicts least recently freed first; SGLang evicts radix-tree leaves), so what one holds is closed
@@ -43,10 +42,10 @@ from gateway.kv.views import (
     APPROXIMATE,
     BLOCK_SIZE,
     EngineView,
+    EngineViews,
     EvictionListener,
     IndexStats,
     PodMatch,
-    closed_run,
     leading_runs,
     walk,
 )
@@ -54,6 +53,142 @@ from gateway.kv.views import (
 log = logging.getLogger("gateway.kv.index")
 
 _GPU_MEDIA = (None, "GPU", "gpu")
+
+
+class ExpectedBlocks:
+    """Speculative blocks: those just routed to a pod's rank-0 view (by this process, or by a peer over the bus),
+    expected there until their expiry, before its events confirm them; this process's own, not in the block
+    index. Owner: written by :meth:`PrefixIndex.expect` and :meth:`PrefixIndex.apply_remote` (each sweeps the
+    expired first); read by :class:`PrefixLookup`."""
+
+    def __init__(self) -> None:
+        self._expiries: dict[int, dict[int, float]] = {}  # own hash → {view bit: expiry}
+        self._queue: deque[tuple[float, int, list[int]]] = deque()  # what to sweep, in order of expiry
+
+    def __len__(self) -> int:
+        return len(self._expiries)
+
+    def add(self, bit: int, hashes: list[int], expiry: float) -> None:
+        for h in hashes:
+            self._expiries.setdefault(h, {})[bit] = expiry
+        self._queue.append((expiry, bit, hashes))
+
+    def sweep(self, now: float) -> None:
+        queue, expiries = self._queue, self._expiries
+        while queue and queue[0][0] <= now:
+            _, bit, hashes = queue.popleft()
+            for h in hashes:
+                expected = expiries.get(h)
+                if expected is not None and expected.get(bit, now + 1) <= now:
+                    del expected[bit]
+                    if not expected:
+                        del expiries[h]
+
+    def run(self, store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
+            now: float) -> int:
+        """From the end of the view's confirmed run (``start``), the run of blocks expected on the view until
+        past ``now`` or held on its GPU tier: ``start`` unless the block there is expected."""
+        expiries = self._expiries
+        expected = expiries.get(prompt.first(bs, start + 1)[start])
+        if expected is None or expected.get(bit, 0.0) <= now:
+            return start
+        i, hashes = start + 1, prompt.first(bs, min(usable, start + 8))
+        while i < usable:
+            if i == len(hashes):
+                hashes = prompt.first(bs, min(usable, 2 * i))
+            if expiries.get(hashes[i], {}).get(bit, 0.0) <= now and not store.holds(bit, hashes[i])[0]:
+                break
+            i += 1
+        return i
+
+    def bits(self, block: int, now: float) -> list[int]:
+        """The views the block is expected on until past ``now``."""
+        return [bit for bit, expiry in self._expiries.get(block, {}).items() if expiry > now]
+
+
+class PrefixLookup:
+    """The index's read side: how far a prompt's blocks run on each pod asked about (:meth:`lookup`), and which
+    pods are worth asking about (:meth:`holders`), from the block indexes, the views and the expected blocks.
+    Owns only the block sizes ``holders`` cuts prompts by (read again at most once a second)."""
+
+    def __init__(self, stores: list[BlockIndex], views: EngineViews, expected: ExpectedBlocks,
+                 reported_block_size: Callable[[str], int | None]) -> None:
+        self._stores, self._views, self._expected = stores, views, expected
+        self._reported_block_size = reported_block_size
+        self._sizes: dict[BlockIndex, tuple[float, set[int]]] = {}  # per store: when read, the sizes
+
+    def lookup(self, hashes: PromptHashes, pods: Iterable[str]) -> dict[str, PodMatch]:
+        self._views.sync()
+        out: dict[str, PodMatch | None] = dict.fromkeys(pods)
+        groups: dict[tuple[BlockIndex, int], list[EngineView]] = {}  # by store and block size
+        by_pod = self._views.by_pod
+        for pod in out:
+            for view in by_pod.get(pod, ()):
+                try:
+                    bs = view.store.view_field(view.bit, BLOCK_SIZE) or self._reported_block_size(view.pod)
+                except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
+                    continue
+                if bs:
+                    groups.setdefault((view.store, bs), []).append(view)
+        now = time.monotonic()
+        expected = self._expected if self._expected else None
+        for (store, bs), views in groups.items():
+            # The engine always recomputes the last prompt token: it never counts as a hit.
+            usable = (hashes.token_count - 1) // bs
+            offloaded = store.offload_held() > 0
+            for view, confirmed in zip(views, leading_runs(store, [v.bit for v in views], hashes, bs, usable),
+                                       strict=True):
+                bit, gpu, any_tier = view.bit, confirmed, confirmed
+                if confirmed < usable:
+                    if expected is not None:
+                        gpu = expected.run(store, bit, hashes, bs, usable, confirmed, now)
+                    if offloaded:
+                        any_tier = walk(store, bit, hashes, bs, usable, confirmed, any_tier=True)
+                try:
+                    approximate = store.view_field(bit, APPROXIMATE)
+                except KeyError:
+                    approximate = False
+                best = out[view.pod]
+                if best is None or gpu * bs > best.gpu_tokens:
+                    out[view.pod] = PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs,
+                                             approximate)
+        return {pod: match or PodMatch() for pod, match in out.items()}
+
+    def holders(self, prompt: PromptHashes, limit: int) -> list[str]:
+        self._views.sync()
+        names: dict[str, None] = {}
+        now = time.monotonic()
+        for store in self._stores:
+            by_bit = self._views.pod_of_bit.get(store, {})
+            for bs in self._block_sizes(store, by_bit, now):
+                usable = (prompt.token_count - 1) // bs
+                deepest = walk(store, -1, prompt, bs, usable, closed=True)
+                hashes = prompt.first(bs, min(usable, deepest + 1))
+                if deepest < len(hashes) and self._expected:  # pods just routed the block, not confirmed yet
+                    for bit in self._expected.bits(hashes[deepest], now):
+                        if (pod := by_bit.get(bit)) is not None:
+                            names[pod] = None
+                # From the deepest held block back to the first, halving: pods with shorter runs too.
+                at = deepest
+                while at > 0 and len(names) < limit:
+                    for bit in store.holders(hashes[at - 1])[1]:
+                        if (pod := by_bit.get(bit)) is not None:
+                            names[pod] = None
+                    at //= 2
+        return list(names)[:limit]
+
+    def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
+        """The block sizes of the store's views (as their events say, else their engines' metrics), read again
+        at most once a second once one is known (a view learns its own from its first event)."""
+        read_at, sizes = self._sizes.get(store, (-1.0, set()))
+        if now - read_at >= 1.0 or not sizes:
+            sizes = set()
+            for bit, pod in bits.items():
+                with contextlib.suppress(KeyError):
+                    if bs := store.view_field(bit, BLOCK_SIZE) or self._reported_block_size(pod):
+                        sizes.add(bs)
+            self._sizes[store] = (now, sizes)
+        return sizes
 
 
 class PrefixIndex:
@@ -75,15 +210,9 @@ class PrefixIndex:
         # A reader: where each store's eviction notes were read to (none: not followed).
         self._note_cursors: list[int | None] = [None] * len(self._stores)
         self.notes_lost = 0
-        self._views: dict[tuple[str, int], EngineView] = {}
-        self._by_pod: dict[str, list[EngineView]] = {}
-        self._pod_of_bit: dict[BlockIndex, dict[int, str]] = {}
-        self._views_version: tuple[int, ...] = ()
-        # Per store, the block sizes its views cut prompts by, and when they were last read (holders()).
-        self._sizes: dict[BlockIndex, tuple[float, set[int]]] = {}
-        # Speculative insertion: own hash → {view bit: expiry}; expiries queued for cleanup.
-        self._speculative: dict[int, dict[int, float]] = {}
-        self._speculative_queue: deque[tuple[float, int, list[int]]] = deque()
+        self._views = EngineViews(self._stores, self.writes)
+        self._speculative = ExpectedBlocks()
+        self._lookup = PrefixLookup(self._stores, self._views, self._speculative, reported_block_size)
         self._publish = publish
 
     @property
@@ -101,36 +230,15 @@ class PrefixIndex:
     # Views
 
     def view(self, pod: str, rank: int, model: str, block_size: int | None = None) -> EngineView:
-        view = self._views.get((pod, rank))
+        view = self._views.by_key.get((pod, rank))
         if view is None:
             bit = self._store.add_view(pod, rank, model, namespace_root(model), block_size or 0)
-            view = self._add(EngineView(self._store, bit, pod, rank, model))
+            view = self._views.add(EngineView(self._store, bit, pod, rank, model))
         return view
-
-    def _add(self, view: EngineView) -> EngineView:
-        self._views[view.key] = view
-        self._by_pod.setdefault(view.pod, []).append(view)
-        self._pod_of_bit.setdefault(view.store, {})[view.bit] = view.pod
-        return view
-
-    def _sync_views(self) -> None:
-        """A reader learns the views from the writers', when they changed."""
-        version = tuple(s.views_version() for s in self._stores)
-        if version == self._views_version:
-            return
-        known = {(v.pod, v.rank): v for v in self._views.values()}
-        self._views, self._by_pod, self._pod_of_bit = {}, {}, {}
-        for store in self._stores:
-            for bit, pod, rank in store.views()[1]:
-                was = known.get((pod, rank))
-                self._add(was if was is not None and was.bit == bit and was.store is store
-                          else EngineView(store, bit, pod, rank, ""))
-        self._views_version = version
 
     def views(self) -> list[EngineView]:
-        if not self.writes:
-            self._sync_views()
-        return list(self._views.values())
+        self._views.sync()
+        return list(self._views.by_key.values())
 
     def reset_view(self, view: EngineView) -> None:
         """Forget every block of the view (engine restarted, or all its blocks were cleared)."""
@@ -151,11 +259,7 @@ class PrefixIndex:
         view.last_seq = seq
 
     def drop_pod(self, pod: str) -> None:
-        for view in self._by_pod.pop(pod, []):
-            del self._views[view.key]
-            self._pod_of_bit.get(view.store, {}).pop(view.bit, None)
-            if self.writes:
-                self._store.drop_view(view.bit)
+        self._views.drop(pod)
         if self._evictions is not None:
             self._evictions.dropped(pod)
 
@@ -164,15 +268,13 @@ class PrefixIndex:
         looked (nothing the first time: from then on); the blocks noted."""
         if self.writes or self._evictions is None:
             return 0
-        self._sync_views()
-        by_bit = {(id(v.store), v.bit): v.pod for v in self._views.values()}
+        self._views.sync()
         noted = 0
         for i, store in enumerate(self._stores):
             self._note_cursors[i], lost, groups = store.drain(self._note_cursors[i])
             self.notes_lost += lost
             for bit, kind, blocks in groups:
-                pod = by_bit.get((id(store), bit))
-                if pod is not None:
+                if (pod := self._views.pod_of_bit.get(store, {}).get(bit)) is not None:
                     (self._evictions.evicted if kind == "evicted" else self._evictions.cleared)(pod, blocks)
                     noted += len(blocks)
         return noted
@@ -232,116 +334,24 @@ class PrefixIndex:
 
     # Lookup (routing's side)
 
-    def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int]) -> PromptHashes:
+    def prompt_hashes(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes) -> PromptHashes:
+        if isinstance(token_ids, PromptHashes):
+            return token_ids
         return PromptHashes(namespace_root(model, lora_name), token_ids)
 
     def lookup(self, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                pods: Iterable[str]) -> dict[str, PodMatch]:
         """Per pod, the longest run of the prompt's blocks cached from the first block. Costs the pods asked
         about (their runs found together, a native call per pass), not the pods indexed."""
-        hashes = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
-        if not self.writes:
-            self._sync_views()
-        out: dict[str, PodMatch | None] = {}
-        groups: dict[tuple[BlockIndex, int], list[EngineView]] = {}  # by store and block size
-        for pod in pods:
-            out[pod] = None
-            for view in self._by_pod.get(pod, ()):
-                try:
-                    bs = view.store.view_field(view.bit, BLOCK_SIZE) or self._reported_block_size(view.pod)
-                except KeyError:  # the view went (a reader: its writer dropped it meanwhile)
-                    continue
-                if bs:
-                    groups.setdefault((view.store, bs), []).append(view)
-        now = time.monotonic()
-        for (store, bs), views in groups.items():
-            # The engine always recomputes the last prompt token: it never counts as a hit.
-            usable = (hashes.token_count - 1) // bs
-            offloaded = store.offload_held() > 0
-            for view, confirmed in zip(views, leading_runs(store, [v.bit for v in views], hashes, bs, usable),
-                                       strict=True):
-                match = self._match(store, view, hashes, bs, usable, confirmed, offloaded, now)
-                best = out[view.pod]
-                if best is None or match.gpu_tokens > best.gpu_tokens:
-                    out[view.pod] = match
-        return {pod: match or PodMatch() for pod, match in out.items()}
-
-    def _match(self, store: BlockIndex, view: EngineView, hashes: PromptHashes, bs: int, usable: int, confirmed: int,
-               offloaded: bool, now: float) -> PodMatch:
-        bit, gpu = view.bit, confirmed
-        if self._speculative and confirmed < usable:
-            expected = self._speculative.get(hashes.first(bs, confirmed + 1)[confirmed])
-            if expected is not None and expected.get(bit, 0.0) > now:
-                gpu = self._speculative_run(store, bit, hashes, bs, usable, confirmed, now)
-        any_tier = walk(store, bit, hashes, bs, usable, confirmed, any_tier=True) \
-            if offloaded and confirmed < usable else confirmed
-        try:
-            approximate = store.view_field(bit, APPROXIMATE)
-        except KeyError:
-            approximate = False
-        return PodMatch(gpu * bs, max(0, any_tier - gpu) * bs, (gpu - confirmed) * bs, approximate)
-
-    def _speculative_run(self, store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
-                         now: float) -> int:
-        """The run from ``start`` on of blocks held on GPU or expected on the view until past ``now``."""
-        spec = self._speculative
-        i = start
-        hashes = prompt.first(bs, min(usable, start + 8))
-        while i < usable:
-            if i == len(hashes):
-                hashes = prompt.first(bs, min(usable, 2 * i))
-            h = hashes[i]
-            expected = spec.get(h)
-            if expected is None or (expiry := expected.get(bit)) is None or expiry <= now:
-                if not store.holds(bit, h)[0]:
-                    break
-            i += 1
-        return i
+        return self._lookup.lookup(self.prompt_hashes(model, lora_name, token_ids), pods)
 
     def holders(self, prompt: PromptHashes, limit: int) -> list[str]:
         """Up to ``limit`` pods holding the longest runs of the prompt's blocks, longest first: the pods whose
         match is worth looking at, found without looking at every pod. Each pod's exact match is
         :meth:`lookup`'s; this only names candidates (a few holders per block, from the deepest held)."""
-        if not self.writes:
-            self._sync_views()
-        names: dict[str, None] = {}
-        now = time.monotonic()
-        for store in self._stores:
-            by_bit = self._pod_of_bit.get(store, {})
-            for bs in self._block_sizes(store, by_bit, now):
-                usable = (prompt.token_count - 1) // bs
-                deepest = closed_run(store, -1, prompt, bs, usable)
-                hashes = prompt.first(bs, min(usable, deepest + 1))
-                if self._speculative and deepest < len(hashes):
-                    self._expected_holders(hashes[deepest], by_bit, names)
-                # From the deepest held block back to the first, halving: pods with shorter runs too.
-                at = deepest
-                while at > 0 and len(names) < limit:
-                    for bit in store.holders(hashes[at - 1])[1]:
-                        if (pod := by_bit.get(bit)) is not None:
-                            names[pod] = None
-                    at //= 2
-        return list(names)[:limit]
+        return self._lookup.holders(prompt, limit)
 
-    def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
-        """The block sizes of the store's views (as their events say, else their engines' metrics), read again
-        at most once a second once one is known (a view learns its own from its first event)."""
-        read_at, sizes = self._sizes.get(store, (-1.0, set()))
-        if now - read_at >= 1.0 or not sizes:
-            sizes = set()
-            for bit, pod in bits.items():
-                with contextlib.suppress(KeyError):
-                    if bs := store.view_field(bit, BLOCK_SIZE) or self._reported_block_size(pod):
-                        sizes.add(bs)
-            self._sizes[store] = (now, sizes)
-        return sizes
-
-    def _expected_holders(self, block: int, by_bit: dict[int, str], names: dict[str, None]) -> None:
-        """Pods this process just routed the block to (not confirmed by their events yet)."""
-        now = time.monotonic()
-        for bit, expiry in self._speculative.get(block, {}).items():
-            if expiry > now and (pod := by_bit.get(bit)) is not None:
-                names[pod] = None
+    # Speculative insertion (the routed-prefix step's side)
 
     def expect(self, pod: str, model: str, lora_name: str | None, token_ids: list[int] | PromptHashes,
                confirmed_tokens: int = 0) -> None:
@@ -349,60 +359,38 @@ class PrefixIndex:
         ``confirmed_tokens``' worth the pod's events already confirmed: only the rest are expected, here
         and by the other processes (they get the same events)."""
         now = time.monotonic()
-        self._expire_speculative(now)
-        view = self._rank0(pod)
+        self._speculative.sweep(now)
+        view = self._views.rank0(pod)
         if view is None or not (bs := self._block_size_of(view)) or self.speculative_ttl_s <= 0:
             return
-        prompt = token_ids if isinstance(token_ids, PromptHashes) else self.prompt_hashes(model, lora_name, token_ids)
+        prompt = self.prompt_hashes(model, lora_name, token_ids)
         new = prompt.first(bs, prompt.token_count)[confirmed_tokens // bs:]
         if new:
-            self._expect(view, new, now)
+            self._speculative.add(view.bit, new, now + self.speculative_ttl_s)
             self._publish(BlocksExpected(pod, new))
 
     def apply_remote(self, origin: str, fact: BlocksExpected) -> None:
         """Another worker or replica just routed these blocks to the pod."""
         now = time.monotonic()
-        self._expire_speculative(now)
-        view = self._rank0(fact.pod)
+        self._speculative.sweep(now)
+        view = self._views.rank0(fact.pod)
         if view is not None and self.speculative_ttl_s > 0:
-            self._expect(view, fact.hashes, now)
-
-    def _rank0(self, pod: str) -> EngineView | None:
-        if not self.writes:
-            self._sync_views()
-        return self._views.get((pod, 0))
-
-    def _expect(self, view: EngineView, hashes: list[int], now: float) -> None:
-        expiry = now + self.speculative_ttl_s
-        for h in hashes:
-            self._speculative.setdefault(h, {})[view.bit] = expiry
-        self._speculative_queue.append((expiry, view.bit, hashes))
-
-    def _expire_speculative(self, now: float) -> None:
-        queue = self._speculative_queue
-        while queue and queue[0][0] <= now:
-            _, bit, hashes = queue.popleft()
-            for h in hashes:
-                expected = self._speculative.get(h)
-                if expected is not None and expected.get(bit, now + 1) <= now:
-                    del expected[bit]
-                    if not expected:
-                        del self._speculative[h]
+            self._speculative.add(view.bit, fact.hashes, now + self.speculative_ttl_s)
 
     # Introspection
 
     def own_hashes(self, pod: str, rank: int = 0) -> set[int]:
-        view = self._views.get((pod, rank))
+        view = self._views.by_key.get((pod, rank))
         return view.store.own_hashes(view.bit) if view else set()
 
     def gpu_blocks(self, pod: str) -> int:
         """Distinct blocks the pod's GPU tier holds, over its ranks."""
-        return sum(v.gpu_blocks for v in self._views_of(pod))
+        return sum(v.gpu_blocks for v in self._views.of(pod))
 
     def block_size(self, pod: str) -> int | None:
         """The block size of the pod's engine (rank 0): as its events say it, else as its config or its
         engine's metrics do; none while nothing has."""
-        view = self._rank0(pod)
+        view = self._views.rank0(pod)
         return self._block_size_of(view) if view else None
 
     def _block_size_of(self, view: EngineView) -> int | None:
@@ -410,12 +398,7 @@ class PrefixIndex:
 
     def blocks_on(self, pod: str) -> int:
         """Blocks the index holds for ``pod`` (all ranks)."""
-        return sum(v.blocks for v in self._views_of(pod))
-
-    def _views_of(self, pod: str) -> list[EngineView]:
-        if not self.writes:
-            self._sync_views()
-        return self._by_pod.get(pod, [])
+        return sum(v.blocks for v in self._views.of(pod))
 
     def size(self) -> int:
         return sum(s.size() for s in self._stores)

@@ -1,5 +1,5 @@
-"""What the prefix index keeps of each engine (its views) and says of a prompt on a pod (a match), and the walks
-that find how far a prompt's blocks run in a view.
+"""What the prefix index keeps of each engine (its views, and those a process knows: :class:`EngineViews`) and
+says of a prompt on a pod (a match), and the walks that find how far a prompt's blocks run in a view.
 
 A view is a handle on its record in a :class:`~gateway.kv._blockindex.BlockIndex`, whose fields the index's
 writer (:class:`~gateway.kv.index.PrefixIndex`) sets; the walks only read a block index.
@@ -34,10 +34,10 @@ def _field(field: int, doc: str | None = None, *, settable: str | None = None) -
     names it for ``BlockIndex.set_view``, writing it)."""
 
     def read(view: EngineView) -> int:
-        return view._store.view_field(view.bit, field)
+        return view.store.view_field(view.bit, field)
 
     def write(view: EngineView, value: int) -> None:
-        view._store.set_view(view.bit, **{settable: value})
+        view.store.set_view(view.bit, **{settable: value})
 
     return property(read, write if settable else None, doc=doc)
 
@@ -46,14 +46,10 @@ class EngineView:
     """What the gateway knows of one engine process: a pod's DP rank, until it restarts. A handle on its
     record in a block index (``bit``: its id there), whose fields the index's writer sets."""
 
-    __slots__ = ("_store", "bit", "model", "pod", "rank")
+    __slots__ = ("bit", "model", "pod", "rank", "store")
 
     def __init__(self, store: BlockIndex, bit: int, pod: str, rank: int, model: str) -> None:
-        self._store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
-
-    @property
-    def store(self) -> BlockIndex:
-        return self._store
+        self.store, self.bit, self.pod, self.rank, self.model = store, bit, pod, rank, model
 
     @property
     def key(self) -> tuple[str, int]:
@@ -61,11 +57,11 @@ class EngineView:
 
     @property
     def block_size(self) -> int | None:
-        return self._store.view_field(self.bit, BLOCK_SIZE) or None
+        return self.store.view_field(self.bit, BLOCK_SIZE) or None
 
     @block_size.setter
     def block_size(self, value: int | None) -> None:
-        self._store.set_view(self.bit, block_size=value or 0)
+        self.store.set_view(self.bit, block_size=value or 0)
 
     approximate = _field(APPROXIMATE, "Events of the view were lost for good: routing trusts it less until a clean "
                          "base returns.", settable="approximate")
@@ -76,6 +72,54 @@ class EngineView:
                      "under prefixes).")
     evictions = _field(EVICTIONS, "BlockRemoved blocks: the engine reused a cached block's slot.")
     engine_hashes = _field(ENGINE_HASHES)
+
+
+class EngineViews:
+    """The views this process knows over its block indexes, by (pod, rank), by pod, and per index by bit.
+    Owner: a writer's are added by :meth:`~gateway.kv.index.PrefixIndex.view` and dropped with their pod, a
+    reader (``writes`` false) learns them from the writers' files in :meth:`sync`. Read by the index's
+    lookups, which call :meth:`sync` first; the other accessors sync themselves."""
+
+    def __init__(self, stores: list[BlockIndex], writes: bool) -> None:
+        self._stores, self.writes = stores, writes
+        self.by_key: dict[tuple[str, int], EngineView] = {}
+        self.by_pod: dict[str, list[EngineView]] = {}
+        self.pod_of_bit: dict[BlockIndex, dict[int, str]] = {}
+        self._version: tuple[int, ...] = ()
+
+    def add(self, view: EngineView) -> EngineView:
+        self.by_key[view.key] = view
+        self.by_pod.setdefault(view.pod, []).append(view)
+        self.pod_of_bit.setdefault(view.store, {})[view.bit] = view.pod
+        return view
+
+    def drop(self, pod: str) -> None:
+        """Forget the pod's views (a writer drops them from its block index too)."""
+        for view in self.by_pod.pop(pod, []):
+            del self.by_key[view.key]
+            self.pod_of_bit.get(view.store, {}).pop(view.bit, None)
+            if self.writes:
+                view.store.drop_view(view.bit)
+
+    def sync(self) -> None:
+        """A reader learns the views from the writers', when they changed."""
+        if self.writes or (version := tuple(s.views_version() for s in self._stores)) == self._version:
+            return
+        known, self.by_key, self.by_pod, self.pod_of_bit = self.by_key, {}, {}, {}
+        for store in self._stores:
+            for bit, pod, rank in store.views()[1]:
+                was = known.get((pod, rank))
+                self.add(was if was is not None and was.bit == bit and was.store is store
+                         else EngineView(store, bit, pod, rank, ""))
+        self._version = version
+
+    def of(self, pod: str) -> list[EngineView]:
+        self.sync()
+        return self.by_pod.get(pod, [])
+
+    def rank0(self, pod: str) -> EngineView | None:
+        self.sync()
+        return self.by_key.get((pod, 0))
 
 
 @dataclass(slots=True)
@@ -114,24 +158,14 @@ def leading_runs(store: BlockIndex, bits: list[int], prompt: PromptHashes, bs: i
     return runs
 
 
-def closed_run(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int) -> int:
-    """The run of leading blocks on the GPU tier of a view closed under prefixes: each pass checks the last
-    of the hashes known so far, and bisects below it when it is not held; the prompt is hashed no further
-    than about twice the run."""
-    low, count = 0, min(usable, 16)
+def walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int = 0,
+         any_tier: bool = False, closed: bool = False) -> int:
+    """The run from ``start`` on, on the GPU tier (or either tier): block by block, or bisected over a view
+    closed under prefixes (``closed``). Each pass checks the hashes known so far, twice as many as the last;
+    the prompt is hashed no further than about twice the run."""
+    i, count = start, min(usable, start + (16 if closed else 8))
     while True:
-        low = store.run(bit, prompt.first(bs, count), low, count)
-        if low < count or count >= usable:
-            return low
-        count = min(usable, 2 * count)
-
-
-def walk(store: BlockIndex, bit: int, prompt: PromptHashes, bs: int, usable: int, start: int,
-         any_tier: bool = False) -> int:
-    """The run from ``start`` on, block by block, on the GPU tier (or either tier)."""
-    i, count = start, min(usable, start + 8)
-    while True:
-        i = store.run(bit, prompt.first(bs, count), i, count, True, any_tier)
+        i = store.run(bit, prompt.first(bs, count), i, count, not closed, any_tier)
         if i < count or count >= usable:
             return i
         count = min(usable, 2 * count)
