@@ -1,11 +1,12 @@
 """The resumable working set: per pod, the KV blocks that live contexts will ask for again.
 
-Owner: the :class:`ResumableWorkingSet` owns every :class:`Context` and the per-pod block counts
-(:class:`~gateway.kv.pod_demand.PodDemands`, what placement weighs). The
-request pipeline holds a context when one of its requests is dispatched and idles it when the attempt
-ends; the workflow executor releases a workflow's context when it completes, is flushed or pressure lets
-it go. Everyone else reads. How many of a context's requests are in flight is the in-flight ledger's
-count, here and on the other workers and replicas; the working set keeps none of its own.
+Owner: the :class:`ResumableWorkingSet` owns every :class:`Context`, through its pieces the per-pod block
+counts placement weighs (:class:`~gateway.kv.pod_demand.PodDemands`) and the anonymous conversations
+(:class:`~gateway.kv.contexts.Conversations`). The request pipeline holds a context when one of its requests
+is dispatched and idles it when the attempt ends; the workflow executor releases a workflow's context when
+it completes, is flushed or pressure lets it go. Everyone else reads. How many of a context's requests are
+in flight is the in-flight ledger's count, here and on the other workers and replicas; the working set keeps
+none of its own.
 
 A *context* is what one client keeps coming back with: a workflow (``x-workflow-id``), a session
 (``x-session-id``, ``prompt_cache_key``, ``user``) or, with neither, a conversation recognised by its
@@ -149,10 +150,9 @@ class ResumableWorkingSet:
     def idle(self, key: str, now: float) -> None:
         """An attempt of the context ended: once none of its requests is in flight (the ledger), it stays
         resumable for its predicted think time."""
-        if key not in self._running:
-            return
-        self._publish(ContextIdled(key))
-        self._idle(self._contexts[key], now)
+        if key in self._running:
+            self._publish(ContextIdled(key))
+            self._idle(self._contexts[key], now)
 
     def _idle(self, context: Context, now: float) -> None:
         if self._ledger.of_context(context.key):
@@ -173,12 +173,9 @@ class ResumableWorkingSet:
     def release(self, key: str, *, completed: bool = False) -> bool:
         """Forget a context (its workflow completed or was flushed); a completed one teaches how many
         stages contexts have."""
-        ctx = self._forget(key)
-        if ctx is None:
-            return False
-        self._publish(ContextReleased(key, completed))
-        self._released(ctx, completed)
-        return True
+        if released := self._release(key, completed):
+            self._publish(ContextReleased(key, completed))
+        return released
 
     def apply_remote(self, origin: str, fact: ContextHeld | ContextIdled | ContextReleased) -> None:
         """Another worker or replica held, idled or released a context."""
@@ -189,13 +186,16 @@ class ResumableWorkingSet:
         elif isinstance(fact, ContextIdled):
             if fact.key in self._running:
                 self._idle(self._contexts[fact.key], now)
-        elif (ctx := self._forget(fact.key)) is not None:
-            self._released(ctx, fact.completed)
+        else:
+            self._release(fact.key, fact.completed)
 
-    def _released(self, ctx: Context, completed: bool) -> None:
+    def _release(self, key: str, completed: bool) -> bool:
+        if (ctx := self._forget(key)) is None:
+            return False
         if completed:
             self.forecast.completed(ctx)
         self.released += 1
+        return True
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k, c in self._contexts.items() if c.pod == pod]:
