@@ -39,13 +39,13 @@ class PodDemands:
         self._pods: dict[str, PodDemand] = {}
 
     def tokens(self, pod: str, exclude: Context | None = None) -> float:
-        """Tokens the contexts resumable on ``pod`` hold or are expected to grow to, ``exclude``'s own share
-        left out."""
+        """Tokens the contexts resumable on ``pod`` hold or are expected to grow to, the share of ``exclude``
+        (one of them) left out."""
         demand = self._pods.get(pod, _NOTHING)
         tokens = demand.tokens
-        if exclude is not None and exclude.pod == pod:
+        if exclude is not None:
             tokens -= exclusive_blocks(exclude.hashes, demand.refs) * exclude.block_size + exclude.expected_growth
-        return max(0.0, tokens)
+        return tokens if tokens > 0.0 else 0.0  # not max(): this runs for every candidate pod of every request
 
     def others_on(self, pod: str, own: Context | None) -> bool:
         """Whether a context other than ``own`` is resumable on ``pod``."""

@@ -73,7 +73,8 @@ class ResumableWorkingSet:
         """Tokens the resumable contexts on ``pod`` hold or are expected to grow to, ``exclude``'s own
         share left out (it is the request being placed)."""
         self.lapse(now)
-        return self.demand.tokens(pod, exclude if exclude is not None and exclude.key in self._contexts else None)
+        live = exclude is not None and exclude.pod == pod and exclude.key in self._contexts
+        return self.demand.tokens(pod, exclude if live else None)
 
     def starting(self, key: str | None, keyed: bool) -> bool:
         """Whether a request of this context would start a workflow or session (none of that name is live)."""
