@@ -1,14 +1,17 @@
-"""A context of the resumable working set (what one client keeps coming back with), and what contexts have
-shown so far of their think times, growth and stages: the working set's forecast of each one's return.
+"""A context of the resumable working set (what one client keeps coming back with), what contexts have
+shown so far of their think times, growth and stages (the working set's forecast of each one's return), and
+the anonymous conversations recognised by their prompts.
 
-Owner: the :class:`~gateway.kv.working_set.ResumableWorkingSet` makes and changes every context and its
-forecast; keep-warm and placement read them.
+Owner: the :class:`~gateway.kv.working_set.ResumableWorkingSet` makes and changes every context, its
+forecast and the conversations; keep-warm and placement read them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config import PlacementConfig
 from gateway.kv.hashing import leading_run
@@ -120,6 +123,11 @@ class ContextForecast:
         prior = 1.0 - 1.0 / self.config.default_stages if ctx.keyed else 0.5
         return self.returns[ctx.keyed].get(prior)
 
+    def expected_return(self, ctx: Context) -> float:
+        """When a thinking context is expected back (monotonic): its last request's end plus its predicted
+        think time."""
+        return (ctx.last_finish or 0.0) + self.think_s(ctx) if ctx.thinking else math.inf
+
     def think_s(self, ctx: Context) -> float:
         """Its predicted think time: its own average gap, or everyone's, or the default."""
         return ctx.think.get(self.think.get(self.config.default_think_s))
@@ -138,3 +146,40 @@ class ContextForecast:
         per_stage = context.growth.get(everyone) if context is not None else everyone
         total = self.stages.get(float(self.config.default_stages))
         return max(0.0, total - stages_done) * per_stage
+
+    def debug(self) -> dict[str, Any]:
+        return {"think_s": self.think.value, "growth_tokens_per_stage": self.growth.value, "stages": self.stages.value,
+                "return_chance": {"keyed": self.returns[True].value, "recognised": self.returns[False].value}}
+
+
+class Conversations:
+    """The anonymous contexts (neither workflow nor session), recognised by their prompts: the last block hash
+    of each one's last prompt → its key (a continuation contains it), and names for new ones, after the
+    process that first saw them so that no two workers or replicas clash. The working set tells it each
+    context it places and takes off."""
+
+    def __init__(self, prefix: str) -> None:
+        self._tails: dict[int, str] = {}
+        self._names = itertools.count()
+        self._prefix = prefix
+
+    def continued(self, hashes: list[int], hint: int | None) -> str | None:
+        """The key of the conversation whose last prompt these block hashes extend: looked for at block
+        ``hint`` first (where the conversation's earlier prompt ended), then from the end."""
+        if hint is not None and 0 <= hint < len(hashes) and (key := self._tails.get(hashes[hint])) is not None:
+            return key
+        for h in reversed(hashes):
+            if (key := self._tails.get(h)) is not None:
+                return key
+        return None
+
+    def new_key(self) -> str:
+        return f"{self._prefix}{next(self._names)}"
+
+    def placed(self, ctx: Context) -> None:
+        if not ctx.keyed and ctx.hashes:
+            self._tails[ctx.hashes[-1]] = ctx.key
+
+    def unplaced(self, ctx: Context) -> None:
+        if not ctx.keyed and ctx.hashes and self._tails.get(ctx.hashes[-1]) == ctx.key:
+            del self._tails[ctx.hashes[-1]]

@@ -1,10 +1,12 @@
 """The resumable working set: per pod, the KV blocks that live contexts will ask for again.
 
-Owner: the :class:`ResumableWorkingSet` owns every :class:`Context` and the per-pod block counts. The
-request pipeline holds a context when one of its requests is dispatched and idles it when the attempt
-ends; the workflow executor releases a workflow's context when it completes, is flushed or pressure lets
-it go. Everyone else reads. How many of a context's requests are in flight is the in-flight ledger's
-count, here and on the other workers and replicas; the working set keeps none of its own.
+Owner: the :class:`ResumableWorkingSet` owns every :class:`Context`, through its pieces the per-pod block
+counts placement weighs (:class:`~gateway.kv.pod_demand.PodDemands`) and the anonymous conversations
+(:class:`~gateway.kv.contexts.Conversations`). The request pipeline holds a context when one of its requests
+is dispatched and idles it when the attempt ends; the workflow executor releases a workflow's context when
+it completes, is flushed or pressure lets it go. Everyone else reads. How many of a context's requests are
+in flight is the in-flight ledger's count, here and on the other workers and replicas; the working set keeps
+none of its own.
 
 A *context* is what one client keeps coming back with: a workflow (``x-workflow-id``), a session
 (``x-session-id``, ``prompt_cache_key``, ``user``) or, with neither, a conversation recognised by its
@@ -18,40 +20,21 @@ With several workers or replicas, each keeps its own working set and tells the o
 and release (the sink it is built with; it applies theirs in :meth:`ResumableWorkingSet.apply_remote`), so that
 every process weighs the contexts all of them placed; anonymous contexts are named after the process that
 first saw them, so that the names never clash.
-
-A pod's demand is the distinct blocks of its resumable contexts (a role prompt shared by ten workflows
-counts once) plus the growth they are still expected to add: each context's average increment per
-stage times the stages it is expected to have left (from the stage counts of completed contexts).
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import PlacementConfig
 from gateway.core.facts import ContextHeld, ContextIdled, ContextReleased, Publish, unshared
-from gateway.kv.contexts import Context, ContextForecast, exclusive_blocks, shared_blocks
+from gateway.kv.contexts import Context, ContextForecast, Conversations, shared_blocks
+from gateway.kv.pod_demand import PodDemands
 from gateway.load.ledger import InFlightLedger
-
-
-@dataclass(slots=True)
-class PodDemand:
-    refs: dict[int, int] = field(default_factory=dict)  # block hash → resumable contexts holding it
-    block_size: int = 0
-    growth: float = 0.0
-    contexts: int = 0  # resumable contexts here, keyed or not
-    keyed: int = 0  # keyed contexts resumable here
-    idle_keyed: int = 0  # of those, between requests (thinking)
-
-    @property
-    def tokens(self) -> float:
-        return len(self.refs) * self.block_size + self.growth
 
 
 class ResumableWorkingSet:
@@ -62,12 +45,9 @@ class ResumableWorkingSet:
         self._publish = publish
         self._contexts: dict[str, Context] = {}
         self._running: set[str] = set()  # contexts not yet idled since their last hold
-        self._pods: dict[str, PodDemand] = {}
-        # The last block hash of each anonymous context's prompt → its key (a continuation contains it).
-        self._tails: dict[int, str] = {}
+        self.demand = PodDemands()
+        self._conversations = Conversations(anonymous_prefix)
         self._expiry: list[tuple[float, int, str]] = []  # (protected_until, version, key)
-        self._anonymous = itertools.count()
-        self._anonymous_prefix = anonymous_prefix
         self.forecast = ContextForecast(self.config)
         self.lapsed = 0
         self.released = 0
@@ -82,29 +62,19 @@ class ResumableWorkingSet:
     def continued(self, hashes: list[int], hint: int | None = None) -> Context | None:
         """The live anonymous context whose last prompt the prompt of these block hashes extends: looked
         for at block ``hint`` first (where the conversation's earlier prompt ended), then from the end."""
-        if hint is not None and 0 <= hint < len(hashes) and (tail := self._tails.get(hashes[hint])) is not None:
-            return self._contexts.get(tail)
-        for h in reversed(hashes):
-            tail = self._tails.get(h)
-            if tail is not None:
-                return self._contexts.get(tail)
-        return None
+        key = self._conversations.continued(hashes, hint)
+        return self._contexts.get(key) if key is not None else None
 
     def anonymous_key(self) -> str:
         """A new name for a conversation no live context continues."""
-        return f"{self._anonymous_prefix}{next(self._anonymous)}"
+        return self._conversations.new_key()
 
     def demand_tokens(self, pod: str, now: float, exclude: Context | None = None) -> float:
         """Tokens the resumable contexts on ``pod`` hold or are expected to grow to, ``exclude``'s own
         share left out (it is the request being placed)."""
         self.lapse(now)
-        demand = self._pods.get(pod)
-        if demand is None:
-            return 0.0
-        tokens = demand.tokens
-        if exclude is not None and exclude.pod == pod and exclude.key in self._contexts:
-            tokens -= exclusive_blocks(exclude.hashes, demand.refs) * exclude.block_size + exclude.expected_growth
-        return max(0.0, tokens)
+        live = exclude is not None and exclude.pod == pod and exclude.key in self._contexts
+        return self.demand.tokens(pod, exclude if live else None)
 
     def starting(self, key: str | None, keyed: bool) -> bool:
         """Whether a request of this context would start a workflow or session (none of that name is live)."""
@@ -118,29 +88,14 @@ class ResumableWorkingSet:
     def others_on(self, pod: str, key: str, now: float) -> bool:
         """Whether a context other than ``key`` is resumable on ``pod`` (a global flush would hurt it)."""
         self.lapse(now)
-        demand = self._pods.get(pod)
-        if demand is None:
-            return False
-        own = self._contexts.get(key)
-        return demand.contexts > (1 if own is not None and own.pod == pod else 0)
-
-    def expected_return(self, ctx: Context) -> float:
-        """When a thinking context is expected back (monotonic): its last request's end plus its predicted
-        think time."""
-        return (ctx.last_finish or 0.0) + self.forecast.think_s(ctx) if ctx.thinking else math.inf
+        return self.demand.others_on(pod, self._contexts.get(key))
 
     def return_chance(self, ctx: Context) -> float:
         return self.forecast.return_chance(ctx)
 
-    def exclusive_blocks_of(self, ctx: Context) -> int:
-        """Blocks of the context's last prompt that no other resumable context on its pod holds."""
-        demand = self._pods.get(ctx.pod)
-        return exclusive_blocks(ctx.hashes, demand.refs) if demand is not None else len(ctx.hashes)
-
     def resumable(self, pod: str) -> tuple[int, int]:
         """Keyed contexts resumable on ``pod``: (all, those between requests)."""
-        demand = self._pods.get(pod)
-        return (demand.keyed, demand.idle_keyed) if demand else (0, 0)
+        return self.demand.resumable(pod)
 
     def idle_on(self, pod: str) -> list[Context]:
         """Keyed contexts between requests on ``pod``, the one idle longest first."""
@@ -150,19 +105,9 @@ class ResumableWorkingSet:
     def debug(self, pods: list[str], capacity_of: Callable[[str], float | None], now: float) -> dict[str, Any]:
         """What placement weighs, per pod, and the forecasts it learnt (for ``/debug/placement``)."""
         self.lapse(now)
-        per_pod = {}
-        for pod in pods:
-            demand = self._pods.get(pod, PodDemand())
-            per_pod[pod] = {"capacity_tokens": capacity_of(pod), "demand_tokens": round(demand.tokens),
-                            "distinct_blocks": len(demand.refs), "expected_growth_tokens": round(demand.growth),
-                            "contexts": demand.contexts, "keyed": demand.keyed, "thinking": demand.idle_keyed}
+        per_pod = {pod: {"capacity_tokens": capacity_of(pod), **self.demand.debug(pod)} for pod in pods}
         return {"pods": per_pod, "contexts": self.size, "lapsed": self.lapsed, "released": self.released,
-                "evicted": self.evicted,
-                "forecast": {"think_s": self.forecast.think.value,
-                             "growth_tokens_per_stage": self.forecast.growth.value,
-                             "stages": self.forecast.stages.value,
-                             "return_chance": {"keyed": self.forecast.returns[True].value,
-                                               "recognised": self.forecast.returns[False].value}}}
+                "evicted": self.evicted, "forecast": self.forecast.debug()}
 
     @property
     def size(self) -> int:
@@ -176,25 +121,25 @@ class ResumableWorkingSet:
         """One of the context's requests was dispatched to ``pod`` with a prompt of these blocks (and its
         client declared it will reuse them for ``retention_s``)."""
         self.lapse(now)
-        self._publish(ContextHeld(key, keyed, pod, block_size, hashes, prompt_tokens, retention_s))
-        return self._hold(key, keyed, pod, block_size, hashes, prompt_tokens, now, retention_s)
+        fact = ContextHeld(key, keyed, pod, block_size, hashes, prompt_tokens, retention_s)
+        self._publish(fact)
+        return self._hold(fact, now)
 
-    def _hold(self, key: str, keyed: bool, pod: str, block_size: int, hashes: list[int], prompt_tokens: int,
-              now: float, retention_s: float | None = None) -> Context:
+    def _hold(self, fact: ContextHeld, now: float) -> Context:
+        key, keyed, pod, hashes, prompt_tokens = fact.key, fact.keyed, fact.pod, fact.hashes, fact.prompt_tokens
         kept = 0  # leading blocks still counted for this context: its prompt usually grew on the same pod
         ctx = self._contexts.get(key)
         if ctx is None:
             self._make_room()
-            ctx = Context(key, pod, block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
+            ctx = Context(key, pod, fact.block_size, [], prompt_tokens, keyed, *self.forecast.new_means(), stages=0)
             self._contexts[key] = ctx
         else:
             self.forecast.returned(ctx, prompt_tokens, now)
             if ctx.pod == pod:
                 kept = shared_blocks(ctx.hashes, hashes)
             self._unplace(ctx, kept)
-        ctx.pod, ctx.block_size, ctx.prompt_tokens = pod, block_size, prompt_tokens
-        ctx.hashes = hashes
-        ctx.retention_s = retention_s
+        ctx.pod, ctx.block_size, ctx.prompt_tokens, ctx.hashes = pod, fact.block_size, prompt_tokens, hashes
+        ctx.retention_s = fact.retention_s
         ctx.stages += 1
         ctx.protected_until = math.inf
         ctx.version += 1
@@ -206,10 +151,9 @@ class ResumableWorkingSet:
     def idle(self, key: str, now: float) -> None:
         """An attempt of the context ended: once none of its requests is in flight (the ledger), it stays
         resumable for its predicted think time."""
-        if key not in self._running:
-            return
-        self._publish(ContextIdled(key))
-        self._idle(self._contexts[key], now)
+        if key in self._running:
+            self._publish(ContextIdled(key))
+            self._idle(self._contexts[key], now)
 
     def _idle(self, context: Context, now: float) -> None:
         if self._ledger.of_context(context.key):
@@ -219,8 +163,7 @@ class ResumableWorkingSet:
         context.protected_until = now + self._resumable_s(context)
         context.version += 1
         heapq.heappush(self._expiry, (context.protected_until, context.version, context.key))
-        if context.keyed:
-            self._pods[context.pod].idle_keyed += 1
+        self.demand.idled(context)
 
     def settle(self, now: float) -> None:
         """Idle the contexts whose requests the ledger no longer counts but whose end never arrived (a
@@ -231,35 +174,34 @@ class ResumableWorkingSet:
     def release(self, key: str, *, completed: bool = False) -> bool:
         """Forget a context (its workflow completed or was flushed); a completed one teaches how many
         stages contexts have."""
-        ctx = self._forget(key)
-        if ctx is None:
-            return False
-        self._publish(ContextReleased(key, completed))
-        self._released(ctx, completed)
-        return True
+        if released := self._release(key, completed):
+            self._publish(ContextReleased(key, completed))
+        return released
 
     def apply_remote(self, origin: str, fact: ContextHeld | ContextIdled | ContextReleased) -> None:
         """Another worker or replica held, idled or released a context."""
         now = time.monotonic()
         self.lapse(now)
         if isinstance(fact, ContextHeld):
-            self._hold(fact.key, fact.keyed, fact.pod, fact.block_size, fact.hashes, fact.prompt_tokens, now,
-                       fact.retention_s)
+            self._hold(fact, now)
         elif isinstance(fact, ContextIdled):
             if fact.key in self._running:
                 self._idle(self._contexts[fact.key], now)
-        elif (ctx := self._forget(fact.key)) is not None:
-            self._released(ctx, fact.completed)
+        else:
+            self._release(fact.key, fact.completed)
 
-    def _released(self, ctx: Context, completed: bool) -> None:
+    def _release(self, key: str, completed: bool) -> bool:
+        if (ctx := self._forget(key)) is None:
+            return False
         if completed:
             self.forecast.completed(ctx)
         self.released += 1
+        return True
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k, c in self._contexts.items() if c.pod == pod]:
             self._forget(key)
-        self._pods.pop(pod, None)
+        self.demand.forget(pod)
 
     def _resumable_s(self, ctx: Context) -> float:
         """How long a context that stopped stays resumable: its predicted think time's protection, or the
@@ -292,39 +234,13 @@ class ResumableWorkingSet:
         return ctx
 
     def _place(self, ctx: Context, kept: int = 0) -> None:
-        """Count ``ctx`` on its pod; its first ``kept`` blocks are counted already."""
-        demand = self._pods.setdefault(ctx.pod, PodDemand())
-        demand.block_size = ctx.block_size
-        refs = demand.refs
-        for h in itertools.islice(ctx.hashes, kept, None):
-            refs[h] = refs.get(h, 0) + 1
-        demand.growth += ctx.expected_growth
-        demand.contexts += 1
-        if ctx.keyed:
-            demand.keyed += 1
-        elif ctx.hashes:
-            self._tails[ctx.hashes[-1]] = ctx.key
+        """Count ``ctx`` on its pod (its first ``kept`` blocks are counted already) and its conversation."""
+        self.demand.place(ctx, kept)
+        self._conversations.placed(ctx)
 
     def _unplace(self, ctx: Context, kept: int = 0) -> None:
-        """Stop counting ``ctx`` on its pod, but for its first ``kept`` blocks."""
-        demand = self._pods.get(ctx.pod)
-        if demand is None:
-            return
-        refs = demand.refs
-        for h in itertools.islice(ctx.hashes, kept, None):
-            n = refs.get(h, 0) - 1
-            if n > 0:
-                refs[h] = n
-            else:
-                refs.pop(h, None)
-        demand.growth = max(0.0, demand.growth - ctx.expected_growth)
-        demand.contexts -= 1
-        if ctx.keyed:
-            demand.keyed -= 1
-            if ctx.thinking:  # counted idle by _idle()
-                demand.idle_keyed -= 1
-        elif ctx.hashes and self._tails.get(ctx.hashes[-1]) == ctx.key:
-            del self._tails[ctx.hashes[-1]]
+        self.demand.unplace(ctx, kept)
+        self._conversations.unplaced(ctx)
 
     def _make_room(self) -> None:
         """Before a new context joins a full set, forget the idle one that finished longest ago (every

@@ -250,10 +250,10 @@ class KeepWarm:
         if found is None:  # none of its blocks is free: in use by another request, or gone already
             return None
         first, ahead = found
-        due_in = self._working_set.expected_return(ctx) - now
+        due_in = self._working_set.forecast.expected_return(ctx) - now
         worth = self._working_set.return_chance(ctx) * (first + 1) * ctx.block_size
         return Candidate(ctx, prompt, due_in, due_in if due_in > 0 else ctx.protected_until - now,
-                         self._working_set.exclusive_blocks_of(ctx), first, uncached_free + ahead, worth)
+                         self._working_set.demand.exclusive_blocks_of(ctx), first, uncached_free + ahead, worth)
 
     def _blocks(self, pod: str) -> tuple[float, float]:
         """The pod's usable blocks and those its running requests hold (0, 0: its size is unknown)."""
