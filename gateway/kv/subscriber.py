@@ -1,7 +1,8 @@
 """One :class:`KvEventSubscriber` per pod and DP rank: live events over SUB, gaps filled over DEALER.
 
-Owner: the subscriber owns its sockets and its view's sequence state, and is the only writer of its
-view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules:
+Owner: the subscriber owns its SUB socket and its view's sequence state; its :class:`KvEventReplay` owns
+the DEALER sockets and what came by replay. The two, one at a time, are the only writer of the view in the
+:class:`~gateway.kv.index.PrefixIndex`. Sequence rules:
 
 - ``seq == last + 1``: apply. A seq already applied through replay: drop as a duplicate.
 - first message, or a gap: replay from ``last + 1`` (from 0 after connecting: the slow joiner misses
@@ -55,28 +56,22 @@ class SubscriberStats:
     replay_holes: int = 0  # replays that lost batches on the way (asked again from the hole)
 
 
+@dataclass(slots=True)
 class KvEventReplay:
-    """Fills a view's gaps from its pod's replay endpoint (a ROUTER), over a DEALER socket of its own per request,
-    applying each replayed batch through the subscriber's ``apply`` as it comes; marks the view approximate for
-    what the pod no longer buffers.
+    """A view's gaps filled from its pod's replay endpoint (a ROUTER), a DEALER socket per request, each batch
+    applied (by the subscriber's ``apply``) as it comes. One per :class:`KvEventSubscriber`, under its lock."""
 
-    Owner: one per :class:`KvEventSubscriber`, called under its lock. It owns its DEALER sockets and
-    :attr:`replayed_from`, which it sets and the subscriber clears (live progress past it, a forgotten view)."""
-
-    def __init__(self, index: PrefixIndex, view: EngineView, stats: SubscriberStats,
-                 apply: Callable[[int, bytes], None], endpoint: str | None, timeout_s: float,
-                 context: zmq.asyncio.Context, loop_share: LoopShare) -> None:
-        self.index = index
-        self.view = view
-        self.stats = stats
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._apply = apply
-        self._ctx = context
-        self._loop_share = loop_share
-        self._name = f"pod {view.pod} rank {view.rank}"
-        # Seqs in [replayed_from, view.last_seq] arrived by replay; their live copies are duplicates.
-        self.replayed_from: int | None = None
+    index: PrefixIndex
+    view: EngineView
+    stats: SubscriberStats
+    apply: Callable[[int, bytes], None]
+    endpoint: str | None
+    timeout_s: float
+    context: zmq.asyncio.Context
+    loop_share: LoopShare
+    # Seqs in [replayed_from, view.last_seq] arrived by replay; their live copies are duplicates. Set here; the
+    # subscriber clears it when a live batch goes past it or the view is forgotten.
+    replayed_from: int | None = None
 
     async def fill_gap(self, start: int, live_seq: int) -> None:
         """The live batch ``live_seq`` came after a gap from ``start``."""
@@ -93,13 +88,14 @@ class KvEventReplay:
         try:
             await self._replay(start)
         except zmq.ZMQError as exc:
-            log.warning("%s: replay from %d failed: %s", self._name, start, exc)
+            log.warning("pod %s rank %d: replay from %d failed: %s", self.view.pod, self.view.rank, start, exc)
             self.stats.replay_failures += 1
 
     def _lost(self, start: int, until: int) -> None:
         self.stats.unrecoverable += 1
         if not self.view.approximate:
-            log.warning("%s: event batches %d..%d are lost; index marked approximate", self._name, start, until - 1)
+            log.warning("pod %s rank %d: event batches %d..%d are lost; index marked approximate",
+                        self.view.pod, self.view.rank, start, until - 1)
         self.index.mark_approximate(self.view)
 
     async def _replay(self, start: int, live_seq: int | None = None) -> None:
@@ -118,7 +114,8 @@ class KvEventReplay:
             if hole is None:
                 break
             self.stats.replay_holes += 1
-            log.info("%s: replay lost batches from %d; asking again", self._name, hole)
+            log.info("pod %s rank %d: replay lost batches from %d; asking again", self.view.pod, self.view.rank,
+                     hole)
             ask = hole
         if first is None:
             self.stats.replay_failures += 1
@@ -130,12 +127,12 @@ class KvEventReplay:
     async def _replay_pass(self, start: int, first_pass: bool) -> tuple[int | None, int | None]:
         """One replay request: the first seq received (if any) and where a hole in the stream began."""
         assert self.endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.endpoint)
         try:
             await dealer.send_multipart([b"", encode_seq(start)])
-            with self._loop_share.turn() as turn:
+            with self.loop_share.turn() as turn:
                 return await self._apply_replayed(dealer, start, turn, first_pass)
         finally:
             dealer.close(linger=0)
@@ -167,11 +164,11 @@ class KvEventReplay:
                 elif seq > self.view.last_seq + 1:
                     return first, self.view.last_seq + 1
                 if seq > self.view.last_seq:
-                    self._apply(seq, payload)
+                    self.apply(seq, payload)
                 else:
                     self.stats.duplicates += 1  # already applied live while the replay was on its way
         except TimeoutError:
-            log.warning("%s: replay from %d timed out", self._name, start)
+            log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
             return first, None
 
 
