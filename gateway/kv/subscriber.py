@@ -69,6 +69,7 @@ class KvEventReplay:
     timeout_s: float
     context: zmq.asyncio.Context
     loop_share: LoopShare
+    name: str  # "pod p rank r", for the logs
     # Seqs in [replayed_from, view.last_seq] arrived by replay; their live copies are duplicates. Set here; the
     # subscriber clears it when a live batch goes past it or the view is forgotten.
     replayed_from: int | None = None
@@ -88,14 +89,13 @@ class KvEventReplay:
         try:
             await self._replay(start)
         except zmq.ZMQError as exc:
-            log.warning("pod %s rank %d: replay from %d failed: %s", self.view.pod, self.view.rank, start, exc)
+            log.warning("%s: replay from %d failed: %s", self.name, start, exc)
             self.stats.replay_failures += 1
 
     def _lost(self, start: int, until: int) -> None:
         self.stats.unrecoverable += 1
         if not self.view.approximate:
-            log.warning("pod %s rank %d: event batches %d..%d are lost; index marked approximate",
-                        self.view.pod, self.view.rank, start, until - 1)
+            log.warning("%s: event batches %d..%d are lost; index marked approximate", self.name, start, until - 1)
         self.index.mark_approximate(self.view)
 
     async def _replay(self, start: int, live_seq: int | None = None) -> None:
@@ -114,8 +114,7 @@ class KvEventReplay:
             if hole is None:
                 break
             self.stats.replay_holes += 1
-            log.info("pod %s rank %d: replay lost batches from %d; asking again", self.view.pod, self.view.rank,
-                     hole)
+            log.info("%s: replay lost batches from %d; asking again", self.name, hole)
             ask = hole
         if first is None:
             self.stats.replay_failures += 1
@@ -168,7 +167,7 @@ class KvEventReplay:
                 else:
                     self.stats.duplicates += 1  # already applied live while the replay was on its way
         except TimeoutError:
-            log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
+            log.warning("%s: replay from %d timed out", self.name, start)
             return first, None
 
 
@@ -195,9 +194,9 @@ class KvEventSubscriber:
         # Shared by every subscriber of a gateway: catching up on many pods never holds requests up.
         self._loop_share = loop_share or LoopShare()
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._replay = KvEventReplay(index, view, self.stats, self._apply, replay_endpoint, replay_timeout_s,
-                                     self._ctx, self._loop_share)
         self._name = f"pod {view.pod} rank {view.rank}"
+        self._replay = KvEventReplay(index, view, self.stats, self._apply, replay_endpoint, replay_timeout_s,
+                                     self._ctx, self._loop_share, self._name)
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
