@@ -58,8 +58,9 @@ class SubscriberStats:
 
 @dataclass(slots=True)
 class KvEventReplay:
-    """A view's gaps filled from its pod's replay endpoint (a ROUTER), a DEALER socket per request, each batch
-    applied (by the subscriber's ``apply``) as it comes. One per :class:`KvEventSubscriber`, under its lock."""
+    """Fills a view's gaps from its pod's replay endpoint (a ROUTER), a DEALER socket of its own per request,
+    each batch applied (by the subscriber's ``apply``) as it comes. One per :class:`KvEventSubscriber`, called
+    under its lock; it owns its DEALER sockets and :attr:`replayed_from`."""
 
     index: PrefixIndex
     view: EngineView
@@ -278,7 +279,7 @@ class KvEventSubscriber:
         assert self._monitor is not None
         while True:
             await self._monitor.recv_multipart()  # a handshake succeeded: the only event asked for
-            if self._replay.endpoint:
+            if self.replay_endpoint:
                 async with self._lock:
                     await self._catch_up()
 
