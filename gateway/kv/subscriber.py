@@ -1,7 +1,8 @@
 """One :class:`KvEventSubscriber` per pod and DP rank: live events over SUB, gaps filled over DEALER.
 
-Owner: the subscriber owns its sockets and its view's sequence state, and is the only writer of its
-view in the :class:`~gateway.kv.index.PrefixIndex`. Sequence rules:
+Owner: the subscriber owns its SUB socket and its view's sequence state; its :class:`KvEventReplay` owns
+the DEALER sockets and what came by replay. The two, one at a time, are the only writer of the view in the
+:class:`~gateway.kv.index.PrefixIndex`. Sequence rules:
 
 - ``seq == last + 1``: apply. A seq already applied through replay: drop as a duplicate.
 - first message, or a gap: replay from ``last + 1`` (from 0 after connecting: the slow joiner misses
@@ -55,6 +56,122 @@ class SubscriberStats:
     replay_holes: int = 0  # replays that lost batches on the way (asked again from the hole)
 
 
+@dataclass(slots=True)
+class KvEventReplay:
+    """Fills a view's gaps from its pod's replay endpoint (a ROUTER), a DEALER socket of its own per request,
+    each batch applied (by the subscriber's ``apply``) as it comes. One per :class:`KvEventSubscriber`, called
+    under its lock; it owns its DEALER sockets and :attr:`replayed_from`."""
+
+    index: PrefixIndex
+    view: EngineView
+    stats: SubscriberStats
+    apply: Callable[[int, bytes], None]
+    endpoint: str | None
+    timeout_s: float
+    context: zmq.asyncio.Context
+    loop_share: LoopShare
+    name: str  # "pod p rank r", for the logs
+    # Seqs in [replayed_from, view.last_seq] arrived by replay; their live copies are duplicates. Set here; the
+    # subscriber clears it when a live batch goes past it or the view is forgotten.
+    replayed_from: int | None = None
+
+    async def fill_gap(self, start: int, live_seq: int) -> None:
+        """The live batch ``live_seq`` came after a gap from ``start``."""
+        if self.view.last_seq >= 0:
+            self.stats.gaps += 1
+        if self.endpoint:
+            await self._replay(start, live_seq)
+        else:
+            self._lost(start, live_seq)
+
+    async def catch_up(self) -> None:
+        """Replay what the pod published after the view's last seq (all of it for an empty view)."""
+        start = self.view.last_seq + 1
+        try:
+            await self._replay(start)
+        except zmq.ZMQError as exc:
+            log.warning("%s: replay from %d failed: %s", self.name, start, exc)
+            self.stats.replay_failures += 1
+
+    def _lost(self, start: int, until: int) -> None:
+        self.stats.unrecoverable += 1
+        if not self.view.approximate:
+            log.warning("%s: event batches %d..%d are lost; index marked approximate", self.name, start, until - 1)
+        self.index.mark_approximate(self.view)
+
+    async def _replay(self, start: int, live_seq: int | None = None) -> None:
+        """Ask for every buffered batch from ``start`` and apply them; if they begin later than asked, the
+        batches before are lost, and if none come, those before the live batch that found the gap.
+
+        A replay endpoint drops what its peer does not take in time (a ROUTER socket past its send
+        high-water mark: a warm pod sends thousands of batches at once), so a replay with a hole in it
+        is asked again from the hole, a few times; what is still missing is a gap the next live batch
+        finds."""
+        self.stats.replays += 1
+        first, ask = None, start
+        for _ in range(REPLAY_PASSES):
+            received, hole = await self._replay_pass(ask, first is None)
+            first = received if first is None else first
+            if hole is None:
+                break
+            self.stats.replay_holes += 1
+            log.info("%s: replay lost batches from %d; asking again", self.name, hole)
+            ask = hole
+        if first is None:
+            self.stats.replay_failures += 1
+            if live_seq is not None:
+                self._lost(start, live_seq)
+        elif first > start:
+            self._lost(start, first)
+
+    async def _replay_pass(self, start: int, first_pass: bool) -> tuple[int | None, int | None]:
+        """One replay request: the first seq received (if any) and where a hole in the stream began."""
+        assert self.endpoint is not None
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoint)
+        try:
+            await dealer.send_multipart([b"", encode_seq(start)])
+            with self.loop_share.turn() as turn:
+                return await self._apply_replayed(dealer, start, turn, first_pass)
+        finally:
+            dealer.close(linger=0)
+
+    async def _apply_replayed(self, dealer: zmq.asyncio.Socket, start: int, turn: Turn,
+                              first_pass: bool) -> tuple[int | None, int | None]:
+        first: int | None = None
+        try:
+            while True:
+                await turn.pause()  # a warm pod replays thousands of batches that arrive without waiting
+                async with asyncio.timeout(self.timeout_s):
+                    frames = await dealer.recv_multipart()
+                # [b"", topic, seq, payload] (vLLM >= 0.26, SGLang) or [b"", seq, payload] (older).
+                if len(frames) not in (3, 4) or frames[0] != b"":
+                    self.stats.malformed += 1
+                    continue
+                seq_frame, payload = frames[-2], frames[-1]
+                if seq_frame == END_OF_REPLAY_SEQ or not payload:
+                    return (first if first is not None else start), None
+                seq = decode_seq(seq_frame)
+                self.stats.batches += 1  # every batch received counts, live or replayed: batches >= applied
+                if first is None:
+                    first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
+                    if first_pass and self.replayed_from is None:
+                        # The earliest replayed seq: live copies of an earlier replay may still be queued.
+                        self.replayed_from = seq
+                    elif seq > start:
+                        self._lost(start, seq)  # gone from the pod's buffer since the first pass
+                elif seq > self.view.last_seq + 1:
+                    return first, self.view.last_seq + 1
+                if seq > self.view.last_seq:
+                    self.apply(seq, payload)
+                else:
+                    self.stats.duplicates += 1  # already applied live while the replay was on its way
+        except TimeoutError:
+            log.warning("%s: replay from %d timed out", self.name, start)
+            return first, None
+
+
 class KvEventSubscriber:
     def __init__(
         self,
@@ -72,23 +189,38 @@ class KvEventSubscriber:
         self.index = index
         self.view = view
         self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
-        self.replay_timeout_s = replay_timeout_s
         self.stats = SubscriberStats()
         self._on_batch = on_batch
         # Shared by every subscriber of a gateway: catching up on many pods never holds requests up.
         self._loop_share = loop_share or LoopShare()
         self._ctx = context or zmq.asyncio.Context.instance()
+        self._name = f"pod {view.pod} rank {view.rank}"
+        self._replay = KvEventReplay(index, view, self.stats, self._apply, replay_endpoint, replay_timeout_s,
+                                     self._ctx, self._loop_share, self._name)
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # Seqs in [_replayed_from, view.last_seq] arrived by replay; their live copies are duplicates.
-        self._replayed_from: int | None = None
         # The last seq applied before the pod was lost; None while it is not.
         self._lost_at: int | None = None
         # Live batches and the replay on (re)connection both write the view: one at a time.
         self._lock = asyncio.Lock()
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self._replay.endpoint
+
+    @replay_endpoint.setter
+    def replay_endpoint(self, endpoint: str | None) -> None:
+        self._replay.endpoint = endpoint
+
+    @property
+    def replay_timeout_s(self) -> float:
+        return self._replay.timeout_s
+
+    @replay_timeout_s.setter
+    def replay_timeout_s(self, timeout_s: float) -> None:
+        self._replay.timeout_s = timeout_s
 
     def start(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -141,7 +273,7 @@ class KvEventSubscriber:
                 await self.handle(frames)
             except Exception:  # one bad batch must never stop the subscriber
                 self.stats.malformed += 1
-                log.exception("pod %s rank %d: failed to handle an event batch", self.view.pod, self.view.rank)
+                log.exception("%s: failed to handle an event batch", self._name)
 
     async def _watch_connection(self) -> None:
         assert self._monitor is not None
@@ -162,8 +294,8 @@ class KvEventSubscriber:
         if self._lost_at is not None:
             self._rejoin(seq)
         elif seq > last:
-            self._replayed_from = None  # live progress: replay duplicates are behind us
-        elif self._replayed_from is not None and seq >= self._replayed_from:
+            self._replay.replayed_from = None  # live progress: replay duplicates are behind us
+        elif self._replay.replayed_from is not None and seq >= self._replay.replayed_from:
             self.stats.duplicates += 1
             return
         else:
@@ -171,23 +303,13 @@ class KvEventSubscriber:
             self._forget()
             last = -1
         if seq != last + 1:
-            await self._fill_gap(last + 1, seq)
+            await self._replay.fill_gap(last + 1, seq)
         if seq > self.view.last_seq:
             self._apply(seq, payload)
 
     async def _catch_up(self) -> None:
         """Replay what the pod published after the view's last seq (all of it for an empty view)."""
-        start = self.view.last_seq + 1
-        self.stats.replays += 1
-        try:
-            first = await self._replay(start)
-        except zmq.ZMQError as exc:
-            log.warning("pod %s rank %d: replay from %d failed: %s", self.view.pod, self.view.rank, start, exc)
-            first = None
-        if first is None:
-            self.stats.replay_failures += 1
-        elif first > start:
-            self._lost(start, first)
+        await self._replay.catch_up()
         if self._lost_at is not None and self.view.last_seq >= 0:
             self._rejoin(self.view.last_seq + 1)
 
@@ -196,8 +318,7 @@ class KvEventSubscriber:
         if self._lost_at is not None:
             return
         if blocks := self.view.blocks:
-            log.warning("pod %s rank %d is down: dropping its %d indexed blocks", self.view.pod, self.view.rank,
-                        blocks)
+            log.warning("%s is down: dropping its %d indexed blocks", self._name, blocks)
         self._lost_at = self.view.last_seq
         self._forget()
 
@@ -207,113 +328,24 @@ class KvEventSubscriber:
         if next_seq <= self._lost_at:
             self._restarted(next_seq, self._lost_at)
         else:
-            log.info("pod %s rank %d is back without a restart: re-read from its replay buffer", self.view.pod,
-                     self.view.rank)
+            log.info("%s is back without a restart: re-read from its replay buffer", self._name)
         self._lost_at = None
 
     def _restarted(self, seq: int, before: int) -> None:
         self.stats.restarts += 1
-        log.warning("pod %s rank %d restarted (seq %d after %d): rebuilding its index from its events",
-                    self.view.pod, self.view.rank, seq, before)
+        log.warning("%s restarted (seq %d after %d): rebuilding its index from its events", self._name, seq, before)
 
     def _forget(self) -> None:
         self.index.reset_view(self.view)
         self.index.record_sequence(self.view, -1)
-        self._replayed_from = None
-
-    async def _fill_gap(self, start: int, live_seq: int) -> None:
-        if self.view.last_seq >= 0:
-            self.stats.gaps += 1
-        if not self.replay_endpoint:
-            self._lost(start, live_seq)
-            return
-        self.stats.replays += 1
-        first = await self._replay(start)
-        if first is None:
-            self.stats.replay_failures += 1
-            self._lost(start, live_seq)
-        elif first > start:
-            self._lost(start, first)
-
-    def _lost(self, start: int, until: int) -> None:
-        self.stats.unrecoverable += 1
-        if not self.view.approximate:
-            log.warning("pod %s rank %d: event batches %d..%d are lost; index marked approximate",
-                        self.view.pod, self.view.rank, start, until - 1)
-        self.index.mark_approximate(self.view)
-
-    async def _replay(self, start: int) -> int | None:
-        """Ask for every buffered batch from ``start`` and apply them; the first seq received, if any.
-
-        A replay endpoint drops what its peer does not take in time (a ROUTER socket past its send
-        high-water mark: a warm pod sends thousands of batches at once), so a replay with a hole in it
-        is asked again from the hole, a few times; what is still missing is a gap the next live batch
-        finds."""
-        first: int | None = None
-        for _ in range(REPLAY_PASSES):
-            received, hole = await self._replay_pass(start, first is None)
-            first = received if first is None else first
-            if hole is None:
-                break
-            self.stats.replay_holes += 1
-            log.info("pod %s rank %d: replay lost batches from %d; asking again", self.view.pod, self.view.rank,
-                     hole)
-            start = hole
-        return first
-
-    async def _replay_pass(self, start: int, first_pass: bool) -> tuple[int | None, int | None]:
-        """One replay request: the first seq received (if any) and where a hole in the stream began."""
-        assert self.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
-        try:
-            await dealer.send_multipart([b"", encode_seq(start)])
-            with self._loop_share.turn() as turn:
-                return await self._apply_replayed(dealer, start, turn, first_pass)
-        finally:
-            dealer.close(linger=0)
-
-    async def _apply_replayed(self, dealer: zmq.asyncio.Socket, start: int, turn: Turn,
-                              first_pass: bool) -> tuple[int | None, int | None]:
-        first: int | None = None
-        try:
-            while True:
-                await turn.pause()  # a warm pod replays thousands of batches that arrive without waiting
-                async with asyncio.timeout(self.replay_timeout_s):
-                    frames = await dealer.recv_multipart()
-                # [b"", topic, seq, payload] (vLLM >= 0.26, SGLang) or [b"", seq, payload] (older).
-                if len(frames) not in (3, 4) or frames[0] != b"":
-                    self.stats.malformed += 1
-                    continue
-                seq_frame, payload = frames[-2], frames[-1]
-                if seq_frame == END_OF_REPLAY_SEQ or not payload:
-                    return (first if first is not None else start), None
-                seq = decode_seq(seq_frame)
-                self.stats.batches += 1  # every batch received counts, live or replayed: batches >= applied
-                if first is None:
-                    first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
-                    if first_pass and self._replayed_from is None:
-                        # The earliest replayed seq: live copies of an earlier replay may still be queued.
-                        self._replayed_from = seq
-                    elif seq > start:
-                        self._lost(start, seq)  # gone from the pod's buffer since the first pass
-                elif seq > self.view.last_seq + 1:
-                    return first, self.view.last_seq + 1
-                if seq > self.view.last_seq:
-                    self._apply(seq, payload)
-                else:
-                    self.stats.duplicates += 1  # already applied live while the replay was on its way
-        except TimeoutError:
-            log.warning("pod %s rank %d: replay from %d timed out", self.view.pod, self.view.rank, start)
-            return first, None
+        self._replay.replayed_from = None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
             skipped = self.index.apply_payload(self.view, payload)
         except BadEventBatch as exc:
             self.stats.malformed += 1
-            log.warning("pod %s rank %d: malformed batch %d: %s", self.view.pod, self.view.rank, seq, exc)
+            log.warning("%s: malformed batch %d: %s", self._name, seq, exc)
         else:
             self.stats.skipped_events += skipped
             self.stats.applied += 1
