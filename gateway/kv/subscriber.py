@@ -156,9 +156,10 @@ class KvEventReplay:
                 self.stats.batches += 1  # every batch received counts, live or replayed: batches >= applied
                 if first is None:
                     first = seq  # later than asked: the pod's buffer no longer has the start (the caller says so)
-                    if first_pass and self.replayed_from is None:
-                        # The earliest replayed seq: live copies of an earlier replay may still be queued.
-                        self.replayed_from = seq
+                    if first_pass:  # a later start than asked is the caller's to count
+                        if self.replayed_from is None:
+                            # The earliest replayed seq: live copies of an earlier replay may still be queued.
+                            self.replayed_from = seq
                     elif seq > start:
                         self._lost(start, seq)  # gone from the pod's buffer since the first pass
                 elif seq > self.view.last_seq + 1:

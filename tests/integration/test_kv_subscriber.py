@@ -340,3 +340,21 @@ async def test_a_replay_that_lost_batches_on_the_way_is_asked_again_from_the_hol
     finally:
         server.cancel()
         router.close(linger=0)
+
+
+async def test_batches_gone_from_the_buffer_before_a_second_replay_count_as_one_loss(rig_factory):
+    """The catch-up after a first replay finds the pod's buffer starting later than asked: one loss, counted
+    once (the first pass's start is the replay's to judge), and the view marked approximate."""
+    rig = rig_factory()
+    rig.pub.buffer = deque(maxlen=3)
+    rig.pub.start()  # the subscriber is driven by hand: no socket of its own
+    for _ in range(3):
+        rig.store_next()
+    await rig.sub.handle([rig.pub.topic, encode_seq(1), dict(rig.pub.buffer)[1]])  # seq 0 a gap: replayed
+    assert rig.view.last_seq == 2 and rig.sub.stats.unrecoverable == 0
+    for _ in range(5):
+        rig.store_next()  # the buffer keeps 5..7: 3 and 4 are gone
+    await rig.sub._catch_up()
+    stats = rig.sub.stats
+    assert rig.view.last_seq == 7 and rig.view.approximate
+    assert stats.unrecoverable == 1 and stats.replays == 2
