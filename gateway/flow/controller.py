@@ -16,36 +16,31 @@ Room may depend on the request (its prompt's fit beside a queue, its predicted l
 room on some pods keeps those after it on the same candidate pods waiting too, or shorter prompts could
 pass it again and again (requests of other pools, even overlapping ones, go on).
 
-A request waits at most its flow's limit, or its SLO allows less; then it is refused (429 with a
-Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
-that leaves while held leaves nothing behind: it was never dispatched, charged or counted as served.
-
-Owner: the :class:`FlowController` owns the requests held in this process, their queues, the one request
-released and not yet dispatched, and the flow-control config in force (replaced on reload). Each worker
-holds its own; what they share is the pods' state (the load table, the engines' metrics), the flows'
-service counters (the state bus), and the order of release: a worker releases its next request only when it
-ranks first among every worker's (:mod:`gateway.flow.release_order`).
+Owner: the :class:`FlowController` owns the one request released and not yet dispatched and the flow-control
+config in force (replaced on reload); its :class:`~gateway.flow.queues.FlowQueues` the requests held in this
+process (how long each may wait, when it is refused). Each worker holds its own; what they share is the pods'
+state (the load table, the engines' metrics), the flows' service counters (the state bus), and the order of
+release: a worker releases its next request only when it ranks first among every worker's
+(:mod:`gateway.flow.release_order`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import Doorbell, cancel_and_wait
 from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
+from gateway.flow.flows import Flow, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
+from gateway.flow.queues import FlowQueues, Held
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
@@ -56,43 +51,6 @@ log = logging.getLogger("gateway.flow")
 TICK_S = 0.05
 # A released request not dispatched by then (a bug, a stalled step) no longer blocks the next release.
 TRANSIT_LIMIT_S = 1.0
-# Dispatches remembered for the rate that Retry-After is estimated from.
-RATE_WINDOW_S = 30.0
-
-
-@dataclass(eq=False, slots=True)
-class Held:
-    """One request waiting here; the future is resolved with the pods that had room when it was released."""
-
-    flow: Flow
-    key: FlowKey  # the flow's key as counted here (past max_flows: its band's overflow flow)
-    model: str
-    leg: str | None
-    demand: Demand
-    arrived: float
-    give_up_at: float
-    seq: int
-    future: asyncio.Future[frozenset[str]]
-    timer: asyncio.TimerHandle | None = None
-    queued: bool = True
-    unfit_since: float | None = None  # since when its prompt alone kept it out of a pod with room (at the head)
-
-    def __lt__(self, other: Held) -> bool:  # within a flow: the earliest deadline, then the first to come
-        return (self.give_up_at, self.seq) < (other.give_up_at, other.seq)
-
-
-@dataclass(eq=False, slots=True)
-class _FlowQueue:
-    key: FlowKey
-    heap: list[Held] = field(default_factory=list)
-    size: int = 0
-    released_at: float = -math.inf  # when this flow last had a request released (ties go to the older)
-
-    def head(self) -> Held | None:
-        heap = self.heap
-        while heap and not heap[0].queued:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +63,8 @@ class Release:
 
 
 class FlowController:
+    """Decides when a request waits, and which held request goes next and where (its queues hold them)."""
+
     def __init__(self, config: FlowControlConfig, pods: PodRegistry, detector: SaturationDetector,
                  counters: ServiceCounters, doorbell: Doorbell, metrics: FlowMetrics,
                  order: ReleaseOrder | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -116,37 +76,33 @@ class FlowController:
         self._doorbell = doorbell
         # Whether this worker's next request goes before the other workers' (one worker: always).
         self._order = order if order is not None else SoleRelease(doorbell)
+        self.queues = FlowQueues(config, counters, self._order, metrics, clock)
         self._metrics = metrics
         self._clock = clock
-        self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
-        self._queued = 0
-        self._seq = itertools.count()
         self._transit: Held | None = None
         self._transit_since = 0.0
         self._look_at: float | None = None  # when a pod's running prefill drains enough to take the next one
-        self._dispatches: deque[float] = deque()
-        self._flows_seen: set[FlowKey] = set()
         self._has_queued: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._draining = False
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return self.queues.count
 
     # Admission
 
     def room_now(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
         on at once), else None."""
-        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
             return None
-        return self._room_among(pods, demand)
+        return self.detector.room_among(pods, demand)
 
     def goes_now(self, pods: list[Pod], demand: Demand) -> bool:
         """Whether a request goes on at once: nothing waits ahead of it and one of its candidate ``pods`` has
         room (they are looked at until one has: in a large fleet, the first one or two)."""
-        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
             return False
         detector = self.detector
         return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
@@ -156,34 +112,26 @@ class FlowController:
         wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""
         if self._draining:
             raise _shutting_down()
-        if self._queued >= self.config.max_queued:
-            self._metrics.rejected(self.key_of(flow.key), "queue_full")
-            raise self._refusal("The gateway's queue is full.", "queue_full")
-        now = self._clock()
-        loop = asyncio.get_running_loop()
-        held = Held(flow, self.key_of(flow.key), model, leg, replace(demand, held=True), now, now + wait_allowed_s,
-                    next(self._seq), loop.create_future())
-        held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
-        self._enqueue(held)
+        held = self.queues.add(flow.key, model, leg, demand, wait_allowed_s)
+        if self._has_queued is not None:
+            self._has_queued.set()
+        self._pump()
         try:
             room = await held.future
         except asyncio.CancelledError:
             if held.queued:
-                self._dequeue(held)
+                self.queues.remove(held)
                 self._metrics.left(held.key)
             self.landed(held)  # released, but gone before it was dispatched
             raise
-        finally:
-            if held.timer is not None:
-                held.timer.cancel()
         return Release(room, self._clock() - held.arrived, held)
 
     def landed(self, held: Held | None) -> None:
         """The released request was dispatched (or ended without): the next may be released."""
         if held is not None and self._transit is held:
             self._transit = None
-            self._order.landed(self._queued, self._clock())
-            if self._queued:
+            self._order.landed(self.queues.count, self._clock())
+            if self.queues.count:
                 self._pump()
 
     def waits_for(self, pod: str) -> bool:
@@ -191,67 +139,11 @@ class FlowController:
         ``pod`` (keep-warm leaves such a pod's capacity to it)."""
         if self._transit is not None or self._order.others_hold(self._clock()):
             return True
-        if not self._queued:
+        if not self.queues.count:
             return False
-        wanted = {(h.model, h.leg) for h in self._all_held()}
+        wanted = {(h.model, h.leg) for h in self.queues.all()}
         return any(pod in {p.name for p in self._pods.candidates(model, leg=leg)}  # type: ignore[arg-type]
                    for model, leg in wanted)
-
-    def dispatched(self) -> None:
-        """A request was sent to a pod (for the rate Retry-After is estimated from)."""
-        now = self._clock()
-        self._dispatches.append(now)
-        if len(self._dispatches) > 4096 or self._dispatches[0] < now - RATE_WINDOW_S:
-            while self._dispatches and self._dispatches[0] < now - RATE_WINDOW_S:
-                self._dispatches.popleft()
-
-    # Queues
-
-    def _enqueue(self, held: Held) -> None:
-        key = held.key
-        band = self._bands.setdefault(key.priority, {})
-        queue = band.get(key)
-        if queue is None:
-            # The flow starts to wait: no more than ``lift_credit`` of service banked while it did not (the VTC's
-            # counter lift, short of level), against the flows waiting here and in the other workers.
-            floors = [self.counters.get(k) for k in band]
-            elsewhere = self._order.floor(key.priority, self._clock())
-            floor = min([*floors, elsewhere] if elsewhere is not None else floors, default=None)
-            if floor is not None:
-                self.counters.lift(key, floor - self.config.lift_credit)
-            queue = band[key] = _FlowQueue(key)
-        heapq.heappush(queue.heap, held)
-        queue.size += 1
-        self._queued += 1
-        self._metrics.queued(key, 1)
-        if self._has_queued is not None:
-            self._has_queued.set()
-        self._pump()
-
-    def key_of(self, key: FlowKey) -> FlowKey:
-        """The flow's key as counted here: itself, or its band's overflow flow past ``max_flows`` distinct ones."""
-        if key in self._flows_seen:
-            return key
-        if len(self._flows_seen) >= self.config.max_flows:
-            return FlowKey(OVERFLOW_FAIRNESS_ID, key.priority)
-        self._flows_seen.add(key)
-        return key
-
-    def _dequeue(self, held: Held) -> None:
-        held.queued = False
-        key = held.key
-        band = self._bands.get(key.priority, {})
-        queue = band.get(key)
-        self._queued -= 1
-        self._metrics.queued(key, -1)
-        if not self._queued:
-            self._order.holding(0, self._clock())
-        if queue is not None:
-            queue.size -= 1
-            if not queue.size:
-                del band[key]
-                if not band:
-                    del self._bands[key.priority]
 
     def _pump(self) -> None:
         """Release the next request that has room, if none is in transit and no other worker's goes first."""
@@ -264,93 +156,51 @@ class FlowController:
         waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
         waiting_pools: set[int] = set()  # the pods where one waits: who comes after it there waits too
         self._look_at = None
-        for priority in sorted(self._bands, reverse=True):
-            band = self._bands[priority]
-            for queue in sorted(band.values(), key=lambda q: (self.counters.get(q.key), q.released_at)):
-                held = queue.head()
-                if held is None:
-                    continue
-                pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
-                demand = held.demand
-                room = self._room_for(held, pods, now)
-                if room is None and demand.estimates and self._room_among(
-                        pods, replace(demand, estimates={})) is not None:
-                    continue  # too large for the room there is (SLO admission): nobody need wait for it
-                contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
-                if contender.pool in waiting_pools:
-                    # A shorter prompt may have room where a long one ahead of it has none (it waits for the
-                    # pods' queue to empty): passing it again and again would starve it.
-                    continue
-                if room is not None:
-                    if self._order.claim(contender, True, self._queued, now, TRANSIT_LIMIT_S):
-                        self._release(queue, held, room)
-                    return
-                waiting_pools.add(contender.pool)
-                if waiting is None:
-                    waiting = contender
-                    drained_in = self._prefill_room_in(pods, demand)
-                    self._look_at = now + drained_in if drained_in is not None else None
-        self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
+        for held in self.queues.heads():
+            pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
+            demand = held.demand
+            room = self._room_for(held, pods, now)
+            if room is None and demand.estimates and self.detector.room_among(
+                    pods, replace(demand, estimates={})) is not None:
+                continue  # too large for the room there is (SLO admission): nobody need wait for it
+            contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
+            if contender.pool in waiting_pools:
+                # A shorter prompt may have room where a long one ahead of it has none (it waits for the
+                # pods' queue to empty): passing it again and again would starve it.
+                continue
+            if room is not None:
+                if self._order.claim(contender, True, self.queues.count, now, TRANSIT_LIMIT_S):
+                    self._release(held, room, now)
+                return
+            waiting_pools.add(contender.pool)
+            if waiting is None:
+                waiting = contender
+                drained_in = self.detector.prefill_room_among(pods, demand)
+                self._look_at = now + drained_in if drained_in is not None else None
+        self._order.claim(waiting, False, self.queues.count, now, TRANSIT_LIMIT_S)
 
-    def _prefill_room_in(self, pods: list[Pod], demand: Demand) -> float | None:
-        """Of pods without room for it, the soonest one whose prefill drains enough to take the request."""
-        detector = self.detector
-        return min((wait for p in pods if detector.saturated_by(p.name, demand) == "prefill"
-                    and (wait := detector.prefill_room_in(p.name, demand)) is not None), default=None)
-
-    def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
-        self._dequeue(held)
-        now = self._clock()
-        queue.released_at = now
+    def _release(self, held: Held, room: frozenset[str], now: float) -> None:
+        self.queues.remove(held, released_at=now)
         self._transit, self._transit_since = held, now
-        self._metrics.waited(queue.key, now - held.arrived)
+        self._metrics.waited(held.key, now - held.arrived)
         held.future.set_result(room)
 
     def _room_for(self, held: Held, pods: list[Pod], now: float) -> frozenset[str] | None:
         """The pods with room for a held request. A prompt that fits no pod's queue (several flows served)
         waits for one to empty, but no longer than ``prefill_fit_wait_s``: a queue of answers that are not
         streamed empties only as they end."""
-        demand = held.demand
-        room = self._room_among(pods, demand)
+        demand, detector = held.demand, self.detector
+        room = detector.room_among(pods, demand)
         if room is not None or not demand.prompt_tokens:
             return room
-        unsized = self._room_among(pods, replace(demand, prompt_tokens=0, held=False))
+        unsized = detector.room_among(pods, replace(demand, prompt_tokens=0, held=False))
         if unsized is None:
             held.unfit_since = None
         elif held.unfit_since is None:
             held.unfit_since = now
-        elif now - held.unfit_since >= self.detector.config.prefill_fit_wait_s:
+        elif now - held.unfit_since >= detector.config.prefill_fit_wait_s:
             return unsized
         return None
-
-    def _room_among(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
-        if not pods:
-            return frozenset()  # nothing to wait for: routing says there is no pod
-        detector = self.detector
-        room = frozenset(p.name for p in pods if detector.saturated_by(p.name, demand) is None)
-        return room or None
-
-    def _expire(self, held: Held) -> None:
-        held.timer = None
-        if not held.queued or held.future.done():
-            return
-        self._dequeue(held)
-        self._metrics.rejected(held.key, "queue_timeout")
-        held.future.set_exception(self._refusal(
-            f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
-            "queue_timeout"))
-
-    def _refusal(self, reason: str, code: str) -> GatewayError:
-        retry = self.retry_after_s()
-        return GatewayError(ErrorKind.RATE_LIMITED, f"{reason} Retry after {retry} s.", code=code, retry_after_s=retry)
-
-    def retry_after_s(self) -> int:
-        """When a request sent again would likely be served: the requests waiting over the recent rate."""
-        now = self._clock()
-        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
-        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
-        rate = recent / span if span > 0 else 0.0
-        return max(1, min(3600, math.ceil((self._queued + 1) / rate))) if rate > 0 else 1
 
     # Lifetime
 
@@ -360,66 +210,46 @@ class FlowController:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
-        for held in self._all_held():
+        for held in self.queues.all():
             if not held.future.done():
                 held.future.cancel()
 
     def drain(self) -> None:
         """Shutting down: what waits is refused at once (503: another replica can take it)."""
         self._draining = True
-        for held in self._all_held():
+        for held in self.queues.all():
             if not held.future.done():
-                self._dequeue(held)
+                self.queues.remove(held)
                 held.future.set_exception(_shutting_down())
 
     def reconfigure(self, config: FlowControlConfig) -> None:
         """A reloaded config: flows, weights, objectives, limits and thresholds apply from the next decision
         on. Requests already held keep the flow and wait limit they were given when they came."""
-        self.config = config
+        self.config = self.queues.config = config
         self.policy = FlowPolicy(config)
         self.detector.config = config.saturation
-        if self._queued:
+        if self.queues.count:
             self._pump()
 
     async def _run(self) -> None:
         assert self._has_queued is not None
-        forget_every = 0
-        while True:
-            if not self._queued:
+        for tick in itertools.count(1):
+            if not self.queues.count:
                 self._has_queued.clear()
                 await self._has_queued.wait()
             look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
             await self._doorbell.wait(look_in)
             self._pump()
-            forget_every = (forget_every + 1) % 1200
-            if not forget_every:
-                self._forget_idle()
-
-    def _forget_idle(self) -> None:
-        waiting = {k for band in self._bands.values() for k in band}
-        self.counters.forget_idle(lambda k: k in waiting)
-        self._flows_seen = {k for k in self._flows_seen if k in waiting or self.counters.get(k)}
-
-    def _all_held(self) -> list[Held]:
-        return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
+            if not tick % 1200:
+                self.queues.forget_idle()
 
     def debug(self) -> dict[str, Any]:
-        now = self._clock()
-        served = self.counters.snapshot()
-        waiting = {k: q for band in self._bands.values() for k, q in band.items()}
-        flows = []
-        for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
-            queue = waiting.get(key)
-            head = queue.head() if queue is not None else None
-            flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
-                          "service": round(served.get(key, 0.0), 1), "queued": queue.size if queue else 0,
-                          "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
-        detector = self.detector
-        every = self._pods.all()
-        return {"queued": self._queued, "in_transit": self._transit is not None, "flows": flows,
+        detector, every = self.detector, self._pods.all()
+        return {"queued": self.queues.count, "in_transit": self._transit is not None,
+                "flows": self.queues.describe(self._clock()),
                 "pods": {p.name: detector.saturated_by(p.name) or "room" for p in every},
                 "prefill_queued": {p.name: detector.prefill_queued(p.name) for p in every},
-                "retry_after_s": self.retry_after_s()}
+                "retry_after_s": self.queues.retry_after_s()}
 
 
 def _shutting_down() -> GatewayError:

@@ -25,9 +25,10 @@ from gateway.admission import Slo, SloPolicy
 from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.flow.controller import FlowController, Held
+from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey, engine_priority
 from gateway.flow.metrics import FlowMetrics
+from gateway.flow.queues import Held
 from gateway.flow.saturation import Demand
 from gateway.flow.service_counters import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
@@ -77,7 +78,7 @@ class FlowControl:
         headers = request.headers
         slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
                                 flow.ttft_s)
-        key = controller.key_of(flow.key)
+        key = controller.queues.key_of(flow.key)
         pods = self._pods.candidates(routing.model, leg=routing.leg)
         try:
             self._slo.check(pods, routing.estimates, slo)
@@ -129,7 +130,7 @@ class FlowControl:
         charge = self._charge(prompt - cached, cached, routing.predicted_output_tokens, state.weight)
         self._charges[attempt] = charge
         self._controller.counters.charge(state.key, charge.amount)
-        self._controller.dispatched()
+        self._controller.queues.dispatched()
         if state.released is not None:
             held, state.released = state.released, None
             self._controller.landed(held)
