@@ -16,31 +16,36 @@ Room may depend on the request (its prompt's fit beside a queue, its predicted l
 room on some pods keeps those after it on the same candidate pods waiting too, or shorter prompts could
 pass it again and again (requests of other pools, even overlapping ones, go on).
 
-Owner: the :class:`FlowController` owns the one request released and not yet dispatched and the flow-control
-config in force (replaced on reload); its :class:`~gateway.flow.queues.FlowQueues` the requests held in this
-process (how long each may wait, when it is refused). Each worker holds its own; what they share is the pods'
+A request waits at most its flow's limit, or its SLO allows less; then it is refused (429 with a
+Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
+that leaves while held leaves nothing behind: it was never dispatched, charged or counted as served.
+
+Owner: :class:`FlowQueues` owns the requests held in this process, their wait limits, the flows counted and
+the recent dispatches; the :class:`FlowController` its queues, the one request released and not yet dispatched,
+and the flow-control config in force (replaced on reload). Each worker holds its own; they share the pods'
 state (the load table, the engines' metrics), the flows' service counters (the state bus), and the order of
-release: a worker releases its next request only when it ranks first among every worker's
-(:mod:`gateway.flow.release_order`).
+release: a worker releases only when its next request ranks first of all (:mod:`gateway.flow.release_order`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import Doorbell, cancel_and_wait
 from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.flow.flows import Flow, FlowPolicy
+from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
-from gateway.flow.queues import FlowQueues, Held
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
@@ -51,6 +56,171 @@ log = logging.getLogger("gateway.flow")
 TICK_S = 0.05
 # A released request not dispatched by then (a bug, a stalled step) no longer blocks the next release.
 TRANSIT_LIMIT_S = 1.0
+# Dispatches remembered for the rate that Retry-After is estimated from.
+RATE_WINDOW_S = 30.0
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    """One request waiting here; the future is resolved with the pods that had room when it was released."""
+
+    key: FlowKey  # the flow's key as counted here (past max_flows: its band's overflow flow)
+    model: str
+    leg: str | None
+    demand: Demand
+    arrived: float
+    give_up_at: float
+    seq: int
+    future: asyncio.Future[frozenset[str]]
+    timer: asyncio.TimerHandle | None = None
+    queued: bool = True
+    unfit_since: float | None = None  # since when its prompt alone kept it out of a pod with room (at the head)
+
+    def __lt__(self, other: Held) -> bool:  # within a flow: the earliest deadline, then the first to come
+        return (self.give_up_at, self.seq) < (other.give_up_at, other.seq)
+
+
+@dataclass(eq=False, slots=True)
+class _FlowQueue:
+    key: FlowKey
+    heap: list[Held] = field(default_factory=list)
+    released_at: float = -math.inf  # when this flow last had a request released (ties go to the older)
+
+    def head(self) -> Held | None:
+        heap = self.heap
+        while heap and not heap[0].queued:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+
+class FlowQueues:
+    """The held requests by band and flow; each leaves when released, gone, or refused at its wait limit."""
+
+    def __init__(self, config: FlowControlConfig, counters: ServiceCounters, order: ReleaseOrder,
+                 metrics: FlowMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config  # the controller's, replaced on reload
+        self._counters = counters
+        self._order = order
+        self._metrics = metrics
+        self._clock = clock
+        self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
+        self.count = 0  # requests held
+        self._seq = itertools.count()
+        self._flows_seen: set[FlowKey] = set()
+        self._dispatches: deque[float] = deque()
+
+    def key_of(self, key: FlowKey) -> FlowKey:
+        """The flow's key as counted here: itself, or its band's overflow flow past ``max_flows`` distinct ones."""
+        if key not in self._flows_seen:
+            if len(self._flows_seen) >= self.config.max_flows:
+                return FlowKey(OVERFLOW_FAIRNESS_ID, key.priority)
+            self._flows_seen.add(key)
+        return key
+
+    def add(self, flow: FlowKey, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Held:
+        """A request starts to wait in its flow's queue, ``wait_allowed_s`` at most; 429 when too many wait."""
+        key = self.key_of(flow)
+        if self.count >= self.config.max_queued:
+            self._metrics.rejected(key, "queue_full")
+            raise self._refusal("The gateway's queue is full.", "queue_full")
+        now = self._clock()
+        loop = asyncio.get_running_loop()
+        held = Held(key, model, leg, replace(demand, held=True), now, now + wait_allowed_s, next(self._seq),
+                    loop.create_future())
+        held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
+        band = self._bands.setdefault(key.priority, {})
+        queue = band.get(key)
+        if queue is None:
+            # The flow starts to wait: no more than ``lift_credit`` of service banked while it did not (the VTC's
+            # counter lift, short of level), against the flows waiting here and in the other workers.
+            floors = [self._counters.get(k) for k in band]
+            if (elsewhere := self._order.floor(key.priority, now)) is not None:
+                floors.append(elsewhere)
+            if floors:
+                self._counters.lift(key, min(floors) - self.config.lift_credit)
+            queue = band[key] = _FlowQueue(key)
+        heapq.heappush(queue.heap, held)
+        self.count += 1
+        self._metrics.queued(key, 1)
+        return held
+
+    def remove(self, held: Held, released_at: float | None = None) -> None:
+        """A held request leaves its flow's queue: released (at ``released_at``: for ties), gone, or refused."""
+        held.queued = False
+        if held.timer is not None:
+            held.timer.cancel()
+        key = held.key
+        band = self._bands[key.priority]
+        queue = band[key]
+        if released_at is not None:
+            queue.released_at = released_at
+        self.count -= 1
+        self._metrics.queued(key, -1)
+        if not self.count:
+            self._order.holding(0, self._clock())
+        if queue.head() is None:
+            del band[key]
+            if not band:
+                del self._bands[key.priority]
+
+    def heads(self) -> list[Held]:
+        """Each flow's next request, in the order of release: the highest band first, then the least-served
+        flow, then the one released least recently."""
+        served, bands = self._counters.get, self._bands
+        return [held for priority in sorted(bands, reverse=True)
+                for queue in sorted(bands[priority].values(), key=lambda q: (served(q.key), q.released_at))
+                if (held := queue.head()) is not None]
+
+    def all(self) -> list[Held]:
+        return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
+
+    def _expire(self, held: Held) -> None:
+        if held.future.done():
+            return  # cancelled (the client left): its hold takes it out
+        self.remove(held)
+        self._metrics.rejected(held.key, "queue_timeout")
+        held.future.set_exception(self._refusal(
+            f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
+            "queue_timeout"))
+
+    def dispatched(self) -> None:
+        """A request was sent to a pod (for the rate Retry-After is estimated from)."""
+        now = self._clock()
+        self._dispatches.append(now)
+        while self._dispatches[0] < now - RATE_WINDOW_S:
+            self._dispatches.popleft()
+
+    def _refusal(self, reason: str, code: str) -> GatewayError:
+        retry = self.retry_after_s()
+        return GatewayError(ErrorKind.RATE_LIMITED, f"{reason} Retry after {retry} s.", code=code, retry_after_s=retry)
+
+    def retry_after_s(self) -> int:
+        """When a request sent again would likely be served: the requests waiting over the recent rate."""
+        now = self._clock()
+        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
+        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
+        rate = recent / span if span > 0 else 0.0
+        return max(1, min(3600, math.ceil((self.count + 1) / rate))) if rate > 0 else 1
+
+    def forget_idle(self) -> None:
+        """Forgets the service of flows idle long enough, and the flows counted here that neither wait nor have any."""
+        waiting = {k for band in self._bands.values() for k in band}
+        self._counters.forget_idle(lambda k: k in waiting)
+        self._flows_seen = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """Each flow served lately or waiting: its service, its requests waiting, the oldest one's wait."""
+        served = self._counters.snapshot()
+        waiting = {k: q for band in self._bands.values() for k, q in band.items()}
+        flows = []
+        for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
+            queue = waiting.get(key)
+            head = queue.head() if queue is not None else None
+            queued = sum(h.queued for h in queue.heap) if queue is not None else 0
+            flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
+                          "service": round(served.get(key, 0.0), 1), "queued": queued,
+                          "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
+        return flows
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +309,6 @@ class FlowController:
         ``pod`` (keep-warm leaves such a pod's capacity to it)."""
         if self._transit is not None or self._order.others_hold(self._clock()):
             return True
-        if not self.queues.count:
-            return False
         wanted = {(h.model, h.leg) for h in self.queues.all()}
         return any(pod in {p.name for p in self._pods.candidates(model, leg=leg)}  # type: ignore[arg-type]
                    for model, leg in wanted)
@@ -211,8 +379,7 @@ class FlowController:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         for held in self.queues.all():
-            if not held.future.done():
-                held.future.cancel()
+            held.future.cancel()
 
     def drain(self) -> None:
         """Shutting down: what waits is refused at once (503: another replica can take it)."""

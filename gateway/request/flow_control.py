@@ -25,10 +25,9 @@ from gateway.admission import Slo, SloPolicy
 from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.flow.controller import FlowController
+from gateway.flow.controller import FlowController, Held
 from gateway.flow.flows import Flow, FlowKey, engine_priority
 from gateway.flow.metrics import FlowMetrics
-from gateway.flow.queues import Held
 from gateway.flow.saturation import Demand
 from gateway.flow.service_counters import WorkflowFlows
 from gateway.proxy.outcome import Ending, RelayOutcome
