@@ -121,7 +121,7 @@ class FlowQueues:
         """A request starts to wait in its flow's queue, ``wait_allowed_s`` at most; 429 when too many wait."""
         key = self.key_of(flow)
         if self.count >= self.config.max_queued:
-            self._metrics.rejected(key, "queue_full")
+            self._metrics.outcome(key, "queue_full")
             raise self._refusal("The gateway's queue is full.", "queue_full")
         now = self._clock()
         loop = asyncio.get_running_loop()
@@ -164,8 +164,7 @@ class FlowQueues:
                 del self._bands[key.priority]
 
     def heads(self) -> list[Held]:
-        """Each flow's next request, in the order of release: the highest band first, then the least-served
-        flow, then the one released least recently."""
+        """Each flow's next request, highest band first, then least-served flow, then the one released longest ago."""
         served, bands = self._counters.get, self._bands
         return [held for priority in sorted(bands, reverse=True)
                 for queue in sorted(bands[priority].values(), key=lambda q: (served(q.key), q.released_at))
@@ -178,7 +177,7 @@ class FlowQueues:
         if held.future.done():
             return  # cancelled (the client left): its hold takes it out
         self.remove(held)
-        self._metrics.rejected(held.key, "queue_timeout")
+        self._metrics.outcome(held.key, "queue_timeout")
         held.future.set_exception(self._refusal(
             f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
             "queue_timeout"))
@@ -291,7 +290,7 @@ class FlowController:
         except asyncio.CancelledError:
             if held.queued:
                 self.queues.remove(held)
-                self._metrics.left(held.key)
+                self._metrics.outcome(held.key, "left")
             self.landed(held)  # released, but gone before it was dispatched
             raise
         return Release(room, self._clock() - held.arrived, held)
