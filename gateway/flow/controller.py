@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -163,12 +163,12 @@ class FlowQueues:
             if not band:
                 del self._bands[key.priority]
 
-    def heads(self) -> list[Held]:
-        """Each flow's next request, highest band first, then least-served flow, then the one released longest ago."""
+    def heads(self) -> Iterator[list[Held]]:
+        """Each band's next requests (one a flow, least-served first, ties: released longest ago), highest first."""
         served, bands = self._counters.get, self._bands
-        return [held for priority in sorted(bands, reverse=True)
-                for queue in sorted(bands[priority].values(), key=lambda q: (served(q.key), q.released_at))
-                if (held := queue.head()) is not None]
+        for priority in sorted(bands, reverse=True):
+            yield [held for queue in sorted(bands[priority].values(), key=lambda q: (served(q.key), q.released_at))
+                   if (held := queue.head()) is not None]
 
     def all(self) -> list[Held]:
         return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
@@ -213,12 +213,10 @@ class FlowQueues:
         waiting = {k: q for band in self._bands.values() for k, q in band.items()}
         flows = []
         for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
-            queue = waiting.get(key)
-            head = queue.head() if queue is not None else None
-            queued = sum(h.queued for h in queue.heap) if queue is not None else 0
+            held = [h for h in waiting[key].heap if h.queued] if key in waiting else []
             flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
-                          "service": round(served.get(key, 0.0), 1), "queued": queued,
-                          "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
+                          "service": round(served.get(key, 0.0), 1), "queued": len(held),
+                          "oldest_wait_s": round(now - min(held).arrived, 3) if held else None})  # min: its head
         return flows
 
 
@@ -323,27 +321,28 @@ class FlowController:
         waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
         waiting_pools: set[int] = set()  # the pods where one waits: who comes after it there waits too
         self._look_at = None
-        for held in self.queues.heads():
-            pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
-            demand = held.demand
-            room = self._room_for(held, pods, now)
-            if room is None and demand.estimates and self.detector.room_among(
-                    pods, replace(demand, estimates={})) is not None:
-                continue  # too large for the room there is (SLO admission): nobody need wait for it
-            contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
-            if contender.pool in waiting_pools:
-                # A shorter prompt may have room where a long one ahead of it has none (it waits for the
-                # pods' queue to empty): passing it again and again would starve it.
-                continue
-            if room is not None:
-                if self._order.claim(contender, True, self.queues.count, now, TRANSIT_LIMIT_S):
-                    self._release(held, room, now)
-                return
-            waiting_pools.add(contender.pool)
-            if waiting is None:
-                waiting = contender
-                drained_in = self.detector.prefill_room_among(pods, demand)
-                self._look_at = now + drained_in if drained_in is not None else None
+        for band in self.queues.heads():
+            for held in band:
+                pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
+                demand = held.demand
+                room = self._room_for(held, pods, now)
+                if room is None and demand.estimates and self.detector.room_among(
+                        pods, replace(demand, estimates={})) is not None:
+                    continue  # too large for the room there is (SLO admission): nobody need wait for it
+                contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
+                if contender.pool in waiting_pools:
+                    # A shorter prompt may have room where a long one ahead of it has none (it waits for the
+                    # pods' queue to empty): passing it again and again would starve it.
+                    continue
+                if room is not None:
+                    if self._order.claim(contender, True, self.queues.count, now, TRANSIT_LIMIT_S):
+                        self._release(held, room, now)
+                    return
+                waiting_pools.add(contender.pool)
+                if waiting is None:
+                    waiting = contender
+                    drained_in = self.detector.prefill_room_among(pods, demand)
+                    self._look_at = now + drained_in if drained_in is not None else None
         self._order.claim(waiting, False, self.queues.count, now, TRANSIT_LIMIT_S)
 
     def _release(self, held: Held, room: frozenset[str], now: float) -> None:
