@@ -20,11 +20,11 @@ A request waits at most its flow's limit, or its SLO allows less; then it is ref
 Retry-After from the recent dispatch rate), as it is when ``max_queued`` requests already wait. A client
 that leaves while held leaves nothing behind: it was never dispatched, charged or counted as served.
 
-Owner: the :class:`FlowController` owns the requests held in this process, their queues, the one request
-released and not yet dispatched, and the flow-control config in force (replaced on reload). Each worker
-holds its own; what they share is the pods' state (the load table, the engines' metrics), the flows'
-service counters (the state bus), and the order of release: a worker releases its next request only when it
-ranks first among every worker's (:mod:`gateway.flow.release_order`).
+Owner: :class:`FlowQueues` owns the requests held in this process, their wait limits, the flows counted and
+the recent dispatches; the :class:`FlowController` its queues, the one request released and not yet dispatched,
+and the flow-control config in force (replaced on reload). Each worker holds its own; they share the pods'
+state (the load table, the engines' metrics), the flows' service counters (the state bus), and the order of
+release: a worker releases only when its next request ranks first of all (:mod:`gateway.flow.release_order`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,7 +64,6 @@ RATE_WINDOW_S = 30.0
 class Held:
     """One request waiting here; the future is resolved with the pods that had room when it was released."""
 
-    flow: Flow
     key: FlowKey  # the flow's key as counted here (past max_flows: its band's overflow flow)
     model: str
     leg: str | None
@@ -85,7 +84,6 @@ class Held:
 class _FlowQueue:
     key: FlowKey
     heap: list[Held] = field(default_factory=list)
-    size: int = 0
     released_at: float = -math.inf  # when this flow last had a request released (ties go to the older)
 
     def head(self) -> Held | None:
@@ -93,6 +91,133 @@ class _FlowQueue:
         while heap and not heap[0].queued:
             heapq.heappop(heap)
         return heap[0] if heap else None
+
+
+class FlowQueues:
+    """The held requests by band and flow; each leaves when released, gone, or refused at its wait limit."""
+
+    def __init__(self, config: FlowControlConfig, counters: ServiceCounters, order: ReleaseOrder,
+                 metrics: FlowMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config  # the controller's, replaced on reload
+        self._counters = counters
+        self._order = order
+        self._metrics = metrics
+        self._clock = clock
+        self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
+        self.count = 0  # requests held
+        self._seq = itertools.count()
+        self._flows_seen: set[FlowKey] = set()
+        self._dispatches: deque[float] = deque()
+
+    def key_of(self, key: FlowKey) -> FlowKey:
+        """The flow's key as counted here: itself, or its band's overflow flow past ``max_flows`` distinct ones."""
+        if key not in self._flows_seen:
+            if len(self._flows_seen) >= self.config.max_flows:
+                return FlowKey(OVERFLOW_FAIRNESS_ID, key.priority)
+            self._flows_seen.add(key)
+        return key
+
+    def add(self, flow: FlowKey, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Held:
+        """A request starts to wait in its flow's queue, ``wait_allowed_s`` at most; 429 when too many wait."""
+        key = self.key_of(flow)
+        if self.count >= self.config.max_queued:
+            self._metrics.outcome(key, "queue_full")
+            raise self._refusal("The gateway's queue is full.", "queue_full")
+        now = self._clock()
+        loop = asyncio.get_running_loop()
+        held = Held(key, model, leg, replace(demand, held=True), now, now + wait_allowed_s, next(self._seq),
+                    loop.create_future())
+        held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
+        band = self._bands.setdefault(key.priority, {})
+        queue = band.get(key)
+        if queue is None:
+            # The flow starts to wait: no more than ``lift_credit`` of service banked while it did not (the VTC's
+            # counter lift, short of level), against the flows waiting here and in the other workers.
+            floors = [self._counters.get(k) for k in band]
+            if (elsewhere := self._order.floor(key.priority, now)) is not None:
+                floors.append(elsewhere)
+            if floors:
+                self._counters.lift(key, min(floors) - self.config.lift_credit)
+            queue = band[key] = _FlowQueue(key)
+        heapq.heappush(queue.heap, held)
+        self.count += 1
+        self._metrics.queued(key, 1)
+        return held
+
+    def remove(self, held: Held, released_at: float | None = None) -> None:
+        """A held request leaves its flow's queue: released (at ``released_at``: for ties), gone, or refused."""
+        held.queued = False
+        if held.timer is not None:
+            held.timer.cancel()
+        key = held.key
+        band = self._bands[key.priority]
+        queue = band[key]
+        if released_at is not None:
+            queue.released_at = released_at
+        self.count -= 1
+        self._metrics.queued(key, -1)
+        if not self.count:
+            self._order.holding(0, self._clock())
+        if queue.head() is None:
+            del band[key]
+            if not band:
+                del self._bands[key.priority]
+
+    def heads(self) -> Iterator[list[Held]]:
+        """Each band's next requests (one a flow, least-served first, ties: released longest ago), highest first."""
+        served, bands = self._counters.get, self._bands
+        for priority in sorted(bands, reverse=True):
+            yield [held for queue in sorted(bands[priority].values(), key=lambda q: (served(q.key), q.released_at))
+                   if (held := queue.head()) is not None]
+
+    def all(self) -> list[Held]:
+        return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
+
+    def _expire(self, held: Held) -> None:
+        if held.future.done():
+            return  # cancelled (the client left): its hold takes it out
+        self.remove(held)
+        self._metrics.outcome(held.key, "queue_timeout")
+        held.future.set_exception(self._refusal(
+            f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
+            "queue_timeout"))
+
+    def dispatched(self) -> None:
+        """A request was sent to a pod (for the rate Retry-After is estimated from)."""
+        now = self._clock()
+        self._dispatches.append(now)
+        while self._dispatches[0] < now - RATE_WINDOW_S:
+            self._dispatches.popleft()
+
+    def _refusal(self, reason: str, code: str) -> GatewayError:
+        retry = self.retry_after_s()
+        return GatewayError(ErrorKind.RATE_LIMITED, f"{reason} Retry after {retry} s.", code=code, retry_after_s=retry)
+
+    def retry_after_s(self) -> int:
+        """When a request sent again would likely be served: the requests waiting over the recent rate."""
+        now = self._clock()
+        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
+        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
+        rate = recent / span if span > 0 else 0.0
+        return max(1, min(3600, math.ceil((self.count + 1) / rate))) if rate > 0 else 1
+
+    def forget_idle(self) -> None:
+        """Forgets the service of flows idle long enough, and the flows counted here that neither wait nor have any."""
+        waiting = {k for band in self._bands.values() for k in band}
+        self._counters.forget_idle(lambda k: k in waiting)
+        self._flows_seen = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """Each flow served lately or waiting: its service, its requests waiting, the oldest one's wait."""
+        served = self._counters.snapshot()
+        waiting = {k: q for band in self._bands.values() for k, q in band.items()}
+        flows = []
+        for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
+            held = [h for h in waiting[key].heap if h.queued] if key in waiting else []
+            flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
+                          "service": round(served.get(key, 0.0), 1), "queued": len(held),
+                          "oldest_wait_s": round(now - min(held).arrived, 3) if held else None})  # min: its head
+        return flows
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +230,8 @@ class Release:
 
 
 class FlowController:
+    """Decides when a request waits, and which held request goes next and where (its queues hold them)."""
+
     def __init__(self, config: FlowControlConfig, pods: PodRegistry, detector: SaturationDetector,
                  counters: ServiceCounters, doorbell: Doorbell, metrics: FlowMetrics,
                  order: ReleaseOrder | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -116,37 +243,33 @@ class FlowController:
         self._doorbell = doorbell
         # Whether this worker's next request goes before the other workers' (one worker: always).
         self._order = order if order is not None else SoleRelease(doorbell)
+        self.queues = FlowQueues(config, counters, self._order, metrics, clock)
         self._metrics = metrics
         self._clock = clock
-        self._bands: dict[int, dict[FlowKey, _FlowQueue]] = {}
-        self._queued = 0
-        self._seq = itertools.count()
         self._transit: Held | None = None
         self._transit_since = 0.0
         self._look_at: float | None = None  # when a pod's running prefill drains enough to take the next one
-        self._dispatches: deque[float] = deque()
-        self._flows_seen: set[FlowKey] = set()
         self._has_queued: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._draining = False
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return self.queues.count
 
     # Admission
 
     def room_now(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
         on at once), else None."""
-        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
             return None
-        return self._room_among(pods, demand)
+        return self.detector.room_among(pods, demand)
 
     def goes_now(self, pods: list[Pod], demand: Demand) -> bool:
         """Whether a request goes on at once: nothing waits ahead of it and one of its candidate ``pods`` has
         room (they are looked at until one has: in a large fleet, the first one or two)."""
-        if self._queued or self._transit is not None or self._order.others_hold(self._clock()):
+        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
             return False
         detector = self.detector
         return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
@@ -156,34 +279,26 @@ class FlowController:
         wait, 503 when the gateway shuts down. Cancelled (the client left), it leaves no trace."""
         if self._draining:
             raise _shutting_down()
-        if self._queued >= self.config.max_queued:
-            self._metrics.rejected(self.key_of(flow.key), "queue_full")
-            raise self._refusal("The gateway's queue is full.", "queue_full")
-        now = self._clock()
-        loop = asyncio.get_running_loop()
-        held = Held(flow, self.key_of(flow.key), model, leg, replace(demand, held=True), now, now + wait_allowed_s,
-                    next(self._seq), loop.create_future())
-        held.timer = loop.call_at(loop.time() + wait_allowed_s, self._expire, held)
-        self._enqueue(held)
+        held = self.queues.add(flow.key, model, leg, demand, wait_allowed_s)
+        if self._has_queued is not None:
+            self._has_queued.set()
+        self._pump()
         try:
             room = await held.future
         except asyncio.CancelledError:
             if held.queued:
-                self._dequeue(held)
-                self._metrics.left(held.key)
+                self.queues.remove(held)
+                self._metrics.outcome(held.key, "left")
             self.landed(held)  # released, but gone before it was dispatched
             raise
-        finally:
-            if held.timer is not None:
-                held.timer.cancel()
         return Release(room, self._clock() - held.arrived, held)
 
     def landed(self, held: Held | None) -> None:
         """The released request was dispatched (or ended without): the next may be released."""
         if held is not None and self._transit is held:
             self._transit = None
-            self._order.landed(self._queued, self._clock())
-            if self._queued:
+            self._order.landed(self.queues.count, self._clock())
+            if self.queues.count:
                 self._pump()
 
     def waits_for(self, pod: str) -> bool:
@@ -191,67 +306,9 @@ class FlowController:
         ``pod`` (keep-warm leaves such a pod's capacity to it)."""
         if self._transit is not None or self._order.others_hold(self._clock()):
             return True
-        if not self._queued:
-            return False
-        wanted = {(h.model, h.leg) for h in self._all_held()}
+        wanted = {(h.model, h.leg) for h in self.queues.all()}
         return any(pod in {p.name for p in self._pods.candidates(model, leg=leg)}  # type: ignore[arg-type]
                    for model, leg in wanted)
-
-    def dispatched(self) -> None:
-        """A request was sent to a pod (for the rate Retry-After is estimated from)."""
-        now = self._clock()
-        self._dispatches.append(now)
-        if len(self._dispatches) > 4096 or self._dispatches[0] < now - RATE_WINDOW_S:
-            while self._dispatches and self._dispatches[0] < now - RATE_WINDOW_S:
-                self._dispatches.popleft()
-
-    # Queues
-
-    def _enqueue(self, held: Held) -> None:
-        key = held.key
-        band = self._bands.setdefault(key.priority, {})
-        queue = band.get(key)
-        if queue is None:
-            # The flow starts to wait: no more than ``lift_credit`` of service banked while it did not (the VTC's
-            # counter lift, short of level), against the flows waiting here and in the other workers.
-            floors = [self.counters.get(k) for k in band]
-            elsewhere = self._order.floor(key.priority, self._clock())
-            floor = min([*floors, elsewhere] if elsewhere is not None else floors, default=None)
-            if floor is not None:
-                self.counters.lift(key, floor - self.config.lift_credit)
-            queue = band[key] = _FlowQueue(key)
-        heapq.heappush(queue.heap, held)
-        queue.size += 1
-        self._queued += 1
-        self._metrics.queued(key, 1)
-        if self._has_queued is not None:
-            self._has_queued.set()
-        self._pump()
-
-    def key_of(self, key: FlowKey) -> FlowKey:
-        """The flow's key as counted here: itself, or its band's overflow flow past ``max_flows`` distinct ones."""
-        if key in self._flows_seen:
-            return key
-        if len(self._flows_seen) >= self.config.max_flows:
-            return FlowKey(OVERFLOW_FAIRNESS_ID, key.priority)
-        self._flows_seen.add(key)
-        return key
-
-    def _dequeue(self, held: Held) -> None:
-        held.queued = False
-        key = held.key
-        band = self._bands.get(key.priority, {})
-        queue = band.get(key)
-        self._queued -= 1
-        self._metrics.queued(key, -1)
-        if not self._queued:
-            self._order.holding(0, self._clock())
-        if queue is not None:
-            queue.size -= 1
-            if not queue.size:
-                del band[key]
-                if not band:
-                    del self._bands[key.priority]
 
     def _pump(self) -> None:
         """Release the next request that has room, if none is in transit and no other worker's goes first."""
@@ -264,93 +321,52 @@ class FlowController:
         waiting: Contender | None = None  # the first in order that waits for room: what the others must wait for
         waiting_pools: set[int] = set()  # the pods where one waits: who comes after it there waits too
         self._look_at = None
-        for priority in sorted(self._bands, reverse=True):
-            band = self._bands[priority]
-            for queue in sorted(band.values(), key=lambda q: (self.counters.get(q.key), q.released_at)):
-                held = queue.head()
-                if held is None:
-                    continue
+        for band in self.queues.heads():
+            for held in band:
                 pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
                 demand = held.demand
                 room = self._room_for(held, pods, now)
-                if room is None and demand.estimates and self._room_among(
+                if room is None and demand.estimates and self.detector.room_among(
                         pods, replace(demand, estimates={})) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
-                contender = Contender(priority, self.counters.get(queue.key), held.give_up_at, pool_key(pods))
+                contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
                     # A shorter prompt may have room where a long one ahead of it has none (it waits for the
                     # pods' queue to empty): passing it again and again would starve it.
                     continue
                 if room is not None:
-                    if self._order.claim(contender, True, self._queued, now, TRANSIT_LIMIT_S):
-                        self._release(queue, held, room)
+                    if self._order.claim(contender, True, self.queues.count, now, TRANSIT_LIMIT_S):
+                        self._release(held, room, now)
                     return
                 waiting_pools.add(contender.pool)
                 if waiting is None:
                     waiting = contender
-                    drained_in = self._prefill_room_in(pods, demand)
+                    drained_in = self.detector.prefill_room_among(pods, demand)
                     self._look_at = now + drained_in if drained_in is not None else None
-        self._order.claim(waiting, False, self._queued, now, TRANSIT_LIMIT_S)
+        self._order.claim(waiting, False, self.queues.count, now, TRANSIT_LIMIT_S)
 
-    def _prefill_room_in(self, pods: list[Pod], demand: Demand) -> float | None:
-        """Of pods without room for it, the soonest one whose prefill drains enough to take the request."""
-        detector = self.detector
-        return min((wait for p in pods if detector.saturated_by(p.name, demand) == "prefill"
-                    and (wait := detector.prefill_room_in(p.name, demand)) is not None), default=None)
-
-    def _release(self, queue: _FlowQueue, held: Held, room: frozenset[str]) -> None:
-        self._dequeue(held)
-        now = self._clock()
-        queue.released_at = now
+    def _release(self, held: Held, room: frozenset[str], now: float) -> None:
+        self.queues.remove(held, released_at=now)
         self._transit, self._transit_since = held, now
-        self._metrics.waited(queue.key, now - held.arrived)
+        self._metrics.waited(held.key, now - held.arrived)
         held.future.set_result(room)
 
     def _room_for(self, held: Held, pods: list[Pod], now: float) -> frozenset[str] | None:
         """The pods with room for a held request. A prompt that fits no pod's queue (several flows served)
         waits for one to empty, but no longer than ``prefill_fit_wait_s``: a queue of answers that are not
         streamed empties only as they end."""
-        demand = held.demand
-        room = self._room_among(pods, demand)
+        demand, detector = held.demand, self.detector
+        room = detector.room_among(pods, demand)
         if room is not None or not demand.prompt_tokens:
             return room
-        unsized = self._room_among(pods, replace(demand, prompt_tokens=0, held=False))
+        unsized = detector.room_among(pods, replace(demand, prompt_tokens=0, held=False))
         if unsized is None:
             held.unfit_since = None
         elif held.unfit_since is None:
             held.unfit_since = now
-        elif now - held.unfit_since >= self.detector.config.prefill_fit_wait_s:
+        elif now - held.unfit_since >= detector.config.prefill_fit_wait_s:
             return unsized
         return None
-
-    def _room_among(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
-        if not pods:
-            return frozenset()  # nothing to wait for: routing says there is no pod
-        detector = self.detector
-        room = frozenset(p.name for p in pods if detector.saturated_by(p.name, demand) is None)
-        return room or None
-
-    def _expire(self, held: Held) -> None:
-        held.timer = None
-        if not held.queued or held.future.done():
-            return
-        self._dequeue(held)
-        self._metrics.rejected(held.key, "queue_timeout")
-        held.future.set_exception(self._refusal(
-            f"The fleet is saturated; the request waited {self._clock() - held.arrived:.1f} s, its limit.",
-            "queue_timeout"))
-
-    def _refusal(self, reason: str, code: str) -> GatewayError:
-        retry = self.retry_after_s()
-        return GatewayError(ErrorKind.RATE_LIMITED, f"{reason} Retry after {retry} s.", code=code, retry_after_s=retry)
-
-    def retry_after_s(self) -> int:
-        """When a request sent again would likely be served: the requests waiting over the recent rate."""
-        now = self._clock()
-        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
-        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
-        rate = recent / span if span > 0 else 0.0
-        return max(1, min(3600, math.ceil((self._queued + 1) / rate))) if rate > 0 else 1
 
     # Lifetime
 
@@ -360,66 +376,45 @@ class FlowController:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
-        for held in self._all_held():
-            if not held.future.done():
-                held.future.cancel()
+        for held in self.queues.all():
+            held.future.cancel()
 
     def drain(self) -> None:
         """Shutting down: what waits is refused at once (503: another replica can take it)."""
         self._draining = True
-        for held in self._all_held():
+        for held in self.queues.all():
             if not held.future.done():
-                self._dequeue(held)
+                self.queues.remove(held)
                 held.future.set_exception(_shutting_down())
 
     def reconfigure(self, config: FlowControlConfig) -> None:
         """A reloaded config: flows, weights, objectives, limits and thresholds apply from the next decision
         on. Requests already held keep the flow and wait limit they were given when they came."""
-        self.config = config
+        self.config = self.queues.config = config
         self.policy = FlowPolicy(config)
         self.detector.config = config.saturation
-        if self._queued:
+        if self.queues.count:
             self._pump()
 
     async def _run(self) -> None:
         assert self._has_queued is not None
-        forget_every = 0
-        while True:
-            if not self._queued:
+        for tick in itertools.count(1):
+            if not self.queues.count:
                 self._has_queued.clear()
                 await self._has_queued.wait()
             look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
             await self._doorbell.wait(look_in)
             self._pump()
-            forget_every = (forget_every + 1) % 1200
-            if not forget_every:
-                self._forget_idle()
-
-    def _forget_idle(self) -> None:
-        waiting = {k for band in self._bands.values() for k in band}
-        self.counters.forget_idle(lambda k: k in waiting)
-        self._flows_seen = {k for k in self._flows_seen if k in waiting or self.counters.get(k)}
-
-    def _all_held(self) -> list[Held]:
-        return [h for band in self._bands.values() for q in band.values() for h in q.heap if h.queued]
+            if not tick % 1200:
+                self.queues.forget_idle()
 
     def debug(self) -> dict[str, Any]:
-        now = self._clock()
-        served = self.counters.snapshot()
-        waiting = {k: q for band in self._bands.values() for k, q in band.items()}
-        flows = []
-        for key in sorted(set(served) | set(waiting), key=lambda k: (-k.priority, k.fairness_id)):
-            queue = waiting.get(key)
-            head = queue.head() if queue is not None else None
-            flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
-                          "service": round(served.get(key, 0.0), 1), "queued": queue.size if queue else 0,
-                          "oldest_wait_s": round(now - head.arrived, 3) if head is not None else None})
-        detector = self.detector
-        every = self._pods.all()
-        return {"queued": self._queued, "in_transit": self._transit is not None, "flows": flows,
+        detector, every = self.detector, self._pods.all()
+        return {"queued": self.queues.count, "in_transit": self._transit is not None,
+                "flows": self.queues.describe(self._clock()),
                 "pods": {p.name: detector.saturated_by(p.name) or "room" for p in every},
                 "prefill_queued": {p.name: detector.prefill_queued(p.name) for p in every},
-                "retry_after_s": self.retry_after_s()}
+                "retry_after_s": self.queues.retry_after_s()}
 
 
 def _shutting_down() -> GatewayError:

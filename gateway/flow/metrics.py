@@ -17,7 +17,6 @@ from prometheus_client.registry import Collector
 from gateway.flow.flows import FlowKey
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-OUTCOMES = ("at_once", "after_wait", "queue_full", "queue_timeout", "slo_unreachable", "left")
 TOKEN_KINDS = ("input", "cached_input", "output")
 
 
@@ -47,20 +46,12 @@ class FlowMetrics(Collector):
     def queued(self, key: FlowKey, delta: int) -> None:
         self._child(self._queued, key).inc(delta)
 
-    def at_once(self, key: FlowKey) -> None:
-        self._outcome(key, "at_once")
-
     def waited(self, key: FlowKey, seconds: float) -> None:
         self._child(self._wait, key).observe(seconds)
-        self._outcome(key, "after_wait")
+        self.outcome(key, "after_wait")
 
-    def rejected(self, key: FlowKey, reason: str) -> None:
-        self._outcome(key, reason)
-
-    def left(self, key: FlowKey) -> None:
-        self._outcome(key, "left")
-
-    def _outcome(self, key: FlowKey, outcome: str) -> None:
+    def outcome(self, key: FlowKey, outcome: str) -> None:
+        """What flow control did with a request (at_once, after_wait, left), or why it refused it (its code)."""
         tally = self._requests.get(key)
         if tally is None:
             tally = self._requests[key] = Tally()

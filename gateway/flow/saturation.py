@@ -37,9 +37,10 @@ Owner: nothing of its own: it reads the ledger, the engine stats the scraper wri
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.backends.registry import Pod
 from gateway.config import SaturationConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import Estimate, PendingLoad
@@ -94,6 +95,13 @@ class SaturationDetector:
             return "load"
         return None
 
+    def room_among(self, pods: Sequence[Pod], demand: Demand = NO_DEMAND) -> frozenset[str] | None:
+        """Of a request's candidate ``pods``, those with room for it, else None."""
+        if not pods:
+            return frozenset()  # nothing to wait for: routing says there is no pod
+        room = frozenset(p.name for p in pods if self.saturated_by(p.name, demand) is None)
+        return room or None
+
     def prefill_queued(self, pod: str) -> int:
         """Prompt tokens sent to ``pod`` that it has not begun answering: what a prompt must fit beside."""
         return self._ledger.prefill_backlog(pod)
@@ -120,6 +128,11 @@ class SaturationDetector:
             if not (demand.held and self.config.join_beside_prefill) or limit <= 0:
                 return None
         return self._ledger.prefill_below_in(pod, limit, self._clock())
+
+    def prefill_room_among(self, pods: Sequence[Pod], demand: Demand) -> float | None:
+        """Of ``pods`` without room for the request, the soonest one whose prefill drains enough to take it."""
+        return min((wait for p in pods if self.saturated_by(p.name, demand) == "prefill"
+                    and (wait := self.prefill_room_in(p.name, demand)) is not None), default=None)
 
     def _counting_down(self) -> bool:
         return self._active_flows(self._clock()) <= 1

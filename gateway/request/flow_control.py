@@ -77,12 +77,12 @@ class FlowControl:
         headers = request.headers
         slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
                                 flow.ttft_s)
-        key = controller.key_of(flow.key)
+        key = controller.queues.key_of(flow.key)
         pods = self._pods.candidates(routing.model, leg=routing.leg)
         try:
             self._slo.check(pods, routing.estimates, slo)
         except GatewayError:
-            self._metrics.rejected(key, "slo_unreachable")
+            self._metrics.outcome(key, "slo_unreachable")
             raise
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
@@ -95,14 +95,14 @@ class FlowControl:
                 # Every pod of this target is saturated: its model rule's fallback takes the request after
                 # that long (a target with room waits its turn behind others as any request does).
                 if routing.max_wait_s <= 0:
-                    self._metrics.rejected(key, "target_saturated")
+                    self._metrics.outcome(key, "target_saturated")
                     raise GatewayError(ErrorKind.RATE_LIMITED, f"Every pod of `{routing.model}` is saturated.",
                                        code="target_saturated", retry_after_s=1)
                 wait_s = min(wait_s, routing.max_wait_s)
             return self._held(request, routing, demand, flow, key, slo, wait_s)
         # Going on at once, it is routed among every pod: the policy weighs a busy pod's cached prefix
         # against its queue itself (kept to the pods with room, shared-prefix bursts lost 0.024 hit ratio).
-        self._metrics.at_once(key)
+        self._metrics.outcome(key, "at_once")
         self._requests[request] = _InFlight(key, flow.weight, None)
         return Admitted(slo, 0.0, key, flow.objective, self._engine_priority(key))
 
@@ -129,7 +129,7 @@ class FlowControl:
         charge = self._charge(prompt - cached, cached, routing.predicted_output_tokens, state.weight)
         self._charges[attempt] = charge
         self._controller.counters.charge(state.key, charge.amount)
-        self._controller.dispatched()
+        self._controller.queues.dispatched()
         if state.released is not None:
             held, state.released = state.released, None
             self._controller.landed(held)
