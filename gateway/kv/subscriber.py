@@ -211,18 +211,6 @@ class KvEventSubscriber:
     def replay_endpoint(self) -> str | None:
         return self._replay.endpoint
 
-    @replay_endpoint.setter
-    def replay_endpoint(self, endpoint: str | None) -> None:
-        self._replay.endpoint = endpoint
-
-    @property
-    def replay_timeout_s(self) -> float:
-        return self._replay.timeout_s
-
-    @replay_timeout_s.setter
-    def replay_timeout_s(self, timeout_s: float) -> None:
-        self._replay.timeout_s = timeout_s
-
     def start(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -29,14 +29,17 @@ def chain_hashes(n: int) -> set[int]:
 
 
 class Rig:
-    def __init__(self, encoding: Encoding = Encoding.CURRENT, replay: bool = True) -> None:
+    def __init__(self, encoding: Encoding = Encoding.CURRENT, replay: bool = True,
+                 replay_endpoint: str | None = None, replay_timeout_s: float = 1.0) -> None:
+        """``replay_endpoint``: where the subscriber asks for replays, instead of the publisher's own."""
         self.pub = KvEventPublisher(f"tcp://127.0.0.1:{free_port()}",
                                     f"tcp://127.0.0.1:{free_port()}" if replay else None,
                                     topic="kv", encoding=encoding)
         self.index = PrefixIndex()
         self.view = self.index.view("p", 0, "m", BS)
-        self.sub = KvEventSubscriber(self.index, self.view, self.pub.endpoint, self.pub.replay_endpoint,
-                                     topic="kv", replay_timeout_s=1.0)
+        self.sub = KvEventSubscriber(self.index, self.view, self.pub.endpoint,
+                                     replay_endpoint or self.pub.replay_endpoint, topic="kv",
+                                     replay_timeout_s=replay_timeout_s)
         self.n = 0
 
     def store_next(self) -> None:
@@ -234,9 +237,7 @@ async def test_replay_endpoint_that_never_answers(rig_factory):
 
     silent = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     silent.bind(f"tcp://127.0.0.1:{free_port()}")
-    rig = rig_factory()
-    rig.sub.replay_endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
-    rig.sub.replay_timeout_s = 0.2
+    rig = rig_factory(replay_endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT), replay_timeout_s=0.2)
     try:
         await connected(rig)
         rig.store_next()
@@ -329,8 +330,7 @@ async def test_a_replay_that_lost_batches_on_the_way_is_asked_again_from_the_hol
                 await router.send_multipart([identity, *replay_message(b"kv", seq, payloads[seq], Encoding.CURRENT)])
             await router.send_multipart([identity, *replay_end(Encoding.CURRENT)])
 
-    rig = rig_factory()
-    rig.sub.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    rig = rig_factory(replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT))
     server = asyncio.create_task(serve())
     try:
         await connected(rig)
