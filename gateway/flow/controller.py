@@ -262,17 +262,20 @@ class FlowController:
     def room_now(self, pods: list[Pod], demand: Demand) -> frozenset[str] | None:
         """Of a request's candidate ``pods``, those with room for it when nothing waits ahead of it (it goes
         on at once), else None."""
-        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
-            return None
-        return self.detector.room_among(pods, demand)
+        return None if self._others_first() else self.detector.room_among(pods, demand)
 
     def goes_now(self, pods: list[Pod], demand: Demand) -> bool:
         """Whether a request goes on at once: nothing waits ahead of it and one of its candidate ``pods`` has
         room (they are looked at until one has: in a large fleet, the first one or two)."""
-        if self.queues.count or self._transit is not None or self._order.others_hold(self._clock()):
+        if self._others_first():
             return False
         detector = self.detector
         return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
+
+    def _others_first(self) -> bool:
+        """Whether requests go before a new one: held here, released and not yet dispatched, or held by another
+        worker."""
+        return bool(self.queues.count) or self._transit is not None or self._order.others_hold(self._clock())
 
     async def hold(self, flow: Flow, model: str, leg: str | None, demand: Demand, wait_allowed_s: float) -> Release:
         """Wait until released (the pods with room then), or raise: 429 when it waited too long or too many
