@@ -54,7 +54,8 @@ class _Run:
         self.chain, self.lo, self.hi, self.parent = chain, lo, hi, parent
         self.holders, self.cached = holders, cached
         self.children: dict[int, _Run] = {}  # the runs that go on from depth ``hi``, by their first block
-        self.prev = self.next = None  # in the queue: the run ahead, and the run behind (the order's to write)
+        self.prev: _Run | None = None  # in the queue: the run ahead, and the run behind (the order's to write)
+        self.next: _Run | None = None
 
     @property
     def free(self) -> bool:
