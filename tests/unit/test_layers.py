@@ -136,3 +136,13 @@ def test_the_checks_see_what_they_should():
     routing = {target for target, _, _ in _imports(modules["gateway.routing.policy"], modules)}
     assert "gateway.kv.working_set" in routing  # under TYPE_CHECKING
     assert all(_layer(m) >= 0 for m in modules)
+
+
+# A module past this many lines holds more than one idea; the runtime (``gateway/``) keeps each file under it.
+MAX_MODULE_LINES = 450
+
+
+def test_no_runtime_module_is_past_the_line_limit():
+    too_long = {str(path.relative_to(ROOT)): n for name, path in _modules().items()
+                if name.split(".")[0] == "gateway" and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not too_long, f"split these modules (over {MAX_MODULE_LINES} lines): {too_long}"
