@@ -33,7 +33,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How often the event loop's lag is sampled (``gateway_event_loop_lag_seconds``); 0: never.
     loop_lag_interval_s: Annotated[float, Meta(ge=0)] = 0.05
     # How often the config file is re-read for changes (a mounted ConfigMap changes in place); 0: only on
-    # SIGHUP. What applies without a restart: ``flow_control`` (all but ``enabled``), ``models`` and ``limits``.
+    # SIGHUP. What applies without a restart: ``flow_control`` (all but ``enabled``), ``models``, ``limits`` and
+    # ``routing`` (all but ``max_retries`` and ``allow_strategy_header``).
     config_watch_interval_s: Annotated[float, Meta(ge=0)] = 5.0
 
 

@@ -99,11 +99,3 @@ class PendingLoad:
                                      > self.embedding_share):
             return False
         return self.load(pod) + estimate.consumption <= 1.0
-
-    def drain_seconds(self, pod: str, excess: float, typical_e2e_s: float) -> float:
-        """Roughly when ``excess`` of the pod's load will have finished: in-flight requests end, on
-        average, half a request's latency from now, releasing load in proportion."""
-        load = self.ledger.consumption(pod)
-        if load <= 0:
-            return typical_e2e_s
-        return max(0.0, min(excess / load, 1.0)) * typical_e2e_s + typical_e2e_s / 2
