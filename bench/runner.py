@@ -34,14 +34,7 @@ import msgspec
 import orjson
 from tqdm import tqdm
 
-from bench.oracle import ChatEncoder, Oracle, trace_oracle
-from bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
-from bench.tenants import tenant_stats
-from bench.workloads import History, Session, Trace
-from gateway.backends.scraper import parse_engine_metrics
-from gateway.config import PodConfig
-from gateway.epp.envoy_config import bootstrap_yaml
-from gateway.metrics import (
+from bench.metrics_text import (
     Buckets,
     KeepWarmSpent,
     bucket_quantile,
@@ -50,6 +43,13 @@ from gateway.metrics import (
     keep_warm_spent,
     prediction_checks,
 )
+from bench.oracle import ChatEncoder, Oracle, trace_oracle
+from bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
+from bench.tenants import tenant_stats
+from bench.workloads import History, Session, Trace
+from gateway.backends.scraper import parse_engine_metrics
+from gateway.config import PodConfig
+from gateway.epp.envoy_config import bootstrap_yaml
 from gateway.request.timings import STEP_NAMES
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from simulator.config import MockPodsConfig

@@ -17,8 +17,8 @@ import aiohttp
 import openai
 import pytest
 
+from bench.metrics_text import prediction_checks
 from gateway.core.requests import parse_inference_request
-from gateway.metrics import prediction_checks
 from gateway.tokenization.hf import HfTokenizer
 from tests.conftest import eventually, gateway_process
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet

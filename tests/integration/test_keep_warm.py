@@ -9,7 +9,7 @@ import asyncio
 import msgspec
 import pytest
 
-from gateway.metrics import keep_warm_spent
+from bench.metrics_text import keep_warm_spent
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_workflows import MODEL, stage
 

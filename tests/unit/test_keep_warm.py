@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from bench.metrics_text import keep_warm_spent, prediction_checks
 from gateway.backends.registry import PodRegistry
 from gateway.config import AuthConfig, HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
 from gateway.http_client import HttpClient
@@ -24,7 +25,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.profiles import ProfileStore
-from gateway.metrics import GatewayMetrics, keep_warm_spent, prediction_checks
+from gateway.metrics import GatewayMetrics
 from gateway.workflow.keep_warm import Candidate, KeepWarm, PodWarmth, choose_refresh
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
+from bench.metrics_text import bucket_quantile, buckets_since, histogram_buckets
 from bench.runner import gateway_split
 from gateway.api.http_edge import HttpEdge
 from gateway.core.errors import GatewayError, upstream_failed
 from gateway.core.requests import RequestKind
-from gateway.metrics import GatewayMetrics, bucket_quantile, buckets_since, histogram_buckets
+from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.observers import StepMetrics
 from gateway.request.timings import STEP_NAMES, RecentSteps, Step, StepTimes, quantile, timed_as
