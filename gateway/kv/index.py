@@ -8,7 +8,7 @@ to the other workers and replicas through the sink it is built with, theirs come
 
 The blocks themselves live in a :class:`~gateway.kv._blockindex.BlockIndex` (``gateway/kv/native/``): in
 this process's memory, or, with several workers, in files every process of the host maps, written by the
-host's indexer (:mod:`gateway.kv.host`) and read here without copying (a *reader* index: it applies no
+host's indexer (:mod:`gateway.indexer`) and read here without copying (a *reader* index: it applies no
 events and learns the views from the files). Per (block, view) it keeps the copies per tier (vLLM stores
 duplicates; each copy is stored and removed) and, per block, which views hold it (for the candidates of a
 lookup that does not look at every pod).

@@ -1,8 +1,10 @@
 """Output-length prediction from recent history.
 
 Per model and input bucket ``round(log2(input_tokens))``, a histogram of output lengths (log2 buckets)
-over a sliding window of time slots. Owner: the proxy feeds it finished requests' usage; admission and
-routing read predictions.
+over a sliding window of time slots. Owner: the output-learning step
+(:class:`~gateway.request.observers.OutputLearning`) feeds it the usage of answers that arrived whole; the
+load-estimation step (:class:`~gateway.request.steps.LoadEstimation`) reads predictions for admission and
+routing.
 """
 
 from __future__ import annotations
