@@ -1,6 +1,7 @@
-"""The README's commands and config blocks, checked as written.
+"""The README's commands and config blocks, checked as written; and those of the pages in docs/.
 
-Every fenced block of README.md is read by its language:
+Every fenced block of README.md is read by its language (and so is every block of docs/*.md that names
+one; a block without a language there is a diagram):
 
 - ``yaml``: a fragment of the gateway's config, merged into the defaults and validated by
   :func:`gateway.config.load_config` with each named plugin's options (as ``gateway config check`` does); or,
@@ -39,7 +40,7 @@ from gateway.api.routes import add_routes
 from gateway.app import effective_plugin_options
 from gateway.cli import build_parser, policy_names, serve_overrides
 from gateway.components import GATEWAY_KEY
-from gateway.config import ConfigError, ServerConfig, env_overrides, load_config
+from gateway.config import ConfigError, ServerConfig, env_overrides, hash_api_key, load_config
 from gateway.plugin_registry import PluginOptionsError, UnknownPlugin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +64,13 @@ class Block:
     text: str
     line: int  # of the opening fence, 1-based
     mark: str | None  # the ``readme-test`` directive on the line before the fence
+    page: str = "README.md"
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
+        return f"{self.page}:{self.line} ({self.lang})"
 
 
-def fenced_blocks(text: str) -> list[Block]:
+def fenced_blocks(text: str, page: str = "README.md") -> list[Block]:
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -78,9 +80,10 @@ def fenced_blocks(text: str) -> list[Block]:
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
-            raise ReadmeError(f"README.md:{i + 1}: a fence that is never closed")
+            raise ReadmeError(f"{page}:{i + 1}: a fence that is never closed")
         mark = re.fullmatch(r"<!-- readme-test: (.+?) -->", lines[i - 1].strip()) if i else None
-        blocks.append(Block(opening[1].lower(), "\n".join(lines[i + 1:end]), i + 1, mark[1] if mark else None))
+        blocks.append(Block(opening[1].lower(), "\n".join(lines[i + 1:end]), i + 1, mark[1] if mark else None,
+                            page))
         i = end + 1
     return blocks
 
@@ -262,6 +265,11 @@ def check_pip_install(words: list[str], where: str) -> None:
             raise ReadmeError(f"{where}: pyproject.toml defines no extra {sorted(unknown)}; it has {sorted(extras())}")
 
 
+def hashed_keys(value: str) -> str:
+    """``value`` with each ``$(gateway hash-key KEY)`` replaced by what the command prints."""
+    return re.sub(r"\$\(gateway hash-key (\S+?)\)", lambda m: hash_api_key(m[1]), value)
+
+
 def check_command(words: list[str], where: str) -> None:
     environ = {}
     while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
@@ -271,6 +279,7 @@ def check_command(words: list[str], where: str) -> None:
     if words[:1] == ["export"]:
         environ.update(w.partition("=")[::2] for w in words[1:] if "=" in w)
         words = []
+    environ = {name: hashed_keys(value) for name, value in environ.items()}
     if any(k.startswith("GATEWAY_") for k in environ):
         check_config_fragment(env_overrides(environ), f"{where} (GATEWAY_* variables)")
     if not words:
@@ -397,9 +406,27 @@ def readme_blocks() -> list[Block]:
     return fenced_blocks(README.read_text())
 
 
+def docs_blocks() -> list[Block]:
+    """The blocks of docs/*.md that name a language (the others are diagrams)."""
+    return [b for page in sorted((ROOT / "docs").glob("*.md"))
+            for b in fenced_blocks(page.read_text(), f"docs/{page.name}") if b.lang]
+
+
 @pytest.mark.parametrize("block", readme_blocks(), ids=str)
 def test_block_holds(block):
     check_block(block)
+
+
+@pytest.mark.parametrize("block", docs_blocks(), ids=str)
+def test_docs_block_holds(block):
+    """The pages in docs/ are held to the README's rules: their configs load, their commands parse."""
+    check_block(block)
+
+
+def test_docs_blocks_are_checked():
+    """The docs' config and command blocks are found, so that the test above checks something."""
+    kinds = {b.lang for b in docs_blocks() if not (b.mark or "").startswith("skip")}
+    assert {"yaml", "python"} <= kinds and kinds & SHELL
 
 
 def test_every_kind_of_block_is_there():
@@ -461,6 +488,7 @@ def test_a_wrong_block_fails(lang, mark, text):
     ("sh", None, "GATEWAY_SERVER__PORT=9000 gateway serve --mock-pods 2 --policy kv_aware  # a comment"),
     ("console", None, "$ curl -s localhost:8080/v1/models\n{\"object\": \"list\"}"),
     ("sh", None, "pip install 'kv-gateway[otel,nvidia]'"),
+    ("sh", None, 'export GATEWAY_AUTH__API_KEY_HASHES="[\\"$(gateway hash-key sk-1)\\"]"\ngateway serve --mock-pods 2'),
     ("yaml", "skip (a fragment of something else)", "not: [valid"),
 ])
 def test_a_right_block_passes(lang, mark, text):
