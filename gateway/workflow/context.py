@@ -46,8 +46,8 @@ SESSION_SIGNALS: tuple[Signal, ...] = (
     Signal("header", "x-qwen-code-session-id", "Qwen Code"),
     Signal("header", "session_id", "Codex (Responses API)"),
     Signal("header", "conversation_id", "Codex (Responses API)"),
-    Signal("header", "session-id", "generic"),
-    Signal("header", "thread-id", "generic"),
+    Signal("header", "session-id", "Codex 0.169 (its Responses requests), other tools"),
+    Signal("header", "thread-id", "Codex 0.169 (its Responses requests), other tools"),
     Signal("conversation", "conversation", "OpenAI Responses API (its conversation, or the one a "
            "previous_response_id continues)"),
     Signal("prompt_cache_key", "prompt_cache_key", "OpenAI API, Codex"),
