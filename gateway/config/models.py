@@ -63,7 +63,8 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     # A registration still unanswered after this long is given up (the request tries another pod).
     load_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
-    # An adapter the gateway registered, not served on a pod for this long, is unregistered there; 0: never.
+    # An adapter the gateway registered, idle on a pod this long after its last request ended, is unregistered
+    # there; 0: never.
     idle_unload_s: Annotated[float, Meta(ge=0)] = 600.0
     # What placing a request where its adapter is not in the engine's batch slots costs, in prompt tokens
     # (the weights copied into a slot, and the requests of other adapters that wait meanwhile) ...

@@ -16,8 +16,9 @@ adapter's requests where it is resident:
   ``kv_aware`` adds it to its placement cost, beside the prefix (in the adapter's own namespace) and load;
 - :class:`AdapterLoader` registers an adapter on the pod a request was routed to when that pod does not list
   it (once per pod and adapter at a time, bounded by ``lora.load_timeout_s``; a failure sends the request to
-  another pod), and unregisters what a pod has not served for ``lora.idle_unload_s``. Registrations are
-  counted (``gateway_lora_registrations_total``) and shown at ``/debug/adapters``.
+  another pod), and unregisters what a pod has not served for ``lora.idle_unload_s`` since its last request
+  ended, unless the engine runs it (another process's or client's request). Registrations are counted
+  (``gateway_lora_registrations_total``) and shown at ``/debug/adapters``.
 
 Owners: :class:`AdapterUse` of the recency and in-flight counts (written by the dispatch and finish steps,
 and by other processes' facts); :class:`AdapterLoader` of the registrations in flight and their counts.
@@ -72,18 +73,26 @@ class AdapterUse:
         return state
 
     def routed(self, pod: str, adapter: str) -> None:
-        state, now = self._on(pod), self._clock()
-        self._served(state, adapter, now)
+        state = self._on(pod)
+        self._used(state, pod, adapter)
         state.in_flight[adapter] += 1
-        if now - state.told.get(adapter, -self._tell_every_s) >= self._tell_every_s:
-            state.told[adapter] = now
-            self._publish(AdapterServed(pod, adapter))
 
     def ended(self, pod: str, adapter: str) -> None:
+        """A request of ``adapter`` ended on ``pod``: the adapter was in use until now, so its idle time (and
+        its place among the pod's recent adapters) counts from here, not from when the request began."""
         state = self._on(pod)
+        self._used(state, pod, adapter)
         state.in_flight[adapter] -= 1
         if state.in_flight[adapter] <= 0:
             del state.in_flight[adapter]
+
+    def _used(self, state: _OnPod, pod: str, adapter: str) -> None:
+        """``adapter`` is in use on ``pod`` now; the other processes are told at most every ``tell_every_s``."""
+        now = self._clock()
+        self._served(state, adapter, now)
+        if now - state.told.get(adapter, -self._tell_every_s) >= self._tell_every_s:
+            state.told[adapter] = now
+            self._publish(AdapterServed(pod, adapter))
 
     def apply_remote(self, origin: str, fact: AdapterServed) -> None:
         self._served(self._on(fact.pod), fact.adapter, self._clock())
@@ -157,7 +166,7 @@ class AdapterPlacement:
         there lately (that one switches back when its requests return), and a read where it is not registered."""
         slots = self._slots(pod.name)
         recent = self._use.recent(pod.name, slots)
-        if adapter in recent or adapter in self._running(pod.name):
+        if adapter in recent or adapter in self.running(pod.name):
             return 0.0
         config = self.config
         cost = config.switch_cost_tokens * (2 if len(recent) >= slots else 1)
@@ -166,13 +175,14 @@ class AdapterPlacement:
     def active(self, pod: str, adapter: str) -> bool:
         """Whether ``adapter`` is in one of the pod's batch slots: the engine runs it, or it is among the
         ``max_loras`` adapters served there most recently."""
-        return adapter in self._running(pod) or adapter in self._use.recent(pod, self._slots(pod))
+        return adapter in self.running(pod) or adapter in self._use.recent(pod, self._slots(pod))
 
     def _slots(self, pod: str) -> int:
         stats = self._engine.get(pod)
         return stats.max_loras if stats is not None and stats.max_loras else 1
 
-    def _running(self, pod: str) -> tuple[str, ...]:
+    def running(self, pod: str) -> tuple[str, ...]:
+        """The adapters the pod's engine runs requests of, as its last scrape says (whoever sent them)."""
         stats = self._engine.get(pod)
         return stats.lora_running if stats is not None else ()
 
@@ -288,7 +298,7 @@ class AdapterLoader:
                     self._use.seen(pod.name, adapter, now)
                     continue
                 if now - last < idle or self._use.running_here(pod.name, adapter) \
-                        or (pod.name, adapter) in self._registering:
+                        or adapter in self._placement.running(pod.name) or (pod.name, adapter) in self._registering:
                     continue
                 unloaded += await self._unload(pod, adapter)
         return unloaded

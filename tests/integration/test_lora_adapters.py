@@ -112,3 +112,30 @@ async def test_an_adapter_a_pod_stopped_serving_is_unregistered_there(start_mock
     assert status == 200 and "sql" in pods[0].adapters
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
     assert 'gateway_lora_unregistrations_total{adapter="sql",outcome="unloaded",pod=' in metrics
+
+
+async def test_an_adapter_idles_from_the_end_of_its_last_request_not_its_start(start_mock_pod, start_gateway, http):
+    pods, gw = await lora_fleet(start_mock_pod, start_gateway, n=1,
+                                models={"adapters": ADAPTERS, "lora": {"idle_unload_s": 0.6}})
+    pods[0].faults.stall_s = 1.0  # the request runs longer than the adapter may idle
+    assert (await post(http, gw, "sql", "a long one"))[0] == 200
+    await asyncio.sleep(0.3)  # idle 0.3 s since the request ended, 1.3 s since it began
+    assert "sql" in pods[0].adapters
+    await eventually(lambda: not pods[0].adapters, within_s=3)  # then idle long enough: unregistered
+
+
+async def test_an_adapter_the_engine_runs_stays_whoever_sent_its_request(start_mock_pod, start_gateway, http):
+    pods, gw = await lora_fleet(start_mock_pod, start_gateway, n=1, load={"scrape_interval_s": 0.1},
+                                models={"adapters": ADAPTERS, "lora": {"idle_unload_s": 0.5}})
+    assert (await post(http, gw, "sql", "first"))[0] == 200  # registered by the gateway
+    pods[0].engine.timing = pods[0].engine.timing.__class__(speed=1.0)
+    # A request this gateway did not send (another replica's, a client's straight to the pod) runs the adapter
+    # for longer than it may idle: the engine's metrics say it runs.
+    long = body("sql", "long", max_tokens=400, stream=True)
+    async with http.post(f"{pods[0].url}/v1/chat/completions", json=long) as resp:
+        assert resp.status == 200
+        await asyncio.sleep(1.2)
+        assert "sql" in pods[0].adapters
+        await resp.read()
+    await eventually(lambda: not pods[0].adapters, within_s=3)  # idle once it ends: unregistered
+
