@@ -326,6 +326,8 @@ class FlowController:
         self._look_at = None
         for band in self.queues.heads():
             for held in band:
+                if held.future.done():
+                    continue  # cancelled in this turn (the client left): its hold takes it out
                 pods = self._pods.candidates(held.model, leg=held.leg)  # type: ignore[arg-type]
                 demand = held.demand
                 room = self._room_for(held, pods, now)

@@ -240,3 +240,33 @@ def test_a_request_goes_at_once_when_one_candidate_has_room_looking_no_further_t
     for i in range(3, 50):
         ledger.dispatch(f"r{i}", f"p{i}", 1.0, "chat")
     assert not flows.goes_now(pods, Demand()) and flows.room_now(pods, Demand()) is None
+
+
+async def test_a_held_client_that_leaves_in_the_turn_its_room_frees_is_passed_over_for_the_next():
+    # The client's task is cancelled (its future at once, its handler a turn later) in the same turn as
+    # another request is dispatched and room frees: the release must skip the one gone, not fail on it.
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(in_flight=2), max_wait_s=30)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()))
+    busy = [ledger.dispatch(f"busy{i}", "p0", 1.0, "chat") for i in range(2)]
+    first = asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 30.0))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(flows.hold(Flow(FlowKey("b")), MODEL, None, Demand(), 30.0))
+    await asyncio.sleep(0)
+    after = asyncio.create_task(flows.hold(Flow(FlowKey("c")), MODEL, None, Demand(), 30.0))
+    await asyncio.sleep(0.01)
+    flows.start()
+    try:
+        ledger.finish(busy[0])
+        release = await asyncio.wait_for(first, 1)  # released at the loop's next tick
+        ledger.finish(busy[1])
+        gone.cancel()
+        ledger.dispatch("first", "p0", 1.0, "chat")
+        flows.landed(release.held)  # the next may go: the one gone is passed over, the one after it goes
+        assert (await asyncio.wait_for(after, 1)).room == frozenset({"p0"})
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert flows.queued == 0
+    finally:
+        await flows.stop()
