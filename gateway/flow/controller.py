@@ -30,6 +30,7 @@ release: a worker releases only when its next request ranks first of all (:mod:`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -58,6 +59,8 @@ TICK_S = 0.05
 TRANSIT_LIMIT_S = 1.0
 # Dispatches remembered for the rate that Retry-After is estimated from.
 RATE_WINDOW_S = 30.0
+# How often the flows' service counters and the flows counted are swept for idle ones.
+SWEEP_S = 60.0
 
 
 @dataclass(eq=False, slots=True)
@@ -403,14 +406,18 @@ class FlowController:
 
     async def _run(self) -> None:
         assert self._has_queued is not None
-        for tick in itertools.count(1):
-            if not self.queues.count:
+        swept_at = self._clock()
+        while True:
+            if self.queues.count:
+                look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
+                await self._doorbell.wait(look_in)
+                self._pump()
+            else:  # nothing held: wake only to sweep (the flows served meanwhile go idle too)
                 self._has_queued.clear()
-                await self._has_queued.wait()
-            look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
-            await self._doorbell.wait(look_in)
-            self._pump()
-            if not tick % 1200:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._has_queued.wait(), SWEEP_S)
+            if (now := self._clock()) - swept_at >= SWEEP_S:
+                swept_at = now
                 self.queues.forget_idle()
 
     def debug(self) -> dict[str, Any]:

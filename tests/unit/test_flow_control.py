@@ -12,6 +12,7 @@ from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
 from gateway.config import FlowControlConfig, HealthConfig, ObjectiveConfig, PodConfig, SaturationConfig, TenantConfig
 from gateway.core.errors import ErrorKind, GatewayError
+from gateway.flow import controller as controller_module
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import ENGINE_BAND_SPAN, Flow, FlowKey, FlowPolicy, engine_priority
 from gateway.flow.metrics import FlowMetrics
@@ -267,6 +268,32 @@ async def test_a_held_client_that_leaves_in_the_turn_its_room_frees_is_passed_ov
         assert (await asyncio.wait_for(after, 1)).room == frozenset({"p0"})
         with pytest.raises(asyncio.CancelledError):
             await gone
+        assert flows.queued == 0
+    finally:
+        await flows.stop()
+
+
+async def test_flows_idle_long_are_forgotten_though_the_fleet_never_held_a_request(monkeypatch):
+    # The sweep ran only while requests were held: a fleet never saturated kept every flow it had served,
+    # so past max_flows a new tenant shared the overflow flow, and an old counter never went.
+    monkeypatch.setattr(controller_module, "SWEEP_S", 0.01)
+    now = [1_000.0]
+    ledger, counters = InFlightLedger(), ServiceCounters(idle_s=600.0, clock=lambda: now[0])
+    config = FlowControlConfig(max_flows=2)
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()),
+                           clock=lambda: now[0])
+    for name in "ab":  # two tenants served at once, an hour ago
+        counters.charge(flows.queues.key_of(FlowKey(name)), 100.0)
+    assert flows.queues.key_of(FlowKey("c")) == FlowKey("overflow")
+    flows.start()
+    try:
+        for _ in range(200):
+            now[0] += 20.0
+            await asyncio.sleep(0.01)
+            if flows.queues.key_of(FlowKey("c")) == FlowKey("c"):
+                break
+        assert flows.queues.key_of(FlowKey("c")) == FlowKey("c") and counters.get(FlowKey("a")) == 0.0
         assert flows.queued == 0
     finally:
         await flows.stop()
