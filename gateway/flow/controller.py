@@ -219,7 +219,7 @@ class FlowQueues:
             held = [h for h in waiting[key].heap if h.queued] if key in waiting else []
             flows.append({"fairness_id": key.fairness_id, "priority": key.priority,
                           "service": round(served.get(key, 0.0), 1), "queued": len(held),
-                          "oldest_wait_s": round(now - min(held).arrived, 3) if held else None})  # min: its head
+                          "oldest_wait_s": round(now - min(h.arrived for h in held), 3) if held else None})
         return flows
 
 

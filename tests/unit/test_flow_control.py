@@ -297,3 +297,26 @@ async def test_flows_idle_long_are_forgotten_though_the_fleet_never_held_a_reque
         assert flows.queued == 0
     finally:
         await flows.stop()
+
+
+async def test_the_debug_page_gives_a_flows_oldest_wait_not_its_heads():
+    # The head is the earliest deadline: a request with a tight SLO that came later goes first, but the
+    # flow's oldest wait is the request that came first.
+    now = [100.0]
+    ledger, counters = InFlightLedger(), ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(in_flight=1))
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), FlowMetrics(CollectorRegistry()),
+                           clock=lambda: now[0])
+    ledger.dispatch("busy", "p0", 1.0, "chat")
+    waiting = [asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 30.0))]
+    await asyncio.sleep(0)
+    now[0] += 5.0
+    waiting.append(asyncio.create_task(flows.hold(Flow(FlowKey("a")), MODEL, None, Demand(), 1.0)))
+    await asyncio.sleep(0)
+    now[0] += 0.5
+    [flow] = flows.debug()["flows"]
+    assert flow["queued"] == 2 and flow["oldest_wait_s"] == 5.5
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
