@@ -2,9 +2,10 @@
 
 - admit: the request's flow (:mod:`gateway.flow.flows`) and SLO (:mod:`gateway.admission`); a request no pod
   can serve within its SLO is refused; one that finds room and nobody waiting goes on at once, else it
-  waits in the flow controller (:mod:`gateway.flow.controller`). Returns :class:`Admitted`: the flow, the
-  SLO, how long it waited, and the priority a pod that schedules by priority is to give it (its band, then
-  its flow's service as it leaves: :func:`gateway.flow.flows.engine_priority`). A request
+  waits in the flow controller (:mod:`gateway.flow.controller`), no longer than its TTFT target allows
+  from its arrival (what it waited for a target it fell back from counts). Returns :class:`Admitted`: the
+  flow, the SLO, how long it waited, and the priority a pod that schedules by priority is to give it (its
+  band, then its flow's service as it leaves: :func:`gateway.flow.flows.engine_priority`). A request
   released after waiting has the pods that had room then written to ``routing.room``: the router keeps to
   them; one that goes on at once is routed among all (the policy weighs load against cached prefixes);
 - dispatch: the attempt's expected service is charged to its flow (prompt tokens, those predicted cached at
@@ -18,6 +19,7 @@ Owner: for each request in flight, its flow and what each of its attempts was ch
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -89,6 +91,8 @@ class FlowControl:
         demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
         if not controller.goes_now(pods, demand):
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
+            if allowed is not None:  # its TTFT runs from its arrival: the waits at targets it fell back from count
+                allowed = max(0.0, allowed - (time.monotonic() - request.started))
             wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
             detector = controller.detector
             if routing.max_wait_s is not None and all(detector.saturated_by(p.name, demand) for p in pods):

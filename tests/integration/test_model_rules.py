@@ -32,8 +32,8 @@ async def fleet(start_mock_pod, start_gateway):
 
     async def gateway(**overrides: Any):
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 1})
-        return await start_gateway([p.url for group in pods.values() for p in group],
-                                   models={"rules": RULES}, **overrides)
+        overrides.setdefault("models", {"rules": RULES})
+        return await start_gateway([p.url for group in pods.values() for p in group], **overrides)
 
     return pods, gateway
 
@@ -162,3 +162,27 @@ async def test_targets_failing_before_the_first_byte_fall_back_in_order(fleet, h
         pod.faults.error_fraction = 1.0
     status, _, body = await post(http, gw.url, chat_body(model="small"))
     assert status == 502 and json.loads(body)["error"]["code"] == "bad_gateway"
+
+
+async def test_a_ttft_slo_counts_the_wait_at_every_target_it_fell_back_from(fleet, http):
+    # Every pod is busy: the request waits fallback_wait_s at stable, then at canary, then small. Its TTFT
+    # target (1 s) bounds its whole wait at the gateway, not each target's.
+    pods, gateway = fleet
+    rules = {"guarded": {"target": "stable", "fallbacks": ["canary", "small"], "fallback_wait_s": 1.0}}
+    gw = await gateway(models={"rules": rules}, flow_control={"saturation": {"in_flight": 1}})
+    for group in pods.values():
+        for pod in group:
+            pod.faults.stall_s = 4.0
+    busy = [asyncio.create_task(post(http, gw.url, chat_body(model=model, content=f"long {i}")))
+            for model, count in (("stable", 2), ("canary", 1), ("small", 1)) for i in range(count)]
+    try:
+        await asyncio.sleep(0.3)  # every pod holds one request: saturated
+        started = asyncio.get_running_loop().time()
+        status, _, body = await post(http, gw.url, chat_body(model="guarded"), **{"x-slo-ttft-ms": "1000"})
+        waited = asyncio.get_running_loop().time() - started
+        assert status == 429 and json.loads(body)["error"]["code"] == "queue_timeout"
+        assert waited < 2.0, waited  # not 1 s at each of three targets
+    finally:
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
