@@ -205,10 +205,13 @@ class FlowQueues:
         return max(1, min(3600, math.ceil((self.count + 1) / rate))) if rate > 0 else 1
 
     def forget_idle(self) -> None:
-        """Forgets the service of flows idle long enough, and the flows counted here that neither wait nor have any."""
+        """Forgets the service of flows idle long enough, and the flows counted here that neither wait nor have
+        any, with their metrics' series (so ``max_flows`` bounds those too)."""
         waiting = {k for band in self._bands.values() for k in band}
         self._counters.forget_idle(lambda k: k in waiting)
-        self._flows_seen = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
+        kept = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
+        self._metrics.forget(self._flows_seen - kept)
+        self._flows_seen = kept
 
     def describe(self, now: float) -> list[dict[str, Any]]:
         """Each flow served lately or waiting: its service, its requests waiting, the oldest one's wait."""

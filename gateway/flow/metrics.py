@@ -7,7 +7,7 @@ rest share their band's ``overflow`` flow). Owner: the flow controller and the f
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -64,6 +64,16 @@ class FlowMetrics(Collector):
         tokens.input += prefilled
         tokens.cached_input += cached
         tokens.output += output
+
+    def forget(self, keys: Iterable[FlowKey]) -> None:
+        """Drops the series of flows forgotten (none of their requests waits): a returning flow starts anew, as a
+        counter after a restart does."""
+        for key in keys:
+            self._requests.pop(key, None)
+            self._tokens.pop(key, None)
+            for metric in (self._queued, self._wait):
+                if self._children.pop((id(metric), key), None) is not None:
+                    metric.remove(key.fairness_id, str(key.priority))
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         requests = CounterMetricFamily(

@@ -20,7 +20,7 @@ Owner: for each request in flight, its flow and what each of its attempts was ch
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.admission import Slo, SloPolicy
@@ -56,8 +56,9 @@ class _InFlight:
 
 class FlowControl:
     def __init__(self, controller: FlowController, slo: SloPolicy, workflows: WorkflowFlows,
-                 pods: PodRegistry, metrics: FlowMetrics) -> None:
+                 pods: PodRegistry, metrics: FlowMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._controller = controller
+        self._clock = clock  # the director's: a request's ``started`` is read on it
         self._slo = slo
         self._workflows = workflows
         self._pods = pods
@@ -92,7 +93,7 @@ class FlowControl:
         if not controller.goes_now(pods, demand):
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
             if allowed is not None:  # its TTFT runs from its arrival: the waits at targets it fell back from count
-                allowed = max(0.0, allowed - (time.monotonic() - request.started))
+                allowed = max(0.0, allowed - (self._clock() - request.started))
             wait_s = flow.max_wait_s if allowed is None else min(allowed, flow.max_wait_s)
             detector = controller.detector
             if routing.max_wait_s is not None and all(detector.saturated_by(p.name, demand) for p in pods):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
@@ -297,6 +297,30 @@ async def test_flows_idle_long_are_forgotten_though_the_fleet_never_held_a_reque
         assert flows.queued == 0
     finally:
         await flows.stop()
+
+
+def test_a_forgotten_flow_takes_its_metrics_series_with_it():
+    # max_flows bounds the series too: a flow forgotten for idling leaves /metrics (a returning one starts anew).
+    now = [1_000.0]
+    ledger, counters = InFlightLedger(), ServiceCounters(idle_s=600.0, clock=lambda: now[0])
+    config = FlowControlConfig()
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+    registry = CollectorRegistry()
+    metrics = FlowMetrics(registry)
+    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), metrics, clock=lambda: now[0])
+    for name in ("old", "new"):
+        key = flows.queues.key_of(FlowKey(name))
+        counters.charge(key, 100.0)
+        metrics.outcome(key, "at_once")
+        metrics.served(key, 10, 5, 3)
+        metrics.waited(key, 0.2)
+    flows.queues.forget_idle()  # dates both: charged now
+    now[0] += 700.0
+    counters.charge(FlowKey("new"), 1.0)  # only "new" is heard of again
+    flows.queues.forget_idle()
+    exposition = generate_latest(registry).decode()
+    assert 'fairness_id="new"' in exposition and 'fairness_id="old"' not in exposition
+    assert flows.queues.key_of(FlowKey("old")) == FlowKey("old")  # counted anew when it returns
 
 
 async def test_the_debug_page_gives_a_flows_oldest_wait_not_its_heads():
