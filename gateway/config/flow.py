@@ -21,7 +21,8 @@ class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool = False
     # Per model, the SLO of requests that send no x-slo-* headers.
     slo_defaults: dict[str, SloTargets] = {}
-    # Request latency assumed for Retry-After when no profile gives one.
+    # Unused: Retry-After comes from flow control's recent dispatch rate. Still read, so that a config that
+    # sets it loads; it will go in a later release.
     typical_e2e_s: float = 2.0
 
 

@@ -199,8 +199,11 @@ class FlowQueues:
     def retry_after_s(self) -> int:
         """When a request sent again would likely be served: the requests waiting over the recent rate."""
         now = self._clock()
-        recent = sum(1 for t in self._dispatches if t >= now - RATE_WINDOW_S)
-        span = min(RATE_WINDOW_S, now - self._dispatches[0]) if self._dispatches else 0.0
+        dispatches = self._dispatches
+        while dispatches and dispatches[0] < now - RATE_WINDOW_S:  # (each refusal of a flood costs O(1), not O(n))
+            dispatches.popleft()
+        recent = len(dispatches)
+        span = min(RATE_WINDOW_S, now - dispatches[0]) if dispatches else 0.0
         rate = recent / span if span > 0 else 0.0
         return max(1, min(3600, math.ceil((self.count + 1) / rate))) if rate > 0 else 1
 
