@@ -33,6 +33,7 @@ class Admission:
     scopes: tuple[str, ...]
     input_tokens: int
     output_tokens: int
+    minute: int  # the wall-clock minute it was charged in
 
 
 class KeyLimits:
@@ -69,16 +70,25 @@ class KeyLimits:
         share = self.usage.share()
         for scope, limits, who in scopes:
             _check(self.usage.used(scope), limits, share, input_tokens, who)
+        minute = self.usage.minute()
         for scope, _, _ in scopes:
             self.usage.began(scope)
-            self.usage.charge(scope, input_tokens, output_tokens)
-        return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens)
+            self.usage.charge(scope, input_tokens, output_tokens, minute)
+        return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens, minute)
 
     def finish(self, admission: Admission, input_tokens: int, output_tokens: int) -> None:
-        """The request ended having used this much (the engine's usage): the charge corrected to it."""
+        """The request ended having used this much (the engine's usage): the charge corrected to it. One made
+        in an earlier minute is taken back from that minute, and the use charged now: a correction booked in
+        the next minute (or day) would be a negative use there while the earlier one slides out."""
+        minute = self.usage.minute()
         for scope in admission.scopes:
             self.usage.ended(scope)
-            self.usage.charge(scope, input_tokens - admission.input_tokens, output_tokens - admission.output_tokens)
+            if admission.minute == minute:
+                self.usage.charge(scope, input_tokens - admission.input_tokens,
+                                  output_tokens - admission.output_tokens, minute)
+            else:
+                self.usage.charge(scope, -admission.input_tokens, -admission.output_tokens, admission.minute)
+                self.usage.charge(scope, input_tokens, output_tokens, minute)
 
 
 def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str) -> None:

@@ -132,10 +132,14 @@ class SharedUsage:
 
     # This process's use
 
-    def charge(self, scope: str, input_tokens: int, output_tokens: int) -> None:
-        """Tokens used by ``scope`` now (a correction may be negative)."""
+    def minute(self) -> int:
+        """The wall clock's minute now (its index since the epoch)."""
+        return int(self._clock() // MINUTE_S)
+
+    def charge(self, scope: str, input_tokens: int, output_tokens: int, minute: int | None = None) -> None:
+        """Tokens used by ``scope`` now, or booked to an earlier ``minute`` (a correction may be negative)."""
         if input_tokens or output_tokens:
-            minute = int(self._clock() // MINUTE_S)
+            minute = self.minute() if minute is None else minute
             self._own.add(scope, minute, input_tokens, output_tokens)
             self._publish(UsageCharged(scope, minute, input_tokens, output_tokens, self._clock()))
             if input_tokens > 0 or output_tokens > 0:

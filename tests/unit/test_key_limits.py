@@ -160,3 +160,29 @@ def test_a_partitioned_replica_holds_half_of_each_limit():
     assert refused(limiter, "alice", 200).code == "token_limit_exceeded"  # 600 > 500
     limiter.admit("alice", 100, 0)
     assert refused(limiter, "alice", 0).code == "concurrency_limit_exceeded"  # 2 of its 4 at once
+
+
+def test_a_request_that_ends_in_the_next_minute_takes_its_charge_back_from_the_minute_it_was_made_in():
+    """Charged its max_tokens at 50 s into a minute, it generated 10 by 10 s into the next: the window holds
+    10, not the next minute's share of a correction for tokens the previous minute no longer weighs in full
+    (a negative use the key could then spend again)."""
+    limiter, clock = limits({"alice": {"output_tokens_per_minute": 1000}})
+    clock.now += 50
+    admission = limiter.admit("alice", 10, 1000)
+    clock.now += 20
+    limiter.finish(admission, 10, 10)
+    assert limiter.usage.used("key:alice").output_minute == pytest.approx(10)
+    clock.now += 30
+    assert limiter.usage.used("key:alice").output_minute == pytest.approx(10)
+    limiter.admit("alice", 10, 1000)
+    assert refused(limiter, "alice", 10).code == "token_limit_exceeded"  # 1010 of 1000 held
+
+
+def test_a_request_that_ends_in_the_next_day_is_not_a_credit_on_it():
+    limiter, clock = limits({"alice": {"output_tokens_per_day": 5000}})
+    clock.now = (clock.now // 86_400 + 1) * 86_400 - 5  # 5 s before midnight
+    admission = limiter.admit("alice", 10, 4000)
+    clock.now += 10
+    limiter.finish(admission, 10, 100)
+    clock.now += 43_200  # half of the next day gone
+    assert limiter.usage.used("key:alice").output_day == pytest.approx(100)
