@@ -3,6 +3,7 @@ and which request is refused, why and for how long."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gateway.config import LimitsConfig, UsageLimits
@@ -186,3 +187,16 @@ def test_a_request_that_ends_in_the_next_day_is_not_a_credit_on_it():
     limiter.finish(admission, 10, 100)
     clock.now += 43_200  # half of the next day gone
     assert limiter.usage.used("key:alice").output_day == pytest.approx(100)
+
+
+def test_a_request_rate_under_one_a_minute_lets_one_request_through_then_asks_to_wait_its_interval():
+    from gateway.auth import ApiKeyAuth
+    from gateway.config import AuthConfig, hash_api_key
+
+    auth = ApiKeyAuth(msgspec.convert({"keys": [{"hash": hash_api_key("sk-slow"), "requests_per_minute": 0.5}]},
+                                      AuthConfig))
+    key = auth.check({"authorization": "Bearer sk-slow"})
+    auth.authorize(key, "m")  # one request every 2 minutes: this one may go
+    with pytest.raises(GatewayError) as caught:
+        auth.authorize(key, "m")
+    assert caught.value.code == "rate_limit_exceeded" and 110 <= caught.value.retry_after_s <= 120
