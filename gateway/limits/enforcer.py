@@ -98,27 +98,39 @@ def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str)
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Concurrency limit reached for {who}: "
                                f"{limits.max_concurrent} requests at once.", code="concurrency_limit_exceeded",
                                retry_after_s=1)
-    for limit, window_used, unconfirmed, need, what, span_s in (
+    for limit, window_used, unconfirmed, need, what, span_s, before, into in (
             (limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
-             "input tokens per minute", MINUTE_S),
+             "input tokens per minute", MINUTE_S, used.minute_before[0], used.into_minute),
             (limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt, "input tokens per day",
-             DAY_S),
+             DAY_S, used.day_before[0], used.into_day),
             (limits.output_tokens_per_minute, used.output_minute, used.unconfirmed_output, 0,
-             "output tokens per minute", MINUTE_S),
+             "output tokens per minute", MINUTE_S, used.minute_before[1], used.into_minute),
             (limits.output_tokens_per_day, used.output_day, used.unconfirmed_output, 0, "output tokens per day",
-             DAY_S)):
+             DAY_S, used.day_before[1], used.into_day)):
         if limit is None:
             continue
         allowed = limit * share
         over = window_used + need - allowed if need else window_used - allowed + 1
         if window_used > 0 and over > 0:
-            # The window's use leaves it at about the limit's own pace.
-            retry = max(1, min(math.ceil(span_s), math.ceil(span_s * over / allowed)))
+            retry = _seconds_to_shed(over, window_used, before, into, span_s)
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit reached for {who}: {limit} {what}; retry "
                                f"after {retry} s.", code="token_limit_exceeded", retry_after_s=retry)
         if _past_its_part(window_used, unconfirmed, need, allowed, used):
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit nearly reached for {who}: {limit} {what}.",
                                code="token_limit_exceeded", retry_after_s=1)
+
+
+def _seconds_to_shed(over: float, window_used: float, before: float, into: float, span_s: float) -> int:
+    """How long until the sliding window's use has fallen by ``over``: the previous window's part still inside
+    slides out by the current one's end, at its own pace; the current one's only after that, at its own (all
+    of it: a request larger than the limit waits for an empty window)."""
+    leaving = before * (1 - into)
+    if over <= leaving:
+        wait = span_s * over / before
+    else:
+        current = window_used - leaving
+        wait = span_s * (1 - into) + (span_s * min(1.0, (over - leaving) / current) if current > 0 else 0.0)
+    return max(1, math.ceil(wait))
 
 
 def _past_its_part(window_used: float, unconfirmed: float, need: float, allowed: float, used: Used) -> bool:

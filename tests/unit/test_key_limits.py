@@ -113,7 +113,8 @@ def test_input_tokens_per_minute_refuse_what_would_pass_the_limit_until_it_slide
     first = limiter.admit("alice", 700, 0)
     assert first is not None and first.scopes == ("key:alice",)
     error = refused(limiter, "alice", 400)
-    assert error.code == "token_limit_exceeded" and error.retry_after_s == 6  # 100 over: 6 s of the limit's pace
+    # 100 over, all in this minute: it stays whole to the minute's end, then 100 of 700 slide out in 9 s.
+    assert error.code == "token_limit_exceeded" and error.retry_after_s == 69
     assert limiter.admit("alice", 300, 0) is not None  # exactly up to it
     clock.now += 60 + 30  # half of that minute left in the window: 500
     assert limiter.admit("alice", 500, 0) is not None
@@ -124,7 +125,7 @@ def test_input_tokens_per_minute_refuse_what_would_pass_the_limit_until_it_slide
 def test_an_empty_window_takes_one_request_of_any_size():
     limiter, _ = limits({"alice": {"input_tokens_per_minute": 100}})
     assert limiter.admit("alice", 5000, 0) is not None
-    assert refused(limiter, "alice", 1).retry_after_s == 60
+    assert refused(limiter, "alice", 1).retry_after_s == 119  # the next minute, and all but 99 of its slide
 
 
 def test_output_is_charged_what_may_be_generated_then_what_was():
@@ -200,3 +201,23 @@ def test_a_request_rate_under_one_a_minute_lets_one_request_through_then_asks_to
     with pytest.raises(GatewayError) as caught:
         auth.authorize(key, "m")
     assert caught.value.code == "rate_limit_exceeded" and 110 <= caught.value.retry_after_s <= 120
+
+
+@pytest.mark.parametrize("into_s, earlier, now",
+                         [(10, 0, 700), (40, 900, 500), (50, 600, 700), (5, 950, 0), (30, 0, 5000)])
+def test_retry_after_is_when_the_request_fits(into_s, earlier, now):
+    """The previous minute's use slides out by the current minute's end, the current one's only after it: a
+    client that waits its Retry-After is let in, and not a second sooner."""
+    limiter, clock = limits({"alice": {"input_tokens_per_minute": 1000}})
+    clock.now -= 60
+    if earlier:
+        limiter.admit("alice", earlier, 0)
+    clock.now += 60 + into_s
+    if now:
+        limiter.admit("alice", now, 0)
+    start = clock.now
+    wait = refused(limiter, "alice", 400).retry_after_s
+    clock.now = start + wait - 1.01
+    assert refused(limiter, "alice", 400).code == "token_limit_exceeded"
+    clock.now = start + wait
+    assert limiter.admit("alice", 400, 0) is not None
