@@ -63,7 +63,8 @@ class ApiKeyAuth:
 
     @staticmethod
     def _burst(key: ApiKeyConfig) -> float:
-        return key.requests_per_minute or math.inf
+        """A minute's worth of requests, and at least one (a rate under one a minute still lets one through)."""
+        return max(1.0, key.requests_per_minute) if key.requests_per_minute else math.inf
 
     @property
     def enabled(self) -> bool:
@@ -97,7 +98,7 @@ class ApiKeyAuth:
         if rate is None:
             return
         now = time.monotonic()
-        key.tokens = min(rate, key.tokens + (now - key.refreshed) * rate / 60)
+        key.tokens = min(self._burst(key.config), key.tokens + (now - key.refreshed) * rate / 60)
         key.refreshed = now
         if key.tokens < 1:
             wait = math.ceil((1 - key.tokens) * 60 / rate)

@@ -20,7 +20,7 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str = ""
     # Models this key may use; empty: all.
     models: list[str] = []
-    # Sustained request rate (bursts up to one minute's worth); none: unlimited.
+    # Sustained request rate (bursts up to one minute's worth, at least one request); none: unlimited.
     requests_per_minute: Annotated[float, Meta(gt=0)] | None = None
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ class Admission:
     scopes: tuple[str, ...]
     input_tokens: int
     output_tokens: int
+    minute: int  # the wall-clock minute it was charged in
 
 
 class KeyLimits:
@@ -69,16 +70,25 @@ class KeyLimits:
         share = self.usage.share()
         for scope, limits, who in scopes:
             _check(self.usage.used(scope), limits, share, input_tokens, who)
+        minute = self.usage.minute()
         for scope, _, _ in scopes:
             self.usage.began(scope)
-            self.usage.charge(scope, input_tokens, output_tokens)
-        return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens)
+            self.usage.charge(scope, input_tokens, output_tokens, minute)
+        return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens, minute)
 
     def finish(self, admission: Admission, input_tokens: int, output_tokens: int) -> None:
-        """The request ended having used this much (the engine's usage): the charge corrected to it."""
+        """The request ended having used this much (the engine's usage): the charge corrected to it. One made
+        in an earlier minute is taken back from that minute, and the use charged now: a correction booked in
+        the next minute (or day) would be a negative use there while the earlier one slides out."""
+        minute = self.usage.minute()
         for scope in admission.scopes:
             self.usage.ended(scope)
-            self.usage.charge(scope, input_tokens - admission.input_tokens, output_tokens - admission.output_tokens)
+            if admission.minute == minute:
+                self.usage.charge(scope, input_tokens - admission.input_tokens,
+                                  output_tokens - admission.output_tokens, minute)
+            else:
+                self.usage.charge(scope, -admission.input_tokens, -admission.output_tokens, admission.minute)
+                self.usage.charge(scope, input_tokens, output_tokens, minute)
 
 
 def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str) -> None:
@@ -88,27 +98,39 @@ def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str)
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Concurrency limit reached for {who}: "
                                f"{limits.max_concurrent} requests at once.", code="concurrency_limit_exceeded",
                                retry_after_s=1)
-    for limit, window_used, unconfirmed, need, what, span_s in (
+    for limit, window_used, unconfirmed, need, what, span_s, before, into in (
             (limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
-             "input tokens per minute", MINUTE_S),
+             "input tokens per minute", MINUTE_S, used.minute_before[0], used.into_minute),
             (limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt, "input tokens per day",
-             DAY_S),
+             DAY_S, used.day_before[0], used.into_day),
             (limits.output_tokens_per_minute, used.output_minute, used.unconfirmed_output, 0,
-             "output tokens per minute", MINUTE_S),
+             "output tokens per minute", MINUTE_S, used.minute_before[1], used.into_minute),
             (limits.output_tokens_per_day, used.output_day, used.unconfirmed_output, 0, "output tokens per day",
-             DAY_S)):
+             DAY_S, used.day_before[1], used.into_day)):
         if limit is None:
             continue
         allowed = limit * share
         over = window_used + need - allowed if need else window_used - allowed + 1
         if window_used > 0 and over > 0:
-            # The window's use leaves it at about the limit's own pace.
-            retry = max(1, min(math.ceil(span_s), math.ceil(span_s * over / allowed)))
+            retry = _seconds_to_shed(over, window_used, before, into, span_s)
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit reached for {who}: {limit} {what}; retry "
                                f"after {retry} s.", code="token_limit_exceeded", retry_after_s=retry)
         if _past_its_part(window_used, unconfirmed, need, allowed, used):
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit nearly reached for {who}: {limit} {what}.",
                                code="token_limit_exceeded", retry_after_s=1)
+
+
+def _seconds_to_shed(over: float, window_used: float, before: float, into: float, span_s: float) -> int:
+    """How long until the sliding window's use has fallen by ``over``: the previous window's part still inside
+    slides out by the current one's end, at its own pace; the current one's only after that, at its own (all
+    of it: a request larger than the limit waits for an empty window)."""
+    leaving = before * (1 - into)
+    if over <= leaving:
+        wait = span_s * over / before
+    else:
+        current = window_used - leaving
+        wait = span_s * (1 - into) + (span_s * min(1.0, (over - leaving) / current) if current > 0 else 0.0)
+    return max(1, math.ceil(wait))
 
 
 def _past_its_part(window_used: float, unconfirmed: float, need: float, allowed: float, used: Used) -> bool:

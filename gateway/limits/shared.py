@@ -108,6 +108,12 @@ class Used:
     unconfirmed_output: int = 0
     unconfirmed_requests: int = 0
     processes: int = 1
+    # How far into the current minute and day the clock is (0 to 1), and the previous minute's and day's
+    # whole use (input, output): what slides out by the current one's end.
+    into_minute: float = 0.0
+    into_day: float = 0.0
+    minute_before: tuple[float, float] = (0.0, 0.0)
+    day_before: tuple[float, float] = (0.0, 0.0)
 
 
 class SharedUsage:
@@ -132,10 +138,14 @@ class SharedUsage:
 
     # This process's use
 
-    def charge(self, scope: str, input_tokens: int, output_tokens: int) -> None:
-        """Tokens used by ``scope`` now (a correction may be negative)."""
+    def minute(self) -> int:
+        """The wall clock's minute now (its index since the epoch)."""
+        return int(self._clock() // MINUTE_S)
+
+    def charge(self, scope: str, input_tokens: int, output_tokens: int, minute: int | None = None) -> None:
+        """Tokens used by ``scope`` now, or booked to an earlier ``minute`` (a correction may be negative)."""
         if input_tokens or output_tokens:
-            minute = int(self._clock() // MINUTE_S)
+            minute = self.minute() if minute is None else minute
             self._own.add(scope, minute, input_tokens, output_tokens)
             self._publish(UsageCharged(scope, minute, input_tokens, output_tokens, self._clock()))
             if input_tokens > 0 or output_tokens > 0:
@@ -213,17 +223,19 @@ class SharedUsage:
         into_minute, into_day = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
         partitioned = self._partitioned()
         in_minute, in_day = [0.0, 0.0], [0.0, 0.0]
+        minute_before, day_before = [0.0, 0.0], [0.0, 0.0]
         in_flight = 0
         for origin, counts in [("", self._own), *self._remote.items()]:
             if partitioned and origin and origin.split("/", 1)[0] != self._replica:
                 continue
-            _slide(counts.minutes.get(scope), minute, into_minute, in_minute)
-            _slide(counts.days.get(scope), day, into_day, in_day)
+            _slide(counts.minutes.get(scope), minute, into_minute, in_minute, minute_before)
+            _slide(counts.days.get(scope), day, into_day, in_day, day_before)
             in_flight += counts.in_flight.get(scope, 0)
         unconfirmed = self._recent_of(scope)
         heard = self._heard(REPLICA_GONE_S)
         processes = 1 + sum(1 for o in heard if not partitioned or o.split("/", 1)[0] == self._replica)
-        return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), *unconfirmed, processes)
+        return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), *unconfirmed, processes,
+                    into_minute, into_day, (minute_before[0], minute_before[1]), (day_before[0], day_before[1]))
 
     def _heard_late(self, lag_s: float) -> None:
         lags = self._lags  # the longest first: each entry is longer than every one heard after it
@@ -253,8 +265,10 @@ class SharedUsage:
                 "in_flight": used.in_flight}
 
 
-def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: list[float]) -> None:
-    """Add a window's sliding use to ``out``: all of the current one, the previous one's part still inside."""
+def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: list[float],
+           before: list[float]) -> None:
+    """Add a window's sliding use to ``out``: all of the current one, the previous one's part still inside;
+    and the previous one's whole to ``before``."""
     if not per:
         return
     for index, weight in ((current, 1.0), (current - 1, 1.0 - into)):
@@ -262,4 +276,7 @@ def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: lis
         if tokens is not None:
             out[0] += tokens[0] * weight
             out[1] += tokens[1] * weight
+    if (tokens := per.get(current - 1)) is not None:
+        before[0] += tokens[0]
+        before[1] += tokens[1]
 

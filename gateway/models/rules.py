@@ -7,9 +7,10 @@ tried after it, and whether the answer names the target.
   of :mod:`gateway.workflow.context`), its Responses ``conversation``, the response it continues
   (``previous_response_id``: the target that answered it), else, for a chat, its first messages (every turn
   of one conversation re-sends them). The key is hashed into the weights, so every worker and replica
-  gives a new key the same target without asking anyone; the target is then pinned to the key
-  (:class:`SplitPinned` over the state bus), so that a reload changing the weights moves new
-  conversations only. A request with no key at all is drawn at random by the weights;
+  gives a new key the same target without asking anyone; the target is then pinned to the key and the
+  public name (:class:`SplitPinned` over the state bus; one session may ask for several), so that a reload
+  changing the weights moves new conversations only. A request with no key at all is drawn at random by
+  the weights;
 - *fallbacks* follow the chosen target, in order (the director tries them: :mod:`gateway.request.director`).
 
 A name no rule mentions is served as it is. Owner: :class:`ModelRules` owns the rules in force (replaced
@@ -65,8 +66,8 @@ class ModelRules:
         self._signals = signals
         self._publish = publish
         self._draw = draw
-        # Sticky key → (public name, target) it was given.
-        self._pins: LruCache[str, tuple[str, str]] = LruCache(max_pins)
+        # (Public name, sticky key) → the target it was given (one session may use several public names).
+        self._pins: LruCache[tuple[str, str], str] = LruCache(max_pins)
         self.reconfigure(config)
 
     def reconfigure(self, config: ModelsConfig) -> None:
@@ -113,7 +114,7 @@ class ModelRules:
         return cards
 
     def apply_remote(self, origin: str, fact: SplitPinned) -> None:
-        self._pins.put(fact.key, (fact.public, fact.target))
+        self._pins.put((fact.public, fact.key), fact.target)
 
     def _sticky_key(self, kind: RequestKind, headers: Any, body: InferenceRequest) -> str | None:
         # A workflow, a session or a Responses conversation (the one a stored response continues included).
@@ -124,15 +125,15 @@ class ModelRules:
         return _opening(kind, body)
 
     def _chosen(self, public: str, rule: ModelRule, key: str) -> str:
-        pinned = self._pins.touch(key)
-        if pinned is not None and pinned[0] == public and pinned[1] in rule.choices():
-            return pinned[1]
+        pinned = self._pins.touch((public, key))
+        if pinned is not None and pinned in rule.choices():
+            return pinned
         target = _weighted(rule, _unit(key))
         self._pin(key, public, target)
         return target
 
     def _pin(self, key: str, public: str, target: str) -> None:
-        self._pins.put(key, (public, target))
+        self._pins.put((public, key), target)
         self._publish(SplitPinned(key, public, target))
 
 

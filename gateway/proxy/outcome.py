@@ -44,6 +44,9 @@ class UpstreamCall:
     anthropic: bool  # Anthropic's API: a broken stream ends with its named error event
     # Called once, when the pod's answer begins (its first byte relayed): the prompt is prefilled.
     answering: Callable[[], None] | None = None
+    # Called when the client left mid-stream and the server cancelled its request (so no outcome can be
+    # returned), with how far the answer had come: what the pod generated until then was used.
+    left: Callable[[RelayOutcome], None] | None = None
     # The pods to try next, best first, for an edge whose data plane retries by itself (Envoy).
     fallbacks: tuple[Pod, ...] = ()
     # What the answer needs on its way to the client (the public model name restored), if anything.

@@ -147,6 +147,10 @@ class Relay:
         except ConnectionResetError:
             self._metrics.stream_aborts.labels(pod, "client").inc()
             return response, ended(499, Ending.CLIENT_GONE)
+        except asyncio.CancelledError:  # the client left while the relay waited for the pod
+            if call.left is not None:
+                call.left(ended(499, Ending.CLIENT_GONE))
+            raise
         await response.write_eof()
         return response, ended(upstream.status, Ending.COMPLETE)
 

@@ -312,7 +312,7 @@ class RequestDirector:
                 run.prefill = await self._prefill.run(attempt)
                 times.mark(Step.PREFILL)
             call = _call(attempt, run.prefill, self._fallbacks(attempt, run.edge.fallbacks, exclude),
-                         partial(self._ledger.answering, attempt.dispatch), route)
+                         partial(self._ledger.answering, attempt.dispatch), run.client_left, route)
             delivering = times.mark(Step.DISPATCH)
             outcome = run.outcome = await run.edge.deliver(call)
             headers_at = outcome.headers_at if outcome.headers_at is not None else outcome.first_byte_at
@@ -326,7 +326,7 @@ class RequestDirector:
             outcome = RelayOutcome.failed(status_of(err))
             raise
         except asyncio.CancelledError:
-            outcome = RelayOutcome(499, Ending.CLIENT_GONE)
+            outcome = run.outcome or RelayOutcome(499, Ending.CLIENT_GONE)  # mid-stream: what it relayed
             raise
         finally:
             self._ledger.finish(attempt.dispatch)
@@ -336,7 +336,7 @@ class RequestDirector:
 
 
 def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ...],
-          answering: Callable[[], None], route: ModelRoute) -> UpstreamCall:
+          answering: Callable[[], None], left: Callable[[RelayOutcome], None], route: ModelRoute) -> UpstreamCall:
     request, decision, target = attempt.request, attempt.decision, attempt.routing.model
     answer_headers = {
         "x-request-id": request.id, "x-gateway-pod": decision.pod.name, "x-gateway-policy": decision.policy,
@@ -353,7 +353,7 @@ def _call(attempt: Attempt, prefill: PrefillLeg | None, fallbacks: tuple[Pod, ..
     capture = route.split and request.kind == RequestKind.RESPONSES
     rewrite = AnswerRewrite(target, route.public if restore else target, capture) if restore or capture else None
     return UpstreamCall(decision.pod, request.path, body, attempt.upstream_headers, answer_headers, request.id,
-                        anthropic=request.kind.anthropic, answering=answering,
+                        anthropic=request.kind.anthropic, answering=answering, left=left,
                         fallbacks=fallbacks, rewrite=rewrite, tap=request.answer_tap)
 
 
@@ -393,3 +393,7 @@ class _Run:
         self.prefill: PrefillLeg | None = None
         self.attempts = 0
         self.times = StepTimes()
+
+    def client_left(self, outcome: RelayOutcome) -> None:
+        """The client left mid-stream: how far the answer came is the request's outcome."""
+        self.outcome = outcome

@@ -3,6 +3,7 @@ and which request is refused, why and for how long."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gateway.config import LimitsConfig, UsageLimits
@@ -112,7 +113,8 @@ def test_input_tokens_per_minute_refuse_what_would_pass_the_limit_until_it_slide
     first = limiter.admit("alice", 700, 0)
     assert first is not None and first.scopes == ("key:alice",)
     error = refused(limiter, "alice", 400)
-    assert error.code == "token_limit_exceeded" and error.retry_after_s == 6  # 100 over: 6 s of the limit's pace
+    # 100 over, all in this minute: it stays whole to the minute's end, then 100 of 700 slide out in 9 s.
+    assert error.code == "token_limit_exceeded" and error.retry_after_s == 69
     assert limiter.admit("alice", 300, 0) is not None  # exactly up to it
     clock.now += 60 + 30  # half of that minute left in the window: 500
     assert limiter.admit("alice", 500, 0) is not None
@@ -123,7 +125,7 @@ def test_input_tokens_per_minute_refuse_what_would_pass_the_limit_until_it_slide
 def test_an_empty_window_takes_one_request_of_any_size():
     limiter, _ = limits({"alice": {"input_tokens_per_minute": 100}})
     assert limiter.admit("alice", 5000, 0) is not None
-    assert refused(limiter, "alice", 1).retry_after_s == 60
+    assert refused(limiter, "alice", 1).retry_after_s == 119  # the next minute, and all but 99 of its slide
 
 
 def test_output_is_charged_what_may_be_generated_then_what_was():
@@ -160,3 +162,62 @@ def test_a_partitioned_replica_holds_half_of_each_limit():
     assert refused(limiter, "alice", 200).code == "token_limit_exceeded"  # 600 > 500
     limiter.admit("alice", 100, 0)
     assert refused(limiter, "alice", 0).code == "concurrency_limit_exceeded"  # 2 of its 4 at once
+
+
+def test_a_request_that_ends_in_the_next_minute_takes_its_charge_back_from_the_minute_it_was_made_in():
+    """Charged its max_tokens at 50 s into a minute, it generated 10 by 10 s into the next: the window holds
+    10, not the next minute's share of a correction for tokens the previous minute no longer weighs in full
+    (a negative use the key could then spend again)."""
+    limiter, clock = limits({"alice": {"output_tokens_per_minute": 1000}})
+    clock.now += 50
+    admission = limiter.admit("alice", 10, 1000)
+    clock.now += 20
+    limiter.finish(admission, 10, 10)
+    assert limiter.usage.used("key:alice").output_minute == pytest.approx(10)
+    clock.now += 30
+    assert limiter.usage.used("key:alice").output_minute == pytest.approx(10)
+    limiter.admit("alice", 10, 1000)
+    assert refused(limiter, "alice", 10).code == "token_limit_exceeded"  # 1010 of 1000 held
+
+
+def test_a_request_that_ends_in_the_next_day_is_not_a_credit_on_it():
+    limiter, clock = limits({"alice": {"output_tokens_per_day": 5000}})
+    clock.now = (clock.now // 86_400 + 1) * 86_400 - 5  # 5 s before midnight
+    admission = limiter.admit("alice", 10, 4000)
+    clock.now += 10
+    limiter.finish(admission, 10, 100)
+    clock.now += 43_200  # half of the next day gone
+    assert limiter.usage.used("key:alice").output_day == pytest.approx(100)
+
+
+def test_a_request_rate_under_one_a_minute_lets_one_request_through_then_asks_to_wait_its_interval():
+    from gateway.auth import ApiKeyAuth
+    from gateway.config import AuthConfig, hash_api_key
+
+    auth = ApiKeyAuth(msgspec.convert({"keys": [{"hash": hash_api_key("sk-slow"), "requests_per_minute": 0.5}]},
+                                      AuthConfig))
+    key = auth.check({"authorization": "Bearer sk-slow"})
+    auth.authorize(key, "m")  # one request every 2 minutes: this one may go
+    with pytest.raises(GatewayError) as caught:
+        auth.authorize(key, "m")
+    assert caught.value.code == "rate_limit_exceeded" and 110 <= caught.value.retry_after_s <= 120
+
+
+@pytest.mark.parametrize("into_s, earlier, now",
+                         [(10, 0, 700), (40, 900, 500), (50, 600, 700), (5, 950, 0), (30, 0, 5000)])
+def test_retry_after_is_when_the_request_fits(into_s, earlier, now):
+    """The previous minute's use slides out by the current minute's end, the current one's only after it: a
+    client that waits its Retry-After is let in, and not a second sooner."""
+    limiter, clock = limits({"alice": {"input_tokens_per_minute": 1000}})
+    clock.now -= 60
+    if earlier:
+        limiter.admit("alice", earlier, 0)
+    clock.now += 60 + into_s
+    if now:
+        limiter.admit("alice", now, 0)
+    start = clock.now
+    wait = refused(limiter, "alice", 400).retry_after_s
+    clock.now = start + wait - 1.01
+    assert refused(limiter, "alice", 400).code == "token_limit_exceeded"
+    clock.now = start + wait
+    assert limiter.admit("alice", 400, 0) is not None

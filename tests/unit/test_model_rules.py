@@ -141,3 +141,19 @@ def test_the_answer_names_the_public_model_in_every_event_even_cut_in_two():
         b'"model": "stable"', b'"model": "chat"')
     assert rewrite.response_id == "resp_1"
     assert AnswerRewrite("stable", "chat").body(b'{"model":"stable","x":1}') == b'{"model":"chat","x":1}'
+
+
+def test_a_session_that_uses_two_split_names_keeps_its_target_of_each_through_a_reload():
+    """An agent asks for a main model and a small one in one session (Claude Code: sonnet and haiku)."""
+    two = {"rules": {"chat": CANARY["rules"]["chat"],
+                     "fast": {"targets": [{"model": "fast-a", "weight": 1}, {"model": "fast-b", "weight": 1}]}}}
+    r = rules(two)
+    sessions = [{"x-session-id": f"s{s}"} for s in range(200)]
+    first = [route(r, chat(), headers).targets[0] for headers in sessions]
+    for headers in sessions:
+        route(r, chat("fast"), headers)
+    assert first.count("stable") > 100
+    r.reconfigure(ModelsConfig(rules={"chat": ModelRule(targets=[ModelTarget("stable", 1),
+                                                                 ModelTarget("canary", 10**6)]),
+                                      "fast": ModelRule(targets=[ModelTarget("fast-a"), ModelTarget("fast-b")])}))
+    assert [route(r, chat(content="next turn"), headers).targets[0] for headers in sessions] == first
