@@ -148,6 +148,7 @@ class Relay:
             self._metrics.stream_aborts.labels(pod, "client").inc()
             return response, ended(499, Ending.CLIENT_GONE)
         except asyncio.CancelledError:  # the client left while the relay waited for the pod
+            self._metrics.stream_aborts.labels(pod, "client").inc()
             if call.left is not None:
                 call.left(ended(499, Ending.CLIENT_GONE))
             raise

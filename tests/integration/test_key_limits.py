@@ -171,3 +171,6 @@ async def test_a_client_that_leaves_mid_stream_is_charged_what_it_was_streamed(s
     assert rows["alice"]["requests"] == 1 and rows["alice"]["input_tokens"] > 100
     assert 5 <= rows["alice"]["output_tokens"] < 2000
     assert 5 <= usage["limited"]["key:alice"]["output_tokens_minute"] < 2000  # what was streamed, not max_tokens
+    metrics = await (await http.get(f"{gw.url}/metrics")).text()
+    assert any(line.startswith("gateway_stream_aborts_total{") and 'side="client"' in line and line.endswith(" 1.0")
+               for line in metrics.splitlines())  # counted as the client's abort
