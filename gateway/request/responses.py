@@ -135,8 +135,9 @@ class ResponsesState:
         body["input"], body["store"] = _SPLICE, False
         encoded = orjson.dumps(body).replace(_SPLICED, items_json, 1)
         conversation = parsed.conversation or previous.conversation
-        expanded = msgspec.structs.replace(parsed, input=items, previous_response_id=None, store=False,
-                                           conversation=conversation)
+        # previous_response_id stays in what was parsed (the body no longer names it): the model rules give a
+        # continued response the target that answered it.
+        expanded = msgspec.structs.replace(parsed, input=items, store=False, conversation=conversation)
         tap = None if parsed.store is False else _Tap(self, owner_of(request.key), previous.conversation, items_json)
         return dataclasses.replace(request, body=encoded, parsed=expanded, answer_tap=tap)
 

@@ -162,3 +162,26 @@ async def test_targets_failing_before_the_first_byte_fall_back_in_order(fleet, h
         pod.faults.error_fraction = 1.0
     status, _, body = await post(http, gw.url, chat_body(model="small"))
     assert status == 502 and json.loads(body)["error"]["code"] == "bad_gateway"
+
+
+
+@pytest.mark.parametrize("store", ["gateway", "pods"])
+async def test_a_split_keeps_a_responses_conversation_on_the_target_of_its_first_turn(start_mock_pod, start_gateway,
+                                                                                      http, store):
+    """Turns chained by ``previous_response_id`` alone (no session, no ``conversation``): the first is drawn
+    by the weights, and every later turn gets the target that answered it, whoever keeps the responses."""
+    pods = [await start_mock_pod(model=model, responses_store=True) for model in ("stable", "canary")]
+    gw = await start_gateway([p.url for p in pods], models={"rules": RULES}, responses={"store": store})
+    targets: list[list[str]] = []
+    for n in range(30):
+        previous, seen = None, []
+        for turn in range(3):
+            body = {"model": "chat", "input": f"conversation {n}, turn {turn}", "max_output_tokens": 2}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            status, headers, raw = await post(http, gw.url, body, "/v1/responses")
+            assert status == 200, raw
+            previous = json.loads(raw)["id"]
+            seen.append(headers["x-gateway-model"])
+        targets.append(seen)
+    assert all(len(set(seen)) == 1 for seen in targets), targets
