@@ -42,7 +42,7 @@ log = logging.getLogger("gateway.responses")
 
 # Where the whole conversation goes in the rewritten body (a string no client sends).
 _SPLICE = f"\x00{secrets.token_hex(8)}\x00"
-_SPLICED = orjson.dumps(_SPLICE)
+_SPLICED = msgspec.json.encode(_SPLICE)
 
 
 class _Response(msgspec.Struct):
@@ -130,10 +130,13 @@ class ResponsesState:
         earlier = orjson.loads(previous.input)
         items = [*earlier, *_output.decode(previous.response).output, *_items(parsed.input)]
         items_json = orjson.dumps(items)
-        body = orjson.loads(request.body)
+        try:  # msgspec, not orjson: a big integer is kept exact; a number out of a double's range refused
+            body = msgspec.json.decode(request.body)
+        except msgspec.MsgspecError as exc:
+            raise bad_request(f"invalid JSON: {exc}") from None
         body.pop("previous_response_id", None)
         body["input"], body["store"] = _SPLICE, False
-        encoded = orjson.dumps(body).replace(_SPLICED, items_json, 1)
+        encoded = msgspec.json.encode(body).replace(_SPLICED, items_json, 1)
         conversation = parsed.conversation or previous.conversation
         # previous_response_id stays in what was parsed (the body no longer names it): the model rules give a
         # continued response the target that answered it.
