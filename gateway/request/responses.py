@@ -15,7 +15,9 @@ With ``responses.store: pods`` the pod that answered keeps the response (vLLM's
 ``VLLM_ENABLE_RESPONSES_API_STORE``): the gateway records only which pod that was, and a follow-up goes
 to that pod alone, its body untouched.
 
-An id the store does not hold, or that another API key created, is a 404 in OpenAI's shape.
+An id the store does not hold, or that another API key created, is a 404 in OpenAI's shape; so, with the
+gateway's store, is one that a replica with the pods' store recorded in the shared store (it holds no
+conversation).
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ class ResponsesState:
         except StoreUnavailable:
             raise GatewayError(ErrorKind.UNAVAILABLE, "The Responses store is not answering; retry shortly.",
                                code="store_unavailable") from None
-        if stored is None or stored.owner != owner_of(key):
+        # A record with no response is the pods' store's (a replica with responses.store: pods wrote it to
+        # the shared store): the gateway's store holds nothing of it to serve or continue.
+        if stored is None or stored.owner != owner_of(key) or not (self.pods_keep or stored.response):
             self._metrics.events.labels("not_found").inc()
             raise response_not_found(response_id, param)
         self._metrics.events.labels("found").inc()

@@ -220,3 +220,22 @@ async def test_a_continued_requests_numbers_reach_the_pod_as_sent_or_are_a_400(s
             if status == 400:
                 assert (await resp.json())["error"]["type"] == "invalid_request_error"
     assert len(bodies) == 2 and b'"seed":123456789012345678901234567890' in bodies[-1], bodies
+
+
+async def test_a_response_a_pods_store_replica_recorded_is_a_404_where_the_gateway_keeps_them(
+        start_mock_pod, start_gateway, redis_server, http):
+    """Replicas sharing Redis while ``responses.store`` changes from pods to gateway: a record of the pods'
+    store holds no conversation, so the gateway's store answers for it as for one it does not hold."""
+    pod = await start_mock_pod(responses_store=True)
+    shared = {"redis_url": redis_server.url, **FAST_BUS}
+    old, new = [await start_gateway([pod.url], shared_state=shared, responses={"store": store})
+                for store in ("pods", "gateway")]
+    async with http.post(f"{old.url}/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}) as r:
+        first = (await r.json())["id"]
+    continued = {"model": MODEL, "input": "Again", "max_output_tokens": 2, "previous_response_id": first}
+    async with http.post(f"{new.url}/v1/responses", json=continued) as resp:
+        assert resp.status == 404, await resp.text()
+        assert (await resp.json())["error"]["param"] == "previous_response_id"
+    for path in (f"/v1/responses/{first}", f"/v1/responses/{first}/input_items"):
+        async with http.get(new.url + path) as resp:
+            assert resp.status == 404, (path, await resp.text())
