@@ -109,8 +109,7 @@ class ResponsesState:
         try:
             stored = await self.store.get(response_id)
         except StoreUnavailable:
-            raise GatewayError(ErrorKind.UNAVAILABLE, "The Responses store is not answering; retry shortly.",
-                               code="store_unavailable") from None
+            raise _store_unavailable() from None
         # A record with no response is the pods' store's (a replica with responses.store: pods wrote it to
         # the shared store): the gateway's store holds nothing of it to serve or continue.
         if stored is None or stored.owner != owner_of(key) or not (self.pods_keep or stored.response):
@@ -118,6 +117,13 @@ class ResponsesState:
             raise response_not_found(response_id, param)
         self._metrics.events.labels("found").inc()
         return stored
+
+    async def delete(self, response_id: str) -> bool:
+        """Whether the store held it (and now does not); a 503 when the shared store is down."""
+        try:
+            return await self.store.delete(response_id)
+        except StoreUnavailable:
+            raise _store_unavailable() from None
 
     async def keep(self, stored: StoredResponse) -> None:
         try:
@@ -158,6 +164,11 @@ class ResponsesState:
         return dataclasses.replace(
             request, only_pod=pod.name, answer_tap=_Tap(self, owner_of(request.key), previous.conversation, None),
             parsed=msgspec.structs.replace(parsed, conversation=parsed.conversation or previous.conversation))
+
+
+def _store_unavailable() -> GatewayError:
+    return GatewayError(ErrorKind.UNAVAILABLE, "The Responses store is not answering; retry shortly.",
+                        code="store_unavailable")
 
 
 def _items(value: Any) -> list[Any]:

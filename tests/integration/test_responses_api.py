@@ -239,3 +239,23 @@ async def test_a_response_a_pods_store_replica_recorded_is_a_404_where_the_gatew
     for path in (f"/v1/responses/{first}", f"/v1/responses/{first}/input_items"):
         async with http.get(new.url + path) as resp:
             assert resp.status == 404, (path, await resp.text())
+
+
+async def test_a_deletion_the_shared_store_fails_is_a_503(start_mock_pod, start_gateway, redis_server, http):
+    """The store answers the lookup, then fails the deletion (here: a Redis user that may not DEL): the
+    client gets the store's 503 in OpenAI's shape, as for a lookup it fails, and the response stays."""
+    import redis.asyncio as redis
+
+    admin = redis.from_url(redis_server.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", "-del", "-unlink")
+    await admin.aclose()
+    url = redis_server.url.replace("redis://", "redis://gw:pw@")
+    pod = await start_mock_pod()
+    gw = await start_gateway([pod.url], shared_state={"redis_url": url, **FAST_BUS})
+    async with http.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}) as r:
+        first = (await r.json())["id"]
+    async with http.delete(f"{gw.url}/v1/responses/{first}") as resp:
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "store_unavailable"
+    async with http.get(f"{gw.url}/v1/responses/{first}") as resp:
+        assert resp.status == 200
