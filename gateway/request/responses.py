@@ -121,9 +121,12 @@ class ResponsesState:
     async def delete(self, response_id: str) -> bool:
         """Whether the store held it (and now does not); a 503 when the shared store is down."""
         try:
-            return await self.store.delete(response_id)
+            deleted = await self.store.delete(response_id)
         except StoreUnavailable:
             raise _store_unavailable() from None
+        if deleted:
+            self._metrics.events.labels("deleted").inc()
+        return deleted
 
     async def keep(self, stored: StoredResponse) -> None:
         try:

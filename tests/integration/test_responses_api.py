@@ -145,6 +145,10 @@ async def test_stored_responses_routes(start_mock_pod, start_gateway, http):
     await a.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         await a.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await a.responses.delete(first.id)
+    counted = gw.gateway.metrics.registry.get_sample_value
+    assert [counted("gateway_responses_total", {"event": e}) for e in ("stored", "deleted")] == [2, 1]
     unstored = await a.responses.create(model=MODEL, input="Hello", max_output_tokens=3, store=False)
     with pytest.raises(openai.NotFoundError):
         await a.responses.retrieve(unstored.id)
