@@ -6,6 +6,7 @@ through two workers and two simulated pods; the stored responses' routes; the po
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -263,3 +264,38 @@ async def test_a_deletion_the_shared_store_fails_is_a_503(start_mock_pod, start_
         assert (await resp.json())["error"]["code"] == "store_unavailable"
     async with http.get(f"{gw.url}/v1/responses/{first}") as resp:
         assert resp.status == 200
+
+
+async def test_with_the_pods_store_a_background_response_streams_from_its_pod(start_backend, start_gateway, http):
+    """``GET /v1/responses/{id}?stream=true`` of a background response (vLLM answers its events as they
+    come): each event reaches the client as the pod sends it, as a stream."""
+    more = asyncio.Event()
+
+    async def create(request: web.Request) -> web.Response:
+        return web.json_response({"id": "resp_bg", "object": "response", "status": "queued", "output": []})
+
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        assert request.query["stream"] == "true"
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: response.in_progress\ndata: {"sequence_number": 0}\n\n')
+        await more.wait()  # the background response is still running
+        await resp.write(b'event: response.completed\ndata: {"sequence_number": 1}\n\n')
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_get("/v1/models", models)
+    gw = await start_gateway([await start_backend(app)], responses={"store": "pods"})
+    async with http.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "Hi", "background": True}) as resp:
+        assert resp.status == 200 and (await resp.json())["id"] == "resp_bg"
+    async with http.get(f"{gw.url}/v1/responses/resp_bg?stream=true") as resp:
+        assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first.startswith(b"event: response.in_progress\n")
+        more.set()
+        assert (await resp.read()).startswith(b"event: response.completed\n")
