@@ -4,9 +4,10 @@
 With ``responses.store: gateway`` the gateway answers them from its store
 (:class:`~gateway.request.responses.ResponsesState`): the response as the pod answered it; its deletion;
 a cancel refused as vLLM refuses one of a finished response; the input the model saw, as a page of items.
-With ``responses.store: pods`` a GET or a cancel goes to the pod that answered, and what vLLM does not
-serve (deleting, listing input items) is a 501 that says so. Each is behind the same API keys as the
-generating routes, and a key reads only the responses it created.
+With ``responses.store: pods`` a GET (a background response's ``?stream=true`` relayed event by event as
+the pod sends it) or a cancel goes to the pod that answered, and what vLLM does not serve (deleting,
+listing input items) is a 501 that says so. Each is behind the same API keys as the generating routes,
+and a key reads only the responses it created.
 
 ``/internal/responses/{id}`` (``GET``, ``DELETE``) is how the workers of one gateway without Redis reach
 each other's stored responses (:mod:`gateway.cluster.sibling_responses`): answered only on a worker's
@@ -26,12 +27,16 @@ from gateway.cluster.sibling_responses import INTERNAL_PATH
 from gateway.components import FrontDoor
 from gateway.core.errors import bad_request, not_implemented, upstream_failed
 from gateway.http_client import HttpClient
+from gateway.http_errors import error_event
 from gateway.proxy.pod_errors import translated
 from gateway.request.responses import response_not_found
 from gateway.responses.store import MemoryResponses, StoredResponse, encode
 
 PATH = "/v1/responses/{response_id}"
 MAX_PAGE = 100
+_WHOLE = aiohttp.ClientTimeout(total=30)
+# A streamed retrieval lasts as long as the background response runs: only a silent pod ends it.
+_STREAMED = aiohttp.ClientTimeout(sock_connect=30, sock_read=30)
 
 
 def add_response_routes(app: web.Application, front: FrontDoor, http: HttpClient,
@@ -72,7 +77,7 @@ async def _delete(front: FrontDoor, request: web.Request) -> web.Response:
     stored = await _stored(front, request)
     if front.responses.pods_keep:
         raise not_implemented("The pods keep the responses (responses.store: pods) and do not delete them.")
-    if not await front.responses.store.delete(stored.id):
+    if not await front.responses.delete(stored.id):
         raise response_not_found(stored.id, "response_id")
     return web.json_response({"id": stored.id, "object": "response", "deleted": True})
 
@@ -121,9 +126,12 @@ async def _on_pod(front: FrontDoor, http: HttpClient, stored: StoredResponse, re
     if pod is None:
         raise response_not_found(stored.id, "response_id")
     headers = front.proxy.upstream_headers(request.headers, request.headers.get("x-request-id") or stored.id)
+    streamed = request.query.get("stream", "false").lower() == "true"
     try:
         async with http.session.request(request.method, pod.url + request.path_qs, headers=headers,
-                                                timeout=aiohttp.ClientTimeout(total=30)) as upstream:
+                                        timeout=_STREAMED if streamed else _WHOLE) as upstream:
+            if upstream.status < 400 and upstream.content_type == "text/event-stream":
+                return await _relayed(upstream, request, pod.name)
             data = await upstream.read()
             status = upstream.status
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -132,6 +140,22 @@ async def _on_pod(front: FrontDoor, http: HttpClient, stored: StoredResponse, re
         return translated(status, data, request.path).to_response()
     return web.Response(status=status, body=data, content_type="application/json",
                         headers={"x-gateway-pod": pod.name})
+
+
+async def _relayed(upstream: aiohttp.ClientResponse, request: web.Request, pod: str) -> web.StreamResponse:
+    """A background response's events (``?stream=true``), relayed as the pod sends them while it runs."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream", "x-gateway-pod": pod})
+    await response.prepare(request)
+    try:
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError):
+            await response.write(error_event(upstream_failed(f"Pod {pod} stopped the stream early."), False))
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left
+    return response
 
 
 async def _internal(own: MemoryResponses | None, request: web.Request) -> web.Response:

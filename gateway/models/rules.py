@@ -3,14 +3,14 @@ tried after it, and whether the answer names the target.
 
 - an *alias* names one target (``gpt-4o-mini`` → ``llama-3.1-8b``);
 - a *split* names several, with weights (a canary at 10%). Which one a request gets is decided by its
-  *sticky key*, so that a conversation never changes model mid-way: its workflow or session (the signals
-  of :mod:`gateway.workflow.context`), its Responses ``conversation``, the response it continues
-  (``previous_response_id``: the target that answered it), else, for a chat, its first messages (every turn
-  of one conversation re-sends them). The key is hashed into the weights, so every worker and replica
-  gives a new key the same target without asking anyone; the target is then pinned to the key and the
-  public name (:class:`SplitPinned` over the state bus; one session may ask for several), so that a reload
-  changing the weights moves new conversations only. A request with no key at all is drawn at random by
-  the weights;
+  *sticky key*, so that a conversation never changes model mid-way: the response it continues
+  (``previous_response_id``) where the target that answered it is pinned, else its workflow or session (the
+  signals of :mod:`gateway.workflow.context`), its Responses ``conversation``, the response it continues,
+  else, for a chat, its first messages (every turn of one conversation re-sends them). The key is hashed
+  into the weights, so every worker and replica gives a new key the same target without asking anyone;
+  the target is then pinned to the key and the public name (:class:`SplitPinned` over the state bus; one
+  session may ask for several), so that a reload changing the weights moves new conversations only. A
+  request with no key at all is drawn at random by the weights;
 - *fallbacks* follow the chosen target, in order (the director tries them: :mod:`gateway.request.director`).
 
 A name no rule mentions is served as it is. Owner: :class:`ModelRules` owns the rules in force (replaced
@@ -85,7 +85,7 @@ class ModelRules:
         rule = self._rules[model]
         if rule.target is not None:
             return route
-        key = self._sticky_key(kind, headers, body)
+        key = self._sticky_key(model, kind, headers, body)
         target = self._chosen(model, rule, key) if key is not None else _weighted(rule, self._draw())
         return ModelRoute(model, (target, *rule.fallbacks), rule.expose_target, rule.fallback_wait_s, True, key)
 
@@ -116,13 +116,16 @@ class ModelRules:
     def apply_remote(self, origin: str, fact: SplitPinned) -> None:
         self._pins.put((fact.public, fact.key), fact.target)
 
-    def _sticky_key(self, kind: RequestKind, headers: Any, body: InferenceRequest) -> str | None:
+    def _sticky_key(self, public: str, kind: RequestKind, headers: Any, body: InferenceRequest) -> str | None:
+        # The response it continues, where the target that answered it is known: first, since the conversation
+        # the gateway names for a continued response (its first response's id) was not the first turn's key.
+        continued = RESPONSE_KEY + body.previous_response_id if body.previous_response_id else None
+        if continued is not None and (public, continued) in self._pins:
+            return continued
         # A workflow, a session or a Responses conversation (the one a stored response continues included).
         if (context := self._signals.context_key(headers, body)) is not None:
             return context
-        if body.previous_response_id:  # continued on the pods' own store
-            return RESPONSE_KEY + body.previous_response_id
-        return _opening(kind, body)
+        return continued or _opening(kind, body)
 
     def _chosen(self, public: str, rule: ModelRule, key: str) -> str:
         pinned = self._pins.touch((public, key))

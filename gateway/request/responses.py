@@ -15,7 +15,9 @@ With ``responses.store: pods`` the pod that answered keeps the response (vLLM's
 ``VLLM_ENABLE_RESPONSES_API_STORE``): the gateway records only which pod that was, and a follow-up goes
 to that pod alone, its body untouched.
 
-An id the store does not hold, or that another API key created, is a 404 in OpenAI's shape.
+An id the store does not hold, or that another API key created, is a 404 in OpenAI's shape; so, with the
+gateway's store, is one that a replica with the pods' store recorded in the shared store (it holds no
+conversation).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ log = logging.getLogger("gateway.responses")
 
 # Where the whole conversation goes in the rewritten body (a string no client sends).
 _SPLICE = f"\x00{secrets.token_hex(8)}\x00"
-_SPLICED = orjson.dumps(_SPLICE)
+_SPLICED = msgspec.json.encode(_SPLICE)
 
 
 class _Response(msgspec.Struct):
@@ -107,13 +109,24 @@ class ResponsesState:
         try:
             stored = await self.store.get(response_id)
         except StoreUnavailable:
-            raise GatewayError(ErrorKind.UNAVAILABLE, "The Responses store is not answering; retry shortly.",
-                               code="store_unavailable") from None
-        if stored is None or stored.owner != owner_of(key):
+            raise _store_unavailable() from None
+        # A record with no response is the pods' store's (a replica with responses.store: pods wrote it to
+        # the shared store): the gateway's store holds nothing of it to serve or continue.
+        if stored is None or stored.owner != owner_of(key) or not (self.pods_keep or stored.response):
             self._metrics.events.labels("not_found").inc()
             raise response_not_found(response_id, param)
         self._metrics.events.labels("found").inc()
         return stored
+
+    async def delete(self, response_id: str) -> bool:
+        """Whether the store held it (and now does not); a 503 when the shared store is down."""
+        try:
+            deleted = await self.store.delete(response_id)
+        except StoreUnavailable:
+            raise _store_unavailable() from None
+        if deleted:
+            self._metrics.events.labels("deleted").inc()
+        return deleted
 
     async def keep(self, stored: StoredResponse) -> None:
         try:
@@ -130,13 +143,17 @@ class ResponsesState:
         earlier = orjson.loads(previous.input)
         items = [*earlier, *_output.decode(previous.response).output, *_items(parsed.input)]
         items_json = orjson.dumps(items)
-        body = orjson.loads(request.body)
+        try:  # msgspec, not orjson: a big integer is kept exact; a number out of a double's range refused
+            body = msgspec.json.decode(request.body)
+        except msgspec.MsgspecError as exc:
+            raise bad_request(f"invalid JSON: {exc}") from None
         body.pop("previous_response_id", None)
         body["input"], body["store"] = _SPLICE, False
-        encoded = orjson.dumps(body).replace(_SPLICED, items_json, 1)
+        encoded = msgspec.json.encode(body).replace(_SPLICED, items_json, 1)
         conversation = parsed.conversation or previous.conversation
-        expanded = msgspec.structs.replace(parsed, input=items, previous_response_id=None, store=False,
-                                           conversation=conversation)
+        # previous_response_id stays in what was parsed (the body no longer names it): the model rules give a
+        # continued response the target that answered it.
+        expanded = msgspec.structs.replace(parsed, input=items, store=False, conversation=conversation)
         tap = None if parsed.store is False else _Tap(self, owner_of(request.key), previous.conversation, items_json)
         return dataclasses.replace(request, body=encoded, parsed=expanded, answer_tap=tap)
 
@@ -150,6 +167,11 @@ class ResponsesState:
         return dataclasses.replace(
             request, only_pod=pod.name, answer_tap=_Tap(self, owner_of(request.key), previous.conversation, None),
             parsed=msgspec.structs.replace(parsed, conversation=parsed.conversation or previous.conversation))
+
+
+def _store_unavailable() -> GatewayError:
+    return GatewayError(ErrorKind.UNAVAILABLE, "The Responses store is not answering; retry shortly.",
+                        code="store_unavailable")
 
 
 def _items(value: Any) -> list[Any]:

@@ -8,10 +8,10 @@ the pod that answered, the conversation it belongs to (the id of its first respo
 rest.
 
 Two stores, one interface (:class:`ResponseStore`): :class:`MemoryResponses`, this process's own, bounded by
-count and bytes (least recently used first) and by age; :class:`RedisResponses`, shared by every worker and
-replica (``shared_state.redis_url``), each response a key with the same age limit. A gateway of several
-workers without Redis keeps each response in the worker that stored it and asks its siblings for the
-others (:mod:`gateway.cluster.sibling_responses`).
+count and bytes (least recently used first; a response larger than the byte bound is not kept) and by
+age; :class:`RedisResponses`, shared by every worker and replica (``shared_state.redis_url``), each
+response a key with the same age limit. A gateway of several workers without Redis keeps each response in
+the worker that stored it and asks its siblings for the others (:mod:`gateway.cluster.sibling_responses`).
 
 Owner: each store owns its records; the Responses step (:mod:`gateway.request.responses`) writes them as
 answers arrive, the Responses routes read and delete them.
@@ -105,6 +105,10 @@ class MemoryResponses:
         return stored
 
     def keep(self, stored: StoredResponse) -> None:
+        if stored.size > self._max_bytes:  # it would evict every other response, then itself
+            log.warning("response %s (%d bytes) exceeds responses.max_bytes; not kept", stored.id, stored.size)
+            self._metrics.events.labels("evicted").inc()
+            return
         old = self._records.pop(stored.id, None)
         if old is not None:
             self.bytes -= old.size

@@ -186,3 +186,25 @@ async def test_a_ttft_slo_counts_the_wait_at_every_target_it_fell_back_from(flee
         for task in busy:
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
+
+
+@pytest.mark.parametrize("store", ["gateway", "pods"])
+async def test_a_split_keeps_a_responses_conversation_on_the_target_of_its_first_turn(start_mock_pod, start_gateway,
+                                                                                      http, store):
+    """Turns chained by ``previous_response_id`` alone (no session, no ``conversation``): the first is drawn
+    by the weights, and every later turn gets the target that answered it, whoever keeps the responses."""
+    pods = [await start_mock_pod(model=model, responses_store=True) for model in ("stable", "canary")]
+    gw = await start_gateway([p.url for p in pods], models={"rules": RULES}, responses={"store": store})
+    targets: list[list[str]] = []
+    for n in range(30):
+        previous, seen = None, []
+        for turn in range(3):
+            body = {"model": "chat", "input": f"conversation {n}, turn {turn}", "max_output_tokens": 2}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            status, headers, raw = await post(http, gw.url, body, "/v1/responses")
+            assert status == 200, raw
+            previous = json.loads(raw)["id"]
+            seen.append(headers["x-gateway-model"])
+        targets.append(seen)
+    assert all(len(set(seen)) == 1 for seen in targets), targets

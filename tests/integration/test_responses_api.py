@@ -6,6 +6,7 @@ through two workers and two simulated pods; the stored responses' routes; the po
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -145,6 +146,10 @@ async def test_stored_responses_routes(start_mock_pod, start_gateway, http):
     await a.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         await a.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await a.responses.delete(first.id)
+    counted = gw.gateway.metrics.registry.get_sample_value
+    assert [counted("gateway_responses_total", {"event": e}) for e in ("stored", "deleted")] == [2, 1]
     unstored = await a.responses.create(model=MODEL, input="Hello", max_output_tokens=3, store=False)
     with pytest.raises(openai.NotFoundError):
         await a.responses.retrieve(unstored.id)
@@ -192,3 +197,105 @@ async def test_replicas_sharing_redis_continue_each_others_conversations(start_m
     assert (await clients[0].responses.retrieve(previous.id)).id == previous.id
     for client in clients:
         await client.close()
+
+
+
+async def test_a_continued_requests_numbers_reach_the_pod_as_sent_or_are_a_400(start_backend, start_gateway, http):
+    """The body is rewritten into the whole conversation: a big integer reaches the pod exactly as sent, and a
+    number out of a double's range is refused in OpenAI's shape (not a 500)."""
+    bodies: list[bytes] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        bodies.append(await request.read())
+        return web.json_response({"id": f"resp_{len(bodies)}", "object": "response", "output": []})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", answer)
+    app.router.add_get("/v1/models", models)
+    gw = await start_gateway([await start_backend(app)])
+    first = b'{"model": "%s", "input": "Hi"}' % MODEL.encode()
+    continued = b'{"model": "%s", "input": "Again", "previous_response_id": "resp_1", %s}'
+    for body, status in ((first, 200), (continued % (MODEL.encode(), b'"seed": 123456789012345678901234567890'), 200),
+                         (continued % (MODEL.encode(), b'"x": 1e999'), 400)):
+        async with http.post(f"{gw.url}/v1/responses", data=body, headers={"content-type": "application/json"}) as resp:
+            assert resp.status == status, await resp.text()
+            if status == 400:
+                assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    assert len(bodies) == 2 and b'"seed":123456789012345678901234567890' in bodies[-1], bodies
+
+
+async def test_a_response_a_pods_store_replica_recorded_is_a_404_where_the_gateway_keeps_them(
+        start_mock_pod, start_gateway, redis_server, http):
+    """Replicas sharing Redis while ``responses.store`` changes from pods to gateway: a record of the pods'
+    store holds no conversation, so the gateway's store answers for it as for one it does not hold."""
+    pod = await start_mock_pod(responses_store=True)
+    shared = {"redis_url": redis_server.url, **FAST_BUS}
+    old, new = [await start_gateway([pod.url], shared_state=shared, responses={"store": store})
+                for store in ("pods", "gateway")]
+    async with http.post(f"{old.url}/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}) as r:
+        first = (await r.json())["id"]
+    continued = {"model": MODEL, "input": "Again", "max_output_tokens": 2, "previous_response_id": first}
+    async with http.post(f"{new.url}/v1/responses", json=continued) as resp:
+        assert resp.status == 404, await resp.text()
+        assert (await resp.json())["error"]["param"] == "previous_response_id"
+    for path in (f"/v1/responses/{first}", f"/v1/responses/{first}/input_items"):
+        async with http.get(new.url + path) as resp:
+            assert resp.status == 404, (path, await resp.text())
+
+
+async def test_a_deletion_the_shared_store_fails_is_a_503(start_mock_pod, start_gateway, redis_server, http):
+    """The store answers the lookup, then fails the deletion (here: a Redis user that may not DEL): the
+    client gets the store's 503 in OpenAI's shape, as for a lookup it fails, and the response stays."""
+    import redis.asyncio as redis
+
+    admin = redis.from_url(redis_server.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", "-del", "-unlink")
+    await admin.aclose()
+    url = redis_server.url.replace("redis://", "redis://gw:pw@")
+    pod = await start_mock_pod()
+    gw = await start_gateway([pod.url], shared_state={"redis_url": url, **FAST_BUS})
+    async with http.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}) as r:
+        first = (await r.json())["id"]
+    async with http.delete(f"{gw.url}/v1/responses/{first}") as resp:
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "store_unavailable"
+    async with http.get(f"{gw.url}/v1/responses/{first}") as resp:
+        assert resp.status == 200
+
+
+async def test_with_the_pods_store_a_background_response_streams_from_its_pod(start_backend, start_gateway, http):
+    """``GET /v1/responses/{id}?stream=true`` of a background response (vLLM answers its events as they
+    come): each event reaches the client as the pod sends it, as a stream."""
+    more = asyncio.Event()
+
+    async def create(request: web.Request) -> web.Response:
+        return web.json_response({"id": "resp_bg", "object": "response", "status": "queued", "output": []})
+
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        assert request.query["stream"] == "true"
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: response.in_progress\ndata: {"sequence_number": 0}\n\n')
+        await more.wait()  # the background response is still running
+        await resp.write(b'event: response.completed\ndata: {"sequence_number": 1}\n\n')
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_get("/v1/models", models)
+    gw = await start_gateway([await start_backend(app)], responses={"store": "pods"})
+    async with http.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "Hi", "background": True}) as resp:
+        assert resp.status == 200 and (await resp.json())["id"] == "resp_bg"
+    async with http.get(f"{gw.url}/v1/responses/resp_bg?stream=true") as resp:
+        assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first.startswith(b"event: response.in_progress\n")
+        more.set()
+        assert (await resp.read()).startswith(b"event: response.completed\n")

@@ -73,6 +73,18 @@ def test_the_memory_store_is_bounded_by_count_bytes_and_age():
     assert decode(encode(stored("x"))) == stored("x")
 
 
+def test_a_response_larger_than_the_byte_bound_is_not_kept_and_evicts_none_of_the_others():
+    registry = CollectorRegistry()
+    store = MemoryResponses(ResponsesConfig(max_responses=10, max_bytes=400), ResponsesMetrics(registry),
+                            clock=lambda: 100.0)
+    for name in "abc":
+        store.keep(stored(name))
+    kept = store.bytes
+    store.keep(stored("huge", size=1000))
+    assert store.find("huge") is None and [store.find(n) is not None for n in "abc"] == [True] * 3
+    assert store.bytes == kept and registry.get_sample_value("gateway_responses_total", {"event": "evicted"}) == 1
+
+
 def test_the_tap_finds_a_streams_event_across_chunks():
     event = b'event: response.completed\ndata: {"response": {"id": "resp_1"}}\n\n'
     stream = b'event: response.created\ndata: {"response": {"id": "resp_1"}}\n\n' + event
