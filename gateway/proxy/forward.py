@@ -120,6 +120,11 @@ class Proxy:
             raise RetryableFailure(
                 upstream_failed(f"Pod {pod.name} closed the connection before answering: {exc}"), "disconnect",
             ) from None
+        except aiohttp.ClientResponseError as exc:  # what came back is not HTTP (a bad status line or header)
+            message = f"Pod {pod.name} answered with invalid HTTP: {' '.join(exc.message.split())}"
+            self._metrics.upstream_errors.labels(pod.name, "invalid_response").inc()
+            self._pods.report_server_error(pod, message)
+            raise RetryableFailure(upstream_failed(message), "invalid_response") from None
         except TimeoutError:
             # Not retried: the pod may still be working on it, and a second copy would double the load.
             self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()
