@@ -49,14 +49,16 @@ class Proxy:
         self._http = http
         self._auth = auth
         self._first_byte_s = timeouts.first_byte_s
-        # aiohttp's per-read timeout covers both the wait for headers and the gaps between chunks; an
-        # extra timer per request is paid only for whichever of the two is configured shorter.
+        # aiohttp's per-read timeout covers both the wait for the first byte (the headers, and a stream's first
+        # chunk) and the gaps between chunks; an extra timer per request is paid only for whichever of the two
+        # is configured shorter.
         sock_read = max(timeouts.first_byte_s, timeouts.idle_s)
         self._explicit_first_byte = timeouts.first_byte_s < sock_read
         self._client_timeout = aiohttp.ClientTimeout(
             total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=sock_read
         )
-        self._relay = Relay(metrics, timeouts, server.client_stall_s, explicit_idle=timeouts.idle_s < sock_read)
+        self._relay = Relay(metrics, timeouts, server.client_stall_s, explicit_idle=timeouts.idle_s < sock_read,
+                            explicit_first_byte=self._explicit_first_byte)
 
     async def forward(self, call: UpstreamCall, client: web.Request) -> tuple[web.StreamResponse, RelayOutcome]:
         """Send the request to ``call.pod`` and relay its answer to ``client``; a failure before anything
@@ -120,6 +122,11 @@ class Proxy:
             raise RetryableFailure(
                 upstream_failed(f"Pod {pod.name} closed the connection before answering: {exc}"), "disconnect",
             ) from None
+        except aiohttp.ClientResponseError as exc:  # what came back is not HTTP (a bad status line or header)
+            message = f"Pod {pod.name} answered with invalid HTTP: {' '.join(exc.message.split())}"
+            self._metrics.upstream_errors.labels(pod.name, "invalid_response").inc()
+            self._pods.report_server_error(pod, message)
+            raise RetryableFailure(upstream_failed(message), "invalid_response") from None
         except TimeoutError:
             # Not retried: the pod may still be working on it, and a second copy would double the load.
             self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()

@@ -44,12 +44,15 @@ class ClientStalled(Exception):
 
 class Relay:
     def __init__(self, metrics: GatewayMetrics, timeouts: TimeoutConfig, client_stall_s: float,
-                 explicit_idle: bool) -> None:
+                 explicit_idle: bool, explicit_first_byte: bool) -> None:
         self._metrics = metrics
         self._idle_s = timeouts.idle_s
+        self._first_byte_s = timeouts.first_byte_s
         self._client_stall_s = client_stall_s
-        # aiohttp's own read timeout covers the gaps between chunks unless ``idle_s`` is the shorter one.
+        # aiohttp's own read timeout (the longer of the two) covers a stream's first chunk unless ``first_byte_s``
+        # is the shorter one, and the gaps between chunks unless ``idle_s`` is.
         self._explicit_idle = explicit_idle
+        self._explicit_first_byte = explicit_first_byte
 
     @staticmethod
     def answer_headers(call: UpstreamCall, upstream: aiohttp.ClientResponse) -> dict[str, str]:
@@ -134,7 +137,10 @@ class Relay:
                 client.transport.abort()
             return response, ended(499, Ending.CLIENT_STALLED)
         except (*_UPSTREAM_READ_ERRORS, TimeoutError) as exc:
-            kind = "idle_timeout" if isinstance(exc, TimeoutError) else "mid_stream"
+            if isinstance(exc, TimeoutError):
+                kind = "idle_timeout" if first_byte_at is not None else "first_byte_timeout"
+            else:
+                kind = "mid_stream"
             self._metrics.stream_aborts.labels(pod, "upstream").inc()
             self._metrics.upstream_errors.labels(pod, kind).inc()
             log.warning("request %s: pod %s broke the stream (%s)", call.request_id, pod, kind)
@@ -163,14 +169,20 @@ class Relay:
             raise ClientStalled from None
 
     async def _chunks(self, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        if not self._explicit_idle:
-            async for chunk in upstream.content.iter_any():
-                yield chunk
-            return
-        while True:
-            async with asyncio.timeout(self._idle_s):
-                chunk = await upstream.content.readany()
-            if not chunk:
-                return
+        """The stream's chunks. An engine sends a stream's headers at once and its first chunk once the prompt
+        is prefilled: that chunk is the answer's first byte, and waits up to ``first_byte_s``; each later one
+        up to ``idle_s``."""
+        content = upstream.content
+        if self._explicit_first_byte:
+            async with asyncio.timeout(self._first_byte_s):
+                chunk = await content.readany()
+        else:
+            chunk = await content.readany()
+        while chunk:
             yield chunk
+            if self._explicit_idle:
+                async with asyncio.timeout(self._idle_s):
+                    chunk = await content.readany()
+            else:
+                chunk = await content.readany()
 

@@ -312,3 +312,47 @@ async def test_a_pods_cookie_never_reaches_another_clients_request(start_backend
             async with clients.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
                 assert resp.status == 200 and "set-cookie" in resp.headers.get("set-cookie", "set-cookie")
     assert seen == [None, None]  # the gateway kept no cookie of the pod's to send on
+
+
+async def not_http_on_posts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A pod that lists model ``m`` (its health checks pass) but answers each POST with what is not HTTP (another
+    service on its port, a mangled status line)."""
+    models = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not head.startswith(b"GET"):
+                writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+                break
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(models), models))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    writer.close()
+
+
+async def test_a_pod_answering_what_is_not_http_fails_over_to_another_pod(start_backend, start_gateway, http, caplog):
+    server = await asyncio.start_server(not_http_on_posts, "127.0.0.1", 0)
+    bad = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        good = await start_backend(backend(ok))
+        gw = await start_gateway([{"url": bad, "name": "bad"}, {"url": good, "name": "good"}],
+                                 routing={"policy": "round_robin"})
+        for _ in range(2):  # round robin: the bad pod is tried first at least once
+            async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-gateway-pod"] == "good"
+        counted = gw.gateway.metrics.registry.get_sample_value("gateway_upstream_errors_total",
+                                                               {"pod": "bad", "kind": "invalid_response"})
+        assert counted >= 1
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no "unhandled error" traceback
+        gw = await start_gateway([{"url": bad, "name": "bad"}])
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
+            assert resp.status == 502  # the pod failed: not the gateway's own 500
+            assert "invalid HTTP" in assert_openai_error(await resp.json(), "bad_gateway")["message"]
+    finally:
+        server.close()

@@ -116,6 +116,39 @@ async def test_stalled_stream_hits_the_idle_timeout(start_backend, start_gateway
     assert recorded(gw, caplog) == ({"502": 1.0}, [502], 0.0)
 
 
+async def test_a_streams_first_chunk_waits_first_byte_s_and_each_later_one_idle_s(start_backend, start_gateway, http,
+                                                                                  caplog):
+    """An engine sends a stream's headers at once and its first event once the prompt is prefilled (vLLM, the
+    simulator): that first event is the answer's first byte, bounded by ``first_byte_s``, not ``idle_s``."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+
+    async def prefills_then_streams(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)  # the headers go at once
+        await asyncio.sleep(1.2)  # the prefill (a queue, a long prompt)
+        for n in range(1, 4):
+            await resp.write(b'data: {"n": %d}\n\n' % n)
+            await asyncio.sleep(0.02)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    url = await start_backend(backend(prefills_then_streams))
+    patient = await start_gateway([url], timeouts={"first_byte_s": 5, "idle_s": 0.4})
+    async with http.post(f"{patient.url}/v1/chat/completions", json=chat_body(model="m", stream=True)) as resp:
+        body = await asyncio.wait_for(resp.read(), timeout=10)
+    assert body.endswith(b"data: [DONE]\n\n") and b"error" not in body  # idle_s is for the gaps after it
+    assert recorded(patient, caplog)[0] == {"200": 1.0}
+    strict = await start_gateway([url], timeouts={"first_byte_s": 0.4, "idle_s": 5})
+    async with http.post(f"{strict.url}/v1/chat/completions", json=chat_body(model="m", stream=True)) as resp:
+        body = await asyncio.wait_for(resp.read(), timeout=10)
+    assert b'data: {"n"' not in body and b"first_byte_timeout" in body  # cut at first_byte_s, not idle_s
+    assert recorded(strict, caplog)[0] == {"502": 1.0}
+    errors = strict.gateway.metrics.registry.get_sample_value("gateway_upstream_errors_total",
+                                                              {"pod": strict.gateway.pods.all()[0].name,
+                                                               "kind": "first_byte_timeout"})
+    assert errors == 1
+
+
 async def test_limits_on_messages_and_prompt_length(start_mock_pod, start_gateway, http):
     pod = await start_mock_pod(max_model_len=64)
     gw = await start_gateway([pod.url], routing={"policy": "kv_aware"}, server={"max_messages": 3},
