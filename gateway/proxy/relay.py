@@ -173,16 +173,16 @@ class Relay:
         is prefilled: that chunk is the answer's first byte, and waits up to ``first_byte_s``; each later one
         up to ``idle_s``."""
         content = upstream.content
-        if self._explicit_first_byte:
-            async with asyncio.timeout(self._first_byte_s):
-                chunk = await content.readany()
-        else:
-            chunk = await content.readany()
-        while chunk:
+        limit_s = self._first_byte_s if self._explicit_first_byte else None
+        while chunk := await _read(content, limit_s):
             yield chunk
-            if self._explicit_idle:
-                async with asyncio.timeout(self._idle_s):
-                    chunk = await content.readany()
-            else:
-                chunk = await content.readany()
+            limit_s = self._idle_s if self._explicit_idle else None
+
+
+async def _read(content: aiohttp.StreamReader, limit_s: float | None) -> bytes:
+    """The next chunk; within ``limit_s`` when aiohttp's own read timeout does not already bound it (None)."""
+    if limit_s is None:
+        return await content.readany()
+    async with asyncio.timeout(limit_s):
+        return await content.readany()
 
