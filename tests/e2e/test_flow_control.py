@@ -11,8 +11,10 @@ own process with one worker (see ``WORKERS``), once with flow control on and onc
 process's.
 
 B's floor is B alone (through the same gateway, idle pod) plus one of A's prefills on the idle pod: a pod
-that gives each step first to the prefill it runs cannot do better for B while A keeps it busy. The table the
-module prints (``-s``) holds the figures docs/benchmarks.md quotes.
+that gives each step first to the prefill it runs cannot do better for B while A keeps it busy. Both are
+measured before the flood and again after it, and pooled, on the machine the suite runs on; the runs are sized
+by answers and capped in floors, so a slower machine (or one beside a CPU hog) runs longer, not short of
+answers. The table the module prints (``-s``) holds the figures docs/benchmarks.md quotes.
 
 The same flood of distinct documents with longer answers (``DOC_MAX_TOKENS``) runs on the first pod and on a
 second one started with ``--scheduling-policy priority``, to which the gateway sends each request's priority
@@ -54,14 +56,26 @@ A_MAX_TOKENS = 4
 B_CLIENTS = 2
 B_WORDS = 100  # about 200 tokens
 B_MAX_TOKENS = 16
+# The runs are sized by the answers they read a quantile from, not by seconds: machines of our kind differ
+# up to 5x in vLLM CPU speed (A's prefill took 0.13-0.15 s here, 0.79-0.84 s on a slower one, where a flood
+# cut at a fixed 36 s left B 16-18 answers). Each run lasts at least its *_S, goes on until it has its
+# answers, and is cut at a cap measured in the floor (B alone's p90 plus one of A's prefills, both measured
+# first on this machine), so the cap grows with the pod's slowness and the suite's time with it.
 ALONE_S = 4.0
+ALONE_ANSWERS = 30  # B alone: its p90 is the floor's first term
+ALONE_CAP_S = 60.0  # before any floor is known: B alone answered 30 times in 2-3 s here
 FLOOD_S = 12.0
 B_JOINS_AT_S = 2.0  # B starts once A's first wave has filled the pod
 TARGET = 1.5  # B's TTFT p90 beside A, in floors
-# B's answers a p90 is read from: the flood goes on (A's clients too) until B has them, FLOOD_S * 3 at most.
-# B answered 31-60 times in FLOOD_S on this machine, but 16 in one CI run. With 30-36 answers the p90 is the
-# 4th slowest of them; 60 halve what one slow answer moves it (ten runs in a row: docs/flow-isolation.md).
+# B's answers a p90 is read from: the flood goes on (A's clients too) until B has them. B answered 31-60 times
+# in FLOOD_S on this machine, but 16 in one CI run. With 30-36 answers the p90 is the 4th slowest of them; 60
+# halve what one slow answer moves it (ten runs in a row: docs/flow-isolation.md).
 B_ANSWERS = 60
+# Without flow control B waits many floors an answer: enough for a p90 that shows it, no more.
+B_ANSWERS_WITHOUT = 6
+# A flood's cap, in floors: 36 s here (floor ~0.155 s); ~210 s where A's prefill takes 0.8 s. B's 60 answers
+# came in 12-24 s here, so the cap only ends a run that would never get them.
+FLOOD_CAP_FLOORS = 240
 DOC_MAX_TOKENS = 32  # the documents flood: A's answers, longer
 REFUSALS = ("queue_full", "queue_timeout", "slo_unreachable")  # gateway_flow_requests_total's 429 outcomes
 # One gateway worker. The workers of ``gateway serve`` agree which held request goes next
@@ -111,15 +125,42 @@ class Run:
 
 
 @dataclass(slots=True)
+class Idle:
+    """The pod idle, through the gateway: B alone, and A's prompts one at a time (their TTFTs: prefills)."""
+
+    b: Run
+    a_prefills_s: list[float]
+
+    def __add__(self, other: Idle) -> Idle:
+        return Idle(Run(self.b.answers + other.b.answers), self.a_prefills_s + other.a_prefills_s)
+
+    @property
+    def a_prefill_s(self) -> float:
+        return statistics.median(self.a_prefills_s)
+
+    @property
+    def floor_s(self) -> float:
+        """B's floor: B alone's TTFT p90 plus one of A's prefills."""
+        return self.b.ttft("B", 0.9) + self.a_prefill_s
+
+
+@dataclass(slots=True)
 class Measured:
-    alone: Run  # B alone
-    a_prefill_s: float  # one of A's prompts on the idle pod: its TTFT (the median of three)
+    """The idle pod measured before the flood and after it (the floor from both: on a machine whose other load
+    comes and goes, either side alone can catch a quiet or a busy moment), and the flood."""
+
+    before: Idle
+    after: Idle
     on: Run
     off: Run | None = None
 
     @property
+    def idle(self) -> Idle:
+        return self.before + self.after
+
+    @property
     def floor_s(self) -> float:
-        return self.alone.ttft("B", 0.9) + self.a_prefill_s
+        return self.idle.floor_s
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -163,13 +204,14 @@ class Window:
     cap: float = math.inf
 
     @classmethod
-    def of(cls, seconds: float, out: list[Answer], b_answers: int = 0) -> Window:
+    def of(cls, seconds: float, out: list[Answer], b_answers: int = 0, cap_s: float = math.inf) -> Window:
         now = time.monotonic()
-        return cls(now + seconds, out, b_answers, now + 3 * seconds)
+        return cls(now + seconds, out, b_answers, now + max(seconds, cap_s))
 
     def open(self) -> bool:
         now = time.monotonic()
-        return now < self.until or (now < self.cap and sum(a.tenant == "B" for a in self.out) < self.b_answers)
+        answered = sum(a.tenant == "B" and a.status == 200 for a in self.out)
+        return now < self.until or (now < self.cap and answered < self.b_answers)
 
 
 async def chat_client(http: aiohttp.ClientSession, url: str, tenant: str, name: str, words: int, max_tokens: int,
@@ -184,33 +226,29 @@ async def chat_client(http: aiohttp.ClientSession, url: str, tenant: str, name: 
                                             max_tokens))
 
 
-async def b_alone(url: str, tag: str) -> Run:
+async def idle_pod(url: str, tag: str) -> Idle:
+    """B alone, then three of A's prompts one at a time, on the idle pod."""
     out: list[Answer] = []
     async with aiohttp.ClientSession() as http:
         await stream_chat(http, url, "warmup", f"{tag} warm-up: {text(random.Random(tag), B_WORDS)}", 1)
-        window = Window.of(ALONE_S, out)
+        window = Window.of(ALONE_S, out, ALONE_ANSWERS, ALONE_CAP_S)
         await asyncio.gather(*(chat_client(http, url, "B", f"{tag}-alone-B{c}", B_WORDS, B_MAX_TOKENS, window)
                                for c in range(B_CLIENTS)))
-    return Run(out)
+        a = [await stream_chat(http, url, "A", f"{tag} idle A{i}: {text(random.Random(f'{tag}{i}'), A_WORDS)}",
+                               A_MAX_TOKENS) for i in range(3)]
+    assert all(answer.status == 200 for answer in a), a
+    assert all(3000 < answer.prompt_tokens <= MAX_MODEL_LEN - A_MAX_TOKENS for answer in a), a
+    return Idle(Run(out), [answer.ttft_s for answer in a])
 
 
-async def a_prefill_s(url: str, tag: str) -> float:
-    async with aiohttp.ClientSession() as http:
-        answers = [await stream_chat(http, url, "A", f"{tag} idle A{i}: {text(random.Random(f'{tag}{i}'), A_WORDS)}",
-                                     A_MAX_TOKENS) for i in range(3)]
-    assert all(a.status == 200 for a in answers), answers
-    assert all(3000 < a.prompt_tokens <= MAX_MODEL_LEN - A_MAX_TOKENS for a in answers), answers
-    return statistics.median(a.ttft_s for a in answers)
-
-
-async def flood(url: str, pod_url: str, tag: str, b_answers: int = B_ANSWERS, a_max_tokens: int = A_MAX_TOKENS
-                ) -> Run:
+async def flood(url: str, pod_url: str, tag: str, floor_s: float, b_answers: int = B_ANSWERS,
+                a_max_tokens: int = A_MAX_TOKENS) -> Run:
     """A's clients from the start, B's from ``B_JOINS_AT_S``, none sending after ``FLOOD_S`` once B has
-    ``b_answers`` answers."""
+    ``b_answers`` answers, nor after ``FLOOD_CAP_FLOORS`` floors."""
     out: list[Answer] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         finished = await pod_metric(http, pod_url, "vllm:request_success_total")
-        window = Window.of(FLOOD_S, out, b_answers)
+        window = Window.of(FLOOD_S, out, b_answers, FLOOD_CAP_FLOORS * floor_s)
 
         async def b_side() -> None:
             await asyncio.sleep(B_JOINS_AT_S)
@@ -263,12 +301,12 @@ def measured(flow_pod: VllmPod, model_dir: str, tmp_path_factory: pytest.TempPat
     on, then through one with it off; the table printed."""
     configs = tmp_path_factory.mktemp("flow-control")
     with gateway_process("--config", gateway_config(configs / "on.json", flow_pod, model_dir, True)) as gw:
-        alone = asyncio.run(b_alone(gw.url, "on"))
-        prefill_s = asyncio.run(a_prefill_s(gw.url, "on"))
-        on = asyncio.run(flood(gw.url, flow_pod.url, "on"))
+        before = asyncio.run(idle_pod(gw.url, "on"))
+        on = asyncio.run(flood(gw.url, flow_pod.url, "on", before.floor_s))
+        after = asyncio.run(idle_pod(gw.url, "on-after"))
     with gateway_process("--config", gateway_config(configs / "off.json", flow_pod, model_dir, False)) as gw:
-        off = asyncio.run(flood(gw.url, flow_pod.url, "off", b_answers=0))  # B is slow here: no more than the rest
-    result = Measured(alone, prefill_s, on, off)
+        off = asyncio.run(flood(gw.url, flow_pod.url, "off", before.floor_s, b_answers=B_ANSWERS_WITHOUT))
+    result = Measured(before, after, on, off)
     print(table(result))
     return result
 
@@ -283,22 +321,23 @@ def documents(request: pytest.FixtureRequest, flow_pods: VllmFleet, model_dir: s
     config = gateway_config(tmp_path_factory.mktemp("documents") / f"{scheduling}.json", pod, model_dir, True,
                             scheduling)
     with gateway_process("--config", config) as gw:
-        alone = asyncio.run(b_alone(gw.url, f"doc-{scheduling}"))
-        prefill_s = asyncio.run(a_prefill_s(gw.url, f"doc-{scheduling}"))
-        on = asyncio.run(flood(gw.url, pod.url, f"doc-{scheduling}", a_max_tokens=DOC_MAX_TOKENS))
-    result = Measured(alone, prefill_s, on)
+        before = asyncio.run(idle_pod(gw.url, f"doc-{scheduling}"))
+        on = asyncio.run(flood(gw.url, pod.url, f"doc-{scheduling}", before.floor_s, a_max_tokens=DOC_MAX_TOKENS))
+        after = asyncio.run(idle_pod(gw.url, f"doc-{scheduling}-after"))
+    result = Measured(before, after, on)
     print(f"\ndocuments, {DOC_MAX_TOKENS}-token answers, scheduling {scheduling}:" + table(result))
     return result
 
 
 def table(m: Measured) -> str:
-    runs = [("alone", m.alone, "B"), ("flow control on", m.on, "BA")]
+    runs = [("alone, before", m.before.b, "B"), ("alone, after", m.after.b, "B"), ("flow control on", m.on, "BA")]
     without = ""
     if m.off is not None:
         runs.append(("flow control off", m.off, "BA"))
         without = f", {m.off.ttft('B', 0.9) / m.floor_s:.2f} without"
-    lines = [f"\nB's floor {m.floor_s:.3f} s = B alone p90 {m.alone.ttft('B', 0.9):.3f} s + one A prefill "
-             f"{m.a_prefill_s:.3f} s; target B p90 <= {TARGET * m.floor_s:.3f} s; B p90 beside A "
+    lines = [f"\nB's floor {m.floor_s:.3f} s = B alone p90 {m.idle.b.ttft('B', 0.9):.3f} s + one A prefill "
+             f"{m.idle.a_prefill_s:.3f} s (before the flood {m.before.floor_s:.3f} s, after {m.after.floor_s:.3f} s)"
+             f"; target B p90 <= {TARGET * m.floor_s:.3f} s; B p90 beside A "
              f"{m.on.ttft('B', 0.9) / m.floor_s:.2f} floors with flow control{without}",
              "| run | tenant | sent | answered | 429 | TTFT p50 s | TTFT p90 s | weighted tokens share |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -335,7 +374,7 @@ def test_without_flow_control_b_waits_behind_a_flood(measured: Measured):
 
 def test_b_is_always_answered_and_a_answered_or_refused(measured: Measured):
     assert measured.off is not None
-    for run in (measured.alone, measured.on, measured.off):
+    for run in (measured.idle.b, measured.on, measured.off):
         assert {a.status for a in run.of("B")} == {200}, table(measured)
         assert {a.status for a in run.of("A")} <= {200, 429}, table(measured)
     for run in (measured.on, measured.off):
@@ -348,7 +387,8 @@ def test_flow_control_held_a_at_the_gateway_while_the_pod_was_saturated(measured
     on, off = measured.on.flow_requests, measured.off.flow_requests
     # Each of B's requests counted in B's flow (its header), A's held while the pod was saturated, and
     # each of A's refusals one of flow control's.
-    assert sum(v for (tenant, _), v in on.items() if tenant == "B") == len(measured.alone.of("B") + measured.on.of("B"))
+    b_sent = len(measured.before.b.of("B") + measured.on.of("B"))  # (B alone after the flood: metrics read before)
+    assert sum(v for (tenant, _), v in on.items() if tenant == "B") == b_sent
     assert on.get(("A", "after_wait"), 0) > 0, on
     refused = sum(v for (tenant, outcome), v in on.items() if tenant == "A" and outcome in REFUSALS)
     assert refused == sum(a.status == 429 for a in measured.on.of("A")), on
