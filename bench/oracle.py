@@ -219,9 +219,9 @@ class ClairvoyantKvCache(PagedKvCache):
         return positions[i] if i < len(positions) else math.inf
 
     def _next_free(self) -> Block:
-        front = next(iter(self._free.values()))
-        if front.block_hash is None:
-            return self._free.popitem(last=False)[1]
+        uncached = self._take_uncached()
+        if uncached is not None:
+            return uncached
         while True:
             *_, block_id, freed = heapq.heappop(self._by_next_use)
             if block_id in self._free and self._freed_at.get(block_id) == freed:

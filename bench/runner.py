@@ -568,6 +568,9 @@ class BenchRunner:
             return None, [msgspec.structs.replace(p, scheduling=scheduling) for p in self.existing_pods]
         fleet = MockPodFleet(MockPodsConfig(count=self.pods, model=self.model, block_size=self.block_size,
                                             num_blocks=self.num_blocks, speed=speed, prefill_pods=prefill_pods,
+                                            # Outputs as long as the trace's max_tokens, not the quick
+                                            # start's answers that end.
+                                            ends_answers=False,
                                             max_model_len=self.max_model_len or MODEL_MAX_LEN,
                                             connector="nixl", enable_lora=bool(self._adapters),
                                             lora_adapters=[] if lora_on_demand else self._adapters,

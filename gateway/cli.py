@@ -56,8 +56,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         mock: dict[str, Any] = {"count": args.mock_pods}
         if args.mock_speed is not None:
             mock["speed"] = args.mock_speed
-        if args.mock_ends_answers:
-            mock["ends_answers"] = True
+        if args.mock_ends_answers is not None:
+            mock["ends_answers"] = args.mock_ends_answers
         if args.mock_prefill_pods:
             mock["prefill_pods"] = args.mock_prefill_pods
         if args.mock_connector:
@@ -185,9 +185,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mock-pods", type=int, help="start N simulated pods beside the gateway (the simulator: "
                                                       "pip install 'kv-gateway[simulator]')")
     parser.add_argument("--mock-speed", type=float, help="time factor of the simulated pods (0: no delay)")
-    parser.add_argument("--mock-ends-answers", action="store_true",
-                        help="the simulated pods end each answer after their text, as a model does (for agent "
-                             "tools), instead of writing until max_tokens")
+    parser.add_argument("--mock-ends-answers", action=argparse.BooleanOptionalAction,
+                        help="the simulated pods end each answer after their text, as a model does (the default: "
+                             "what agent tools want); --no-mock-ends-answers: they write until max_tokens, as "
+                             "benchmarks want")
     parser.add_argument("--mock-prefill-pods", type=int,
                         help="of the simulated pods, this many take the prefill leg and the others decode "
                              "(prefill/decode disaggregation)")

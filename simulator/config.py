@@ -67,8 +67,16 @@ class MockPodConfig(SimulatedPodSettings, forbid_unknown_fields=True):
 
 class MockPodsConfig(SimulatedPodSettings, forbid_unknown_fields=True):
     """Simulated pods started beside the gateway (``gateway serve --mock-pods N``), each a ``gateway mock``
-    process."""
+    process. They are the quick start's, what a client is first tried against, so they behave as a model
+    behind vLLM does for an agent tool: answers that end, and a cache that holds a request of the model's
+    whole context. The benchmark (bench/runner.py) says what it wants instead: answers as long as its
+    trace's ``max_tokens``, and a cache sized to its working set."""
 
+    # Room for one request of the simulated model's whole context, as vLLM checks at start, plus vLLM's null
+    # block: Claude Code's first request alone (~4,400 prompt tokens plus 32,000 of answer) needs 2,276 blocks
+    # of 16. Blocks are made when first used (simulator/kvcache.py), so an idle pod's cache costs nothing.
+    num_blocks: int = MODEL_MAX_LEN // 16 + 1
+    ends_answers: bool = True
     count: int = 0
     base_port: int = 0
     # Prefill/decode disaggregation: the first ``prefill_pods`` pods take the prefill leg and the others

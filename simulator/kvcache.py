@@ -77,12 +77,17 @@ class PagedKvCache:
         self.hasher = hasher or SeededBlockHasher()
         self.medium = medium
         self.token_hash_root = token_hash_root
-        self._blocks = [Block(i) for i in range(num_blocks)]
         # vLLM takes the first block out of the pool as its null block (SGLang has none).
         self.usable_blocks = num_blocks - 1 if null_block else num_blocks
-        # Free blocks, the next to be reused first. Cached free blocks stay here until their slot is reused.
-        self._free: OrderedDict[int, Block] = OrderedDict(
-            (b.block_id, b) for b in self._blocks[num_blocks - self.usable_blocks:])
+        # Blocks are made when first used, so that a pool as large as the model's context costs nothing until
+        # it is filled: the ids never used yet are ``range(_next_new, num_blocks)``, in the free queue after the
+        # uncached blocks freed to its front and before the cached ones freed to its back (as vLLM's queue,
+        # which starts with every block in id order).
+        self._blocks: list[Block] = []
+        self._next_new = num_blocks - self.usable_blocks
+        # Free blocks made so far, the next to be reused first. Cached free blocks stay here until their slot
+        # is reused.
+        self._free: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[Hash, dict[int, Block]] = {}
         self.events: list[KvEvent] = []
         self.stats = CacheStats()
@@ -104,10 +109,10 @@ class PagedKvCache:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._next_new
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.usable_blocks
+        return 1.0 - self.num_free / self.usable_blocks
 
     def cached_prefix(self, hashes: list[Hash]) -> list[Block]:
         """Blocks holding the longest cached run of ``hashes`` from the first."""
@@ -126,7 +131,7 @@ class PagedKvCache:
 
     def free_blocks_excluding(self, blocks: list[Block]) -> int:
         """Free blocks left if ``blocks`` were taken out of the free queue (touched by a hit)."""
-        return len(self._free) - sum(1 for b in blocks if b.ref_count == 0)
+        return self.num_free - sum(1 for b in blocks if b.ref_count == 0)
 
     def cached_blocks(self) -> list[Block]:
         return [b for copies in self._cached.values() for b in copies.values()]
@@ -140,8 +145,8 @@ class PagedKvCache:
             block.ref_count += 1
 
     def allocate(self, n: int) -> list[Block]:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise MemoryError(f"need {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
             block = self._next_free()
@@ -153,7 +158,19 @@ class PagedKvCache:
     def _next_free(self) -> Block:
         """Takes the free block to reuse: the front of the queue (a block caching nothing, else the least
         recently freed cached one)."""
-        return self._free.popitem(last=False)[1]
+        return self._take_uncached() or self._free.popitem(last=False)[1]
+
+    def _take_uncached(self) -> Block | None:
+        """A free block caching nothing, if there is one: one freed to the queue's front, else one never used."""
+        front = next(iter(self._free.values()), None)
+        if front is not None and front.block_hash is None:
+            return self._free.popitem(last=False)[1]
+        if self._next_new == self.num_blocks:
+            return None
+        block = Block(self._next_new)
+        self._next_new += 1
+        self._blocks.append(block)
+        return block
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
@@ -224,7 +241,7 @@ class PagedKvCache:
 
     def reset(self, announce: bool = True) -> bool:
         """Drop every cached block; refused (False) while any block is in use, like vLLM."""
-        if len(self._free) != self.usable_blocks:
+        if self.num_free != self.usable_blocks:
             return False
         for block in self._blocks:
             block.block_hash = None

@@ -274,3 +274,40 @@ def test_each_running_decode_takes_a_token_of_the_step_in_the_order_admitted():
     long = h.engine.submit(list(range(100, 140)), 1)
     stepped(h, long)
     assert long.num_computed == 13 and all(s.generated == 2 for s in decoding)  # 3 decodes + 13 prefilled
+
+
+# Claude Code's first request: its system prompt and tools, and the answer it leaves room for.
+AGENT_FIRST_PROMPT, AGENT_MAX_TOKENS = 4_400, 32_000
+
+
+def test_the_quick_starts_pods_take_an_agent_tools_first_request():
+    """``gateway serve --mock-pods``' pods (MockPodsConfig's defaults) take Claude Code's first request and end
+    its answer after their text; a pod of 2,048 blocks, as they had before, refuses it."""
+    from simulator.config import MockPodsConfig
+
+    quick = MockPodsConfig()
+
+    def submit(num_blocks: int) -> int:
+        engine = MockEngine(PagedKvCache(num_blocks, quick.block_size), [5, 6, 7], lambda events: None,
+                            ends_answers=quick.ends_answers)
+        return engine.submit(list(range(1, AGENT_FIRST_PROMPT + 1)), AGENT_MAX_TOKENS).answer_length
+
+    assert submit(quick.num_blocks) == 3  # the pod's text, not 32,000 tokens
+    with pytest.raises(PromptRejected, match="KV-cache blocks"):
+        submit(2048)
+
+
+def test_a_pool_as_large_as_the_context_costs_nothing_until_used():
+    """Blocks are made when first used: a pool of the model's whole context allocates little at start, and
+    hands out uncached blocks in id order before reusing a cached one, as a pool made whole would."""
+    import tracemalloc
+
+    tracemalloc.start()
+    cache = PagedKvCache(8193, 16)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size < 20_000, size
+    assert cache.num_free == cache.usable_blocks == 8192
+    first = cache.allocate(3)
+    assert [b.block_id for b in first] == [1, 2, 3] and cache.num_free == 8189
+    assert cache.usage() == pytest.approx(3 / 8192)

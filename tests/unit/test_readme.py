@@ -11,7 +11,10 @@ one; a block without a language there is a diagram):
   its flags and ``GATEWAY_*`` variables make is valid; each ``make X`` names a Makefile target; each ``curl``
   to the gateway uses its documented port, a route it serves and a body that is JSON; each ``pip install``
   names extras that ``pyproject.toml`` defines; each path into the repository exists;
-- ``python``: compiles, and talks to the gateway on its documented port.
+- ``python``: compiles, and talks to the gateway on its documented port;
+- ``toml``: a Codex ``config.toml`` that Codex takes: a ``model``, and providers with each key it needs.
+
+tests/integration/test_readme_runs.py runs the README's client lines against its quick start.
 
 A block marked ``<!-- readme-test: skip (why) -->`` is left out. Beside the blocks: links and their anchors
 resolve, each ``GET /path`` or ``POST /path`` is a route of the gateway, each ``gateway_*`` metric exists,
@@ -314,6 +317,31 @@ def check_python(block: Block) -> None:
         check_port(local_url(url)[0], url, str(block))
 
 
+# What Codex needs of a provider (0.171.0 refuses a config without ``name``), and of the config: a ``model``
+# the gateway serves, or it asks for its own default.
+CODEX_PROVIDER_KEYS = {"name", "base_url", "env_key", "wire_api"}
+
+
+def check_toml(block: Block) -> None:
+    """A Codex ``config.toml``: it parses, names a model, and each provider has what Codex needs, its URL
+    the gateway's and its key in a variable the gateway does not read as its own config (``GATEWAY_*``)."""
+    try:
+        data = tomllib.loads(block.text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ReadmeError(f"{block}: not TOML: {exc}") from exc
+    providers = data.get("model_providers", {})
+    if providers and not data.get("model"):
+        raise ReadmeError(f"{block}: no `model`: Codex would ask the gateway for its own default model")
+    for name, provider in providers.items():
+        missing = CODEX_PROVIDER_KEYS - set(provider)
+        if missing:
+            raise ReadmeError(f"{block}: model_providers.{name} lacks {sorted(missing)}, which Codex needs")
+        check_port(local_url(provider["base_url"])[0] if local_url(provider["base_url"]) else None,
+                   provider["base_url"], str(block))
+        if provider["env_key"].startswith("GATEWAY_"):
+            raise ReadmeError(f"{block}: env_key {provider['env_key']} is read by the gateway as its config")
+
+
 def check_block(block: Block) -> None:
     if block.mark and block.mark.startswith("skip"):
         return
@@ -323,6 +351,8 @@ def check_block(block: Block) -> None:
         check_shell(block)
     elif block.lang == "python":
         check_python(block)
+    elif block.lang == "toml":
+        check_toml(block)
     elif block.mark is not None or block.lang == "":
         raise ReadmeError(f"{block}: a block needs a language the test knows ({block.mark or 'none given'})")
 
@@ -473,6 +503,15 @@ BROKEN_BLOCKS = [
     ("python", None, "print("),
     ("python", None, 'base_url = "http://localhost:8000/v1"'),
     ("text", "helm-values", "a: 1"),
+    ("toml", None, 'model = "m"\n[model_providers.gw]\nbase_url = "http://localhost:8080/v1"\nenv_key = "K"\n'
+                   'wire_api = "responses"'),
+    ("toml", None, '[model_providers.gw]\nname = "gw"\nbase_url = "http://localhost:8080/v1"\nenv_key = "K"\n'
+                   'wire_api = "responses"'),
+    ("toml", None, 'model = "m"\n[model_providers.gw]\nname = "gw"\nbase_url = "http://localhost:8080/v1"\n'
+                   'env_key = "GATEWAY_API_KEY"\nwire_api = "responses"'),
+    ("toml", None, 'model = "m"\n[model_providers.gw]\nname = "gw"\nbase_url = "http://localhost:9/v1"\n'
+                   'env_key = "K"\nwire_api = "responses"'),
+    ("toml", None, 'model = "m'),
 ]
 
 
@@ -490,6 +529,8 @@ def test_a_wrong_block_fails(lang, mark, text):
     ("sh", None, "pip install 'kv-gateway[otel,nvidia]'"),
     ("sh", None, 'export GATEWAY_AUTH__API_KEY_HASHES="[\\"$(gateway hash-key sk-1)\\"]"\ngateway serve --mock-pods 2'),
     ("yaml", "skip (a fragment of something else)", "not: [valid"),
+    ("toml", None, 'model = "m"\n[model_providers.gw]\nname = "gw"\nbase_url = "http://localhost:8080/v1"\n'
+                   'env_key = "K"\nwire_api = "responses"'),
 ])
 def test_a_right_block_passes(lang, mark, text):
     check_block(Block(lang, text, 1, mark))
