@@ -128,16 +128,21 @@ def check_body(kind: RequestKind, req: InferenceRequest) -> None:
     _range("top_p", req.top_p, 0, 1)
 
 
+# The fields that bound an answer's length on each API that answers with text, first the one the engine
+# reads first (vLLM's chat takes ``max_completion_tokens`` over ``max_tokens``).
+_OUTPUT_FIELDS: dict[RequestKind, tuple[str, ...]] = {
+    RequestKind.CHAT: ("max_completion_tokens", "max_tokens"), RequestKind.COMPLETIONS: ("max_tokens",),
+    RequestKind.RESPONSES: ("max_output_tokens",), RequestKind.MESSAGES: ("max_tokens",),
+}
+
+
 def output_tokens(kind: RequestKind, req: InferenceRequest) -> tuple[str, int] | None:
-    """The field that bounds the answer's length, and its value, as the engine reads it (vLLM's chat takes
-    ``max_completion_tokens`` over ``max_tokens``); None when the request sets none or answers no text."""
-    if kind == RequestKind.RESPONSES:
-        named = (("max_output_tokens", req.max_output_tokens),)
-    elif kind in (RequestKind.CHAT, RequestKind.COMPLETIONS, RequestKind.MESSAGES):
-        named = (("max_completion_tokens", req.max_completion_tokens), ("max_tokens", req.max_tokens))
-    else:
-        return None
-    return next(((name, value) for name, value in named if value is not None), None)
+    """The field that bounds the answer's length as the engine reads it, and its value; None when the
+    request sets none or answers no text."""
+    for name in _OUTPUT_FIELDS.get(kind, ()):
+        if (value := getattr(req, name)) is not None:
+            return name, value
+    return None
 
 
 def check_output_tokens(kind: RequestKind, req: InferenceRequest, context: int | None,
