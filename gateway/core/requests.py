@@ -75,6 +75,9 @@ class InferenceRequest(msgspec.Struct):
     n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None  # checked by gateway.core.retention

@@ -29,12 +29,13 @@ from gateway.proxy.relay import ERROR_SNIPPET, Relay
 
 log = logging.getLogger("gateway.proxy")
 
-# Never forwarded: hop-by-hop headers, and those aiohttp sets itself for the new connection.
+# Never forwarded: hop-by-hop headers, those aiohttp sets itself for the new connection, and the body's
+# type (what the gateway sends is JSON, whatever JSON type its client declared: the director says so).
 _SKIP_REQUEST_HEADERS = frozenset(
     h.lower() for h in (
         "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
         "upgrade", "proxy-authorization", "proxy-connection", "authorization", "x-api-key", "expect",
-        "content-encoding",
+        "content-encoding", "content-type",
     )
 )
 # The client's key, however its SDK sent it: passed to the pod only with ``auth.upstream: pass``.

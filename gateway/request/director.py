@@ -52,6 +52,7 @@ from gateway.request.types import (
     CompletedRequest,
     PrefillLeg,
 )
+from gateway.request.validation import check_content_type
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.routing.router import Router
 from gateway.workflow.planning import NO_PLAN, RequestPlan
@@ -139,6 +140,7 @@ class RequestDirector:
         run = _Run(ClientRequest(request_id, kind, started, b"", _UNREAD, key, headers, edge.method, edge.path), edge)
         status = 500
         try:
+            check_content_type(headers)  # before reading: a body that says it is not JSON is not read
             body = await edge.read_body(self._max_body_bytes)
             run.request = ClientRequest(request_id, kind, started, body, parse_inference_request(body), key, headers,
                                         edge.method, edge.path)
@@ -209,6 +211,9 @@ class RequestDirector:
             run.plan = self._planner.plan(request, policy, routing)
         plan = run.plan
         headers = self._proxy.upstream_headers(request.headers, request.id)
+        # The body was read as JSON whatever type its client declared (none, or a +json one): vLLM takes it
+        # only as application/json.
+        headers["content-type"] = "application/json"
         allowed = run.edge.allowed_pods
         if request.only_pod is not None:
             allowed = frozenset({request.only_pod} if allowed is None else {request.only_pod} & allowed)

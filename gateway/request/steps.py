@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
+from gateway.request.validation import check_output_tokens, output_tokens
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.planning import RequestPlan, WorkflowService
@@ -23,12 +24,14 @@ from gateway.workflow.planning import RequestPlan, WorkflowService
 
 class PromptTokenization:
     """prepare: the prompt's token ids and block hashes (``routing.token_ids``, ``routing.hashes``), when
-    the policy needs them; a prompt longer than the model's context is refused here, before any pod is
-    bothered. The next turn of a conversation reuses its earlier prompt's ids and hashes and works only on
-    what it adds (``routing.continued_tokens`` says how long that earlier prompt was). For a model whose
-    predictions drift from the engines' (:mod:`gateway.kv.verification`), the ids come from a pod's
-    ``/tokenize`` instead of the local tokenizer (or, without one, there are none: routing is approximate),
-    and now and then the configured tokenizer is asked too, as a probe of whether it agrees again
+    the policy needs them; a prompt longer than the model's context, or an answer longer than the context
+    leaves beside it (the prompt counted when it is tokenized, else at least one token), is refused here,
+    before any pod is bothered (the context is the target's, known once the model name is resolved). The
+    next turn of a conversation reuses its earlier prompt's ids and hashes and works only on what it adds
+    (``routing.continued_tokens`` says how long that earlier prompt was). For a model whose predictions
+    drift from the engines' (:mod:`gateway.kv.verification`), the ids come from a pod's ``/tokenize``
+    instead of the local tokenizer (or, without one, there are none: routing is approximate), and now and
+    then the configured tokenizer is asked too, as a probe of whether it agrees again
     (``routing.probe_tokens``)."""
 
     timed_as = Step.TOKENIZE
@@ -44,6 +47,8 @@ class PromptTokenization:
         self._counted = counted
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:
+        if output_tokens(request.kind, request.parsed) is not None:
+            check_output_tokens(request.kind, request.parsed, self._context(routing))
         if not policy.needs_tokens and not (request.key is not None and self._counted(request.key.config.name)):
             return None
         if self._verifier.drifting(routing.base_model):
@@ -62,18 +67,23 @@ class PromptTokenization:
         if tokens is None:
             return
         ids = tokens.ids
-        limit = self._max_prompt_tokens or self._pods.max_model_len(routing.model) \
-            or self._pods.max_model_len(routing.base_model)
+        context = self._context(routing)
+        limit = self._max_prompt_tokens or context
         if limit and len(ids) > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)}.",
                 param="messages", code="context_length_exceeded")
+        check_output_tokens(request.kind, request.parsed, context, len(ids))
         earlier = tokens.earlier
         routing.token_ids = ids
         routing.hashes = PromptHashes(namespace_root(routing.base_model or routing.model, routing.lora_name), ids,
                                       earlier.hashes if earlier else None, earlier.length if earlier else 0)
         routing.continued_tokens = earlier.tokens if earlier else None
         self._tokens.remember(routing.model, tokens, routing.hashes)
+
+    def _context(self, routing: RoutingRequest) -> int | None:
+        """The target's context length, as its pods list it (an adapter's, else its base model's)."""
+        return self._pods.max_model_len(routing.model) or self._pods.max_model_len(routing.base_model)
 
 
 class LoadEstimation:

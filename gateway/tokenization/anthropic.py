@@ -28,13 +28,26 @@ from gateway.core.requests import InferenceRequest
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _ROLES = ("user", "assistant", "system")
-# Block fields the gateway reads, and the types Anthropic's API gives them.
+# The content blocks of a message, as Anthropic's API defines them (the unions ``ContentBlockParam`` and
+# ``BetaContentBlockParam`` of its SDK): what vLLM does not render it refuses, or the gateway routes
+# approximately (images, documents), but a type outside these is no block at all.
+BLOCK_TYPES = frozenset({
+    "text", "image", "document", "search_result", "thinking", "redacted_thinking", "tool_use", "tool_result",
+    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
+    "mcp_tool_use", "mcp_tool_result", "mcp_tool_listing", "container_upload", "compaction", "advisor_tool_result",
+    "tool_addition", "tool_removal", "fallback"})
+# The blocks of a tool result's content.
+TOOL_RESULT_TYPES = frozenset({"text", "image", "search_result", "document", "tool_reference", "browser_state"})
+# Block fields the gateway reads, and the types Anthropic's API gives them: required but for the ones
+# :data:`_OPTIONAL` names.
 _BLOCK_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "text": {"text": str},
     "thinking": {"thinking": str},
     "tool_use": {"id": str, "name": str, "input": dict},
     "tool_result": {"tool_use_id": str, "content": (str, list)},
 }
+_OPTIONAL = frozenset({"content"})
 
 
 class NotRenderable(Exception):
@@ -44,15 +57,23 @@ class NotRenderable(Exception):
 def check_request(req: InferenceRequest, *, counting: bool = False) -> None:
     """Refuse (400, naming the field) a Messages body whose parts the gateway reads are not shaped as
     Anthropic's API defines them: ``max_tokens`` (not for ``count_tokens``), ``messages``, their content
-    blocks, ``system`` and ``thinking``. Block types the gateway does not read pass as they are."""
+    blocks (of :data:`BLOCK_TYPES`; the fields of those the gateway reads), ``system`` and ``thinking``."""
     if not counting and req.max_tokens is None:
         raise bad_request("max_tokens: Field required.", param="max_tokens")
     if not req.messages:
         raise bad_request("messages: at least one message is required.", param="messages")
+    last = len(req.messages) - 1
     for i, message in enumerate(req.messages):
-        if message.get("role") not in _ROLES:
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(f"messages.{i}.role: must be 'user' or 'assistant'.", param="messages")
-        _check_content(message.get("content"), f"messages.{i}.content")
+        content = message.get("content")
+        # Anthropic's API refuses an empty message (vLLM drops it: an empty conversation, refused there),
+        # but for the final assistant message, the start of the answer.
+        if not content and not (i == last and role == "assistant" and content is not None):
+            raise bad_request(f"messages.{i}.content: must not be empty (only the final assistant message may be).",
+                              param="messages")
+        _check_content(content, f"messages.{i}.content")
     system = req.system
     if system is not None and not isinstance(system, str):
         _check_blocks(system, "system", only_text=True)
@@ -65,7 +86,8 @@ def _check_content(content: Any, where: str) -> None:
         _check_blocks(content, where)
 
 
-def _check_blocks(blocks: Any, where: str, only_text: bool = False) -> None:
+def _check_blocks(blocks: Any, where: str, only_text: bool = False,
+                  kinds: frozenset[str] = BLOCK_TYPES) -> None:
     if not isinstance(blocks, list):
         raise bad_request(f"{where}: must be a string or a list of content blocks.", param=where.split(".")[0])
     for j, block in enumerate(blocks):
@@ -73,11 +95,21 @@ def _check_blocks(blocks: Any, where: str, only_text: bool = False) -> None:
         if not isinstance(kind, str) or (only_text and kind != "text"):
             expected = "a text block" if only_text else "an object with a string `type`"
             raise bad_request(f"{where}.{j}: must be {expected}.", param=where.split(".")[0])
+        if kind not in kinds:
+            raise bad_request(f"{where}.{j}.type: must be one of {', '.join(sorted(kinds))}; got {kind[:40]!r}.",
+                              param=where.split(".")[0])
         for name, types in _BLOCK_FIELDS.get(kind, {}).items():
-            if name in block and not isinstance(block[name], types):
-                raise bad_request(f"{where}.{j}.{name}: wrong type for a {kind} block.", param=where.split(".")[0])
+            if (name in block or name not in _OPTIONAL) and not isinstance(block.get(name), types):
+                raise bad_request(f"{where}.{j}.{name}: required for a {kind} block, of type "
+                                  f"{' or '.join(t.__name__ for t in _types(types))}.", param=where.split(".")[0])
+        if kind == "text" and not block["text"]:  # Anthropic's API refuses it; vLLM drops it
+            raise bad_request(f"{where}.{j}.text: must not be empty.", param=where.split(".")[0])
         if kind == "tool_result" and isinstance(block.get("content"), list):
-            _check_blocks(block["content"], f"{where}.{j}.content")
+            _check_blocks(block["content"], f"{where}.{j}.content", kinds=TOOL_RESULT_TYPES)
+
+
+def _types(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
 
 
 def chat_messages(req: InferenceRequest, merge_inline_system: bool) -> list[dict[str, Any]]:

@@ -201,8 +201,9 @@ async def test_replicas_sharing_redis_continue_each_others_conversations(start_m
 
 
 async def test_a_continued_requests_numbers_reach_the_pod_as_sent_or_are_a_400(start_backend, start_gateway, http):
-    """The body is rewritten into the whole conversation: a big integer reaches the pod exactly as sent, and a
-    number out of a double's range is refused in OpenAI's shape (not a 500)."""
+    """The body is rewritten into the whole conversation: a big integer (in a field the gateway does not
+    read: its ``seed`` is a 64-bit one) reaches the pod exactly as sent, and a number out of a double's range
+    is refused in OpenAI's shape (not a 500)."""
     bodies: list[bytes] = []
 
     async def answer(request: web.Request) -> web.Response:
@@ -218,13 +219,13 @@ async def test_a_continued_requests_numbers_reach_the_pod_as_sent_or_are_a_400(s
     gw = await start_gateway([await start_backend(app)])
     first = b'{"model": "%s", "input": "Hi"}' % MODEL.encode()
     continued = b'{"model": "%s", "input": "Again", "previous_response_id": "resp_1", %s}'
-    for body, status in ((first, 200), (continued % (MODEL.encode(), b'"seed": 123456789012345678901234567890'), 200),
+    for body, status in ((first, 200), (continued % (MODEL.encode(), b'"x_seed": 123456789012345678901234567890'), 200),
                          (continued % (MODEL.encode(), b'"x": 1e999'), 400)):
         async with http.post(f"{gw.url}/v1/responses", data=body, headers={"content-type": "application/json"}) as resp:
             assert resp.status == status, await resp.text()
             if status == 400:
                 assert (await resp.json())["error"]["type"] == "invalid_request_error"
-    assert len(bodies) == 2 and b'"seed":123456789012345678901234567890' in bodies[-1], bodies
+    assert len(bodies) == 2 and b'"x_seed":123456789012345678901234567890' in bodies[-1], bodies
 
 
 async def test_a_response_a_pods_store_replica_recorded_is_a_404_where_the_gateway_keeps_them(
