@@ -47,7 +47,7 @@ async def test_stream_is_relayed_chunk_by_chunk_byte_identical(start_backend, st
         assert resp.headers["content-type"].startswith("text/event-stream")
         for i in range(len(CHUNKS)):
             step.set()
-            await eventually(lambda: len(sent) > i)
+            await eventually(lambda n=i: len(sent) > n)
             # Each whole event reaches the client before the pod is allowed to send the next chunk.
             so_far = b"".join(CHUNKS[: i + 1])
             whole = so_far[: so_far.rfind(b"\n\n") + 2] if b"\n\n" in so_far else b""
