@@ -72,11 +72,11 @@ class Proxy:
             try:
                 if upstream.status >= 500:
                     raise await self._upstream_5xx(pod, upstream)
-                self._pods.report_success(pod)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     response, outcome = await self._relay.stream(call, client, upstream, headers_at)
                     self._judge_stream(pod, outcome)
                     return response, outcome
+                self._pods.report_success(pod)
                 return await self._relay.body(call, upstream, headers_at)
             finally:
                 # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
@@ -137,10 +137,13 @@ class Proxy:
             raise upstream_timeout(f"Pod {pod.name} sent nothing within {self._first_byte_s:g} s.") from None
 
     def _judge_stream(self, pod: Pod, outcome: RelayOutcome) -> None:
-        """A stream the engine failed inside (its own error event, or one that is not JSON) counts against the
-        pod as a 5xx answer does: its 200 headers said nothing of how the answer went."""
+        """A stream is the pod's success once it ended well; one the engine failed inside (its own error event,
+        or one that is not JSON) counts against the pod as a 5xx answer does: its 200 headers said nothing of
+        how the answer would go."""
         kind = _ENGINE_FAILURES.get(outcome.ending)
         if kind is None:
+            if outcome.ending is Ending.COMPLETE:
+                self._pods.report_success(pod)
             return
         self._metrics.upstream_errors.labels(pod.name, kind).inc()
         self._pods.report_server_error(pod, f"Pod {pod.name} failed inside a stream ({kind}).")

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import hash_api_key
 from gateway.logs import ACCESS_LOGGER
 from simulator.pod import free_port
-from tests.conftest import chat_body
+from tests.conftest import chat_body, models_of
 
 KEY = {"Authorization": "Bearer sk-good"}
 WRONG_KEY = {"Authorization": "Bearer sk-wrong"}
@@ -166,3 +167,45 @@ async def test_every_answer_is_recorded_once_with_the_status_the_client_saw(star
     assert not any(response_id in value or "no/such" in value or len(value) > 64 for value in labels)
     assert {s: n for s, n in client.sent.items() if s >= 400} == {400: 3, 401: 3, 404: 4, 405: 1, 413: 1, 431: 1}
 
+
+
+async def test_engine_errors_inside_streams_count_against_the_pod_as_5xx_answers_do(start_mock_pod, start_gateway,
+                                                                                    http):
+    pod = await start_mock_pod()
+    gw = await start_gateway([pod.url], health={"interval_s": 60, "eject_after_5xx": 2})
+    await gw.serving("mock-llama")
+    chat = chat_body(model="mock-llama", max_tokens=5, stream=True)
+    for fault in ("engine_error_fraction", "malformed_event_fraction"):
+        await http.post(f"{pod.url}/debug/faults", json={fault: 1.0})
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 200
+            await resp.read()
+    (served,) = gw.gateway.pods.all()
+    assert served.ejections == 1 and "malformed_event" in (served.last_error or "")
+    registry = gw.gateway.metrics.registry
+    for kind in ("engine_error", "malformed_event"):
+        assert registry.get_sample_value("gateway_upstream_errors_total", {"pod": served.name, "kind": kind}) == 1
+
+
+async def test_a_malformed_event_on_anthropics_route_ends_with_anthropics_error_event(start_backend, start_gateway,
+                                                                                      http):
+    async def messages(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: message_start\ndata: {"type": "message_start"}\n\nevent: ping\ndata: {oops\n\n')
+        await resp.write(b'event: message_stop\ndata: {"type": "message_stop"}\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_get("/v1/models", models_of("m"))
+    gw = await start_gateway([await start_backend(app)])
+    await gw.serving("m")
+    body = {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"{gw.url}/v1/messages", json=body) as resp:
+        assert resp.status == 200
+        received = await resp.read()
+    first, last = received.split(b"\n\n")[0], received.split(b"\n\n")[-2]
+    assert first.startswith(b"event: message_start") and b"oops" not in received and b"message_stop" not in received
+    assert last.startswith(b"event: error\ndata: ")
+    assert json.loads(last.split(b"data: ", 1)[1])["type"] == "error"
