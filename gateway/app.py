@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.admission import SloPolicy
 from gateway.api.middleware import openai_errors
+from gateway.api.records import RECORDS_KEY, AnswerRecords
 from gateway.api.routes import add_routes
 from gateway.auth import ApiKeyAuth
 from gateway.backends.discovery import DiscoveryContext, PodSetApplier
@@ -195,6 +196,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
              if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server, rules.is_public)
+
+    def served(model: str) -> bool:  # a name the gateway answers for: a metrics label (the rest are "unknown")
+        return rules.is_public(model) or pods.knows_model(model)
+
     responses_metrics = ResponsesMetrics(metrics.registry)
     own_responses, response_store = responses_stores(config, identity, responses_metrics)
     responses = ResponsesState(config.responses, response_store, pods, responses_metrics)
@@ -223,8 +228,9 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                   *([admit] if admit else []), tracking],
         finish=[*([admit] if admit else []), planning, placement, *([recency] if recency else []), tracking],
         complete=[*([admit] if admit else []), *([PredictionCheck(verifier)] if config.verification.enabled else []),
-                  OutputLearning(predictor, metrics), RequestMetrics(metrics), ModelUse(rules, metrics.registry),
-                  key_limits, UsageAccounting(usage_tally, tenant_of), steps, AccessLog()],
+                  OutputLearning(predictor, metrics), RequestMetrics(metrics, served),
+                  ModelUse(rules, metrics.registry), key_limits, UsageAccounting(usage_tally, tenant_of), steps,
+                  AccessLog()],
     )
     if config.tracing.enabled:
         from gateway.request import tracing  # the otel extra: imported only when tracing is on
@@ -240,7 +246,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                                adapters=adapters, **directing)
     # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
     # workflow or prediction steps, since nothing is cached or learnt by them.
-    counting = RequestDirector(RequestPipeline(resolve=[validation], complete=[RequestMetrics(metrics), AccessLog()]),
+    counting = RequestDirector(RequestPipeline(resolve=[validation],
+                                               complete=[RequestMetrics(metrics, served), AccessLog()]),
                                router, NoPlanner(), ledger, proxy, pods, models=rules, **directing)
     pressure = None
     if config.pressure.enabled:
@@ -422,9 +429,11 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
 def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None,
               source: ConfigSource | None = None) -> web.Application:
     gateway = build_gateway(config, tracer_provider, identity, source)
-    app = web.Application(middlewares=[openai_errors(config.server.max_header_bytes)],
+    records = AnswerRecords(gateway.metrics)
+    app = web.Application(middlewares=[records.middleware(), openai_errors(config.server.max_header_bytes)],
                           client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gateway
+    app[RECORDS_KEY] = records
     add_routes(app)
     app.cleanup_ctx.extend(lifecycles(gateway))
     app.on_shutdown.append(partial(_drain, gateway))  # before the server waits for the requests in flight

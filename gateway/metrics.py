@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,14 +17,32 @@ STEP_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015,
                 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+# The ``model`` label of a name the gateway does not serve (a client's name is no label), and the ``route`` label
+# of a request no route matched (its path is the client's to choose).
+UNKNOWN_MODEL = "unknown"
+UNMATCHED_ROUTE = "unmatched"
+
+
+class Answer(NamedTuple):
+    """One answer's labels in ``gateway_requests_total``."""
+
+    model: str
+    pod: str
+    status: int
+    route: str
+    outcome: str
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "gateway_requests", "Requests answered, by model, pod and HTTP status",
-            ["model", "pod", "status"], registry=r,
+            "gateway_requests", "Requests answered, each once: by model (a name the gateway serves, else "
+            "unknown), pod, the HTTP status the client got, route (the path template, or unmatched) and outcome "
+            "(ok, error, or how a stream that began with 200 ended: engine_error, malformed, upstream_broke, "
+            "client_gone, client_stalled)",
+            ["model", "pod", "status", "route", "outcome"], registry=r,
         )
         self.latency = Histogram(
             "gateway_request_duration_seconds", "Time from request received to response complete",
@@ -125,7 +144,7 @@ class GatewayMetrics:
                                     "client left)", ["pod", "status"], registry=r)
         self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
                                          "included", buckets=LATENCY_BUCKETS, registry=r)
-        self._per_request: dict[tuple[str, str, int], tuple] = {}
+        self._per_request: dict[Answer, tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.kv_prediction_error = Histogram(
             "gateway_kv_prediction_error_tokens",
@@ -178,15 +197,14 @@ class GatewayMetrics:
         child.inc()
 
     def request_done(
-        self, model: str, pod: str, status: int, seconds: float, first_byte_s: float | None,
-        usage: tuple[int, int] | None,
+        self, answer: Answer, seconds: float, first_byte_s: float | None, usage: tuple[int, int] | None,
     ) -> None:
         """Everything observed when a request ends (labelled children cached: ``labels()`` is slow)."""
-        key = (model, pod, status)
-        children = self._per_request.get(key)
+        children = self._per_request.get(answer)
         if children is None:
-            children = self._per_request[key] = (
-                self.requests.labels(model, pod, str(status)),
+            model = answer.model
+            children = self._per_request[answer] = (
+                self.requests.labels(model, answer.pod, str(answer.status), answer.route, answer.outcome),
                 self.latency.labels(model),
                 self.ttft.labels(model),
                 self.tokens.labels(model, "prompt"),

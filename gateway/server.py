@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from gateway.api.records import runner_options
 from gateway.app import build_app
 from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
@@ -68,8 +69,8 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
-        **SERVER_OPTIONS,
+        app, handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS,
+        **runner_options(app),
     )
     await start_runner(runner)
     many = identity.count > 1

@@ -70,6 +70,9 @@ class Faults(msgspec.Struct):
     error_fraction: float = 0.0  # answer HTTP 500 to this share of inference requests
     stall_s: float = 0.0  # wait this long before answering an inference request
     die_mid_stream_fraction: float = 0.0  # cut this share of streams after the first chunk
+    # After the first chunk of this share of chat and completion streams: vLLM's error event (then [DONE])
+    engine_error_fraction: float = 0.0
+    malformed_event_fraction: float = 0.0  # ... a data line that is not JSON (then the rest of the stream)
     drop_event_fraction: float = 0.0  # lose this share of event batches in transit (still replayable)
     publish_events: bool = True
 
@@ -79,6 +82,9 @@ class _FaultRequest(Faults, forbid_unknown_fields=True):
 
 
 PRIORITY_HEADER = "X-Vllm-Priority"
+# What vLLM writes into a stream when generation fails after its headers went out.
+_ENGINE_ERROR_EVENT = (b'data: {"error": {"object": "error", "message": "simulated engine failure", '
+                       b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -599,6 +605,12 @@ class MockPod:
             choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
             await resp.write(_sse({**base, "choices": [choice]}))
+            if emitted == 1 and (fault := self._stream_fault()):
+                await resp.write(fault)
+                if fault is _ENGINE_ERROR_EVENT:  # as vLLM: the error, then the end of the stream
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    return resp
             if die:
                 assert request.transport is not None
                 request.transport.abort()
@@ -608,6 +620,15 @@ class MockPod:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _stream_fault(self) -> bytes | None:
+        """The event a stream's fault switches put after its first chunk, if any."""
+        f = self.faults
+        if f.engine_error_fraction and self._rng.random() < f.engine_error_fraction:
+            return _ENGINE_ERROR_EVENT
+        if f.malformed_event_fraction and self._rng.random() < f.malformed_event_fraction:
+            return b"data: {not json\n\n"
+        return None
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         if failure := await self._inference_faults():

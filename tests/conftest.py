@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from bench.runner import start_redis_server, wait_http
+from gateway.api.records import RECORDS_KEY, runner_options
 from gateway.app import GATEWAY_KEY, Gateway, build_app
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
@@ -48,7 +49,8 @@ class RunningGateway:
 
 
 async def serve_app(app: web.Application) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1, **SERVER_OPTIONS)
+    recording = runner_options(app) if RECORDS_KEY in app else {"access_log": None}
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1, **SERVER_OPTIONS, **recording)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.api.records import RECORDED
 from gateway.http_errors import REQUEST_ID
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RelayOutcome, UpstreamCall
@@ -29,6 +30,7 @@ class HttpEdge:
 
     def identified(self, request_id: str) -> None:
         self._http[REQUEST_ID] = request_id  # the middleware echoes it on errors
+        self._http[RECORDED] = True  # the director records every request it identified
 
     async def read_body(self, max_bytes: int) -> bytes:
         return await read_body(self._http, max_bytes, self._body_timeout_s)

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
+from gateway.api.records import from_sibling
 from gateway.api.responses import add_response_routes
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
@@ -109,7 +110,7 @@ async def _workflow_state(front: FrontDoor, request: web.Request) -> web.Respons
 async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:
     """Every worker's metrics merged; ``?worker=self``: this worker's alone."""
     own_only = request.query.get("worker") == OWN_ONLY
-    if not (own_only and _from_sibling(request)):
+    if not (own_only and from_sibling(request)):
         _check_admin(gateway, request)
     body = await _render(gateway)
     identity = gateway.identity
@@ -127,11 +128,6 @@ async def _render(gateway: Gateway) -> bytes:
         return await asyncio.to_thread(gateway.metrics.render)
     except RuntimeError:  # "dictionary changed size during iteration"
         return gateway.metrics.render()
-
-
-def _from_sibling(request: web.Request) -> bool:
-    """Whether the request came over this worker's private Unix socket (only its siblings use it)."""
-    return request.transport is not None and isinstance(request.transport.get_extra_info("sockname"), str)
 
 
 async def _debug_pods(gateway: Gateway, request: web.Request) -> web.Response:

@@ -203,7 +203,7 @@ class EnvoyEdge:
                     tail.append(chunk)
                 body_ended = message.response_body.end_of_stream
             await self._continue(message, kind)
-        ending = Ending.COMPLETE
+        ending, sent = Ending.COMPLETE, status  # the status line the client got, however the answer ends
         if body_ended:
             usage = _usage(tail, streamed) if status == 200 else None
         else:
@@ -218,7 +218,7 @@ class EnvoyEdge:
         elif status >= 500 and ending is Ending.COMPLETE:
             self._pods.report_server_error(call.pod, f"Pod {call.pod.name} answered HTTP {status}")
         # Envoy's answer's headers are the first this edge hears of it: its first byte, for the step timings too.
-        return RelayOutcome(status, ending, self._first_byte_at, usage, headers_at=self._first_byte_at)
+        return RelayOutcome(status, ending, self._first_byte_at, usage, headers_at=self._first_byte_at, sent=sent)
 
     async def _access_log_entry(self) -> Ended | None:
         """Envoy's access-log entry of this request, when Envoy streams them to us (else None at once)."""

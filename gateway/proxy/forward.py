@@ -24,7 +24,7 @@ from gateway.config import AuthConfig, ServerConfig, TimeoutConfig
 from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.http_client import HttpClient
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.outcome import RelayOutcome, RetryableFailure, UpstreamCall
+from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.proxy.relay import ERROR_SNIPPET, Relay
 
 log = logging.getLogger("gateway.proxy")
@@ -38,6 +38,8 @@ _SKIP_REQUEST_HEADERS = frozenset(
         "content-encoding", "content-type",
     )
 )
+# Streams the engine failed inside, by the kind of upstream error they count as.
+_ENGINE_FAILURES = {Ending.ENGINE_ERROR: "engine_error", Ending.MALFORMED: "malformed_event"}
 # The client's key, however its SDK sent it: passed to the pod only with ``auth.upstream: pass``.
 _KEY_HEADERS = ("authorization", "x-api-key")
 
@@ -71,9 +73,11 @@ class Proxy:
             try:
                 if upstream.status >= 500:
                     raise await self._upstream_5xx(pod, upstream)
-                self._pods.report_success(pod)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._relay.stream(call, client, upstream, headers_at)
+                    response, outcome = await self._relay.stream(call, client, upstream, headers_at)
+                    self._judge_stream(pod, outcome)
+                    return response, outcome
+                self._pods.report_success(pod)
                 return await self._relay.body(call, upstream, headers_at)
             finally:
                 # On client disconnect (handler cancelled) this drops the connection: the pod sees it.
@@ -132,6 +136,18 @@ class Proxy:
             # Not retried: the pod may still be working on it, and a second copy would double the load.
             self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()
             raise upstream_timeout(f"Pod {pod.name} sent nothing within {self._first_byte_s:g} s.") from None
+
+    def _judge_stream(self, pod: Pod, outcome: RelayOutcome) -> None:
+        """A stream is the pod's success once it ended well; one the engine failed inside (its own error event,
+        or one that is not JSON) counts against the pod as a 5xx answer does: its 200 headers said nothing of
+        how the answer would go."""
+        kind = _ENGINE_FAILURES.get(outcome.ending)
+        if kind is None:
+            if outcome.ending is Ending.COMPLETE:
+                self._pods.report_success(pod)
+            return
+        self._metrics.upstream_errors.labels(pod.name, kind).inc()
+        self._pods.report_server_error(pod, f"Pod {pod.name} failed inside a stream ({kind}).")
 
     async def _upstream_5xx(self, pod: Pod, upstream: aiohttp.ClientResponse) -> RetryableFailure:
         try:

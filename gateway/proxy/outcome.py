@@ -61,12 +61,15 @@ class Ending(enum.Enum):
     CLIENT_GONE = "client_gone"  # the client disconnected
     CLIENT_STALLED = "client_stalled"  # the client stopped reading for ``server.client_stall_s``: cut
     FAILED = "failed"  # nothing was relayed: the attempt failed before the first byte
+    ENGINE_ERROR = "engine_error"  # the whole stream reached the client, an engine's error event inside it
+    MALFORMED = "malformed"  # the pod wrote an event that is not JSON: held back, the client got an error event
 
 
 @dataclass(frozen=True, slots=True)
 class RelayOutcome:
-    """How an attempt ended. ``status`` is the request's truth for metrics, logs and learning: a stream
-    whose 200 headers went out but that broke is a 502 (or a 499 when the client left)."""
+    """How an attempt ended. ``status`` is the request's truth for learning: a stream whose 200 headers went
+    out but that broke is a 502 (or a 499 when the client left); ``sent`` is the status line the client got
+    (None: none yet), which metrics and logs count, with the ending beside it."""
 
     status: int
     ending: Ending
@@ -77,6 +80,7 @@ class RelayOutcome:
     headers_at: float | None = None
     # A Responses answer's id, where the call asked for it (``UpstreamCall.rewrite``).
     response_id: str | None = None
+    sent: int | None = None
 
     @property
     def complete(self) -> bool:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,7 @@ from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.core.usage import usage_of_body, usage_of_stream_tail
 from gateway.http_errors import error_event
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.events import EventCheck
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.proxy.pod_errors import translated
 
@@ -106,30 +107,44 @@ class Relay:
         def ended(status: int, ending: Ending) -> RelayOutcome:
             usage = usage_of_stream_tail(last_chunks) if ending is Ending.COMPLETE else None
             return RelayOutcome(status, ending, first_byte_at, usage, events, headers_at,
-                                rewrite.response_id if rewrite is not None else None)
+                                rewrite.response_id if rewrite is not None else None, sent=response.status)
+
+        check = EventCheck()
+        transport, tap = client.transport, call.tap
+
+        async def pass_on(chunk: bytes) -> None:
+            nonlocal events
+            if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
+                return  # an event cut in two: the rest comes with the next chunk
+            if tap is not None and (reading := tap.chunk(pod, chunk)) is not None:
+                await reading
+            if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
+                # A backlog (or a chunk that could fill the socket): the client may read slower than
+                # the pod writes. Wait for it, but not forever.
+                await self._write_or_stall(response, chunk)
+            else:
+                await response.write(chunk)
+            last_chunks.append(chunk)
+            events += chunk.count(b"data: ")
 
         try:
-            transport, tap = client.transport, call.tap
             async for chunk in self._chunks(upstream):
                 if first_byte_at is None:
                     first_byte_at = time.monotonic()
                     if call.answering is not None:
                         call.answering()
-                if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
-                    continue  # an event cut in two: the rest comes with the next chunk
-                if tap is not None and (reading := tap.chunk(pod, chunk)) is not None:
-                    await reading
-                if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
-                    # A backlog (or a chunk that could fill the socket): the client may read slower than
-                    # the pod writes. Wait for it, but not forever.
-                    await self._write_or_stall(response, chunk)
-                else:
-                    await response.write(chunk)
-                last_chunks.append(chunk)
-                events += chunk.count(b"data: ")
+                if chunk := check.chunk(chunk):
+                    await pass_on(chunk)
+                if check.malformed:
+                    break
+            else:
+                if rest := check.rest():
+                    await pass_on(rest)
             if rewrite is not None and (rest := rewrite.rest()):
                 await response.write(rest)  # a last event without its blank line
                 last_chunks.append(rest)
+            if check.malformed:
+                return response, await self._malformed(call, response, ended)
         except ClientStalled:
             self._metrics.stream_aborts.labels(pod, "client_stalled").inc()
             log.warning("request %s: client stalled for %g s; stream cut", call.request_id, self._client_stall_s)
@@ -159,7 +174,24 @@ class Relay:
                 call.left(ended(499, Ending.CLIENT_GONE))
             raise
         await response.write_eof()
+        if check.engine_error:
+            log.warning("request %s: pod %s wrote an error event into its stream", call.request_id, pod)
+            return response, ended(502, Ending.ENGINE_ERROR)
         return response, ended(upstream.status, Ending.COMPLETE)
+
+    async def _malformed(self, call: UpstreamCall, response: web.StreamResponse,
+                         ended: Callable[[int, Ending], RelayOutcome]) -> RelayOutcome:
+        """A pod's event that is not JSON: held back, and the stream ends with an error event in the route's
+        shape instead (an SDK would raise a JSON decode error on it)."""
+        log.warning("request %s: pod %s wrote an event that is not JSON; stream ended", call.request_id,
+                    call.pod.name)
+        error = upstream_failed(f"Pod {call.pod.name} sent a malformed event; the stream was ended.")
+        try:
+            await response.write(error_event(error, call.anthropic))
+            await response.write_eof()
+        except ConnectionResetError:
+            return ended(499, Ending.CLIENT_GONE)
+        return ended(502, Ending.MALFORMED)
 
     async def _write_or_stall(self, response: web.StreamResponse, chunk: bytes) -> None:
         try:

@@ -4,17 +4,19 @@ predictions against the engines, output-length learning, request metrics, step t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from gateway.core.requests import RequestKind
+from gateway.core.requests import PATHS, RequestKind
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import UNKNOWN_MODEL, Answer, GatewayMetrics
 from gateway.request.timings import STEP_NAMES, RecentSteps
 from gateway.request.types import Attempt, CompletedRequest
 
 access_log = logging.getLogger(ACCESS_LOGGER)
+MAX_LOGGED_MODEL = 256  # characters of a model name in the access log (the client chose it)
 
 
 class RoutingMetrics:
@@ -96,20 +98,38 @@ class OutputLearning:
 
 
 class RequestMetrics:
-    """complete: requests, latency, time to first byte and tokens per model and pod."""
+    """complete: requests, latency, time to first byte and tokens per model and pod. ``known``: whether a model
+    name is one the gateway serves (any other is labelled ``unknown``: the client chose it)."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, known: Callable[[str], bool]) -> None:
         self._metrics = metrics
+        self._models = ModelLabels(known)
 
     def completed(self, done: CompletedRequest) -> None:
         decision, outcome = done.decision, done.outcome
         usage = outcome.usage if outcome is not None else None
-        self._metrics.request_done(
-            done.model, decision.pod.name if decision else "-", done.status, done.finished - done.request.started,
-            done.first_byte_s, (usage.prompt_tokens, usage.completion_tokens) if usage else None,
-        )
+        answer = Answer(self._models.label(done.model), decision.pod.name if decision else "-", done.answered,
+                        PATHS[done.request.kind], done.result)
+        self._metrics.request_done(answer, done.finished - done.request.started, done.first_byte_s,
+                                   (usage.prompt_tokens, usage.completion_tokens) if usage else None)
         if done.prefill is not None:
-            self._metrics.pd_requests.labels(done.model, done.prefill.outcome.value).inc()
+            self._metrics.pd_requests.labels(self._models.label(done.model), done.prefill.outcome.value).inc()
+
+
+class ModelLabels:
+    """A request's model name as a metrics label: the name when the gateway serves it, else ``unknown``."""
+
+    def __init__(self, known: Callable[[str], bool]) -> None:
+        self._known = known
+        self._served: set[str] = set()  # names found served once (at most the names the fleet has served)
+
+    def label(self, model: str) -> str:
+        if model == "-" or model in self._served:
+            return model
+        if self._known(model):
+            self._served.add(model)
+            return model
+        return UNKNOWN_MODEL
 
 
 class StepMetrics:
@@ -145,16 +165,16 @@ class AccessLog:
         if not access_log.isEnabledFor(logging.INFO):
             return
         d = done.decision
-        pod = d.pod.name if d else "-"
         first_byte = done.first_byte_s
-        ttfb_ms = round(first_byte * 1000, 2) if first_byte is not None else None
         request = done.request
-        fields = {
+        fields: dict[str, Any] = {
             "request_id": done.request.id, "method": request.method, "path": request.path,
-            "status": done.status, "model": done.model, "pod": pod,
+            "status": done.answered, "outcome": done.result, "route": PATHS[request.kind],
+            "model": done.model[:MAX_LOGGED_MODEL], "pod": d.pod.name if d else "-",
             "policy": d.policy if d else None, "reason": d.reason if d else None,
             "prefix_tokens": d.prefix_tokens if d else 0, "attempts": done.attempts,
-            "duration_ms": round((done.finished - done.request.started) * 1000, 2), "ttfb_ms": ttfb_ms,
+            "duration_ms": round((done.finished - done.request.started) * 1000, 2),
+            "ttfb_ms": round(first_byte * 1000, 2) if first_byte is not None else None,
             "queued_ms": round(done.admitted.queued_s * 1000, 2) if done.admitted else 0.0,
             "ending": done.outcome.ending.value if done.outcome else None,
         }
@@ -167,9 +187,17 @@ class AccessLog:
             fields["prefill_pod"] = prefill.pod.name if prefill.pod is not None else None
             fields["prefill"] = prefill.outcome.value
             fields["prefill_ms"] = round(prefill.seconds * 1000, 2)
-        access_log.info(
-            "%s %s %d model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s flow=%s queued_ms=%s id=%s",
-            request.method, request.path, done.status, done.model, pod, fields["policy"], fields["reason"],
-            done.attempts, fields["duration_ms"], ttfb_ms, flow or "-", fields["queued_ms"], done.request.id,
-            extra=fields,
-        )
+        log_answer(fields, flow)
+
+
+def log_answer(fields: dict[str, Any], flow: object = None) -> None:
+    """The access log's line of one answer, from its structured fields (those :class:`AccessLog` writes; an
+    answer no director handled has only the first ones)."""
+    access_log.info(
+        "%s %s %d outcome=%s route=%s model=%s pod=%s policy=%s reason=%s attempts=%d ms=%.2f ttfb_ms=%s flow=%s "
+        "queued_ms=%s id=%s",
+        fields["method"], fields["path"], fields["status"], fields["outcome"], fields["route"], fields["model"],
+        fields["pod"], fields.get("policy"), fields.get("reason"), fields.get("attempts", 0),
+        fields["duration_ms"], fields.get("ttfb_ms"), flow or "-", fields.get("queued_ms", 0.0),
+        fields["request_id"], extra=fields,
+    )

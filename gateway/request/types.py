@@ -26,7 +26,7 @@ from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
 from gateway.models.rules import ModelRoute
-from gateway.proxy.outcome import AnswerTap, RelayOutcome
+from gateway.proxy.outcome import AnswerTap, Ending, RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest
 from gateway.workflow.planning import RequestPlan
@@ -153,6 +153,18 @@ class CompletedRequest:
         return self.request.model or "-"
 
     @property
+    def answered(self) -> int:
+        """The status line the client got (the ``status`` label of ``gateway_requests_total``): a stream's 200
+        even when it broke, which :attr:`result` tells."""
+        sent = self.outcome.sent if self.outcome is not None else None
+        return sent if sent is not None else self.status
+
+    @property
+    def result(self) -> str:
+        """How the answer went, the ``outcome`` label beside that status (docs/observability.md)."""
+        return result_of(self.answered, self.outcome.ending if self.outcome is not None else None)
+
+    @property
     def decision(self) -> Decision | None:
         return self.last.decision if self.last is not None else None
 
@@ -160,3 +172,17 @@ class CompletedRequest:
     def first_byte_s(self) -> float | None:
         at = self.outcome.first_byte_at if self.outcome is not None else None
         return at - self.request.started if at is not None else None
+
+
+# Endings whose name is the outcome (the others say only whether the status is an error).
+_TOLD_ENDINGS = frozenset({Ending.ENGINE_ERROR, Ending.MALFORMED, Ending.UPSTREAM_BROKE, Ending.CLIENT_GONE,
+                           Ending.CLIENT_STALLED})
+
+
+def result_of(status: int, ending: Ending | None = None) -> str:
+    """The ``outcome`` label of an answer: ``ok``, ``error`` (a 4xx or 5xx answer), or how a stream whose
+    headers went out ended otherwise (``engine_error``, ``malformed``, ``upstream_broke``, ``client_gone``,
+    ``client_stalled``)."""
+    if ending is not None and ending in _TOLD_ENDINGS:
+        return ending.value
+    return "ok" if status < 400 else "error"

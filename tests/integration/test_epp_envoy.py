@@ -187,7 +187,7 @@ async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, to
     assert checks["outcomes"] == {"exact": 40}, checks
     assert epp.access_logs.received == 40
     metrics = await (await http.get(f"http://127.0.0.1:{epp.http_port}/metrics")).text()
-    assert 'gateway_requests_total{model="mock-llama",pod="pod' in metrics
+    assert 'gateway_requests_total{model="mock-llama",outcome="ok",pod="pod' in metrics
 
 
 @BODY_MODES

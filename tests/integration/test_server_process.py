@@ -142,7 +142,7 @@ async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
         assert answered == {"w0", "w1"}
         text = await (await http.get(f"{url}/metrics")).text()
         counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith("gateway_requests_total{"))
+                      if line.startswith("gateway_requests_total{") and 'route="/v1/chat/completions"' in line)
         assert counted == 20 and "gateway_workers 2.0" in text and "gateway_workers_unscraped 0.0" in text
 
         os.kill(workers["w1"], signal.SIGKILL)

@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from tests.conftest import chat_body, models_of
+from tests.conftest import chat_body, eventually, models_of
 
 # Chunks cut at awkward places: mid-event, mid-UTF-8 character, several events at once.
 CHUNKS = [
@@ -18,7 +18,8 @@ CHUNKS = [
 
 
 def stepping_backend(step: asyncio.Event, sent: list[bytes]) -> web.Application:
-    """Sends one chunk, then waits for the test to allow the next: proves the relay does not buffer."""
+    """Sends one chunk, then waits for the test to allow the next: proves the relay holds nothing but the part
+    of an event still to come (a whole event is checked before it goes on: gateway/proxy/events.py)."""
 
     async def stream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -46,10 +47,13 @@ async def test_stream_is_relayed_chunk_by_chunk_byte_identical(start_backend, st
         assert resp.headers["content-type"].startswith("text/event-stream")
         for i in range(len(CHUNKS)):
             step.set()
-            # Each chunk reaches the client before the pod is allowed to send the next one.
-            while len(received) < sum(len(c) for c in CHUNKS[: i + 1]):
+            await eventually(lambda n=i: len(sent) > n)
+            # Each whole event reaches the client before the pod is allowed to send the next chunk.
+            so_far = b"".join(CHUNKS[: i + 1])
+            whole = so_far[: so_far.rfind(b"\n\n") + 2] if b"\n\n" in so_far else b""
+            while len(received) < len(whole):
                 received += await asyncio.wait_for(resp.content.readany(), timeout=5)
-            assert bytes(received) == b"".join(CHUNKS[: i + 1])
+            assert bytes(received) == whole
         assert await resp.content.read() == b""
     assert sent == CHUNKS
     assert received.endswith(b"data: [DONE]\n\n")

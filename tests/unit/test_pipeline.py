@@ -402,10 +402,11 @@ def test_request_metrics_and_access_log_record_the_status_the_director_decided(c
     routing = routing_of(request)
     done = completed(request, 502, RelayOutcome(502, Ending.UPSTREAM_BROKE, time.monotonic()), routing,
                      attempt_of(request, routing))
-    RequestMetrics(metrics).completed(done)
+    RequestMetrics(metrics, lambda model: model == MODEL).completed(done)
     AccessLog().completed(done)
-    assert metrics.registry.get_sample_value("gateway_requests_total",
-                                             {"model": MODEL, "pod": "p0", "status": "502"}) == 1
+    labels = {"model": MODEL, "pod": "p0", "status": "502", "route": "/v1/chat/completions",
+              "outcome": "upstream_broke"}
+    assert metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
     (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
     assert (record.status, record.pod, record.ending) == (502, "p0", "upstream_broke")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cluster.sibling_metrics import merge_expositions
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import Answer, GatewayMetrics
 
 
 def worker_exposition(requests: int, in_flight: int, redis_up: int, latency: float) -> str:
     metrics = GatewayMetrics()
     for _ in range(requests):
-        metrics.request_done("m", "pod-a", 200, latency, None, (10, 2))
+        metrics.request_done(Answer("m", "pod-a", 200, "/v1/chat/completions", "ok"), latency, None, (10, 2))
     metrics.in_flight.labels("pod-a").set(in_flight)
     from prometheus_client import Gauge
 
@@ -27,7 +27,7 @@ def samples(text: bytes) -> dict[tuple[str, tuple], float]:
 def test_counters_and_histograms_sum_gauges_take_the_highest_redis_up_the_lowest():
     merged = samples(merge_expositions([worker_exposition(3, 4, 1, 0.02), worker_exposition(2, 4, 0, 3.0)],
                                        workers=3, unscraped=1))
-    labels = (("model", "m"), ("pod", "pod-a"), ("status", "200"))
+    labels = (("model", "m"), ("outcome", "ok"), ("pod", "pod-a"), ("route", "/v1/chat/completions"), ("status", "200"))
     assert merged[("gateway_requests_total", labels)] == 5
     assert merged[("gateway_tokens_total", (("kind", "prompt"), ("model", "m")))] == 50
     assert merged[("gateway_request_duration_seconds_count", (("model", "m"),))] == 5
