@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from gateway.api.connections import GatewayRunner
 from gateway.app import build_app
 from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
@@ -67,9 +68,9 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     app = build_app(config, identity=identity, source=source)
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s,
-        **SERVER_OPTIONS,
+    runner = GatewayRunner(
+        app, header_timeout_s=config.server.header_read_timeout_s, handler_cancellation=True, access_log=None,
+        shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS,
     )
     await start_runner(runner)
     many = identity.count > 1
