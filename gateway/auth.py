@@ -1,5 +1,6 @@
 """Gateway API keys: the client's key, hashed, compared in constant time with the config's; per key, the
-models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics.
+models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics, and are accepted
+on the API routes too (every model, no rate limit).
 
 A key arrives the way the client's SDK sends it, on every route: ``Authorization: Bearer <key>`` (the
 OpenAI SDK, Codex, Claude Code with ``ANTHROPIC_AUTH_TOKEN``) or ``x-api-key: <key>`` (the Anthropic SDK,
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 from gateway.config import ApiKeyConfig, AuthConfig
 from gateway.core.errors import ErrorKind, GatewayError, unauthenticated
+
+ADMIN_KEY_NAME = "admin"
 
 
 @dataclass(eq=False, slots=True)
@@ -58,7 +61,10 @@ class ApiKeyAuth:
         keys = [ApiKeyConfig(hash=h) for h in config.api_key_hashes] + list(config.keys)
         now = time.monotonic()
         self._keys = [ApiKey(bytes.fromhex(k.hash), k, self._burst(k), now) for k in keys]
-        self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h), math.inf, now) for h in config.admin_key_hashes]
+        # An admin key is also a key for the API (at least as able as any: every model, no rate), named
+        # ``admin`` in usage and limits.
+        self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h, name=ADMIN_KEY_NAME), math.inf, now)
+                       for h in config.admin_key_hashes]
         self.debug_endpoints = config.debug_endpoints
 
     @staticmethod
@@ -74,7 +80,9 @@ class ApiKeyAuth:
         """Who is asking (before the body is read): the matched key, or None when keys are off."""
         if not self._keys:
             return None
-        key = _match(_key_digest(headers), self._keys)
+        digest = _key_digest(headers)
+        user, admin = _match(digest, self._keys), _match(digest, self._admin)  # both compared: even timing
+        key = user or admin
         if key is None:
             raise unauthenticated()
         return key

@@ -7,6 +7,7 @@ the simulator, bench from the benchmark).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import Any
@@ -83,12 +84,16 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
     """``gateway serve`` (the HTTP proxy, one process or a supervisor of workers), or ``gateway epp``
     (the endpoint picker: one process), with the simulated pods the config asks for. ``source``: where
     ``config`` was read from, to reload it (SIGHUP, or the file changing)."""
+    fleet = None
+    pods = None
+    if wants_simulated_pods(config):
+        pods = asyncio.ensure_future(simulator("gateway serve --mock-pods").start(config))
+        await asyncio.sleep(0)  # their processes are spawned: this one's imports below overlap their start
     from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
 
-    fleet = None
-    if wants_simulated_pods(config):
-        config, fleet = await simulator("gateway serve --mock-pods").start(config)
+    if pods is not None:
+        config, fleet = await pods
     workers = worker_count(config)
     try:
         if epp:
@@ -109,6 +114,14 @@ def policy_names() -> list[str]:
     from gateway.plugin_registry import PluginRegistry
 
     return sorted(PluginRegistry(POLICY_GROUP, "routing policy").names())
+
+
+class _PolicyNames:
+    """The policies' names, listed only when help is printed: finding them imports the whole gateway (1-2 s
+    of a start on a loaded machine), which every ``gateway`` process, a simulated pod's included, would pay."""
+
+    def __str__(self) -> str:
+        return ", ".join(policy_names())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,9 +188,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
     parser.add_argument("--workers", type=int,
                         help="worker processes on the port (default: one per core this process may use)")
-    parser.add_argument("--policy",
-                        help=f"default routing policy: {', '.join(policy_names())}, or a profile of routing.profiles "
-                        "(default round_robin)")
+    policy = parser.add_argument("--policy", help="default routing policy: %(names)s, or a profile of "
+                                                  "routing.profiles (default round_robin)")
+    policy.names = _PolicyNames()  # type: ignore[attr-defined]  # argparse fills %(names)s from the action
     parser.add_argument("--pod", action="append",
                         help="pod URL[,events=tcp://..][,replay=tcp://..][,models=a+b][,role=prefill|decode|both]"
                              "[,scheduling=priority] "

@@ -59,6 +59,16 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 529: "overloaded_error"}
 
+# Whether a retry of the same request can succeed, told to clients by ``x-should-retry`` (the header the
+# OpenAI and Anthropic SDKs, and Claude Code, obey before their own status rules). Refusals of the request
+# itself (its body, key, path, size, method, headers) are answered the same way every time: a retry only
+# costs the client its backoff (a wrong key kept Claude Code retrying for 3 minutes). 501: an endpoint the
+# pods do not serve stays unserved. A 429 or 503 passes: the client retries, after Retry-After.
+NOT_RETRYABLE = frozenset({400, 401, 403, 404, 405, 413, 422, 431, 501})
+RETRYABLE = frozenset({429, 503})
+# A gateway 429 or 503 whose cause did not say how long: the client may try again in a second.
+DEFAULT_RETRY_AFTER_S = 1
+
 _encoder = msgspec.json.Encoder()
 
 # The request id, stored on the aiohttp request as soon as it is known, so that errors echo it.
@@ -76,10 +86,15 @@ class HttpError:
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.headers = {**retry_headers(self.status), **self.headers}
+
     @classmethod
     def of(cls, err: GatewayError) -> HttpError:
+        """The gateway's own error: a 429 or 503 always says when to retry (its cause's estimate, or 1 s)."""
         status, kind = _HTTP[err.kind]
-        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+        retry_after = err.retry_after_s if err.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
+        headers = {"Retry-After": str(max(1, retry_after))} if status in RETRYABLE else {}
         return cls(status, err.message, kind, err.code, err.param, headers)
 
     def body(self, anthropic: bool = False) -> bytes:
@@ -91,6 +106,16 @@ class HttpError:
     def to_response(self, anthropic: bool = False) -> web.Response:
         return web.Response(status=self.status, body=self.body(anthropic), content_type="application/json",
                             headers=self.headers)
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """``x-should-retry`` for an error of ``status``: false where a retry cannot help, true for 429 and 503,
+    none otherwise (a 500, 502, 504 or 408: the client's own rules decide)."""
+    if status in NOT_RETRYABLE:
+        return {"x-should-retry": "false"}
+    if status in RETRYABLE:
+        return {"x-should-retry": "true"}
+    return {}
 
 
 def openai_error_type(status: int) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from gateway.api.connections import GatewayRunner
 from gateway.api.records import runner_options
 from gateway.app import build_app
 from gateway.background import raise_open_files_limit
@@ -65,12 +66,14 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     port is shared with its siblings, and it also answers on a private Unix socket for them). ``source``:
     where ``config`` was read from, to reload it."""
     raise_open_files_limit()  # sockets per pod: a subscriber, connections for requests, health and metrics
+    if identity is None:  # one process (the workers' supervisor says it for them)
+        log.info("starting the gateway (its tokenizers, then a health check of %d pods)...", len(config.pods))
     app = build_app(config, identity=identity, source=source)
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
-    runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS,
-        **runner_options(app),
+    runner = GatewayRunner(
+        app, header_timeout_s=config.server.header_read_timeout_s, handler_cancellation=True,
+        shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS, **runner_options(app),
     )
     await start_runner(runner)
     many = identity.count > 1

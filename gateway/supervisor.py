@@ -112,9 +112,12 @@ class Supervisor:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self._signal_workers, signal.SIGHUP)  # each reloads its config
         try:
+            started = time.monotonic()
+            log.info("starting %d gateway workers (each loads the config, tokenizers and checks the pods)...",
+                     self.count)
             await self._start_all()
-            log.info("gateway: %d workers on %s:%d (replica %s)", self.count, self.config.server.host,
-                     self.config.server.port, self.replica)
+            log.info("gateway ready in %.1f s: %d workers on %s:%d (replica %s)", time.monotonic() - started,
+                     self.count, self.config.server.host, self.config.server.port, self.replica)
             while not stop.is_set():
                 self._restart_dead()
                 with contextlib.suppress(TimeoutError):

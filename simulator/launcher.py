@@ -170,12 +170,16 @@ async def start_beside_gateway(config: GatewayConfig) -> tuple[GatewayConfig, Mo
     """The pods ``config.mock_pods`` asks for, started; and the config with them among its pods, loading
     the tokenizer they use and passing KV over the connector they were started with."""
     fleet = MockPodFleet(config.mock_pods)
+    started = time.monotonic()
+    log.info("starting %d simulated pods (gateway mock, %d at a time in each process)...", config.mock_pods.count,
+             pods_per_process(config.mock_pods))
     try:
         pods = await fleet.astart()
     except BaseException:
         fleet.stop()
         raise
-    log.info("started %d simulated pods: %s", len(pods), ", ".join(p.url for p in pods))
+    log.info("started %d simulated pods in %.1f s: %s", len(pods), time.monotonic() - started,
+             ", ".join(p.url for p in pods))
     return msgspec.structs.replace(config, pods=[*config.pods, *pods], tokenization=_with_tokenizer(config),
                                    disaggregation=_with_connector(config)), fleet
 

@@ -202,9 +202,10 @@ class GatewayProcess:
 
 @contextlib.contextmanager
 def gateway_process(*args: str, env: dict[str, str] | None = None,
-                    capture_stderr: bool = False) -> Iterator[GatewayProcess]:
-    """``gateway serve ARGS`` as a real process on a free port, ready when yielded, SIGTERMed after;
-    its exit code and (if captured) stderr are on the yielded object afterwards."""
+                    capture_stderr: bool = False, ready_path: str = "/readyz") -> Iterator[GatewayProcess]:
+    """``gateway serve ARGS`` as a real process on a free port, ready when yielded (``ready_path`` answers
+    200: ``/healthz`` for a gateway with no healthy pod), SIGTERMed after; its exit code and (if captured)
+    stderr are on the yielded object afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), *args],
@@ -213,7 +214,7 @@ def gateway_process(*args: str, env: dict[str, str] | None = None,
     )
     run = GatewayProcess(f"http://127.0.0.1:{port}", proc)
     try:
-        wait_http(f"{run.url}/readyz", 90, proc)
+        wait_http(f"{run.url}{ready_path}", 90, proc)
         yield run
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -45,12 +45,20 @@ class AnswerRecords:
         if request.get(RECORDED) or from_sibling(request):
             return
         request[RECORDED] = True
-        route, outcome = _route(request), result_of(status)
+        request_id = request.get(REQUEST_ID) or request.headers.get("x-request-id", "-")
+        self._record(request_id, request.method, request.path, _route(request), status, seconds)
+
+    def unparsed(self, status: int, seconds: float) -> None:
+        """An answer to a connection whose request never got as far as its headers (their deadline passed)."""
+        self._record("-", "-", "-", UNMATCHED_ROUTE, status, seconds)
+
+    def _record(self, request_id: str, method: str, path: str, route: str, status: int, seconds: float) -> None:
+        outcome = result_of(status)
         self._metrics.request_done(Answer("-", "-", status, route, outcome), seconds, None, None)
         if access_log.isEnabledFor(logging.INFO):
-            log_answer({"request_id": request.get(REQUEST_ID) or request.headers.get("x-request-id", "-"),
-                        "method": request.method, "path": request.path, "status": status, "outcome": outcome,
-                        "route": route, "model": "-", "pod": "-", "duration_ms": round(seconds * 1000, 2)})
+            log_answer({"request_id": request_id, "method": method, "path": path, "status": status,
+                        "outcome": outcome, "route": route, "model": "-", "pod": "-",
+                        "duration_ms": round(seconds * 1000, 2)})
 
     def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
         """The outermost middleware: a handler cancelled because its client left is recorded as a 499."""
@@ -84,7 +92,8 @@ def runner_options(app: web.Application) -> dict[str, Any]:
         def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
             records.answered(request, response.status, time)
 
-    return {"access_log": logging.getLogger(ACCESS_LOGGER), "access_log_class": Recording}
+    return {"access_log": logging.getLogger(ACCESS_LOGGER), "access_log_class": Recording,
+            "on_header_timeout": records.unparsed}
 
 
 def _route(request: web.BaseRequest) -> str:

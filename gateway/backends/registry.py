@@ -170,14 +170,33 @@ class PodRegistry:
         until = min((p.ejected_until for p in serving if p.healthy and p.ejected_until > now), default=math.inf)
         return self._version, until, [p for p in serving if p.available(now)]
 
+    def back_in_s(self, model: str, leg: Leg | None = None) -> float:
+        """How soon a pod of ``model`` may take requests again, at the earliest: an ejected pod when its
+        ejection ends or its next health check passes, whichever is first; an unhealthy one after the
+        passing checks it still needs (``success_threshold``), the next one due ``interval_s`` after its
+        last. What a client told to retry is told (Retry-After); ``interval_s`` when no pod is known."""
+        now, interval = self._clock(), self._health.interval_s
+        return min((self._pod_back_in(pod, now) for pod in self._serving(model) if pod.takes(leg)), default=interval)
+
+    def _pod_back_in(self, pod: Pod, now: float) -> float:
+        interval = self._health.interval_s
+        next_check = max(0.0, (pod.last_check if pod.last_check is not None else now) + interval - now)
+        if pod.healthy:
+            return min(max(0.0, pod.ejected_until - now), next_check)
+        needed = max(1, self._health.success_threshold - pod.consecutive_successes)
+        return next_check + interval * (needed - 1)
+
     def disaggregated(self, model: str) -> bool:
         """Whether ``model`` is served by pods with roles: its requests are split into prefill and decode."""
         return any(p.config.role != "both" and p.serves(model) for p in self._pods.values())
 
     def model_cards(self) -> list[dict[str, Any]]:
-        """The union of all pods' models, one card per id (first pod's card wins)."""
+        """The union of the healthy pods' models, one card per id (first pod's card wins): a model whose
+        pods are all unhealthy is not listed (a request for it would get 503)."""
         cards: dict[str, dict[str, Any]] = {}
         for pod in self._pods.values():
+            if not pod.healthy:
+                continue
             for card in pod.model_cards:
                 cards.setdefault(str(card.get("id")), card)
         return list(cards.values())

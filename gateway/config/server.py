@@ -21,6 +21,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_prompt_tokens: int | None = None
     # A streaming client that reads nothing for this long (while its buffer is full) is cut off.
     client_stall_s: float = 30.0
+    # A request's headers that have not arrived whole this long after the connection opened (or, on a
+    # kept-alive connection, after the request's first bytes) are answered 408 and the connection closed:
+    # clients that send headers slowly do not hold connections.
+    header_read_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
     # A request body that has not arrived whole after this long is refused (408).
     body_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
     # How long SIGTERM waits for in-flight requests before closing them.

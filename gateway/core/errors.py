@@ -9,6 +9,7 @@ or retry elsewhere.
 from __future__ import annotations
 
 import enum
+import math
 
 
 class ErrorKind(enum.Enum):
@@ -58,9 +59,11 @@ def not_implemented(message: str, *, param: str | None = None) -> GatewayError:
     return GatewayError(ErrorKind.NOT_IMPLEMENTED, message, code="not_implemented", param=param)
 
 
-def no_pod_available(model: str) -> GatewayError:
+def no_pod_available(model: str, retry_after_s: float | None = None) -> GatewayError:
+    """``retry_after_s``: how soon a pod is expected back (whole seconds, rounded up, told to the client)."""
+    retry = max(1, math.ceil(retry_after_s)) if retry_after_s is not None else None
     return GatewayError(ErrorKind.NO_POD, f"No healthy pod is serving model `{model}` right now; retry shortly.",
-                        code="no_healthy_pod")
+                        code="no_healthy_pod", retry_after_s=retry)
 
 
 def upstream_failed(message: str) -> GatewayError:

@@ -103,14 +103,19 @@ class ModelRules:
         return {public: [*rule.choices(), *rule.fallbacks] for public, rule in self._rules.items()}
 
     def cards(self, served: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``/v1/models``: the pods' models, then each public name (with the targets it may be served by)
-        and each adapter the gateway registers on demand that no pod lists yet."""
+        """``/v1/models``: the models ``served`` now (by a healthy pod), then each adapter the gateway
+        registers on demand whose base model is served and no pod lists yet, then each public name one of
+        whose targets is among them (with the targets it may be served by): what a request could be
+        answered with now."""
         listed = {str(card.get("id")) for card in served}
         cards = list(served)
-        cards += [{"id": public, "object": "model", "owned_by": "gateway", "targets": targets}
-                  for public, targets in self.public_names().items() if public not in listed]
         cards += [{"id": name, "object": "model", "owned_by": "gateway", "parent": adapter.base_model}
-                  for name, adapter in self.config.adapters.items() if name not in listed]
+                  for name, adapter in self.config.adapters.items()
+                  if name not in listed and adapter.base_model in listed]
+        servable = listed | {str(card["id"]) for card in cards}
+        cards += [{"id": public, "object": "model", "owned_by": "gateway", "targets": targets}
+                  for public, targets in self.public_names().items()
+                  if public not in listed and any(t in servable for t in targets)]
         return cards
 
     def apply_remote(self, origin: str, fact: SplitPinned) -> None:

@@ -2,10 +2,11 @@
 
 The server hands the gateway the bytes as sent (``auto_decompress`` off: aiohttp's own decoding refuses a
 bad body in plain text, sometimes before any handler runs); here they are decoded with each codec the
-header lists, last applied first, and a body that cannot be is the client's fault (400 in the route's own
-error shape), as is one larger than ``server.max_body_bytes``, sent or decoded (413; a small compressed body
-may expand without bound), or one that takes longer than ``server.body_timeout_s`` to arrive (408). The pod
-receives the decoded bytes, without the header.
+header lists, last applied first (a gzip body of several members, or zstd of several frames, whole), and a
+body that cannot be is the client's fault (400 in the route's own error shape; bytes after the compressed
+data are refused, not ignored), as is one larger than ``server.max_body_bytes``, sent or decoded (413; a
+small compressed body may expand without bound), or one that takes longer than ``server.body_timeout_s`` to
+arrive (408). The pod receives the decoded bytes, without the header.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -31,24 +33,52 @@ import brotli
 Decoder = Callable[[bytes, int], bytes]
 
 
-def _zlib(wbits: int) -> Callable[[], Decoder]:
-    def make() -> Decoder:
-        decompressor = zlib.decompressobj(wbits)
+GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
 
+
+class _OneStream(Protocol):
+    """A decompressor of one stream (zlib's, zstd's): what it has not read after its end is ``unused_data``."""
+
+    eof: bool
+    unused_data: bytes
+
+    def decompress(self, data: bytes, max_length: int, /) -> bytes: ...
+
+
+def _members(start: Callable[[], _OneStream], name: str, magic: bytes | None) -> Callable[[], Decoder]:
+    """A decoder of ``name`` streams made by ``start``. ``magic``: the format allows streams one after
+    another (gzip's members, zstd's frames; ``cat a.gz b.gz``), each starting with these bytes, each
+    decoded in turn; bytes after the last that start none are refused (none: any bytes after the end)."""
+
+    def make() -> Decoder:
         def decode(data: bytes, limit: int) -> bytes:
-            out = decompressor.decompress(data, limit + 1)
-            if len(out) <= limit and not decompressor.eof:
-                raise ValueError("the compressed data ends early")
-            return out
+            out = bytearray()
+            while True:
+                decompressor = start()
+                out += decompressor.decompress(data, limit + 1 - len(out))
+                if len(out) > limit:
+                    return bytes(out)
+                if not decompressor.eof:
+                    raise ValueError("the compressed data ends early")
+                data = decompressor.unused_data
+                if not data:
+                    return bytes(out)
+                if magic is None or not data.startswith(magic):
+                    raise ValueError(f"{len(data)} bytes after the end of the {name} data are not {name} data")
 
         return decode
 
     return make
 
 
+def _gzip() -> _OneStream:
+    return zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+
 def _deflate() -> Decoder:
     """``deflate`` is zlib-wrapped by the spec, raw DEFLATE by many clients: both are read."""
-    zlib_wrapped, raw = _zlib(zlib.MAX_WBITS)(), _zlib(-zlib.MAX_WBITS)()
+    zlib_wrapped = _members(lambda: zlib.decompressobj(zlib.MAX_WBITS), "deflate", None)()
+    raw = _members(lambda: zlib.decompressobj(-zlib.MAX_WBITS), "deflate", None)()
 
     def decode(data: bytes, limit: int) -> bytes:
         try:
@@ -60,7 +90,7 @@ def _deflate() -> Decoder:
 
 
 def _brotli() -> Decoder:
-    decompressor = brotli.Decompressor()
+    decompressor = brotli.Decompressor()  # refuses bytes after its stream itself
 
     def decode(data: bytes, limit: int) -> bytes:
         out = decompressor.process(data, output_buffer_limit=limit + 1)
@@ -71,21 +101,9 @@ def _brotli() -> Decoder:
     return decode
 
 
-def _zstd() -> Decoder:
-    decompressor = zstd.ZstdDecompressor()
-
-    def decode(data: bytes, limit: int) -> bytes:
-        out = decompressor.decompress(data, max_length=limit + 1)
-        if len(out) <= limit and not decompressor.eof:
-            raise ValueError("the compressed data ends early")
-        return out
-
-    return decode
-
-
 DECODERS: dict[str, Callable[[], Decoder]] = {
-    "gzip": _zlib(16 + zlib.MAX_WBITS), "x-gzip": _zlib(16 + zlib.MAX_WBITS), "deflate": _deflate,
-    "br": _brotli, "zstd": _zstd,
+    "gzip": _members(_gzip, "gzip", GZIP_MAGIC), "x-gzip": _members(_gzip, "gzip", GZIP_MAGIC), "deflate": _deflate,
+    "br": _brotli, "zstd": _members(zstd.ZstdDecompressor, "zstd", ZSTD_MAGIC),
 }
 
 

@@ -133,5 +133,5 @@ class Router:
                 request.filtered_out[f.name] = [p.name for p in pods if p not in kept]
             pods = kept
         if not pods:
-            raise no_pod_available(request.model)
+            raise no_pod_available(request.model, self._pods.back_in_s(request.model, request.leg))
         return pods

@@ -295,6 +295,34 @@ async def test_compressed_bodies_reach_the_pod_decoded_and_bad_ones_are_refused(
     assert len(received) == len(codecs)
 
 
+async def test_a_gzip_body_of_two_members_is_decoded_whole_and_bytes_after_the_last_are_refused(
+        start_backend, start_gateway, http):
+    import gzip
+    import json
+
+    received: list[bytes] = []
+
+    async def record(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.json_response({"id": "ok", "choices": []})
+
+    gw = await start_gateway([await start_backend(backend(record))])
+    body = json.dumps(chat_body(model="m")).encode()
+    two_members = gzip.compress(body[:10]) + gzip.compress(body[10:])  # what `cat a.gz b.gz` makes
+    async with http.post(f"{gw.url}/v1/chat/completions", data=two_members,
+                         headers={"content-encoding": "gzip", "content-type": "application/json"}) as resp:
+        assert resp.status == 200, await resp.text()
+    assert received == [body]
+    for trailing in (b"garbage", b"\0\0\0\0"):
+        async with http.post(f"{gw.url}/v1/chat/completions", data=gzip.compress(body) + trailing,
+                             headers={"content-encoding": "gzip", "content-type": "application/json"}) as resp:
+            assert resp.status == 400
+            error = assert_openai_error(await resp.json(), "invalid_body")
+            assert f"{len(trailing)} bytes after the end of the gzip data" in error["message"]
+            assert resp.headers["x-should-retry"] == "false"
+    assert received == [body]
+
+
 async def test_a_pods_cookie_never_reaches_another_clients_request(start_backend, start_gateway):
     seen: list[str | None] = []
 

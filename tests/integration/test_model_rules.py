@@ -208,3 +208,23 @@ async def test_a_split_keeps_a_responses_conversation_on_the_target_of_its_first
             seen.append(headers["x-gateway-model"])
         targets.append(seen)
     assert all(len(set(seen)) == 1 for seen in targets), targets
+
+
+async def test_models_lists_what_a_healthy_pod_can_serve_now(fleet, http):
+    """A model whose pods are all down leaves /v1/models, and a public name with it when none of its
+    targets is left; the names with a target still served stay."""
+    pods, gateway = fleet
+    gw = await gateway()
+
+    async def listed() -> set[str]:
+        async with http.get(f"{gw.url}/v1/models") as resp:
+            return {c["id"] for c in (await resp.json())["data"]}
+
+    assert await listed() == {"stable", "canary", "small", *RULES}
+    for pod in pods["stable"]:
+        await pod.stop()
+    await eventually(lambda: not any(p.healthy for p in gw.gateway.pods.all() if p.serves("stable")))
+    assert await listed() == {"canary", "small", "chat", "guarded"}  # each still has a target served
+    await pods["canary"][0].stop()
+    await eventually(lambda: not any(p.healthy for p in gw.gateway.pods.all() if p.serves("canary")))
+    assert await listed() == {"small", "guarded"}
