@@ -17,7 +17,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from gateway.api.connections import GatewayRunner
-from gateway.api.records import runner_options
+from gateway.api.records import RECORDS_KEY, runner_options
 from gateway.app import build_app
 from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
@@ -72,8 +72,9 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
     runner = GatewayRunner(
-        app, header_timeout_s=config.server.header_read_timeout_s, handler_cancellation=True,
-        shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS, **runner_options(app),
+        app, header_timeout_s=config.server.header_read_timeout_s, on_header_timeout=app[RECORDS_KEY].unparsed,
+        handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS,
+        **runner_options(app),
     )
     await start_runner(runner)
     many = identity.count > 1

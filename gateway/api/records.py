@@ -92,8 +92,7 @@ def runner_options(app: web.Application) -> dict[str, Any]:
         def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
             records.answered(request, response.status, time)
 
-    return {"access_log": logging.getLogger(ACCESS_LOGGER), "access_log_class": Recording,
-            "on_header_timeout": records.unparsed}
+    return {"access_log": logging.getLogger(ACCESS_LOGGER), "access_log_class": Recording}
 
 
 def _route(request: web.BaseRequest) -> str:
