@@ -215,8 +215,8 @@ def time_split(extra: dict[str, float]) -> str:
 def run(args: argparse.Namespace) -> int:
     from bench.peers import PeerMissing, PeerRefused
     from bench.report import ratio, write_results
-    from bench.split import split_line
     from bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
+    from bench.split import split_line
     from gateway.config import PodConfig
     from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
