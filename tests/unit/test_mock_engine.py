@@ -274,3 +274,22 @@ def test_each_running_decode_takes_a_token_of_the_step_in_the_order_admitted():
     long = h.engine.submit(list(range(100, 140)), 1)
     stepped(h, long)
     assert long.num_computed == 13 and all(s.generated == 2 for s in decoding)  # 3 decodes + 13 prefilled
+
+
+async def test_queue_time_is_what_a_request_waited_for_a_batch_slot():
+    """vLLM's request_queue_time_seconds: from arrival to first scheduled. With one sequence a step, the
+    second request waits for the first to finish; the first never waits."""
+    h = Harness(max_num_seqs=1)
+    h.engine.timing = TimingModel(speed=1.0, step_base_s=0.01)
+    h.engine.start()
+    try:
+        first = h.engine.submit(list(range(1, 9)), 3, "first")
+        second = h.engine.submit(list(range(20, 28)), 3, "second")
+        await drain(first)
+        await drain(second)
+    finally:
+        await h.engine.stop()
+    queued = h.engine.queue_by_request
+    assert queued["first"] < 0.01 <= 2 * 0.01 <= queued["second"]  # behind the first's three steps
+    assert sum(h.engine.queue_time_buckets) == 2
+    assert h.engine.queue_time_sum_s == pytest.approx(queued["first"] + queued["second"])
