@@ -34,6 +34,7 @@ DEFAULT_CONTENDERS = {
                       "vllm-router-round_robin", "vllm-router-cache_aware", "vllm-router-kv_aware",
                       "sglang-router-cache_aware"],
     "multi-turn": ["direct", "gateway-kv_aware", "vllm-router-cache_aware", "sglang-router-cache_aware"],
+    "conversations": ["direct", "gateway-round_robin", "gateway-prefix_cache", "gateway-kv_aware", "smg-cache_aware"],
     "agentic": ["direct", "gateway-kv_aware-no-workflow", "gateway-kv_aware", "vllm-router-cache_aware"],
     "agentic-shared": ["direct", "gateway-round_robin", "gateway-kv_aware-no-workflow", "gateway-kv_aware",
                        "vllm-router-cache_aware", "vllm-router-kv_aware", "sglang-router-cache_aware",
@@ -97,6 +98,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="refuse to run when a peer router is not installed yet (default: install each peer its "
                         "row names, pinned, into its own environment under ~/.cache/kv-gateway/peers, once)")
     b.add_argument("--router-logs", metavar="DIR", help="keep each router's output here (<contender>-<n>.log)")
+    b.add_argument("--split", metavar="DIR",
+                   help="split each request's TTFT (the gateway's steps, dispatch to first byte, the chosen pod's "
+                        "requests in flight, the pod's queue time and TTFT) into DIR/<scenario>-<contender>.csv, "
+                        "percentiles in the results (the gateway writes its access records for it)")
     b.add_argument("--pod-url", action="append", help="benchmark these existing pods instead of simulated ones")
     b.add_argument("--events", action="append", help="URL=ENDPOINT: KV-event endpoint of an existing pod")
     b.add_argument("--replay", action="append", help="URL=ENDPOINT: KV-event replay endpoint of an existing pod")
@@ -109,7 +114,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, knobs: list[str] | None = None):
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
-    counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "agentic": "workflows",
+    counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "conversations": "conversations",
+              "agentic": "workflows",
               "agentic-shared": "workflows", "long-context": "sessions", "lora": "requests",
               "fleet-scale": "requests"}
     if scenario in counts:
@@ -210,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     from bench.peers import PeerMissing, PeerRefused
     from bench.report import ratio, write_results
     from bench.runner import CONTENDERS, BenchRunner, gateway_version, prepare_peers
+    from bench.split import split_line
     from gateway.config import PodConfig
     from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 
@@ -246,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     runner = BenchRunner(pods=args.pods, num_blocks=args.num_blocks, speed=args.speed, model=args.model,
                          tokenizer=tokenizer, existing_pods=existing, router_logs=args.router_logs, peers=peers,
-                         max_loras=args.max_loras, pods_per_process=args.pods_per_process)
+                         max_loras=args.max_loras, pods_per_process=args.pods_per_process, split_dir=args.split)
     results = []
     started = time.time()
     for trace, names in runs:
@@ -264,10 +271,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {name}: skipped ({result.skipped})", file=sys.stderr)
             else:
                 print(f"  {name}: hit ratio {result.hit_ratio:.3f} (sticky LRU {ratio(result.sticky_lru)}, keep-warm "
-                      f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p90 "
-                      f"{result.ttft_p90_ms:.0f} ms, per pod "
+                      f"bound {ratio(result.keep_warm)}, infinite {ratio(result.infinite)}), TTFT p50/p90/p99 "
+                      f"{result.ttft_p50_ms:.1f}/{result.ttft_p90_ms:.1f}/{result.ttft_p99_ms:.1f} ms, per pod "
                       f"{'/'.join(map(str, result.pod_requests))}, {result.errors} errors", file=sys.stderr)
                 if (split := time_split(result.extra)):
+                    print(f"    {split}", file=sys.stderr)
+                if (split := split_line(result.extra)):
                     print(f"    {split}", file=sys.stderr)
                 if "adapter_switches_per_1k" in result.extra:
                     x = result.extra

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import http.client
 import itertools
 import json
@@ -45,6 +46,9 @@ from bench.metrics_text import (
 )
 from bench.oracle import ChatEncoder, Oracle, trace_oracle
 from bench.peers import PEERS, PeerBinary, install_peer, resolve_peer
+from bench.split import access_records, write_rows
+from bench.split import rows as split_rows
+from bench.split import summary as split_summary
 from bench.tenants import tenant_stats
 from bench.workloads import History, Session, Trace
 from gateway.backends.scraper import parse_engine_metrics
@@ -346,15 +350,18 @@ def gateway_version() -> str:
     return version("kv-gateway")
 
 
-def _pod_ttfts(urls: list[str]) -> dict[str, float]:
-    """Each request's time to first token at the pod that answered it, by request id, where the pods say
-    it (simulated pods' ``/debug/ttft``; real vLLM does not)."""
-    out: dict[str, float] = {}
+def _pod_ttfts(urls: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each request's time to first token at the pod that answered it, and its time in that pod's waiting
+    queue, by request id, where the pods say them (simulated pods' ``/debug/ttft``; real vLLM does not)."""
+    ttft: dict[str, float] = {}
+    queue: dict[str, float] = {}
     for url in urls:
         with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
             with urllib.request.urlopen(f"{url}/debug/ttft", timeout=10) as resp:
-                out.update(orjson.loads(resp.read())["ttft_s"])
-    return out
+                said = orjson.loads(resp.read())
+            ttft.update(said["ttft_s"])
+            queue.update(said.get("queue_s") or {})
+    return ttft, queue
 
 
 def _added_ttft_per_request(ok: list[Outcome], pod_ttfts: dict[str, float]) -> dict[str, float]:
@@ -524,7 +531,8 @@ class BenchRunner:
                  model: str = "mock-llama", tokenizer: str | None = str(BUNDLED_TOKENIZER_DIR),
                  existing_pods: list[PodConfig] | None = None, progress: bool = True,
                  max_model_len: int | None = None, router_logs: str | None = None,
-                 peers: dict[str, PeerBinary] | None = None, max_loras: int = 2, pods_per_process: int = 0) -> None:
+                 peers: dict[str, PeerBinary] | None = None, max_loras: int = 2, pods_per_process: int = 0,
+                 split_dir: str | None = None) -> None:
         self.pods, self.num_blocks, self.block_size, self.speed = pods, num_blocks, block_size, speed
         self.max_loras = max_loras  # a LoRA trace's pods: adapters in one batch
         self._adapters: list[str] = []  # the LoRA adapters of the trace being replayed
@@ -538,6 +546,10 @@ class BenchRunner:
         # A directory for each router's output (<contender>-<n>.log); none: discarded.
         self.router_logs = router_logs
         self._logs_per_contender: Counter[str] = Counter()
+        # Where each request's TTFT split goes (bench.split; none: not split): the gateway then writes its
+        # JSON access records, to the router logs or to files of its own, read back after the run.
+        self.split_dir = split_dir
+        self._access_logs: list[str] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         # Each peer's checked binary, by kind: as given, else resolved (and checked) when first served.
         self._peers: dict[str, PeerBinary] = dict(peers or {})
@@ -669,13 +681,19 @@ class BenchRunner:
         return self._peers[kind]
 
     def _router_log(self, contender: Contender) -> contextlib.AbstractContextManager[IO[bytes] | int]:
-        """Where a router's stdout and stderr go: a new file under ``router_logs``, or nowhere."""
-        if self.router_logs is None:
+        """Where a router's stdout and stderr go: a new file under ``router_logs``, or nowhere (a split
+        run's gateway: a temporary file, its access records read back)."""
+        splitting = self.split_dir is not None and contender.kind in ("gateway", "envoy-epp")
+        if self.router_logs is None and not splitting:
             return contextlib.nullcontext(subprocess.DEVNULL)
-        os.makedirs(self.router_logs, exist_ok=True)
+        directory = self.router_logs or tempfile.mkdtemp(prefix="kvgw-bench-logs-")
+        os.makedirs(directory, exist_ok=True)
         n = self._logs_per_contender[contender.name]
         self._logs_per_contender[contender.name] += 1
-        return open(os.path.join(self.router_logs, f"{contender.name}-{n}.log"), "wb")
+        path = os.path.join(directory, f"{contender.name}-{n}.log")
+        if splitting:
+            self._access_logs.append(path)
+        return open(path, "wb")
 
     def _gateway_command(self, contender: Contender, pods: list[PodConfig], port: int,
                          env: dict[str, str]) -> list[str]:
@@ -688,7 +706,10 @@ class BenchRunner:
                 (f",replay={p.kv_replay}" if p.kv_replay else "") + f",name={p.name},role={p.role}" + \
                 (f",scheduling={p.scheduling}" if p.scheduling != "fcfs" else "")
             cmd += ["--pod", spec]
-        env["GATEWAY_LOGGING__ACCESS_LOG"] = "false"
+        # A split run reads each request's record back (bench.split); else the records cost CPU for nothing.
+        env["GATEWAY_LOGGING__ACCESS_LOG"] = "true" if self.split_dir is not None else "false"
+        if self.split_dir is not None:
+            env["GATEWAY_LOGGING__JSON"] = "true"
         env["GATEWAY_DISAGGREGATION__CONNECTOR"] = "nixl"
         if self.tokenizer:  # else the gateway asks the pods' /tokenize
             env["GATEWAY_TOKENIZATION__MODELS"] = json.dumps({self.model: {"path": str(self.tokenizer)}})
@@ -721,6 +742,20 @@ class BenchRunner:
         self._procs.clear()
         self.router_processes.clear()
 
+    def _split(self, result: Result, ok: list[Outcome], pod_ttfts: dict[str, float],
+               pod_queues: dict[str, float]) -> None:
+        """Each answered request's TTFT split (bench.split) into ``<split_dir>/<scenario>-<contender>.csv``,
+        its percentiles into the result; the access logs read are forgotten."""
+        access: dict[str, dict[str, Any]] = {}
+        for path in self._access_logs:
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                access.update(access_records(f))
+        self._access_logs.clear()
+        table = split_rows(((o.request_id, o.session, o.step, o.ttft_s) for o in ok), access, pod_ttfts, pod_queues)
+        if self.split_dir is not None:
+            write_rows(table, Path(self.split_dir) / f"{result.scenario}-{result.name}.csv")
+        result.extra.update(split_summary(table))
+
     # One contender
 
     @contextlib.contextmanager
@@ -730,6 +765,7 @@ class BenchRunner:
         them (``None``: requests go straight to the pods), all stopped on leaving."""
         fleet = None
         self.served_by = NOBODY
+        self._access_logs.clear()
         try:
             fleet, pods = self._start_pods(self.speed if speed is None else speed, contender.prefill_pods,
                                            contender.lora_on_demand, contender.scheduling)
@@ -766,7 +802,7 @@ class BenchRunner:
                             for p, b in zip(self.router_processes, switches_before, strict=True)]
                 after, spent = self._counters_after(pods, gateway_metrics)
                 legs_after = [_leg_counters(p.url) for p in pods]
-                pod_ttfts = _pod_ttfts(decode_urls)
+                pod_ttfts, pod_queues = _pod_ttfts(decode_urls)
                 if contender.prefill_pods:
                     result.extra.update(_per_leg(pods, legs_before, legs_after))
                 if trace.adapters:
@@ -811,6 +847,8 @@ class BenchRunner:
         if not contender.prefill_pods:
             result.extra.update(_added_ttft(ok, legs_before, legs_after))
             result.extra.update(_added_ttft_per_request(ok, pod_ttfts))
+            if self.split_dir is not None:
+                self._split(result, ok, pod_ttfts, pod_queues)
         result.extra["prompt_tokens"] = round(queries)  # the clients' (what a hit ratio's gain is a share of)
         result.errors = sum(1 for o in outcomes if o.status not in (200, 429))
         # The gateway's workflow cache actions, as shares of the answered requests.
@@ -905,6 +943,11 @@ class BenchRunner:
         # A real progress bar on a terminal; nothing on a pipe (CI logs) or when asked for none.
         bar = tqdm(total=trace.requests, desc=f"  {label}", unit="req", file=sys.stderr, leave=True,
                    disable=not self.progress or not sys.stderr.isatty())
+        # The trace and everything built so far are never freed during the replay: out of the collector's
+        # sight, so that its full collections (over 100 ms each on the Mooncake slice, eleven of them) do
+        # not stall the client and count as the routers' time to first token.
+        gc.collect()
+        gc.freeze()
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
             t0 = time.monotonic()
@@ -932,6 +975,7 @@ class BenchRunner:
             await asyncio.gather(*(run_session(i, s) for i, s in enumerate(trace.sessions)))
             seconds = time.monotonic() - t0
         bar.close()
+        gc.unfreeze()
         return outcomes, seconds
 
     async def _send(self, http: aiohttp.ClientSession, base: str, messages: list[dict[str, object]],

@@ -124,6 +124,39 @@ def multi_turn(seed: int = 0, conversations: int = 16, turns: int = 6, first_wor
     return Trace("multi-turn", seed, sessions)
 
 
+def conversations(seed: int = 0, conversations: int = 48, min_turns: int = 1, max_turns: int = 10,
+                  single_share: float = 0.15, systems: int = 4, system_words: int = 300, first_words: int = 400,
+                  turn_words: int = 60, min_answer: int = 8, max_answer: int = 48, think_min_s: float = 0.5,
+                  think_max_s: float = 3.0, rate: float = 2.0) -> Trace:
+    """Chat conversations shaped as a multi-turn conversation trace's (Mooncake's): most of several turns
+    (``single_share`` of one), their number drawn from ``[2, max_turns]``; each turn re-sends the context so
+    far, its answers included, and a new user message (``turn_words`` on average), so contexts grow turn by
+    turn; answers are short (``max_tokens`` drawn from ``[min_answer, max_answer]``); a user thinks
+    ``[think_min_s, think_max_s]`` between an answer and the next turn, so the conversations' turns
+    interleave. Each conversation starts with one of ``systems`` shared system prompts and a long first
+    message of its own (a pasted document, ``first_words`` on average); starts are Poisson at ``rate``/s.
+    No session header, as chat clients that send none."""
+    if not 1 <= min_turns <= max_turns or not 0 <= single_share <= 1 or not 1 <= min_answer <= max_answer \
+            or not 0 <= think_min_s <= think_max_s or systems < 1:
+        raise ValueError("need 1 <= min_turns <= max_turns, 0 <= single_share <= 1, 1 <= min_answer <= max_answer, "
+                         "0 <= think_min_s <= think_max_s and systems >= 1")
+    rng = random.Random(seed)
+    prompts = [f"Assistant {a}. " + text(rng, system_words) for a in range(systems)]
+    out = []
+    for c, start in enumerate(poisson_starts(rng, conversations, rate)):
+        several = max(min_turns, 2) if max_turns >= 2 else 1
+        turns = min_turns if rng.random() < single_share else rng.randint(several, max_turns)
+        first = f"Conversation {c}: " + text(rng, rng.randint(first_words // 2, first_words * 3 // 2))
+        steps = [Step([{"role": "system", "content": rng.choice(prompts)}, {"role": "user", "content": first}],
+                      rng.randint(min_answer, max_answer))]
+        for _ in range(1, turns):
+            message = text(rng, rng.randint(turn_words // 2, turn_words * 3 // 2))
+            steps.append(Step([{"role": "user", "content": message}], rng.randint(min_answer, max_answer),
+                              think_s=round(rng.uniform(think_min_s, think_max_s), 3)))
+        out.append(Session(f"cv{c}", start, steps))
+    return Trace("conversations", seed, out)
+
+
 def stage_headers(workflow_id: str, stage: int, stages: int) -> dict[str, str]:
     """The workflow headers of stage ``stage`` of ``stages`` (the last one completes the workflow)."""
     headers = {"x-workflow-id": workflow_id, "x-stage-id": f"stage-{stage}"}
@@ -360,7 +393,8 @@ def fleet_scale(seed: int = 0, requests: int = 2000, systems: int = 16, system_w
     return Trace("fleet-scale", seed, sessions)
 
 
-GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "agentic": agentic,
+GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "conversations": conversations,
+              "agentic": agentic,
               "agentic-shared": agentic_shared, "long-context": long_context, "overload": overload,
               "noisy-neighbor": noisy_neighbor, "priority": priority_bands, "lora": lora,
               "fleet-scale": fleet_scale}

@@ -69,6 +69,9 @@ class TimingModel(msgspec.Struct, frozen=True):
 # The context length of the simulated model (a Llama-3.1-shaped one).
 MODEL_MAX_LEN = 131_072
 RECENT_TTFTS = 100_000
+# The upper bounds of ``vllm:request_queue_time_seconds``' buckets: vLLM's own start at 0.3 s, finer here,
+# as the simulated pods run at a fraction of a GPU's time and queue for milliseconds.
+QUEUE_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -173,6 +176,8 @@ class Sequence:
     reserved_blocks: int = 0
     generated: int = 0
     first_token_at: float | None = None
+    # When the scheduler first took it from the waiting queue (vLLM's queue time ends there).
+    scheduled_at: float | None = None
     # On the engine's simulated clock (speed 1), independent of how fast the host runs the simulation.
     submitted_clock: float = 0.0
     simulated_ttft_s: float | None = None
@@ -289,6 +294,11 @@ class MockEngine:
         # The same per request id, the latest RECENT_TTFTS: what a benchmark subtracts from its client's TTFT
         # to see what the router in between added (``GET /debug/ttft``).
         self.ttft_by_request: LruCache[str, float] = LruCache(RECENT_TTFTS)
+        # Time in the waiting queue, from arrival to first scheduled (vLLM's request_queue_time_seconds):
+        # per bucket of QUEUE_TIME_BUCKETS (the last one: past them all), their sum, and per request id.
+        self.queue_time_buckets = [0] * (len(QUEUE_TIME_BUCKETS) + 1)
+        self.queue_time_sum_s = 0.0
+        self.queue_by_request: LruCache[str, float] = LruCache(RECENT_TTFTS)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mock-engine")
@@ -391,6 +401,7 @@ class MockEngine:
                 break  # the head waits for blocks, the rest wait behind it
             self.waiting.pop()
             self.running.append(seq)
+            self._scheduled(seq)
             if seq.lora is not None:
                 adapters.add(seq.lora.name)
             step.loaded_tokens += seq.loaded_tokens
@@ -399,6 +410,14 @@ class MockEngine:
         if adapters:
             step.lora_activations, step.lora_loads = self.lora.activate(adapters)
         return step
+
+    def _scheduled(self, seq: Sequence) -> None:
+        """``seq`` leaves the waiting queue for the batch: its queue time is observed."""
+        seq.scheduled_at = time.monotonic()
+        waited = seq.scheduled_at - seq.arrived
+        self.queue_time_buckets[bisect.bisect_left(QUEUE_TIME_BUCKETS, waited)] += 1
+        self.queue_time_sum_s += waited
+        self.queue_by_request.put(seq.request_id, waited)
 
     def _prefill_chunk(self, step: _Step, seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of ``seq``'s prompt. As vLLM does, the blocks the chunk fills are cached

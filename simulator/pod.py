@@ -40,7 +40,7 @@ from simulator import anthropic as anthropic_api
 from simulator import responses as responses_api
 from simulator.block_hashes import SeededBlockHasher, VllmBlockHasher
 from simulator.config import MockPodConfig
-from simulator.engine import EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
+from simulator.engine import QUEUE_TIME_BUCKETS, EngineLimits, MockEngine, PromptRejected, Sequence, TimingModel
 from simulator.kv_transfer import (
     SIDE_CHANNEL_PATH,
     KvLoadFailed,
@@ -711,6 +711,7 @@ class MockPod:
             f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(e.ttft_count)}\n',
             f"vllm:time_to_first_token_seconds_count{{{labels}}} {float(e.ttft_count)}\n",
             f"vllm:time_to_first_token_seconds_sum{{{labels}}} {e.ttft_sum_s}\n",
+            *self._queue_time_metrics(labels),
             *([f"vllm:external_prefix_cache_queries_total{{{labels}}} {float(e.external_queries)}\n",
                f"vllm:external_prefix_cache_hits_total{{{labels}}} {float(e.external_hits)}\n"]
               if e.connector is not None else []),
@@ -719,6 +720,14 @@ class MockPod:
             f'engine="0",num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="{self.config.hash_algo}"}} 1.0\n',
             *(self._lora_metrics() if self.lora_enabled else []),
         ])
+
+    def _queue_time_metrics(self, labels: str) -> list[str]:
+        """``vllm:request_queue_time_seconds``: each request's time from arrival to first scheduled."""
+        e, name, lines, seen = self.engine, "vllm:request_queue_time_seconds", [], 0
+        for bound, count in zip([*QUEUE_TIME_BUCKETS, "+Inf"], e.queue_time_buckets, strict=True):
+            seen += count
+            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(seen)}\n')
+        return [*lines, f"{name}_count{{{labels}}} {float(seen)}\n", f"{name}_sum{{{labels}}} {e.queue_time_sum_s}\n"]
 
     def _lora_metrics(self) -> list[str]:
         e = self.engine
@@ -780,8 +789,9 @@ class MockPod:
                                   "events_seq": self.publisher.seq if self.publisher else None})
 
     async def _debug_ttft(self, request: web.Request) -> web.Response:
-        """Each recent request's time to first token at this pod, by its ``x-request-id``."""
-        return web.json_response({"ttft_s": self.engine.ttft_by_request})
+        """Each recent request's time to first token at this pod, and its time in the waiting queue (vLLM's
+        queue time: until first scheduled), by its ``x-request-id``."""
+        return web.json_response({"ttft_s": self.engine.ttft_by_request, "queue_s": self.engine.queue_by_request})
 
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:

@@ -52,6 +52,8 @@ class Dispatch:
     # Prompt tokens the pod has to prefill (less those predicted cached), until its answer begins.
     prefill_tokens: int = 0
     sent_at: float = 0.0  # when it was sent (monotonic; set when it has prompt tokens to prefill)
+    # The pod's requests in flight just before this one was dispatched to it (what placement chose it with).
+    in_flight_before: int = 0
 
 
 class PrefillRate:
@@ -105,7 +107,7 @@ class InFlightLedger:
     def dispatch(self, request_id: str, pod: str, consumption: float, kind: RequestKind, *, context: str | None = None,
                  stage: tuple[str, str] | None = None, prefill_tokens: int = 0) -> Dispatch:
         entry = Dispatch(request_id, pod, consumption if math.isfinite(consumption) else 1.0, kind, context, stage,
-                         max(0, prefill_tokens))
+                         max(0, prefill_tokens), in_flight_before=self.on_pod(pod))
         tally = self._pods.get(pod)
         if tally is None:
             tally = self._pods[pod] = PodTally()

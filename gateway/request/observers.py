@@ -183,6 +183,11 @@ class AccessLog:
             fields["flow"], fields["priority"] = flow.fairness_id, flow.priority
             if done.admitted is not None and done.admitted.objective:
                 fields["objective"] = done.admitted.objective
+        if done.last is not None:
+            fields["pod_in_flight"] = done.last.dispatch.in_flight_before
+        if done.steps is not None:  # what each step took (a step not reached: absent), to split its latency
+            fields["steps_ms"] = {name: round(s * 1000, 3) for name, s in zip(STEP_NAMES, done.steps.seconds,
+                                                                           strict=True) if s == s}
         if (prefill := done.prefill) is not None:
             fields["prefill_pod"] = prefill.pod.name if prefill.pod is not None else None
             fields["prefill"] = prefill.outcome.value

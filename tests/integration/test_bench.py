@@ -23,6 +23,7 @@ from bench.workloads import (
     Trace,
     agentic,
     agentic_shared,
+    conversations,
     longest_request_tokens,
     multi_turn,
     overload,
@@ -357,3 +358,28 @@ def test_long_context_sessions_start_large_grow_little_and_size_the_pods():
     size_simulated_pods(runner, huge, args)
     assert runner.max_model_len is not None and runner.max_model_len > MODEL_MAX_LEN
     assert (runner.num_blocks - 1) * 16 >= runner.max_model_len
+
+
+def test_conversations_grow_turn_by_turn_and_each_request_time_is_split(tmp_path):
+    trace = conversations(seed=1, conversations=6, max_turns=4, think_min_s=0.0, think_max_s=0.05, rate=20)
+    assert trace == conversations(seed=1, conversations=6, max_turns=4, think_min_s=0.0, think_max_s=0.05, rate=20)
+    assert trace != conversations(seed=2, conversations=6, max_turns=4, think_min_s=0.0, think_max_s=0.05, rate=20)
+    several = [s for s in trace.sessions if len(s.steps) > 1]
+    assert len(several) >= 4 and all(s.carry_history for s in trace.sessions)  # each turn re-sends the context
+    assert all(8 <= step.max_tokens <= 48 for s in trace.sessions for step in s.steps)  # short answers
+    assert all(step.think_s is not None for s in several for step in s.steps[1:])
+    runner = BenchRunner(pods=2, num_blocks=400, speed=0.0, progress=False, split_dir=str(tmp_path))
+    result = runner.run(CONTENDERS["gateway-kv_aware"], trace)
+    assert result.errors == 0 and not result.skipped
+    with open(tmp_path / "conversations-gateway-kv_aware.csv") as f:
+        table = list(csv.DictReader(f))
+    # Every answered request is one row, joined with the gateway's access record and its pod's own account.
+    assert len(table) == trace.requests
+    for row in table:
+        steps = [float(row[f"{s}_ms"]) for s in ("parse", "tokenize", "prepare", "admit", "route", "dispatch")]
+        assert float(row["gateway_ms"]) == pytest.approx(sum(steps), abs=0.01)
+        assert row["pod"].startswith("mock-") and int(row["pod_in_flight"]) >= 0
+        assert 0 <= float(row["pod_queue_ms"]) <= float(row["pod_ttft_ms"]) < float(row["client_ttft_ms"])
+    later = [r for r in table if r["step"] != "0"]
+    assert later and all(r["reason"] == "cache_hit" for r in later)  # a returning turn finds its context
+    assert {"split_gateway_ms_p50", "split_pod_queue_ms_p90", "split_pod_in_flight_mean"} <= set(result.extra)

@@ -311,3 +311,22 @@ def test_a_pool_as_large_as_the_context_costs_nothing_until_used():
     first = cache.allocate(3)
     assert [b.block_id for b in first] == [1, 2, 3] and cache.num_free == 8189
     assert cache.usage() == pytest.approx(3 / 8192)
+
+
+async def test_queue_time_is_what_a_request_waited_for_a_batch_slot():
+    """vLLM's request_queue_time_seconds: from arrival to first scheduled. With one sequence a step, the
+    second request waits for the first to finish; the first never waits."""
+    h = Harness(max_num_seqs=1)
+    h.engine.timing = TimingModel(speed=1.0, step_base_s=0.01)
+    h.engine.start()
+    try:
+        first = h.engine.submit(list(range(1, 9)), 3, "first")
+        second = h.engine.submit(list(range(20, 28)), 3, "second")
+        await drain(first)
+        await drain(second)
+    finally:
+        await h.engine.stop()
+    queued = h.engine.queue_by_request
+    assert queued["first"] < 0.01 <= 2 * 0.01 <= queued["second"]  # behind the first's three steps
+    assert sum(h.engine.queue_time_buckets) == 2
+    assert h.engine.queue_time_sum_s == pytest.approx(queued["first"] + queued["second"])
