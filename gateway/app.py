@@ -404,7 +404,7 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
         lifecycle(gw.front.responses.store.start, gw.front.responses.store.stop),
-        lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
+        lifecycle(gw.tokens.start, gw.tokens.stop),  # loads on a thread: the gateway listens meanwhile
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
     ]

@@ -38,7 +38,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, front))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
-    app.router.add_get("/readyz", partial(_readyz, front))
+    app.router.add_get("/readyz", partial(_readyz, gateway))
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
@@ -88,10 +88,13 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def _readyz(front: FrontDoor, request: web.Request) -> web.Response:
+async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
+    front = gateway.front
     ready_pods = front.ready_pods()
     if front.draining:
         return web.json_response({"status": "draining", "ready_pods": ready_pods}, status=503)
+    if gateway.tokens.loading:  # it listens at once; requests would wait for the tokenizers
+        return web.json_response({"status": "loading tokenizers", "ready_pods": ready_pods}, status=503)
     if not ready_pods:
         return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
     return web.json_response({"status": "ready", "ready_pods": ready_pods})
