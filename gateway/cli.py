@@ -90,7 +90,6 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
     if wants_simulated_pods(config):
         pods = asyncio.ensure_future(simulator("gateway serve --mock-pods").start(config))
         await asyncio.sleep(0)  # their processes are spawned: this one's imports below overlap their start
-    from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
 
     if pods is not None:
@@ -102,6 +101,8 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
 
             serving = run_epp(config, source)
         elif workers == 1:
+            from gateway.server import run_gateway  # the whole gateway (a supervisor leaves it to its workers)
+
             serving = run_gateway(config, source=source)
         else:
             serving = Supervisor(config, workers, source).run()

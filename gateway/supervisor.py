@@ -43,7 +43,6 @@ from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
-from gateway.server import run_gateway
 
 log = logging.getLogger("gateway.workers")
 
@@ -250,6 +249,7 @@ def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdenti
                 ready: multiprocessing.connection.Connection, index_made: EventType) -> None:
     """A worker process: one gateway on the shared port, until SIGTERM; it reloads its config on SIGHUP."""
     from gateway.logs import configure_logging
+    from gateway.server import run_gateway  # the whole gateway: imported by the workers, not the supervisor
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     source = msgspec.json.decode(source_bytes, type=ConfigSource) if source_bytes else None

@@ -38,8 +38,7 @@ from gateway.config import (
 )
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.config import MockPodsConfig
-from simulator.group import PodEndpoints
-from simulator.ports import free_ports
+from simulator.ports import PodEndpoints, free_ports
 
 log = logging.getLogger("simulator")
 
@@ -154,7 +153,8 @@ class MockPodFleet:
     def _pod_config(self, member: MockPodProcess, endpoints: PodEndpoints) -> PodConfig:
         c = self.config
         return PodConfig(url=endpoints.url, name=f"mock-{member.first + endpoints.index}", flavor=c.flavor,
-                         deployment="mock", kv_events=endpoints.events, kv_replay=endpoints.replay,
+                         deployment="mock",  # the gateway's /readyz waits for these to answer (api/routes.py)
+                         kv_events=endpoints.events, kv_replay=endpoints.replay,
                          block_size=c.block_size, role=member.role,  # type: ignore[arg-type]
                          scheduling=c.scheduling)
 

@@ -1,9 +1,22 @@
-"""Ports free now, for a simulated pod to bind later: chosen outside the kernel's ephemeral range."""
+"""Where simulated pods listen: ports free now, for a pod to bind later (chosen outside the kernel's ephemeral
+range), and the endpoints a pod says it listens on. Light to import: the launcher, in the gateway's own process,
+reads it before the gateway starts."""
 
 from __future__ import annotations
 
 import random
 import socket
+
+import msgspec
+
+
+class PodEndpoints(msgspec.Struct, frozen=True):
+    """Where one pod of a group answers: what ``gateway mock --pods N`` prints, one line per pod."""
+
+    index: int
+    url: str
+    events: str | None
+    replay: str | None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,6 +19,9 @@ from gateway.core.errors import GatewayError
 from gateway.core.requests import PATHS, RequestKind
 from gateway.request.director import RequestDirector
 
+# The deployment of the simulated pods ``gateway serve --mock-pods`` starts (simulator/launcher.py).
+SIMULATED = "mock"
+
 # The generating routes, each a request kind served by the director (count_tokens has its own).
 PROXIED_ROUTES = {path: kind for kind, path in PATHS.items() if kind != RequestKind.COUNT_TOKENS}
 
@@ -95,6 +98,9 @@ async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
         return web.json_response({"status": "draining", "ready_pods": ready_pods}, status=503)
     if gateway.tokens.loading:  # it listens at once; requests would wait for the tokenizers
         return web.json_response({"status": "loading tokenizers", "ready_pods": ready_pods}, status=503)
+    if any(p.config.deployment == SIMULATED for p in gateway.health.unanswered()):
+        # serve --mock-pods starts them beside the gateway (it stops if one fails to): ready once all answer.
+        return web.json_response({"status": "starting simulated pods", "ready_pods": ready_pods}, status=503)
     if not ready_pods:
         return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
     return web.json_response({"status": "ready", "ready_pods": ready_pods})

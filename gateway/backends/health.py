@@ -63,6 +63,10 @@ class HealthChecker:
         if self._unanswered:
             self._first_task = asyncio.create_task(self._first_answers(), name="health-first-answers")
 
+    def unanswered(self) -> list[Pod]:
+        """The pods that have not answered since the gateway started."""
+        return [p for p in self._registry.all() if p.name in self._unanswered]
+
     async def stop(self) -> None:
         await cancel_and_wait(self._first_task)
         await cancel_and_wait(self._task)
@@ -71,7 +75,7 @@ class HealthChecker:
         delay = FIRST_ANSWER_RETRY_S
         while delay < self._config.interval_s and self._unanswered:
             await asyncio.sleep(delay)
-            waiting = self._first_rotation.due([p for p in self._registry.all() if p.name in self._unanswered], delay)
+            waiting = self._first_rotation.due(self.unanswered(), delay)
             try:
                 await asyncio.gather(*(self.check(p, refresh_models=True) for p in waiting))
             except Exception:  # as in the usual rounds: a bug here must not stop the usual checks
