@@ -404,7 +404,6 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         lifecycle(gw.loop_lag.start, gw.loop_lag.stop),
         lifecycle(gw.bus.start, gw.bus.stop),
         lifecycle(gw.front.responses.store.start, gw.front.responses.store.stop),
-        lifecycle(lambda: asyncio.to_thread(gw.tokens.load), gw.tokens.stop),
         lifecycle(gw.health.start, gw.health.stop),
         lifecycle(lambda: gw.membership.attach_all(gw.pods), gw.kv.stop),
     ]
@@ -423,7 +422,8 @@ def lifecycles(gw: Gateway) -> list[Lifecycle]:
         out.append(lifecycle(gw.reloader.start, gw.reloader.stop))
     if gw.tracer_provider is not None:  # flush the spans still batched
         out.append(lifecycle(lambda: None, lambda: asyncio.to_thread(gw.tracer_provider.shutdown)))
-    return out
+    # Last: the tokenizers load on a thread (a second or more of CPU), while the gateway listens, not before.
+    return [*out, lifecycle(gw.tokens.start, gw.tokens.stop)]
 
 
 def build_app(config: GatewayConfig, tracer_provider: Any = None, identity: WorkerIdentity | None = None,

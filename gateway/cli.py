@@ -10,13 +10,14 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
 
 from gateway.background import run_loop
 from gateway.config import ConfigError, ConfigSource, GatewayConfig, LoggingConfig, hash_api_key, load_config
-from gateway.extensions import Command, NotInstalled, commands, simulator
+from gateway.extensions import Command, NotInstalled, SimulatedPods, commands, simulator
 
 log = logging.getLogger("gateway.cli")
 
@@ -89,7 +90,6 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
     if wants_simulated_pods(config):
         pods = asyncio.ensure_future(simulator("gateway serve --mock-pods").start(config))
         await asyncio.sleep(0)  # their processes are spawned: this one's imports below overlap their start
-    from gateway.server import run_gateway
     from gateway.supervisor import Supervisor, worker_count
 
     if pods is not None:
@@ -99,14 +99,33 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
         if epp:
             from gateway.epp.server import run_epp
 
-            await run_epp(config, source)
+            serving = run_epp(config, source)
         elif workers == 1:
-            await run_gateway(config, source=source)
+            from gateway.server import run_gateway  # the whole gateway (a supervisor leaves it to its workers)
+
+            serving = run_gateway(config, source=source)
         else:
-            await Supervisor(config, workers, source).run()
+            serving = Supervisor(config, workers, source).run()
+        await (serve_beside(serving, fleet) if fleet else serving)
     finally:
         if fleet:
             fleet.stop()
+
+
+async def serve_beside(serving: Coroutine[Any, Any, None], pods: SimulatedPods) -> None:
+    """Serve while the simulated pods start (the gateway's start needs where they listen, not them): one
+    that fails to start stops the gateway, with its error."""
+    server = asyncio.ensure_future(serving)
+    starting = asyncio.ensure_future(pods.started())
+    try:
+        await asyncio.wait((server, starting), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # the pods' error, if one failed
+        await server
+    finally:
+        for task in (server, starting):
+            task.cancel()
+        await asyncio.gather(server, starting, return_exceptions=True)
 
 
 def policy_names() -> list[str]:

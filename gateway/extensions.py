@@ -36,6 +36,10 @@ class Command:
 
 
 class SimulatedPods(Protocol):
+    async def started(self) -> None:
+        """Once every pod listens; raises when one exits or does not start in time."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -43,7 +47,8 @@ class SimulatedPods(Protocol):
 class Simulator:
     # The ``mock_pods`` section: :class:`gateway.config.GatewayConfig` decodes it into this struct.
     section: type[msgspec.Struct]
-    # Start the pods the section asks for; give back the config with them added, and the pods to stop.
+    # Start the pods the section asks for; give back the config with them added (the gateway may start while
+    # they do), and the pods to wait for and to stop.
     start: Callable[[Any], Awaitable[tuple[Any, SimulatedPods]]]
 
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import ssl
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -21,7 +22,7 @@ from gateway.api.records import RECORDS_KEY, runner_options
 from gateway.app import build_app
 from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
-from gateway.components import GATEWAY_KEY
+from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig, ServerConfig
 
 log = logging.getLogger("gateway.server")
@@ -66,8 +67,10 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     port is shared with its siblings, and it also answers on a private Unix socket for them). ``source``:
     where ``config`` was read from, to reload it."""
     raise_open_files_limit()  # sockets per pod: a subscriber, connections for requests, health and metrics
+    began = time.monotonic()
     if identity is None:  # one process (the workers' supervisor says it for them)
-        log.info("starting the gateway (its tokenizers, then a health check of %d pods)...", len(config.pods))
+        log.info("starting the gateway (it listens, then loads its tokenizers; %d pods to check)...",
+                 len(config.pods))
     app = build_app(config, identity=identity, source=source)
     gateway = app[GATEWAY_KEY]
     identity = gateway.identity
@@ -83,16 +86,35 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     await site.start()
     if many:
         await web.UnixSite(runner, identity.http_socket(identity.index)).start()
-    log.info("gateway %slistening on %s (policy %s, %d pods)", f"worker {identity.name} " if many else "",
-             site.name, config.routing.policy, len(config.pods))
     stop = asyncio.Event()
-    on_signals(stop, gateway.reloader.request if gateway.reloader is not None else None)
-    if ready:
-        ready.set()
     try:
+        name = f"worker {identity.name} " if many else ""
+        log.info("gateway %slistening on %s (policy %s, %d pods)%s", name, site.name, config.routing.policy,
+                 len(config.pods), "; loading its tokenizers..." if gateway.tokens.loading else "")
+        on_signals(stop, gateway.reloader.request if gateway.reloader is not None else None)
+        if await _loaded(gateway, stop):
+            log.info("gateway %sstarted (%.1f s after its imports): tokenizers loaded, %d of %d pods healthy", name,
+                     time.monotonic() - began, gateway.front.ready_pods(), len(config.pods))
+            if ready:
+                ready.set()
         await stop.wait()
     finally:
         log.info("shutting down: draining in-flight requests for up to %.0f s",
                  config.server.shutdown_grace_s)
         await runner.cleanup()
         log.info("gateway stopped")
+
+
+async def _loaded(gateway: Gateway, stop: asyncio.Event) -> bool:
+    """Whether the tokenizers loaded before ``stop`` was set; raises what stopped them loading."""
+    stopped = asyncio.ensure_future(stop.wait())
+    loaded = asyncio.ensure_future(gateway.tokens.loaded())
+    try:
+        await asyncio.wait((stopped, loaded), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        loaded.cancel()
+    if not loaded.done() or loaded.cancelled():
+        return False
+    loaded.result()
+    return True

@@ -33,6 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import msgspec
@@ -42,7 +43,6 @@ from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.flow.release_order import SharedReleaseOrder
 from gateway.load.shared_table import SharedLoadTable
-from gateway.server import run_gateway
 
 log = logging.getLogger("gateway.workers")
 
@@ -97,6 +97,9 @@ class Supervisor:
         self.table = SharedLoadTable.create(self._identity(0).load_table, count)
         self.release_order = SharedReleaseOrder.create(self._identity(0).release_order, count)
         self._context = multiprocessing.get_context("spawn")
+        # Set once the indexers' files exist: the workers start beside the indexers (their imports, a second
+        # of each start, overlap) and open the index only then.
+        self._index_made = self._context.Event()
         self._config_bytes = msgspec.json.encode(config)
         self._source_bytes = msgspec.json.encode(source) if source is not None else b""
         self.workers: list[Worker] = []
@@ -113,11 +116,12 @@ class Supervisor:
             loop.add_signal_handler(signal.SIGHUP, self._signal_workers, signal.SIGHUP)  # each reloads its config
         try:
             started = time.monotonic()
-            log.info("starting %d gateway workers (each loads the config, tokenizers and checks the pods)...",
-                     self.count)
+            log.info("starting %d gateway workers on %s:%d (each listens, then loads its tokenizers; %d pods to "
+                     "check)...", self.count, self.config.server.host, self.config.server.port, len(self.config.pods))
             await self._start_all()
-            log.info("gateway ready in %.1f s: %d workers on %s:%d (replica %s)", time.monotonic() - started,
-                     self.count, self.config.server.host, self.config.server.port, self.replica)
+            log.info("gateway started in %.1f s: %d workers on %s:%d, their tokenizers loaded (replica %s)",
+                     time.monotonic() - started, self.count, self.config.server.host, self.config.server.port,
+                     self.replica)
             while not stop.is_set():
                 self._restart_dead()
                 with contextlib.suppress(TimeoutError):
@@ -137,7 +141,8 @@ class Supervisor:
         parent, child = self._context.Pipe(duplex=False)
         if shard is None:
             target, name = worker_main, f"gateway-w{index}"
-            args: tuple[object, ...] = (self._config_bytes, self._source_bytes, self._identity(index), child)
+            args: tuple[object, ...] = (self._config_bytes, self._source_bytes, self._identity(index), child,
+                                        self._index_made)
         else:
             target, name = indexer_main, f"gateway-indexer{shard}"
             args = (self._config_bytes, self._identity(0), shard, child)
@@ -147,19 +152,30 @@ class Supervisor:
         return process, parent
 
     async def _start_all(self) -> None:
-        if self.index_dir is not None:  # the index the workers read exists before they start
-            self.indexers = await self._start([(0, shard) for shard in range(self.config.kv_index.ingest_processes)])
-        self.workers = await self._start([(i, None) for i in range(self.count)])
+        indexers = self._start([(0, shard) for shard in range(self.config.kv_index.ingest_processes)]) \
+            if self.index_dir is not None else None
+        if indexers is None:
+            self._index_made.set()
+        workers = self._start([(i, None) for i in range(self.count)])
+        # Theirs to stop whatever happens next.
+        self.indexers, self.workers = [w for w, _ in indexers or []], [w for w, _ in workers]
+        if indexers is not None:  # the index the workers read exists before they open it
+            await self._started(indexers)
+            self._index_made.set()
+        await self._started(workers)
 
-    async def _start(self, which: list[tuple[int, int | None]]) -> list[Worker]:
+    def _start(self, which: list[tuple[int, int | None]]
+               ) -> list[tuple[Worker, multiprocessing.connection.Connection]]:
         spawned = [self._spawn(index, shard) for index, shard in which]
-        started = [Worker(self._identity(index), p, time.monotonic(), shard=shard)
-                   for (index, shard), (p, _) in zip(which, spawned, strict=True)]
+        return [(Worker(self._identity(index), p, time.monotonic(), shard=shard), conn)
+                for (index, shard), (p, conn) in zip(which, spawned, strict=True)]
+
+    @staticmethod
+    async def _started(spawned: list[tuple[Worker, multiprocessing.connection.Connection]]) -> None:
         failures = await asyncio.gather(*(asyncio.to_thread(_wait_ready, conn) for _, conn in spawned))
         errors = [e for e in failures if e]
         if errors:
             raise WorkerStartError(errors[0])
-        return started
 
     def _restart_dead(self) -> None:
         for worker in [*self.indexers, *self.workers]:
@@ -213,7 +229,7 @@ def _shared_memory_dir() -> str:
 
 
 def _wait_ready(conn: multiprocessing.connection.Connection) -> str | None:
-    """None once the worker listens; the reason when it failed to start."""
+    """None once the worker listens and its tokenizers are loaded; the reason when it failed to start."""
     try:
         message = conn.recv()
     except EOFError:
@@ -230,14 +246,19 @@ def _free_port(host: str) -> int:
 
 
 def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdentity,
-                ready: multiprocessing.connection.Connection) -> None:
+                ready: multiprocessing.connection.Connection, index_made: EventType) -> None:
     """A worker process: one gateway on the shared port, until SIGTERM; it reloads its config on SIGHUP."""
     from gateway.logs import configure_logging
+    from gateway.server import run_gateway  # the whole gateway: imported by the workers, not the supervisor
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     source = msgspec.json.decode(source_bytes, type=ConfigSource) if source_bytes else None
     configure_logging(config.logging)
     name_process(f"gw-{identity.name}")
+    supervisor = os.getppid()
+    while not index_made.wait(1.0):  # the supervisor stops it if an indexer fails to start
+        if os.getppid() != supervisor:
+            raise SystemExit(1)
 
     _run_child(ready, f"worker {identity.name}", lambda started: run_gateway(config, started, identity, source))
 

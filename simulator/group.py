@@ -26,21 +26,13 @@ from gateway.background import allow_sockets, raise_open_files_limit
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from simulator.firehose import Firehose
 from simulator.pod import MockPod, MockPodConfig
+from simulator.ports import PodEndpoints
 
 log = logging.getLogger("simulator")
 
 # Pods started at once: each binds three ports; many at once only queue on the loop.
 START_BATCH = 64
 BIND_ATTEMPTS = 3
-
-
-class PodEndpoints(msgspec.Struct, frozen=True):
-    """Where one pod of a group answers: what ``gateway mock --pods N`` prints, one line per pod."""
-
-    index: int
-    url: str
-    events: str | None
-    replay: str | None
 
 
 class MockPodGroup:

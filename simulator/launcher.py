@@ -1,5 +1,9 @@
 """Starts simulated pods as subprocesses (``gateway mock --pods K``) and waits until they answer.
 
+A pod with a process of its own is given its ports (free now, outside the ephemeral range), so that where
+it will listen is known before it does: ``gateway serve --mock-pods N`` starts its workers beside the pods
+rather than after them (the workers check the pods' health anyway; one not up yet is not healthy yet).
+
 Subprocesses keep the pods' simulated work off the gateway's event loop and core, so what a benchmark
 measures is the gateway. A few pods get a process each, as real pods would; a fleet of many shares a few
 processes (``mock_pods.per_process``: :mod:`simulator.group`), so that a thousand fit a small machine.
@@ -34,7 +38,7 @@ from gateway.config import (
 )
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.config import MockPodsConfig
-from simulator.group import PodEndpoints
+from simulator.ports import PodEndpoints, free_ports
 
 log = logging.getLogger("simulator")
 
@@ -54,6 +58,7 @@ class MockPodProcess:
     first: int
     count: int
     role: str
+    planned: PodEndpoints | None = None  # where its one pod was told to listen (None: it chooses)
 
 
 def pods_per_process(config: MockPodsConfig, cores: int | None = None) -> int:
@@ -63,6 +68,12 @@ def pods_per_process(config: MockPodsConfig, cores: int | None = None) -> int:
     if config.count <= OWN_PROCESS_UP_TO or config.prefill_pods:
         return 1
     return math.ceil(config.count / max(2, cores or os.cpu_count() or 1))
+
+
+def port_of(endpoint: str | None) -> int:
+    """The port of ``http://host:port`` or ``tcp://host:port``."""
+    assert endpoint is not None
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 class MockPodFleet:
@@ -76,25 +87,50 @@ class MockPodFleet:
                          if config.prefill_pods and config.connector == "shared_storage" else None)
 
     def start(self, timeout_s: float = 120.0) -> list[PodConfig]:
+        self.spawn()
+        return self.wait(timeout_s)
+
+    def spawn(self) -> list[PodConfig] | None:
+        """Start the processes; the pods' configs when their ports were chosen here (each pod a process of
+        its own), else None (a process of several pods chooses its own: :meth:`wait` says them)."""
         per = pods_per_process(self.config)
         for first in range(0, self.config.count, per):
-            self.members.append(self._spawn(first, min(per, self.config.count - first)))
+            planned = self._planned(first) if per == 1 else None
+            self.members.append(self._spawn(first, min(per, self.config.count - first), planned))
+        if per != 1:
+            return None
+        return [self._pod_config(m, m.planned) for m in self.members if m.planned is not None]
+
+    def wait(self, timeout_s: float = 120.0) -> list[PodConfig]:
+        """The pods' configs once every pod listens (where it was told to, if it was)."""
         deadline = time.monotonic() + timeout_s
         pods: list[PodConfig] = []
         for member in self.members:
-            pods += [self._pod_config(member, e) for e in self._wait_ready(member, deadline)]
+            endpoints = self._wait_ready(member, deadline)
+            if member.planned is not None and endpoints != [member.planned]:
+                raise PodExited(f"mock pod {member.first} listens on {endpoints}, not on {member.planned}")
+            pods += [self._pod_config(member, e) for e in endpoints]
         return pods
+
+    def _planned(self, index: int) -> PodEndpoints:
+        """Where pod ``index`` (a process of its own) is to listen: ``base_port + index``, or a free port."""
+        c, host = self.config, self.host
+        http, events, replay = free_ports(3, host)
+        http = c.base_port + index if c.base_port else http
+        return PodEndpoints(0, f"http://{host}:{http}", f"tcp://{host}:{events}", f"tcp://{host}:{replay}")
 
     def _role(self, index: int) -> str:
         c = self.config
         return ("prefill" if index < c.prefill_pods else "decode") if c.prefill_pods else "both"
 
-    def _spawn(self, first: int, count: int) -> MockPodProcess:
+    def _spawn(self, first: int, count: int, planned: PodEndpoints | None = None) -> MockPodProcess:
         c = self.config
         role = self._role(first)
+        ports = [port_of(e) for e in (planned.url, planned.events, planned.replay)] if planned else \
+            [c.base_port + first if c.base_port else 0, 0, 0]
         cmd = [
             sys.executable, "-m", "gateway", "mock", "--pods", str(count), "--host", self.host,
-            "--port", str(c.base_port + first if c.base_port else 0), "--events-port", "0", "--replay-port", "0",
+            "--port", str(ports[0]), "--events-port", str(ports[1]), "--replay-port", str(ports[2]),
             "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--speed", str(c.speed),
             "--flavor", c.flavor, "--model", c.model, "--max-model-len", str(c.max_model_len),
             "--scheduling-policy", c.scheduling,
@@ -112,12 +148,13 @@ class MockPodFleet:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL if self.quiet else None)
-        return MockPodProcess(process, first, count, role)
+        return MockPodProcess(process, first, count, role, planned)
 
     def _pod_config(self, member: MockPodProcess, endpoints: PodEndpoints) -> PodConfig:
         c = self.config
         return PodConfig(url=endpoints.url, name=f"mock-{member.first + endpoints.index}", flavor=c.flavor,
-                         deployment="mock", kv_events=endpoints.events, kv_replay=endpoints.replay,
+                         deployment="mock",  # the gateway's /readyz waits for these to answer (api/routes.py)
+                         kv_events=endpoints.events, kv_replay=endpoints.replay,
                          block_size=c.block_size, role=member.role,  # type: ignore[arg-type]
                          scheduling=c.scheduling)
 
@@ -166,22 +203,46 @@ class MockPodFleet:
         return await asyncio.to_thread(self.start, timeout_s)
 
 
-async def start_beside_gateway(config: GatewayConfig) -> tuple[GatewayConfig, MockPodFleet]:
-    """The pods ``config.mock_pods`` asks for, started; and the config with them among its pods, loading
-    the tokenizer they use and passing KV over the connector they were started with."""
+class PodsBesideGateway:
+    """The simulated pods of ``gateway serve --mock-pods``, being started: :meth:`started` returns once they
+    all listen, or raises when one exits or does not start in time."""
+
+    def __init__(self, fleet: MockPodFleet, pods: list[PodConfig] | None) -> None:
+        self.fleet = fleet
+        self.pods = pods  # their configs, known at once when each was given its ports
+        self._began = time.monotonic()
+        self._started = False
+
+    async def started(self, timeout_s: float = 120.0) -> None:
+        if self._started:
+            return
+        self.pods = await asyncio.to_thread(self.fleet.wait, timeout_s)
+        self._started = True
+        log.info("started %d simulated pods in %.1f s: %s", len(self.pods), time.monotonic() - self._began,
+                 ", ".join(p.url for p in self.pods))
+
+    def stop(self) -> None:
+        self.fleet.stop()
+
+
+async def start_beside_gateway(config: GatewayConfig) -> tuple[GatewayConfig, PodsBesideGateway]:
+    """The pods ``config.mock_pods`` asks for, being started (waited for only when they choose their own
+    ports); and the config with them among its pods, loading the tokenizer they use and passing KV over the
+    connector they were started with."""
     fleet = MockPodFleet(config.mock_pods)
-    started = time.monotonic()
     log.info("starting %d simulated pods (gateway mock, %d at a time in each process)...", config.mock_pods.count,
              pods_per_process(config.mock_pods))
+    pods = PodsBesideGateway(fleet, None)
     try:
-        pods = await fleet.astart()
+        pods.pods = fleet.spawn()
+        if pods.pods is None:
+            await pods.started()
     except BaseException:
         fleet.stop()
         raise
-    log.info("started %d simulated pods in %.1f s: %s", len(pods), time.monotonic() - started,
-             ", ".join(p.url for p in pods))
-    return msgspec.structs.replace(config, pods=[*config.pods, *pods], tokenization=_with_tokenizer(config),
-                                   disaggregation=_with_connector(config)), fleet
+    assert pods.pods is not None
+    return msgspec.structs.replace(config, pods=[*config.pods, *pods.pods], tokenization=_with_tokenizer(config),
+                                   disaggregation=_with_connector(config)), pods
 
 
 def _with_tokenizer(config: GatewayConfig) -> TokenizationConfig:

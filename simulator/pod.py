@@ -22,7 +22,6 @@ import hashlib
 import itertools
 import logging
 import random
-import socket
 import time
 import uuid
 from typing import Any
@@ -49,6 +48,8 @@ from simulator.kv_transfer import (
     parse_kv_transfer_config,
 )
 from simulator.kvcache import LoraKey, PagedKvCache
+from simulator.ports import free_port as free_port  # where the tests and scripts import it from
+from simulator.ports import free_ports
 from simulator.publisher import KvEventPublisher
 
 log = logging.getLogger("simulator")
@@ -85,41 +86,6 @@ PRIORITY_HEADER = "X-Vllm-Priority"
 # What vLLM writes into a stream when generation fails after its headers went out.
 _ENGINE_ERROR_EVENT = (b'data: {"error": {"object": "error", "message": "simulated engine failure", '
                        b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = f.read().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> list[int]:
-    """``n`` distinct ports free now, chosen outside the kernel's ephemeral range. Whoever asked binds
-    them later; meanwhile a port from the ephemeral range can become the local end of any outgoing
-    connection (seen in CI: "Address already in use" on a simulated pod's KV-event replay port), a port
-    outside it only another listener's."""
-    rng = rng or random.SystemRandom()
-    low, high = _ephemeral_range()
-    first, last = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535) if high < 64_000 else (1024, 65_535)
-    chosen: list[int] = []
-    while len(chosen) < n:
-        port = rng.randint(first, last)
-        if port in chosen:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-        chosen.append(port)
-    return chosen
 
 
 class MockPod:

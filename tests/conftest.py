@@ -68,6 +68,7 @@ async def start_gateway() -> AsyncIterator[Callable[..., Awaitable[RunningGatewa
         app = build_app(config, identity=identity)
         runner = await serve_app(app)
         runners.append(runner)
+        await app[GATEWAY_KEY].tokens.loaded()  # it listens at once; the tests begin as a ready gateway would
         return RunningGateway(runner, app)
 
     yield start

@@ -19,6 +19,9 @@ from gateway.core.errors import GatewayError
 from gateway.core.requests import PATHS, RequestKind
 from gateway.request.director import RequestDirector
 
+# The deployment of the simulated pods ``gateway serve --mock-pods`` starts (simulator/launcher.py).
+SIMULATED = "mock"
+
 # The generating routes, each a request kind served by the director (count_tokens has its own).
 PROXIED_ROUTES = {path: kind for kind, path in PATHS.items() if kind != RequestKind.COUNT_TOKENS}
 
@@ -38,7 +41,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/workflows/{workflow_id}", partial(_workflow_state, front))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
-    app.router.add_get("/readyz", partial(_readyz, front))
+    app.router.add_get("/readyz", partial(_readyz, gateway))
     app.router.add_get("/metrics", partial(_metrics, gateway))
     app.router.add_get("/debug/pods", partial(_debug_pods, gateway))
     app.router.add_get("/debug/index", partial(_debug_index, gateway))
@@ -88,10 +91,16 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def _readyz(front: FrontDoor, request: web.Request) -> web.Response:
+async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
+    front = gateway.front
     ready_pods = front.ready_pods()
     if front.draining:
         return web.json_response({"status": "draining", "ready_pods": ready_pods}, status=503)
+    if gateway.tokens.loading:  # it listens at once; requests would wait for the tokenizers
+        return web.json_response({"status": "loading tokenizers", "ready_pods": ready_pods}, status=503)
+    if any(p.config.deployment == SIMULATED for p in gateway.health.unanswered()):
+        # serve --mock-pods starts them beside the gateway (it stops if one fails to): ready once all answer.
+        return web.json_response({"status": "starting simulated pods", "ready_pods": ready_pods}, status=503)
     if not ready_pods:
         return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
     return web.json_response({"status": "ready", "ready_pods": ready_pods})

@@ -25,6 +25,8 @@ from gateway.http_client import HttpClient
 log = logging.getLogger("gateway.health")
 
 MODEL_REFRESH_EVERY = 5  # successful checks of a pod
+# A pod that did not answer the start's check is asked again after this, then twice as long each time.
+FIRST_ANSWER_RETRY_S = 0.1
 
 
 class HealthChecker:
@@ -44,15 +46,41 @@ class HealthChecker:
         self._config = config
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
+        self._first_task: asyncio.Task[None] | None = None
         self._rotation = Rotation(config.max_checks_per_s * share)
+        self._first_rotation = Rotation(config.max_checks_per_s * share)
+        # Pods that have not answered since the gateway started: their first answer makes them healthy at
+        # once, as at start (``success_threshold`` guards against a pod that flaps, which these have not).
+        self._unanswered: set[str] = set()
 
     async def start(self) -> None:
-        """Check every pod once (setting health directly from that result), then keep checking."""
+        """Check every pod once (setting health directly from that result), then keep checking; a pod that
+        did not answer (still starting, as the simulated pods started beside the gateway are) is asked
+        again soon, then less and less often, until the usual interval."""
         await self.check_all(initial=True)
+        self._unanswered = {p.name for p in self._registry.all() if not p.healthy}
         self._task = asyncio.create_task(self._loop(), name="health-checker")
+        if self._unanswered:
+            self._first_task = asyncio.create_task(self._first_answers(), name="health-first-answers")
+
+    def unanswered(self) -> list[Pod]:
+        """The pods that have not answered since the gateway started."""
+        return [p for p in self._registry.all() if p.name in self._unanswered]
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._first_task)
         await cancel_and_wait(self._task)
+
+    async def _first_answers(self) -> None:
+        delay = FIRST_ANSWER_RETRY_S
+        while delay < self._config.interval_s and self._unanswered:
+            await asyncio.sleep(delay)
+            waiting = self._first_rotation.due(self.unanswered(), delay)
+            try:
+                await asyncio.gather(*(self.check(p, refresh_models=True) for p in waiting))
+            except Exception:  # as in the usual rounds: a bug here must not stop the usual checks
+                log.exception("health round failed")
+            delay *= 2
 
     async def _loop(self) -> None:
         while True:
@@ -89,7 +117,9 @@ class HealthChecker:
         if ok:
             pod.consecutive_successes += 1
             pod.consecutive_failures = 0
-            if initial or pod.consecutive_successes >= self._config.success_threshold:
+            first_answer = pod.name in self._unanswered
+            self._unanswered.discard(pod.name)
+            if initial or first_answer or pod.consecutive_successes >= self._config.success_threshold:
                 pod.healthy = True
         else:
             pod.consecutive_failures += 1

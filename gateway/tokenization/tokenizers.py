@@ -9,6 +9,7 @@ approximate (text) prefix match, which the metrics and a one-time log line make 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -37,6 +38,10 @@ from gateway.tokenization.segments import SegmentEncoder
 
 log = logging.getLogger("gateway.tokenization")
 T = TypeVar("T")
+
+# How long a request waits for the local tokenizers still loading at start (a load takes 1-3 s, more on a
+# loaded machine); a load that failed stops the gateway's start.
+LOAD_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,7 @@ class TokenizationService:
         # Long new text is tokenized here, beside the event loop (encode_batch releases the GIL).
         self._threads = config.threads or len(os.sched_getaffinity(0))
         self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenize")
+        self._loading: asyncio.Future[None] | None = None  # the local tokenizers' load, once started
 
     def load(self) -> None:
         """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
@@ -190,7 +196,23 @@ class TokenizationService:
                                                     self._threads)
                 log.info("model %s: local tokenizer from %s", model, cfg.path)
 
+    def start(self) -> None:
+        """Begin loading the local tokenizers on a thread (1-3 s of a start, most of it importing
+        transformers): the gateway listens meanwhile, a request that needs one waits for it."""
+        self._loading = asyncio.ensure_future(asyncio.to_thread(self.load))
+
+    async def loaded(self) -> None:
+        """Once every local tokenizer is loaded; raises what stopped one from loading."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+
+    @property
+    def loading(self) -> bool:
+        return self._loading is not None and not self._loading.done()
+
     async def stop(self) -> None:
+        if self._loading is not None:
+            await asyncio.gather(self._loading, return_exceptions=True)  # a thread cannot be stopped: it ends
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     def local(self, model: str) -> LocalTokenizer | None:
@@ -211,6 +233,8 @@ class TokenizationService:
         base = self._pods.base_model(model)
         mode = self.mode_of(base)
         started = time.perf_counter()
+        if mode == "local" and not avoid_local and self.loading:
+            await self._wait_for_load()
         try:
             if mode == "local" and base in self._local and not avoid_local:
                 tokens = await self._local_tokens(self._local[base], kind, req)
@@ -231,6 +255,12 @@ class TokenizationService:
             self._metrics.prompt_tokens_reused.labels(base, "reused").inc(reused)
             self._metrics.prompt_tokens_reused.labels(base, "new").inc(len(tokens.ids) - reused)
         return tokens
+
+    async def _wait_for_load(self) -> None:
+        """A request that arrived while the tokenizers load waits for them (they tokenize as its pod would;
+        past the bound it is tokenized by a pod, whose ids are as exact, or routed by text)."""
+        with contextlib.suppress(Exception):  # timed out; or failed, and then the start fails too
+            await asyncio.wait_for(self.loaded(), LOAD_WAIT_S)
 
     def remember(self, model: str, tokens: Tokens, hashes: PromptHashes) -> None:
         """A chat prompt's block hashes exist: its conversation's next turn may build on it."""
