@@ -671,7 +671,9 @@ class BenchRunner:
         self._procs.append(proc)
         self.router_processes.append(proc)
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/v1/models", 90, proc)
+        # The gateway listens before its tokenizers have loaded and its pods answered: its /readyz says when
+        # it is ready (a peer has none; its /v1/models answers once it is).
+        wait_http(f"{url}/readyz" if contender.kind == "gateway" else f"{url}/v1/models", 90, proc)
         return url
 
     def peer(self, kind: str) -> PeerBinary:

@@ -132,6 +132,12 @@ class PodRegistry:
     def knows_model(self, model: str) -> bool:
         return next(self._serving(model), None) is not None
 
+    def models_pending(self) -> bool:
+        """Whether a pod has not yet said what it serves (it has not answered since the gateway started): a
+        model no pod lists may still be one of its, so a request for it is told to retry, not that it does
+        not exist (a worker listens before its first health checks have answered)."""
+        return any(not pod.models for pod in self._pods.values())
+
     def _serving(self, model: str) -> Iterator[Pod]:
         """The pods that list ``model``, or (an adapter registered where it is needed) its base model."""
         base = self._loadable.get(model)

@@ -42,7 +42,7 @@ from typing import Any
 from gateway.auth import ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
-from gateway.core.errors import bad_request, unknown_model
+from gateway.core.errors import bad_request, no_pod_available, unknown_model
 from gateway.core.requests import InferenceRequest, RequestKind
 from gateway.flow.flows import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS, OBJECTIVE_HEADER, PRIORITY_HEADER
 from gateway.request.types import ClientRequest
@@ -96,6 +96,8 @@ class RequestValidation:
         check_headers(request.headers)
         self._key_auth.authorize(request.key, request.model)
         if not self._is_public(request.model) and not self._pods.knows_model(request.model):
+            if self._pods.models_pending():  # a pod that has not said what it serves may serve it: retry
+                raise no_pod_available(request.model, self._pods.back_in_s(request.model))
             raise unknown_model(request.model)
         check_body(request.kind, request.parsed)
         messages = request.parsed.messages

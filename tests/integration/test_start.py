@@ -184,3 +184,20 @@ async def test_a_pod_that_was_not_up_at_start_is_healthy_at_its_first_answer():
 
 async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
+
+
+async def test_a_model_of_a_pod_that_has_not_answered_yet_is_retried_not_unknown(start_gateway, start_mock_pod, http):
+    """A worker listens before its first health checks answer: a request for a model that a pod not yet heard
+    from may serve is a 503 to retry (a 404 would tell the client never to), and is served once the pod is up.
+    A model that no pod serves is still a 404 once every pod has said what it serves."""
+    port = free_port()
+    gw = await start_gateway([f"http://127.0.0.1:{port}"])
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body()) as resp:
+        assert resp.status == 503 and resp.headers["x-should-retry"] == "true", await resp.text()
+        assert int(resp.headers["Retry-After"]) >= 1
+    await start_mock_pod(port=port)
+    await gw.serving("mock-llama")
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body()) as resp:
+        assert resp.status == 200, await resp.text()
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="no-such-model")) as resp:
+        assert resp.status == 404 and resp.headers["x-should-retry"] == "false", await resp.text()
