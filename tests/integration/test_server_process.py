@@ -36,7 +36,8 @@ async def gateway_subprocess(*args: str, log: Path | None = None) -> AsyncIterat
     finally:
         if proc.returncode is None:
             proc.kill()
-            await proc.wait()
+            # Bounded: a test that failed must not hang the suite if the exit is never reported to this loop.
+            await asyncio.wait_for(proc.wait(), timeout=30)
 
 
 async def stop_cleanly(proc: asyncio.subprocess.Process, timeout_s: float = 30) -> None:
@@ -129,11 +130,20 @@ async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
                                       timeout=aiohttp.ClientTimeout(total=20)) as http):
         await wait_ready(url, http, proc)
         workers: dict[str, int] = {}
-        while len(workers) < 2:
-            async with http.get(f"{url}/debug/workers") as resp:
-                info = await resp.json()
-                assert resp.headers["x-gateway-worker"] == info["worker"] and info["workers"] == 2
-                workers[info["worker"]] = info["pid"]
+        # Until each worker has said it is ready (its pods answered): /readyz reaches one worker of the two, and
+        # beside other load the second was still waiting for its pods' first answers.
+        for _ in range(600):
+            async with http.get(f"{url}/readyz") as resp:
+                if resp.status == 200:
+                    async with http.get(f"{url}/debug/workers") as workers_resp:
+                        info = await workers_resp.json()
+                    assert workers_resp.headers["x-gateway-worker"] == info["worker"] and info["workers"] == 2
+                    if resp.headers["x-gateway-worker"] == info["worker"]:
+                        workers[info["worker"]] = info["pid"]
+            if len(workers) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(workers) == 2, workers
         answered = set()
         for _ in range(20):
             async with http.post(f"{url}/v1/chat/completions", json=chat_body(model="mock-llama")) as resp:
