@@ -16,7 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
-from gateway.request.validation import check_output_tokens, output_tokens
+from gateway.request.validation import check_output_tokens, check_token_ids_in_vocabulary, output_tokens
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.planning import RequestPlan, WorkflowService
@@ -63,6 +63,9 @@ class PromptTokenization:
             await self._tokenize(request, routing, avoid_local=True)
 
     async def _tokenize(self, request: ClientRequest, routing: RoutingRequest, avoid_local: bool = False) -> None:
+        local = self._tokens.local(self._pods.base_model(routing.model))
+        if local is not None:
+            check_token_ids_in_vocabulary(request.parsed.prompt, len(local.tokenizer))
         tokens = await self._tokens.tokenize(routing.model, request.kind, request.parsed, avoid_local=avoid_local)
         if tokens is None:
             return

@@ -222,6 +222,18 @@ def _check_prompt(prompt: Any, name: str) -> None:
                       param=name)
 
 
+def check_token_ids_in_vocabulary(prompt: Any, vocabulary: int, name: str = "prompt") -> None:
+    """A prompt of token ids (checked by :func:`_check_prompt`) holds only ids the model's tokenizer has, as vLLM
+    requires: an id past it would reach a pod only to be refused there."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], str):
+        return
+    lists = prompt if isinstance(prompt[0], list) else [prompt]
+    top = max((max(ids) for ids in lists if ids and isinstance(ids[0], int)), default=-1)
+    if top >= vocabulary:
+        raise bad_request(f"{name}: token id {top} is out of the model's vocabulary ({vocabulary} tokens).",
+                          param=name)
+
+
 def _token_ids(values: list[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 

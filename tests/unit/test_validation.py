@@ -177,3 +177,14 @@ def test_every_type_the_official_sdks_send_is_accepted(sent, accepted):
     """The type lists are the APIs' as the installed SDKs define them: an SDK that adds a type fails here
     until the gateway accepts it."""
     assert len(sent) >= 2 and sent <= accepted, sorted(sent - accepted)
+
+
+@pytest.mark.parametrize("prompt", [[1, 4096], [[5], [7, 5000]]])
+def test_a_token_id_past_the_vocabulary_is_refused_naming_the_prompt(prompt):
+    from gateway.request.validation import check_token_ids_in_vocabulary
+
+    with pytest.raises(GatewayError, match="out of the model's vocabulary") as refused:
+        check_token_ids_in_vocabulary(prompt, 4096)
+    assert refused.value.param == "prompt"
+    for fine in ([0, 4095], [[1], [4095]], "text", ["a", "b"]):
+        check_token_ids_in_vocabulary(fine, 4096)
