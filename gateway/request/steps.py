@@ -63,9 +63,11 @@ class PromptTokenization:
             await self._tokenize(request, routing, avoid_local=True)
 
     async def _tokenize(self, request: ClientRequest, routing: RoutingRequest, avoid_local: bool = False) -> None:
-        local = self._tokens.local(self._pods.base_model(routing.model))
-        if local is not None:
-            check_token_ids_in_vocabulary(request.parsed.prompt, len(local.tokenizer))
+        prompt = request.parsed.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):  # token ids: the rest pay nothing
+            local = self._tokens.local(self._pods.base_model(routing.model))
+            if local is not None:
+                check_token_ids_in_vocabulary(prompt, len(local.tokenizer))
         tokens = await self._tokens.tokenize(routing.model, request.kind, request.parsed, avoid_local=avoid_local)
         if tokens is None:
             return
