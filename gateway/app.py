@@ -76,6 +76,7 @@ from gateway.request.context_steps import (
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
 from gateway.request.flow_control import FlowControl
+from gateway.request.identity import KeyIdentity
 from gateway.request.limits import KeyLimitsStep, UsageAccounting
 from gateway.request.models import AdapterTracking, ModelUse
 from gateway.request.observers import (
@@ -169,8 +170,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                     max_candidates=config.routing.max_candidates, profiles=config.routing.profiles)
     wc = config.workflow
     tracker = WorkflowTracker(wc, ledger, sinks.tracker)
+    auth = ApiKeyAuth(config.auth)
     executor = CacheActionExecutor(tracker, working_set, pods, metrics, cache_controllers(wc.controller), http,
-                                   hard_flush=wc.hard_flush, retries=wc.flush_retries,
+                                   hard_flush=wc.hard_flush, may_flush_pod=auth.may_flush_pod,
+                                   retries=wc.flush_retries,
                                    retry_base_s=wc.flush_retry_base_s)
     sessions = SessionAffinity(ledger, wc.max_sessions, sinks.sessions)
     workflow_flows = WorkflowFlows(publish=sinks.flows)
@@ -182,14 +185,15 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     flow_metrics = FlowMetrics(metrics.registry)
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
 
-    def tenant_of(key: str) -> str:  # as flow control tells a key's tenant (reloaded with it)
-        return flow.config.keys.get(key, key)
+    key_tenants = {k.name: k.tenant for k in config.auth.keys if k.name and k.tenant}
+
+    def tenant_of(key: str) -> str:  # the key's own config, else as flow control tells it (reloaded with it)
+        return key_tenants.get(key) or flow.config.keys.get(key, key)
 
     limits = KeyLimits(config.limits, usage, tenant_of)
     key_limits = KeyLimitsStep(limits)
     usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
-    auth = ApiKeyAuth(config.auth)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
     # SLO admission and flow control hold requests in one queue, the flow controller's.
     admit = (FlowControl(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
@@ -215,7 +219,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
                              Refresher(pods, config.auth, http, metrics), metrics, client_due=flow.waits_for)
         recency = CacheRecency(index, queues, keep_warm, working_set)
     pipeline = RequestPipeline(
-        resolve=[validation, responses],
+        resolve=[validation, KeyIdentity(lambda: flow.policy, metrics.registry), responses],
         prepare=[PromptTokenization(pods, tokens, verifier, config.server, limits.counts_input),
                  ContextResolution(pods, index, working_set, signals),
                  LoadEstimation(pods, load, predictor, metrics, config.admission.enabled)],
@@ -294,7 +298,7 @@ def responses_stores(config: GatewayConfig, identity: WorkerIdentity, metrics: R
     pair: this worker's own, which the siblings may ask for)."""
     shared = config.shared_state
     if shared.redis_url:
-        return None, RedisResponses(config.responses, shared.redis_url, shared.redis_timeout_s)
+        return None, RedisResponses(config.responses, shared.redis_url, shared.redis_timeout_s, metrics)
     own = MemoryResponses(config.responses, metrics)
     return own, SiblingResponses(own, identity) if identity.count > 1 else own
 

@@ -6,6 +6,10 @@ A key arrives the way the client's SDK sends it, on every route: ``Authorization
 OpenAI SDK, Codex, Claude Code with ``ANTHROPIC_AUTH_TOKEN``) or ``x-api-key: <key>`` (the Anthropic SDK,
 Claude Code with ``ANTHROPIC_API_KEY``). Both are looked up in the same key table.
 
+Each key's workflows and sessions are its own: their ids are kept under its *tag* (:func:`owner_tag`), so
+two keys sending the same ``x-workflow-id`` run two workflows, and one key never reads, completes or flushes
+another's. A pod-wide (hard) cache flush needs the admin key while keys are on.
+
 Owner: :class:`ApiKeyAuth` owns the per-key buckets.
 """
 
@@ -22,6 +26,7 @@ from gateway.config import ApiKeyConfig, AuthConfig
 from gateway.core.errors import ErrorKind, GatewayError, unauthenticated
 
 ADMIN_KEY_NAME = "admin"
+MAX_BAND = 2**62
 
 
 @dataclass(eq=False, slots=True)
@@ -32,6 +37,21 @@ class ApiKey:
     config: ApiKeyConfig
     tokens: float
     refreshed: float  # monotonic time of the last refill
+    admin: bool = False
+
+    @property
+    def tag(self) -> str:
+        """The owner of the workflows and sessions it names: the start of its digest (no two configured keys
+        share it in practice; never a ``/``, so no tag is a prefix of another's ids)."""
+        return self.digest.hex()[:TAG_CHARS]
+
+
+TAG_CHARS = 16
+
+
+def owner_tag(key: ApiKey | None) -> str:
+    """Who owns the contexts a request names: its key's tag, or no one with keys off (ids as sent)."""
+    return key.tag if key is not None else ""
 
 
 def _presented_key(headers: Mapping[str, str]) -> str | None:
@@ -63,8 +83,11 @@ class ApiKeyAuth:
         self._keys = [ApiKey(bytes.fromhex(k.hash), k, self._burst(k), now) for k in keys]
         # An admin key is also a key for the API (at least as able as any: every model, no rate), named
         # ``admin`` in usage and limits.
-        self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h, name=ADMIN_KEY_NAME), math.inf, now)
+        # It may choose anything a header can: any band, fairness id and cache action (hard flushes too).
+        self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h, name=ADMIN_KEY_NAME, max_priority=MAX_BAND,
+                                                             may_set_fairness_id=True), math.inf, now, admin=True)
                        for h in config.admin_key_hashes]
+        self._admin_tags = frozenset(key.tag for key in self._admin)
         self.debug_endpoints = config.debug_endpoints
 
     @staticmethod
@@ -114,6 +137,13 @@ class ApiKeyAuth:
                                f"Rate limit of {rate:g} requests per minute reached for this key.",
                                code="rate_limit_exceeded", retry_after_s=wait)
         key.tokens -= 1
+
+    def may_flush_pod(self, workflow_id: str | None) -> bool:
+        """Whether a workflow's cache action may empty a whole pod (engines flush nothing finer): with keys
+        on, only the admin key's workflows; with keys off, any (as before keys)."""
+        if not self._keys:
+            return True
+        return workflow_id is not None and workflow_id.partition("/")[0] in self._admin_tags
 
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """``/debug/*`` and ``/metrics`` (when debug endpoints are on: the routes hide them otherwise):

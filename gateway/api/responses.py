@@ -77,7 +77,7 @@ async def _delete(front: FrontDoor, request: web.Request) -> web.Response:
     stored = await _stored(front, request)
     if front.responses.pods_keep:
         raise not_implemented("The pods keep the responses (responses.store: pods) and do not delete them.")
-    if not await front.responses.delete(stored.id):
+    if not await front.responses.delete(stored):
         raise response_not_found(stored.id, "response_id")
     return web.json_response({"id": stored.id, "object": "response", "deleted": True})
 

@@ -13,6 +13,7 @@ from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
 from gateway.api.records import from_sibling
 from gateway.api.responses import add_response_routes
+from gateway.auth import owner_tag
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
 from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
 from gateway.core.errors import GatewayError
@@ -107,13 +108,14 @@ async def _readyz(gateway: Gateway, request: web.Request) -> web.Response:
 
 
 async def _complete_workflow(front: FrontDoor, request: web.Request) -> web.Response:
-    front.auth.check(request.headers)
-    return web.json_response(front.workflows.complete(request.match_info["workflow_id"]))
+    """The caller's own workflow of that id (another key's is a 404)."""
+    owner = owner_tag(front.auth.check(request.headers))
+    return web.json_response(front.workflows.complete(request.match_info["workflow_id"], owner))
 
 
 async def _workflow_state(front: FrontDoor, request: web.Request) -> web.Response:
-    front.auth.check(request.headers)
-    return web.json_response(front.workflows.describe(request.match_info["workflow_id"]))
+    owner = owner_tag(front.auth.check(request.headers))
+    return web.json_response(front.workflows.describe(request.match_info["workflow_id"], owner))
 
 
 async def _metrics(gateway: Gateway, request: web.Request) -> web.Response:

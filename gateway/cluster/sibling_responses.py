@@ -47,12 +47,12 @@ class SiblingResponses:
                 return decode(data)
         return None
 
-    async def put(self, stored: StoredResponse) -> None:
-        self.own.keep(stored)
+    async def put(self, stored: StoredResponse) -> bool:
+        return self.own.keep(stored)  # its id is the gateway's own, unique: no sibling holds one of it
 
-    async def delete(self, response_id: str) -> bool:
-        here = self.own.drop(response_id)
-        there = await asyncio.gather(*(self._ask(i, "DELETE", response_id) for i in self._siblings()))
+    async def delete(self, stored: StoredResponse) -> bool:
+        here = self.own.drop(stored.id)
+        there = await asyncio.gather(*(self._ask(i, "DELETE", stored.id) for i in self._siblings()))
         return here or any(answer is not None for answer in there)
 
     def _siblings(self) -> list[int]:

@@ -22,6 +22,16 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
     models: list[str] = []
     # Sustained request rate (bursts up to one minute's worth, at least one request); none: unlimited.
     requests_per_minute: Annotated[float, Meta(gt=0)] | None = None
+    # Who its requests are, whatever they send (docs/models.md#what-a-key-may-choose): its tenant (the
+    # fairness id flow control and tenant limits count it under; none: ``flow_control.keys``' entry for its
+    # name, else its name), the highest priority band it may ask for (``x-priority``, an objective's band),
+    # and whether it may name another fairness id (``x-gateway-inference-fairness-id``: a platform's own
+    # gateway acting for its users) or set cache actions (``x-stage-cache-policy``,
+    # ``x-stage-preserve-threshold``). A header asking for more than this is refused (403).
+    tenant: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    max_priority: int = 0
+    may_set_fairness_id: bool = False
+    may_set_cache_actions: bool = True
 
     def __post_init__(self) -> None:
         _check_digest(self.hash, "keys[].hash")

@@ -67,8 +67,12 @@ class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True):
     ``VLLM_ENABLE_RESPONSES_API_STORE=1``) and gets the conversation's follow-ups, GETs and cancels."""
 
     store: Literal["gateway", "pods"] = "gateway"
-    # Per process, in memory (least recently used first out); in Redis, only ``ttl_s`` applies.
+    # In all: per process in memory, per Redis in Redis. Past it, the key holding the most loses its least
+    # recently stored (in memory: used) response, so that one key's flood never evicts another's few.
     max_responses: Annotated[int, Meta(ge=1)] = 10_000
+    # Per API key (with keys on), in memory and in Redis alike: past it, the key's own oldest goes.
+    max_responses_per_key: Annotated[int, Meta(ge=1)] = 1_000
+    # In memory only (Redis holds its own bound: its maxmemory).
     max_bytes: Annotated[int, Meta(ge=1)] = 256 * 1024 * 1024
     ttl_s: Annotated[float, Meta(gt=0)] = 24 * 3600.0
     redis_key_prefix: str = "gateway:response:"

@@ -9,6 +9,8 @@ workflow tracker knows workflows by their id.
 from __future__ import annotations
 
 _WORKFLOW = "workflow:"
+# Between an owner's tag and the id its client sent: a workflow or session id is kept as ``<tag>/<id>``.
+_OWNED = "/"
 _SESSION = "session:"
 
 
@@ -30,3 +32,14 @@ def context_key(workflow_id: str | None, session_id: str | None) -> str | None:
     if workflow_id:
         return workflow_key(workflow_id)
     return session_key(session_id) if session_id else None
+
+
+def owned(owner: str, client_id: str) -> str:
+    """The id the gateway keeps a client's workflow or session under: its owner's (``owner``: its API key's
+    tag; "" with keys off, the id as sent). Two keys naming the same id name two contexts."""
+    return f"{owner}{_OWNED}{client_id}" if owner else client_id
+
+
+def client_id_of(owner: str, kept_id: str) -> str:
+    """The id as its client sent it, of one kept by :func:`owned`."""
+    return kept_id[len(owner) + len(_OWNED):] if owner else kept_id

@@ -70,24 +70,39 @@ class FlowPolicy:
     def __init__(self, config: FlowControlConfig) -> None:
         self.config = config
 
-    def resolve(self, headers: Mapping[str, str], key_name: str | None, inherited: FlowKey | None) -> Flow:
+    def tenant(self, key_name: str | None, key_tenant: str | None = None) -> str:
+        """The fairness id of a key's requests that name none: its own config's tenant (``key_tenant``), else
+        ``flow_control.keys``' entry for its name, else its name; ``default`` with no named key."""
+        if key_tenant:
+            return key_tenant
+        return self.config.keys.get(key_name, key_name) if key_name else DEFAULT_FAIRNESS_ID
+
+    def asked_band(self, headers: Mapping[str, str]) -> tuple[int, str] | None:
+        """The band the headers ask for and the header that asks (an objective the config names, else
+        ``x-priority``); none: they ask for none."""
+        name = headers.get(OBJECTIVE_HEADER)
+        objective = self.config.objectives.get(name) if name else None
+        if objective is not None:
+            return objective.priority, OBJECTIVE_HEADER
+        if (raw := headers.get(PRIORITY_HEADER)) is not None:
+            return _priority(raw), PRIORITY_HEADER
+        return None
+
+    def resolve(self, headers: Mapping[str, str], key_name: str | None, inherited: FlowKey | None,
+                key_tenant: str | None = None) -> Flow:
         """The flow of a request with these headers, sent with the API key named ``key_name`` (none: no key,
-        or keys off), continuing a workflow whose flow is ``inherited`` (none: it starts one, or has none)."""
+        or keys off) whose config names ``key_tenant``, continuing a workflow whose flow is ``inherited``
+        (none: it starts one, or has none). What the key may not ask for was refused before
+        (:mod:`gateway.request.identity`)."""
         config = self.config
         fairness_id = _fairness_id(headers.get(FAIRNESS_HEADER))
         if fairness_id is None:
-            if inherited is not None:
-                fairness_id = inherited.fairness_id
-            elif key_name:
-                fairness_id = config.keys.get(key_name, key_name)
-            else:
-                fairness_id = DEFAULT_FAIRNESS_ID
+            fairness_id = inherited.fairness_id if inherited is not None else self.tenant(key_name, key_tenant)
         name = headers.get(OBJECTIVE_HEADER)
         objective = config.objectives.get(name) if name else None
-        if objective is not None:
-            priority = objective.priority
-        elif (raw := headers.get(PRIORITY_HEADER)) is not None:
-            priority = _priority(raw)
+        asked = self.asked_band(headers)
+        if asked is not None:
+            priority = asked[0]
         else:
             priority = inherited.priority if inherited is not None else 0
         tenant = config.tenants.get(fairness_id)

@@ -77,15 +77,16 @@ class ModelRules:
         self._rules: Mapping[str, ModelRule] = config.rules
         self._routes = {public: _route(public, rule) for public, rule in config.rules.items()}
 
-    def route(self, model: str, kind: RequestKind, headers: Any, body: InferenceRequest) -> ModelRoute:
-        """The targets of a request naming ``model``, the chosen one first."""
+    def route(self, model: str, kind: RequestKind, headers: Any, body: InferenceRequest, owner: str = "") -> ModelRoute:
+        """The targets of a request naming ``model``, the chosen one first (``owner``: its API key's tag, whose
+        workflows and sessions it names)."""
         route = self._routes.get(model)
         if route is None:
             return as_is(model)
         rule = self._rules[model]
         if rule.target is not None:
             return route
-        key = self._sticky_key(model, kind, headers, body)
+        key = self._sticky_key(model, kind, headers, body, owner)
         target = self._chosen(model, rule, key) if key is not None else _weighted(rule, self._draw())
         return ModelRoute(model, (target, *rule.fallbacks), rule.expose_target, rule.fallback_wait_s, True, key)
 
@@ -121,14 +122,15 @@ class ModelRules:
     def apply_remote(self, origin: str, fact: SplitPinned) -> None:
         self._pins.put((fact.public, fact.key), fact.target)
 
-    def _sticky_key(self, public: str, kind: RequestKind, headers: Any, body: InferenceRequest) -> str | None:
+    def _sticky_key(self, public: str, kind: RequestKind, headers: Any, body: InferenceRequest, owner: str
+                    ) -> str | None:
         # The response it continues, where the target that answered it is known: first, since the conversation
         # the gateway names for a continued response (its first response's id) was not the first turn's key.
         continued = RESPONSE_KEY + body.previous_response_id if body.previous_response_id else None
         if continued is not None and (public, continued) in self._pins:
             return continued
         # A workflow, a session or a Responses conversation (the one a stored response continues included).
-        if (context := self._signals.context_key(headers, body)) is not None:
+        if (context := self._signals.context_key(headers, body, owner)) is not None:
             return context
         return continued or _opening(kind, body)
 

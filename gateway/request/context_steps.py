@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.auth import owner_tag
 from gateway.backends.registry import PodRegistry
 from gateway.core.retention import declared_retention_s
 from gateway.kv.approx import ApproximatePrefixIndex
@@ -42,7 +43,7 @@ class ContextResolution:
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
         routing.retention_s = declared_retention_s(request.parsed)
-        keyed = self._signals.context_key(request.headers, request.parsed)
+        keyed = self._signals.context_key(request.headers, request.parsed, owner_tag(request.key))
         if keyed is not None:
             routing.context_key, routing.context_keyed = keyed, True
             return

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
-from gateway.auth import ApiKey
+from gateway.auth import ApiKey, owner_tag
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import GatewayError, upstream_failed
 from gateway.core.requests import InferenceRequest, RequestKind, parse_inference_request
@@ -181,7 +181,8 @@ class RequestDirector:
 
     async def _serve(self, run: _Run) -> None:
         request = run.request
-        route = run.route = (self._models.route(request.model, request.kind, request.headers, request.parsed)
+        route = run.route = (self._models.route(request.model, request.kind, request.headers, request.parsed,
+                                                owner_tag(request.key))
                              if self._models is not None else as_is(request.model))
         for target in route.targets:
             try:

@@ -76,7 +76,8 @@ class FlowControl:
         inherited = self._workflows.get(workflow) if workflow is not None else None
         key_name = request.key.config.name if request.key is not None else None
         controller = self._controller
-        flow = controller.policy.resolve(request.headers, key_name, inherited)
+        flow = controller.policy.resolve(request.headers, key_name, inherited,
+                                         request.key.config.tenant if request.key is not None else None)
         headers = request.headers
         slo = self._slo.slo_for(routing.base_model, headers.get("x-slo-ttft-ms"), headers.get("x-slo-e2e-ms"),
                                 flow.ttft_s)

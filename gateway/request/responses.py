@@ -15,7 +15,9 @@ With ``responses.store: pods`` the pod that answered keeps the response (vLLM's
 ``VLLM_ENABLE_RESPONSES_API_STORE``): the gateway records only which pod that was, and a follow-up goes
 to that pod alone, its body untouched.
 
-An id the store does not hold, or that another API key created, is a 404 in OpenAI's shape; so, with the
+A response's id is the gateway's own (the ``request_id`` it sends the pod; a client's is replaced), unique
+across workers and replicas, and a stored response is never replaced by another of the same id. An id the
+store does not hold, or that another API key created, is a 404 in OpenAI's shape; so, with the
 gateway's store, is one that a replica with the pods' store recorded in the shared store (it holds no
 conversation).
 """
@@ -26,6 +28,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Awaitable
 from typing import Any
 
@@ -90,6 +93,7 @@ class ResponsesState:
             return None
         parsed = request.parsed
         if self.pods_keep:
+            request = _with_gateway_id(request)
             if parsed.previous_response_id is not None:
                 return self._on_keeping_pod(request)
             return dataclasses.replace(request, answer_tap=_Tap(self, owner_of(request.key), None, None))
@@ -102,7 +106,7 @@ class ResponsesState:
         if parsed.store is False:
             return None
         tap = _Tap(self, owner_of(request.key), None, orjson.dumps(_items(parsed.input)))
-        return dataclasses.replace(request, answer_tap=tap)
+        return dataclasses.replace(_with_gateway_id(request), answer_tap=tap)
 
     async def find(self, response_id: str, key: ApiKey | None, param: str = "response_id") -> StoredResponse:
         """The stored response, if ``key`` may read it; else a 404 (503 when the shared store is down)."""
@@ -118,10 +122,10 @@ class ResponsesState:
         self._metrics.events.labels("found").inc()
         return stored
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, stored: StoredResponse) -> bool:
         """Whether the store held it (and now does not); a 503 when the shared store is down."""
         try:
-            deleted = await self.store.delete(response_id)
+            deleted = await self.store.delete(stored)
         except StoreUnavailable:
             raise _store_unavailable() from None
         if deleted:
@@ -130,11 +134,12 @@ class ResponsesState:
 
     async def keep(self, stored: StoredResponse) -> None:
         try:
-            await self.store.put(stored)
+            kept = await self.store.put(stored)
         except StoreUnavailable:
             self._metrics.events.labels("store_failed").inc()  # served, but not kept: a follow-up will 404
             return
-        self._metrics.events.labels("stored").inc()
+        if kept:
+            self._metrics.events.labels("stored").inc()
 
     async def _continued(self, request: ClientRequest) -> ClientRequest:
         parsed = request.parsed
@@ -143,12 +148,9 @@ class ResponsesState:
         earlier = orjson.loads(previous.input)
         items = [*earlier, *_output.decode(previous.response).output, *_items(parsed.input)]
         items_json = orjson.dumps(items)
-        try:  # msgspec, not orjson: a big integer is kept exact; a number out of a double's range refused
-            body = msgspec.json.decode(request.body)
-        except msgspec.MsgspecError as exc:
-            raise bad_request(f"invalid JSON: {exc}") from None
+        body = _body(request)
         body.pop("previous_response_id", None)
-        body["input"], body["store"] = _SPLICE, False
+        body["input"], body["store"], body["request_id"] = _SPLICE, False, new_response_id()
         encoded = msgspec.json.encode(body).replace(_SPLICED, items_json, 1)
         conversation = parsed.conversation or previous.conversation
         # previous_response_id stays in what was parsed (the body no longer names it): the model rules give a
@@ -167,6 +169,31 @@ class ResponsesState:
         return dataclasses.replace(
             request, only_pod=pod.name, answer_tap=_Tap(self, owner_of(request.key), previous.conversation, None),
             parsed=msgspec.structs.replace(parsed, conversation=parsed.conversation or previous.conversation))
+
+
+def new_response_id() -> str:
+    """A response's id, made by the gateway (never the client's ``request_id``): 122 random bits, as vLLM makes
+    its own, so unique across workers and replicas without asking any of them."""
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def _body(request: ClientRequest) -> dict[str, Any]:
+    try:  # msgspec, not orjson: a big integer is kept exact; a number out of a double's range refused
+        body = msgspec.json.decode(request.body)
+    except msgspec.MsgspecError as exc:
+        raise bad_request(f"invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The body must be a JSON object.")
+    return body
+
+
+def _with_gateway_id(request: ClientRequest) -> ClientRequest:
+    """The request with the gateway's own response id as its ``request_id``, which the pod names its response
+    by (vLLM's ``ResponsesRequest.request_id``): a client cannot choose the id its response is kept under,
+    so it cannot take another's over."""
+    body = _body(request)
+    body["request_id"] = new_response_id()
+    return dataclasses.replace(request, body=msgspec.json.encode(body))
 
 
 def _store_unavailable() -> GatewayError:

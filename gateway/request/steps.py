@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from gateway.auth import owner_tag
 from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
 from gateway.core.errors import bad_request
@@ -127,7 +128,8 @@ class WorkflowPlanning:
 
     def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan:
         return self._workflows.plan(request.headers, request.parsed, routing.base_model,
-                                    request.prompt_tokens(routing.token_ids), policy.places_contexts)
+                                    request.prompt_tokens(routing.token_ids), policy.places_contexts,
+                                    owner_tag(request.key))
 
     def dispatched(self, attempt: Attempt) -> None:
         self._workflows.record_dispatch(attempt.plan, attempt.decision, attempt.routing.base_model)

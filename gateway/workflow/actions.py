@@ -1,6 +1,8 @@
 """Carrying out cache actions: soft flush always, hard flush through the pod's cache controller when no
 other workflow has a request in flight there (nor a cache between its stages: engines flush the whole
-pod), refused flushes retried with backoff.
+pod), refused flushes retried with backoff. A hard flush empties the pod for everyone, so with API keys on
+only the admin key's workflows get one (``may_flush_pod``); another key's flush is soft: it lets go of its
+own workflow's blocks only.
 
 Owner: the :class:`CacheActionExecutor` owns the pending hard flushes (one task per pod at most). The KV
 index learns a hard flush's result from the pod's ``AllBlocksCleared`` event, not from here.
@@ -41,7 +43,7 @@ class CacheActionExecutor:
     def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
                  metrics: GatewayMetrics,
                  controller_for: Callable[[Pod], CacheController | None], http: HttpClient, *,
-                 hard_flush: bool = False,
+                 hard_flush: bool = False, may_flush_pod: Callable[[str | None], bool] = lambda workflow: True,
                  retries: int = 5, retry_base_s: float = 0.5) -> None:
         self._tracker = tracker
         self._working_set = working_set
@@ -49,6 +51,7 @@ class CacheActionExecutor:
         self._metrics = metrics
         self._controller_for = controller_for
         self._hard_flush = hard_flush
+        self._may_flush_pod = may_flush_pod  # by the workflow's owner: the admin key's, with keys on
         self._retries = retries
         self._retry_base_s = retry_base_s
         self._pending: dict[str, asyncio.Task[None]] = {}
@@ -85,6 +88,9 @@ class CacheActionExecutor:
         pod = self._pods.get(action.pod or "")
         asked = action.reason == "override"  # the client's own x-stage-cache-policy: flush
         if not (self._hard_flush or asked) or pod is None or self._controller_for(pod) is None:
+            return
+        if not self._may_flush_pod(action.workflow_id):  # the soft flush (its own blocks) stands
+            self._metrics.cache_actions.labels("hard_flush_not_allowed", action.reason, pod.name).inc()
             return
         if pod.name not in self._pending or self._pending[pod.name].done():
             self._pending[pod.name] = asyncio.create_task(self._hard(pod, action), name=f"flush-{pod.name}")

@@ -20,7 +20,7 @@ from typing import Literal
 import msgspec
 from multidict import CIMultiDictProxy
 
-from gateway.core.contexts import context_key
+from gateway.core.contexts import context_key, owned
 from gateway.core.errors import bad_request
 from gateway.core.requests import InferenceRequest
 
@@ -90,25 +90,27 @@ class ContextSignals:
         builtin = [s.name for s in SESSION_SIGNALS if s.where == "header"]
         self._session_headers = builtin + [h.lower() for h in extra_headers if h.lower() not in builtin]
 
-    def workflow_id(self, headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
+    def workflow_id(self, headers: CIMultiDictProxy[str], body: InferenceRequest, owner: str = "") -> str | None:
+        """The workflow, kept under its owner's tag (``owner``: the API key's; "" with keys off)."""
         meta = body.metadata
-        return _first(headers, WORKFLOW_HEADERS) or (meta.workflow_id if meta else None)
+        sent = _first(headers, WORKFLOW_HEADERS) or (meta.workflow_id if meta else None)
+        return owned(owner, sent) if sent else None
 
-    def session_id(self, headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
-        """The session, exactly as sent; a sub-agent's is its own (``<session>/agent:<agent>``)."""
+    def session_id(self, headers: CIMultiDictProxy[str], body: InferenceRequest, owner: str = "") -> str | None:
+        """The session as sent, under its owner's tag; a sub-agent's is its own (``<session>/agent:<agent>``)."""
         meta = body.metadata
         session = (_first(headers, self._session_headers) or _conversation(body.conversation) or body.prompt_cache_key
                    or (meta.user_id if meta else None) or body.user)
         if session and (agent := _first(headers, AGENT_HEADERS)):
-            return f"{session}/agent:{agent}"
-        return session or None
+            session = f"{session}/agent:{agent}"
+        return owned(owner, session) if session else None
 
-    def context_key(self, headers: CIMultiDictProxy[str], body: InferenceRequest) -> str | None:
+    def context_key(self, headers: CIMultiDictProxy[str], body: InferenceRequest, owner: str = "") -> str | None:
         """The workflow or session a request continues, for placement (read even with workflow actions
         off; never an error: a bad cache-policy header is the workflow service's to refuse)."""
-        return context_key(self.workflow_id(headers, body), self.session_id(headers, body))
+        return context_key(self.workflow_id(headers, body, owner), self.session_id(headers, body, owner))
 
-    def parse(self, headers: CIMultiDictProxy[str], body: InferenceRequest) -> WorkflowContext:
+    def parse(self, headers: CIMultiDictProxy[str], body: InferenceRequest, owner: str = "") -> WorkflowContext:
         """Everything the workflow service reads, the gateway's own headers checked."""
         meta = body.metadata
         stage = _first(headers, STAGE_HEADERS) or (meta.stage_id if meta else None)
@@ -124,8 +126,8 @@ class ContextSignals:
         if preserve_threshold is not None and preserve_threshold < 0:
             raise bad_request("x-stage-preserve-threshold must not be negative.", param="x-stage-preserve-threshold")
         return WorkflowContext(
-            workflow_id=self.workflow_id(headers, body), stage_id=stage, cache_policy=policy,  # type: ignore[arg-type]
+            workflow_id=self.workflow_id(headers, body, owner), stage_id=stage, cache_policy=policy,  # type: ignore[arg-type]
             preserve_threshold=preserve_threshold,
             complete=(headers.get("x-workflow-complete") or "").strip().lower() == "true",
-            session_id=self.session_id(headers, body),
+            session_id=self.session_id(headers, body, owner),
         )

@@ -17,6 +17,7 @@ from multidict import CIMultiDictProxy
 
 from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
+from gateway.core.contexts import owned
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import InferenceRequest
 from gateway.pressure.modes import PressureModes
@@ -87,13 +88,14 @@ class WorkflowService:
     # The workflow lifecycle
 
     def plan(self, headers: CIMultiDictProxy[str], body: InferenceRequest, model: str,
-             prompt_tokens: int, placed_by_policy: bool = False) -> RequestPlan:
+             prompt_tokens: int, placed_by_policy: bool = False, owner: str = "") -> RequestPlan:
         """The cache action and the pin of a request about to be routed. Where the policy places contexts
         itself (``placed_by_policy``), preserving a small increment is its job: the workflow's pod is then a
-        hint; a stage that asks to be preserved (``x-stage-cache-policy``) is pinned whatever the policy."""
+        hint; a stage that asks to be preserved (``x-stage-cache-policy``) is pinned whatever the policy.
+        ``owner``: the API key's tag, whose workflows and sessions the request names."""
         if not self.config.enabled:
             return NO_PLAN
-        ctx = self.signals.parse(headers, body)
+        ctx = self.signals.parse(headers, body, owner)
         plan = self.tracker.begin(ctx, model, prompt_tokens)
         session = ctx.session_id if ctx.workflow_id is None and self.config.session_affinity else None
         action = plan.action
@@ -106,21 +108,24 @@ class WorkflowService:
             return RequestPlan(ctx, plan, pod, "session_affinity", session=session)
         return RequestPlan(ctx, plan, session=session or None)
 
-    def complete(self, workflow_id: str) -> dict[str, Any]:
+    def complete(self, workflow_id: str, owner: str = "") -> dict[str, Any]:
         """``POST /v1/workflows/{id}/complete``: the workflow's last request was sent; once none of its
-        requests runs, its contexts are released (now, or when its last request ends)."""
-        self._known(workflow_id)
-        actions = self.tracker.complete(workflow_id)
+        requests runs, its contexts are released (now, or when its last request ends). ``owner``: the
+        caller's key's tag: another key's workflow of that id is not found."""
+        kept = owned(owner, workflow_id)
+        self._known(kept, workflow_id)
+        actions = self.tracker.complete(kept)
         self.executor.carry_out(actions)
         return {"workflow_id": workflow_id,
-                "status": "completed" if workflow_id not in self.tracker.workflows else "completing",
+                "status": "completed" if kept not in self.tracker.workflows else "completing",
                 "actions": [{"action": a.kind.value, "reason": a.reason, "pod": a.pod} for a in actions]}
 
-    def describe(self, workflow_id: str) -> dict[str, Any]:
-        """What the gateway knows of a workflow: its stages, where its cache is, what runs."""
-        workflow = self._known(workflow_id)
+    def describe(self, workflow_id: str, owner: str = "") -> dict[str, Any]:
+        """What the gateway knows of a workflow: its stages, where its cache is, what runs (``owner``: as for
+        :meth:`complete`; the operators' page passes the id as kept, and no owner)."""
+        workflow = self._known(owned(owner, workflow_id), workflow_id)
         return {
-            "workflow_id": workflow.id, "in_flight": self.tracker.in_flight(workflow),
+            "workflow_id": workflow_id, "in_flight": self.tracker.in_flight(workflow),
             "idle_s": round(time.monotonic() - workflow.last_activity, 3),
             "complete_requested": workflow.complete_requested,
             "stages": [{"stage_id": s.id, "model": s.model, "pod": s.pod, "prompt_tokens": s.prompt_tokens,
@@ -130,9 +135,9 @@ class WorkflowService:
                       for e in workflow.entries.values()],
         }
 
-    def _known(self, workflow_id: str) -> Workflow:
-        workflow = self.tracker.workflows.get(workflow_id)
-        if workflow is None:
+    def _known(self, kept_id: str, workflow_id: str) -> Workflow:
+        workflow = self.tracker.workflows.get(kept_id)
+        if workflow is None:  # another key's workflow of that id is answered the same: its existence is not told
             raise GatewayError(ErrorKind.NOT_FOUND, f"No workflow `{workflow_id}` is being tracked.",
                                code="workflow_not_found")
         return workflow
