@@ -70,7 +70,7 @@ async def status_of(http, method: str, url: str, who: str) -> int:
 async def test_a_key_runs_as_its_tenant_within_its_bands_whatever_its_headers_say(
         start_mock_pod, start_gateway, http, redis_server, run_dirs):  # noqa: F811
     platform = {"hash": hash_api_key(SECRETS["platform"]), "name": "platform", "tenant": "team-p",
-                "may_set_fairness_id": True, "max_priority": 5}
+                "may_set_fairness_id": True, "max_priority": 5, "may_set_cache_actions": False}
     _, gateways = await replicas(start_mock_pod, start_gateway, redis_server, run_dirs,
                                  auth={**AUTH, "keys": [*KEYS, platform]},
                                  flow_control={**TENANTS, "objectives": {"urgent": {"priority": 50}}})
@@ -88,6 +88,10 @@ async def test_a_key_runs_as_its_tenant_within_its_bands_whatever_its_headers_sa
     assert (await chat(http, gateways[1], "platform", **{"x-gateway-inference-fairness-id": "team-a",
                                                           "x-priority": "5"}))[0] == 200
     assert (await chat(http, gateways[2], "platform", **{"x-priority": "6"}))[0] == 403
+    for header, value in (("x-stage-cache-policy", "flush"), ("x-stage-preserve-threshold", "9")):
+        status, body = await chat(http, gateways[0], "platform", **{"x-workflow-id": "wf-p", header: value})
+        assert status == 403 and body["error"]["param"] == header
+    assert (await chat(http, gateways[0], "platform", **{"x-stage-cache-policy": "auto"}))[0] == 200
     flows = "gateway_flow_requests_total"
     assert total(gateways, flows, {"fairness_id": "team-b", "priority": "0", "outcome": "at_once"}) == 2
     assert total(gateways, flows, {"fairness_id": "team-b", "priority": "-3", "outcome": "at_once"}) == 1
