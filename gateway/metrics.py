@@ -21,6 +21,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # of a request no route matched (its path is the client's to choose).
 UNKNOWN_MODEL = "unknown"
 UNMATCHED_ROUTE = "unmatched"
+# The longest label value exported: a name the config or the fleet gives (a model, a pod, a tenant) may be
+# longer, and each character is written into every series of every scrape.
+MAX_LABEL_CHARS = 256
+
+
+def capped(value: str) -> str:
+    """``value`` as a label: its first :data:`MAX_LABEL_CHARS` characters."""
+    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS]
 
 
 class Answer(NamedTuple):
