@@ -32,22 +32,31 @@ class FlowLabels:
     ``overflow``), else ``other``; its band when an objective of ``flow_control.objectives`` has it (or 0),
     else ``other``. ``config``: the flow-control config in force (read again after a reload)."""
 
+    CACHED = 4096  # flows whose labels are kept at once (every request asks: a lookup costs less)
+
     def __init__(self, config: Callable[[], FlowControlConfig], key_names: Iterable[str] = ()) -> None:
         self._config = config
         self._key_names = frozenset(name for name in key_names if name)
         self._read: FlowControlConfig | None = None  # the config the sets below were made from
         self._tenants: frozenset[str] = frozenset()
         self._bands: dict[int, str] = {}
+        self._cached: dict[FlowKey, Labels] = {}
 
     def of(self, key: FlowKey) -> Labels:
-        config = self._config()
-        if config is not self._read:
-            self._learn(config)
-        tenant = key.fairness_id
-        return capped(tenant) if tenant in self._tenants else OTHER, self._bands.get(key.priority, OTHER)
+        if self._config() is not self._read:
+            self._learn(self._config())
+        labels = self._cached.get(key)
+        if labels is None:
+            if len(self._cached) >= self.CACHED:  # a crowd of invented flows: start again
+                self._cached.clear()
+            tenant = key.fairness_id
+            labels = self._cached[key] = (capped(tenant) if tenant in self._tenants else OTHER,
+                                          self._bands.get(key.priority, OTHER))
+        return labels
 
     def _learn(self, config: FlowControlConfig) -> None:
         self._read = config
+        self._cached.clear()
         self._tenants = frozenset({DEFAULT_FAIRNESS_ID, OVERFLOW_FAIRNESS_ID, *config.tenants, *config.keys.values(),
                                    *(self._key_names - config.keys.keys())})
         self._bands = {band: str(band) for band in {0, *(o.priority for o in config.objectives.values())}}
