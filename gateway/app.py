@@ -38,7 +38,7 @@ from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.core.facts import RoomFreed
 from gateway.fleet import PodMembership, health_changed
 from gateway.flow.controller import FlowController
-from gateway.flow.metrics import FlowMetrics
+from gateway.flow.metrics import FlowLabels, FlowMetrics
 from gateway.flow.release_order import SharedReleaseOrder, SoleRelease
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
@@ -182,7 +182,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
     usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False)
     replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use, usage)
-    flow_metrics = FlowMetrics(metrics.registry)
+    flow_metrics = FlowMetrics(metrics.registry, FlowLabels(lambda: flow.config, [k.name for k in config.auth.keys]))
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
 
     key_tenants = {k.name: k.tenant for k in config.auth.keys if k.name and k.tenant}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from gateway.config import POD_ROLES
 
@@ -21,6 +23,19 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # of a request no route matched (its path is the client's to choose).
 UNKNOWN_MODEL = "unknown"
 UNMATCHED_ROUTE = "unmatched"
+# The longest label value exported: a name the config or the fleet gives (a model, a pod, a tenant) may be
+# longer, and each character is written into every series of every scrape.
+MAX_LABEL_CHARS = 256
+_DIGEST_CHARS = 8
+
+
+def capped(value: str) -> str:
+    """``value`` as a label of at most :data:`MAX_LABEL_CHARS` characters: a longer one is its beginning, ``~``
+    and a digest of the whole (two long names alike at first stay two series)."""
+    if len(value) <= MAX_LABEL_CHARS:
+        return value
+    digest = hashlib.blake2s(value.encode(errors="replace"), digest_size=_DIGEST_CHARS // 2).hexdigest()
+    return f"{value[:MAX_LABEL_CHARS - _DIGEST_CHARS - 1]}~{digest}"
 
 
 class Answer(NamedTuple):
@@ -225,4 +240,19 @@ class GatewayMetrics:
             self.tokenization_seconds.labels(mode).observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_CappedLabels(self.registry))  # type: ignore[arg-type]
+
+
+class _CappedLabels:
+    """The registry as exported: a label value past :data:`MAX_LABEL_CHARS` is :func:`capped` in whichever
+    family it is (the steps that label with a name capped it already; this keeps the bound for every other)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if any(len(value) > MAX_LABEL_CHARS for sample in family.samples for value in sample.labels.values()):
+                family.samples = [sample._replace(labels={k: capped(v) for k, v in sample.labels.items()})
+                                  for sample in family.samples]
+            yield family

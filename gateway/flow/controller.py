@@ -209,12 +209,10 @@ class FlowQueues:
 
     def forget_idle(self) -> None:
         """Forgets the service of flows idle long enough, and the flows counted here that neither wait nor have
-        any, with their metrics' series (so ``max_flows`` bounds those too)."""
+        any (their metrics' series are the config's tenants and bands: :class:`~gateway.flow.metrics.FlowLabels`)."""
         waiting = {k for band in self._bands.values() for k in band}
         self._counters.forget_idle(lambda k: k in waiting)
-        kept = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
-        self._metrics.forget(self._flows_seen - kept)
-        self._flows_seen = kept
+        self._flows_seen = {k for k in self._flows_seen if k in waiting or self._counters.get(k)}
 
     def describe(self, now: float) -> list[dict[str, Any]]:
         """Each flow served lately or waiting: its service, its requests waiting, the oldest one's wait."""

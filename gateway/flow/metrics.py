@@ -1,95 +1,144 @@
 """Per-flow Prometheus metrics: what waits, how long, what was refused, and the tokens each flow was served.
 
-Labelled by fairness id and priority band; ``flow_control.max_flows`` bounds how many flows there are (the
-rest share their band's ``overflow`` flow). Owner: the flow controller and the flow-control step write them.
+Labelled by tenant and priority band, as the config names them (:class:`FlowLabels`): a client chooses its
+fairness id and band by header, so any the config does not name is counted as ``other``, and the series stay
+as many as the config's tenants and bands whatever clients send. Owner: the flow controller and the
+flow-control step write them.
 """
 
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.flow.flows import FlowKey
+from gateway.config import FlowControlConfig
+from gateway.flow.flows import DEFAULT_FAIRNESS_ID, OVERFLOW_FAIRNESS_ID, FlowKey
+from gateway.metrics import capped
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_KINDS = ("input", "cached_input", "output")
+OTHER = "other"  # the label of a fairness id or a band the config does not name
+Labels = tuple[str, str]  # (fairness_id, priority) as exported
+
+
+class FlowLabels:
+    """A flow's labels: its fairness id when the config names it (a tenant of ``flow_control.tenants``, a
+    key's tenant of ``flow_control.keys``, an API key's name that is its own tenant, ``default``,
+    ``overflow``), else ``other``; its band when an objective of ``flow_control.objectives`` has it (or 0),
+    else ``other``. ``config``: the flow-control config in force (read again after a reload)."""
+
+    CACHED = 4096  # flows whose labels are kept at once (every request asks: a lookup costs less)
+
+    def __init__(self, config: Callable[[], FlowControlConfig], key_names: Iterable[str] = ()) -> None:
+        self._config = config
+        self._key_names = frozenset(name for name in key_names if name)
+        self._read: FlowControlConfig | None = None  # the config the sets below were made from
+        self._tenants: frozenset[str] = frozenset()
+        self._bands: dict[int, str] = {}
+        self._cached: dict[FlowKey, Labels] = {}
+
+    def of(self, key: FlowKey) -> Labels:
+        if self._config() is not self._read:
+            self._learn(self._config())
+        labels = self._cached.get(key)
+        if labels is None:
+            if len(self._cached) >= self.CACHED:  # a crowd of invented flows: start again
+                self._cached.clear()
+            tenant = key.fairness_id
+            labels = self._cached[key] = (capped(tenant) if tenant in self._tenants else OTHER,
+                                          self._bands.get(key.priority, OTHER))
+        return labels
+
+    def _learn(self, config: FlowControlConfig) -> None:
+        self._read = config
+        self._cached.clear()
+        self._tenants = frozenset({DEFAULT_FAIRNESS_ID, OVERFLOW_FAIRNESS_ID, *config.tenants, *config.keys.values(),
+                                   *(self._key_names - config.keys.keys())})
+        self._bands = {band: str(band) for band in {0, *(o.priority for o in config.objectives.values())}}
 
 
 class FlowMetrics(Collector):
     """The counts every request touches (its outcome, its tokens) are plain tallies read at scrape time, so
-    that a request that is never held costs no metric lock; what only held requests touch (the queue gauge,
-    the wait histogram) is kept by ``prometheus_client`` itself."""
+    that a request that is never held costs no metric lock; the wait histogram, which only held requests
+    touch, is kept by ``prometheus_client`` itself. The requests held now are counted per flow and labelled
+    when scraped (a reload may name a flow anew while its requests wait)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._queued = Gauge("gateway_flow_queued", "Requests held at the gateway now, by flow",
-                             ["fairness_id", "priority"], registry=registry)
+    def __init__(self, registry: CollectorRegistry, labels: FlowLabels | None = None) -> None:
+        if labels is None:  # the defaults': flows are default or other, in band 0 or other
+            defaults = FlowControlConfig()
+            labels = FlowLabels(lambda: defaults)
+        self._labels = labels
         self._wait = Histogram("gateway_flow_wait_seconds", "How long requests that were held waited before "
                                "they were dispatched, by flow", ["fairness_id", "priority"], buckets=WAIT_BUCKETS,
                                registry=registry)
-        self._requests: dict[FlowKey, Tally[str]] = {}
-        self._tokens: dict[FlowKey, _Tokens] = {}
-        self._children: dict[tuple[Any, ...], Any] = {}
+        self._queued: dict[FlowKey, int] = {}  # requests held now, per flow that has any
+        self._queued_seen: set[Labels] = set()  # the labels that had some (exported at 0 once none wait)
+        self._requests: dict[Labels, Tally[str]] = {}
+        self._tokens: dict[Labels, _Tokens] = {}
+        self._wait_children: dict[Labels, Any] = {}
         registry.register(self)
 
-    def _child(self, metric: Any, key: FlowKey) -> Any:
-        cache_key = (id(metric), key)
-        child = self._children.get(cache_key)
-        if child is None:
-            child = self._children[cache_key] = metric.labels(key.fairness_id, str(key.priority))
-        return child
-
     def queued(self, key: FlowKey, delta: int) -> None:
-        self._child(self._queued, key).inc(delta)
+        held = self._queued.get(key, 0) + delta
+        if held:
+            self._queued[key] = held
+        else:
+            self._queued.pop(key, None)
 
     def waited(self, key: FlowKey, seconds: float) -> None:
-        self._child(self._wait, key).observe(seconds)
+        labels = self._labels.of(key)
+        child = self._wait_children.get(labels)
+        if child is None:
+            child = self._wait_children[labels] = self._wait.labels(*labels)
+        child.observe(seconds)
         self.outcome(key, "after_wait")
 
     def outcome(self, key: FlowKey, outcome: str) -> None:
         """What flow control did with a request (at_once, after_wait, left), or why it refused it (its code)."""
-        tally = self._requests.get(key)
+        labels = self._labels.of(key)
+        tally = self._requests.get(labels)
         if tally is None:
-            tally = self._requests[key] = Tally()
+            tally = self._requests[labels] = Tally()
         tally[outcome] += 1
 
     def served(self, key: FlowKey, prefilled: int, cached: int, output: int) -> None:
-        tokens = self._tokens.get(key)
+        labels = self._labels.of(key)
+        tokens = self._tokens.get(labels)
         if tokens is None:
-            tokens = self._tokens[key] = _Tokens()
+            tokens = self._tokens[labels] = _Tokens()
         tokens.input += prefilled
         tokens.cached_input += cached
         tokens.output += output
 
-    def forget(self, keys: Iterable[FlowKey]) -> None:
-        """Drops the series of flows forgotten (none of their requests waits): a returning flow starts anew, as a
-        counter after a restart does."""
-        for key in keys:
-            self._requests.pop(key, None)
-            self._tokens.pop(key, None)
-            for metric in (self._queued, self._wait):
-                if self._children.pop((id(metric), key), None) is not None:
-                    metric.remove(key.fairness_id, str(key.priority))
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        queued = GaugeMetricFamily("gateway_flow_queued", "Requests held at the gateway now, by flow",
+                                   labels=["fairness_id", "priority"])
+        held = dict.fromkeys(self._queued_seen, 0)
+        for key, n in list(self._queued.items()):
+            labels = self._labels.of(key)
+            held[labels] = held.get(labels, 0) + n
+        self._queued_seen.update(held)
+        for labels, n in held.items():
+            queued.add_metric(list(labels), n)
         requests = CounterMetricFamily(
             "gateway_flow_requests", "Requests by flow and what flow control did: at_once (dispatched without "
             "waiting), after_wait, refused (queue_full, queue_timeout, slo_unreachable), left (the client left "
             "while held)", labels=["fairness_id", "priority", "outcome"])
-        for key, tally in list(self._requests.items()):
+        for labels, tally in list(self._requests.items()):
             for outcome, n in list(tally.items()):
-                requests.add_metric([key.fairness_id, str(key.priority), outcome], n)
+                requests.add_metric([*labels, outcome], n)
         tokens = CounterMetricFamily("gateway_flow_tokens", "Tokens served by flow and kind (input: prefilled, "
                                      "cached_input: found in the engine's cache, output)",
                                      labels=["fairness_id", "priority", "kind"])
-        for key, served in list(self._tokens.items()):
+        for labels, served in list(self._tokens.items()):
             for kind in TOKEN_KINDS:
-                tokens.add_metric([key.fairness_id, str(key.priority), kind], getattr(served, kind))
-        yield from (requests, tokens)
+                tokens.add_metric([*labels, kind], getattr(served, kind))
+        yield from (queued, requests, tokens)
 
 
 class _Tokens:

@@ -11,12 +11,11 @@ from gateway.core.requests import PATHS, RequestKind
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
-from gateway.metrics import UNKNOWN_MODEL, Answer, GatewayMetrics
+from gateway.metrics import MAX_LABEL_CHARS, UNKNOWN_MODEL, Answer, GatewayMetrics, capped
 from gateway.request.timings import STEP_NAMES, RecentSteps
 from gateway.request.types import Attempt, CompletedRequest
 
 access_log = logging.getLogger(ACCESS_LOGGER)
-MAX_LOGGED_MODEL = 256  # characters of a model name in the access log (the client chose it)
 
 
 class RoutingMetrics:
@@ -117,18 +116,20 @@ class RequestMetrics:
 
 
 class ModelLabels:
-    """A request's model name as a metrics label: the name when the gateway serves it, else ``unknown``."""
+    """A request's model name as a metrics label: the name when the gateway serves it (a public name of the
+    config, or a model the fleet lists), capped at :data:`~gateway.metrics.MAX_LABEL_CHARS`, else ``unknown``."""
 
     def __init__(self, known: Callable[[str], bool]) -> None:
         self._known = known
-        self._served: set[str] = set()  # names found served once (at most the names the fleet has served)
+        self._served: dict[str, str] = {"-": "-"}  # names found served once → their label (at most the fleet's)
 
     def label(self, model: str) -> str:
-        if model == "-" or model in self._served:
-            return model
+        label = self._served.get(model)
+        if label is not None:
+            return label
         if self._known(model):
-            self._served.add(model)
-            return model
+            label = self._served[model] = capped(model)
+            return label
         return UNKNOWN_MODEL
 
 
@@ -170,7 +171,7 @@ class AccessLog:
         fields: dict[str, Any] = {
             "request_id": done.request.id, "method": request.method, "path": request.path,
             "status": done.answered, "outcome": done.result, "route": PATHS[request.kind],
-            "model": done.model[:MAX_LOGGED_MODEL], "pod": d.pod.name if d else "-",
+            "model": done.model[:MAX_LABEL_CHARS], "pod": d.pod.name if d else "-",
             "policy": d.policy if d else None, "reason": d.reason if d else None,
             "prefix_tokens": d.prefix_tokens if d else 0, "attempts": done.attempts,
             "duration_ms": round((done.finished - done.request.started) * 1000, 2),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
+from gateway.metrics import capped
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.pipeline import AdmitStep, PrepareStep, RequestPipeline
 from gateway.request.timings import STEP_NAMES, timed_as
@@ -70,7 +71,9 @@ class RequestTracing:
 
     def resolve(self, request: ClientRequest) -> None:
         parent = propagate.extract(request.headers)
-        attributes = {"gateway.request_id": request.id, "gen_ai.request.model": request.model,
+        # The client's id and model as it wrote them (before they are checked), capped as a label is: an
+        # exporter sends whatever it is given.
+        attributes = {"gateway.request_id": capped(request.id), "gen_ai.request.model": capped(request.model),
                       "gateway.kind": request.kind}
         root = self._tracer.start_span(f"{request.method} {request.path.partition('?')[0]}", context=parent,
                                        kind=SpanKind.SERVER, attributes=attributes)

@@ -277,7 +277,8 @@ def gateway_config(path: Path, pod: VllmPod, model_dir: str, flow_control: bool,
     path.write_text(json.dumps({"pods": [{**pod.gateway_config(), "scheduling": scheduling}],
                                 "server": {"workers": WORKERS},
                                 "tokenization": {"models": {MODEL: {"path": model_dir}}},
-                                "flow_control": {"enabled": flow_control}}))
+                                # Named, so that the flow metrics count them apart (any other id is "other").
+                                "flow_control": {"enabled": flow_control, "tenants": {"A": {}, "B": {}}}}))
     return str(path)
 
 

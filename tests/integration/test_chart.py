@@ -4,6 +4,7 @@ the Kubernetes schemas, and check the rendered gateway config with the gateway's
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -148,6 +149,33 @@ def test_dashboard_queries_name_real_metrics():
                           if tok.startswith("gateway_"))
             base = metric.removesuffix("_bucket").removesuffix("_total")
             assert base in names or metric.startswith("gateway_kv_"), metric
+
+
+def test_dashboard_groups_by_labels_its_metrics_have_and_outcomes_the_records_give():
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.proxy.outcome import Ending
+    from gateway.request.types import result_of
+
+    dashboard = json.loads((CHART / "dashboards" / "gateway.json").read_text())
+    labels_of = {m._name: {*m._labelnames, "le"} for m in vars(GatewayMetrics()).values()
+                 if isinstance(m, MetricWrapperBase)}
+    outcomes = {result_of(200, ending) for ending in Ending} | {result_of(500)}
+    shown = set()
+    for target in (t for panel in dashboard["panels"] for t in panel["targets"]):
+        expr = target["expr"]
+        metric = re.search(r"gateway_\w+", expr).group()
+        base = metric.removesuffix("_bucket").removesuffix("_total")
+        if metric.startswith("gateway_kv_") and base not in labels_of:
+            continue  # the prefix index's own registry
+        used = {name.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for name in group.split(",")}
+        used |= set(re.findall(r"(\w+)\s*(?:=~|!=|!~|=)\s*\"", expr))
+        assert used <= labels_of[base], (expr, used - labels_of[base])
+        for values in re.findall(r'outcome\s*(?:=~|!=|!~|=)\s*"([^"]*)"', expr) if base == "gateway_requests" else ():
+            assert set(values.split("|")) <= outcomes, values
+            shown |= set(values.split("|"))
+    assert "engine_error" in shown  # an engine's error inside a 200 stream is on the dashboard
 
 
 def test_dockerfile_builds_what_the_cli_runs():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
@@ -15,12 +15,13 @@ from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow import controller as controller_module
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import ENGINE_BAND_SPAN, Flow, FlowKey, FlowPolicy, engine_priority
-from gateway.flow.metrics import FlowMetrics
+from gateway.flow.metrics import FlowLabels, FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.profiles import ProfileStore
+from gateway.metrics import capped
 
 MODEL = "mock-llama"
 CONFIG = FlowControlConfig(
@@ -299,28 +300,46 @@ async def test_flows_idle_long_are_forgotten_though_the_fleet_never_held_a_reque
         await flows.stop()
 
 
-def test_a_forgotten_flow_takes_its_metrics_series_with_it():
-    # max_flows bounds the series too: a flow forgotten for idling leaves /metrics (a returning one starts anew).
-    now = [1_000.0]
-    ledger, counters = InFlightLedger(), ServiceCounters(idle_s=600.0, clock=lambda: now[0])
-    config = FlowControlConfig()
-    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False)
+def flow_series(registry: CollectorRegistry, family: str) -> dict[tuple[str, str], float]:
+    """(fairness_id, priority) → value summed over the family's other labels."""
+    found: dict[tuple[str, str], float] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name == family:
+                labels = (sample.labels["fairness_id"], sample.labels["priority"])
+                found[labels] = found.get(labels, 0) + sample.value
+    return found
+
+
+def test_flow_series_are_the_configs_tenants_and_bands_and_one_other():
+    # A client picks its fairness id and band by header: the series stay the config's whatever it sends.
+    config = [CONFIG]
     registry = CollectorRegistry()
-    metrics = FlowMetrics(registry)
-    flows = FlowController(config, one_pod(), detector, counters, Doorbell(), metrics, clock=lambda: now[0])
-    for name in ("old", "new"):
-        key = flows.queues.key_of(FlowKey(name))
-        counters.charge(key, 100.0)
+    metrics = FlowMetrics(registry, FlowLabels(lambda: config[0], ["alice", "ci-key", ""]))
+    named = [FlowKey("team-a", 5), FlowKey("batch", 0), FlowKey("alice", 5), FlowKey("default", 0)]
+    invented = [FlowKey(f"tenant-{i}" + "x" * 120, 6 + i) for i in range(500)]  # bands 6 to 505
+    for key in (*named, *invented, FlowKey("team-a", 7), FlowKey("ci-key", 5)):
         metrics.outcome(key, "at_once")
         metrics.served(key, 10, 5, 3)
         metrics.waited(key, 0.2)
-    flows.queues.forget_idle()  # dates both: charged now
-    now[0] += 700.0
-    counters.charge(FlowKey("new"), 1.0)  # only "new" is heard of again
-    flows.queues.forget_idle()
-    exposition = generate_latest(registry).decode()
-    assert 'fairness_id="new"' in exposition and 'fairness_id="old"' not in exposition
-    assert flows.queues.key_of(FlowKey("old")) == FlowKey("old")  # counted anew when it returns
+        metrics.queued(key, 1)
+    requests = flow_series(registry, "gateway_flow_requests_total")
+    assert requests == {("team-a", "5"): 2, ("batch", "0"): 2, ("alice", "5"): 2, ("default", "0"): 2,
+                        ("other", "other"): 2 * 500, ("team-a", "other"): 2,
+                        ("other", "5"): 2}  # ci-key is batch's key, not a tenant
+    assert flow_series(registry, "gateway_flow_queued")[("other", "other")] == 500
+    assert flow_series(registry, "gateway_flow_wait_seconds_count").keys() == requests.keys()
+    assert flow_series(registry, "gateway_flow_tokens_total")[("other", "other")] == 500 * 18
+    for key in invented:
+        metrics.queued(key, -1)
+    assert flow_series(registry, "gateway_flow_queued")[("other", "other")] == 0  # still there, at 0
+    # A reload that names tenants and a band: their requests are theirs from then on (a name capped).
+    config[0] = FlowControlConfig(tenants={"tenant-3" + "x" * 120: TenantConfig(), "t" * 300: TenantConfig()},
+                                  objectives={"low": ObjectiveConfig(priority=9)})
+    metrics.outcome(invented[3], "at_once")
+    metrics.outcome(FlowKey("t" * 300), "at_once")
+    requests = flow_series(registry, "gateway_flow_requests_total")
+    assert requests[("tenant-3" + "x" * 120, "9")] == 1 and requests[(capped("t" * 300), "0")] == 1
 
 
 async def test_the_debug_page_gives_a_flows_oldest_wait_not_its_heads():
