@@ -182,7 +182,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
     usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False)
     replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use, usage)
-    flow_metrics = FlowMetrics(metrics.registry, FlowLabels(lambda: flow.config, [k.name for k in config.auth.keys]))
+    flow_metrics = FlowMetrics(metrics.registry, FlowLabels.of_keys(lambda: flow.config, config.auth.keys))
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
 
     key_tenants = {k.name: k.tenant for k in config.auth.keys if k.name and k.tenant}

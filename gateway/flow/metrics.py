@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.config import FlowControlConfig
+from gateway.config import ApiKeyConfig, FlowControlConfig
 from gateway.flow.flows import DEFAULT_FAIRNESS_ID, OVERFLOW_FAIRNESS_ID, FlowKey
 from gateway.metrics import capped
 
@@ -28,19 +28,28 @@ Labels = tuple[str, str]  # (fairness_id, priority) as exported
 
 class FlowLabels:
     """A flow's labels: its fairness id when the config names it (a tenant of ``flow_control.tenants``, a
-    key's tenant of ``flow_control.keys``, an API key's name that is its own tenant, ``default``,
+    key's tenant of ``flow_control.keys`` or of its own ``auth.keys[].tenant``, an API key's name that is its own
+    tenant, ``default``,
     ``overflow``), else ``other``; its band when an objective of ``flow_control.objectives`` has it (or 0),
     else ``other``. ``config``: the flow-control config in force (read again after a reload)."""
 
     CACHED = 4096  # flows whose labels are kept at once (every request asks: a lookup costs less)
 
-    def __init__(self, config: Callable[[], FlowControlConfig], key_names: Iterable[str] = ()) -> None:
+    def __init__(self, config: Callable[[], FlowControlConfig], key_names: Iterable[str] = (),
+                 key_tenants: Iterable[str] = ()) -> None:
         self._config = config
         self._key_names = frozenset(name for name in key_names if name)
+        self._key_tenants = frozenset(tenant for tenant in key_tenants if tenant)
         self._read: FlowControlConfig | None = None  # the config the sets below were made from
         self._tenants: frozenset[str] = frozenset()
         self._bands: dict[int, str] = {}
         self._cached: dict[FlowKey, Labels] = {}
+
+    @classmethod
+    def of_keys(cls, config: Callable[[], FlowControlConfig], keys: Iterable[ApiKeyConfig]) -> FlowLabels:
+        """The labels of a gateway with these API keys: each key's tenant, named or its own name."""
+        keys = list(keys)
+        return cls(config, [k.name for k in keys if k.tenant is None], [k.tenant for k in keys if k.tenant])
 
     def of(self, key: FlowKey) -> Labels:
         if self._config() is not self._read:
@@ -58,7 +67,7 @@ class FlowLabels:
         self._read = config
         self._cached.clear()
         self._tenants = frozenset({DEFAULT_FAIRNESS_ID, OVERFLOW_FAIRNESS_ID, *config.tenants, *config.keys.values(),
-                                   *(self._key_names - config.keys.keys())})
+                                   *self._key_tenants, *(self._key_names - config.keys.keys())})
         self._bands = {band: str(band) for band in {0, *(o.priority for o in config.objectives.values())}}
 
 

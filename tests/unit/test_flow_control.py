@@ -10,7 +10,15 @@ from prometheus_client import CollectorRegistry
 
 from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
-from gateway.config import FlowControlConfig, HealthConfig, ObjectiveConfig, PodConfig, SaturationConfig, TenantConfig
+from gateway.config import (
+    ApiKeyConfig,
+    FlowControlConfig,
+    HealthConfig,
+    ObjectiveConfig,
+    PodConfig,
+    SaturationConfig,
+    TenantConfig,
+)
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow import controller as controller_module
 from gateway.flow.controller import FlowController
@@ -363,3 +371,14 @@ async def test_the_debug_page_gives_a_flows_oldest_wait_not_its_heads():
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+def test_a_keys_named_tenant_has_its_own_series_and_its_name_does_not():
+    # auth.keys[].tenant: the key runs as that tenant (request/identity.py), so its series are the tenant's.
+    keys = [ApiKeyConfig(hash="ab" * 32, name="bob-laptop", tenant="team-b"),
+            ApiKeyConfig(hash="cd" * 32, name="carol")]
+    registry = CollectorRegistry()
+    metrics = FlowMetrics(registry, FlowLabels.of_keys(lambda: CONFIG, keys))
+    for key in (FlowKey("team-b", 0), FlowKey("bob-laptop", 0), FlowKey("carol", 0)):
+        metrics.outcome(key, "at_once")
+    assert flow_series(registry, "gateway_flow_requests_total") == {("team-b", "0"): 1, ("other", "0"): 1,
+                                                                    ("carol", "0"): 1}
