@@ -50,7 +50,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriptions import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
-from gateway.limits.enforcer import KeyLimits
+from gateway.limits.enforcer import KeyLimits, limited_name
 from gateway.limits.shared import SharedUsage
 from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
@@ -185,7 +185,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     def tenant_of(key: str) -> str:  # as flow control tells a key's tenant (reloaded with it)
         return flow.config.keys.get(key, key)
 
-    limits = KeyLimits(config.limits, usage, tenant_of)
+    limits = KeyLimits(config.limits, usage, tenant_of, {limited_name(k): k.requests_per_minute
+                                                         for k in config.auth.keys if k.requests_per_minute})
     key_limits = KeyLimitsStep(limits)
     usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
