@@ -43,6 +43,10 @@ REPLICA_GONE_S = 60.0
 # unconfirmed for at most MAX_CONFIRM_S (a clock skewed between hosts must not hold a limit back for long).
 LAG_WINDOW_S = 5.0
 MAX_CONFIRM_S = 2.0
+# A request begun counts as unconfirmed for at least this long: a burst's first facts can take longer to
+# arrive than any lag seen before it (4 gateways on one loaded event loop heard of each other's requests
+# 115 ms late, and ran 7 of a key's ``max_concurrent: 4`` at once with 50 ms).
+MIN_REQUEST_CONFIRM_S = 0.25
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class SharedUsage:
         self._remote: dict[str, _Counts] = {}
         # Per scope, this process's charges within the confirmation window: what the others may not know yet.
         self._recent: dict[str, _Recent] = {}
+        self._recent_requests: dict[str, _Recent] = {}  # the same, of requests begun (a longer window)
         self._origins_seen: dict[str, float] = {}  # other process → when last heard from (monotonic)
         # How late the others' charges arrived of late, (when heard (monotonic), how late): a sliding maximum.
         self._lags: deque[tuple[float, float]] = deque()
@@ -163,10 +168,12 @@ class SharedUsage:
         self._publish(ScopeRequests(scope, 1))
 
     def _unconfirmed(self, scope: str, input_tokens: int, output_tokens: int, requests: int) -> None:
-        recent = self._recent.get(scope)
-        if recent is None:
-            recent = self._recent[scope] = _Recent()
-        recent.add(self._monotonic(), input_tokens, output_tokens, requests)
+        for recents, charged in ((self._recent, input_tokens or output_tokens), (self._recent_requests, requests)):
+            if charged:
+                recent = recents.get(scope)
+                if recent is None:
+                    recent = recents[scope] = _Recent()
+                recent.add(self._monotonic(), input_tokens, output_tokens, requests)
 
     def ended(self, scope: str) -> None:
         self._own.in_flight[scope] -= 1
@@ -262,10 +269,13 @@ class SharedUsage:
         return min(MAX_CONFIRM_S, max(self._confirm_s, 2 * longest))
 
     def _recent_of(self, scope: str) -> tuple[int, int, int]:
-        recent = self._recent.get(scope)
-        if recent is None:
-            return 0, 0, 0
-        return recent.since(self._monotonic() - self.confirm_window_s())
+        """This process's tokens (input, output) and requests charged to ``scope`` that the others may not
+        know of yet."""
+        now, window = self._monotonic(), self.confirm_window_s()
+        recent, requests = self._recent.get(scope), self._recent_requests.get(scope)
+        input_tokens, output_tokens, _ = recent.since(now - window) if recent is not None else (0, 0, 0)
+        begun = requests.since(now - max(window, MIN_REQUEST_CONFIRM_S))[2] if requests is not None else 0
+        return input_tokens, output_tokens, begun
 
     def debug(self, scope: str) -> dict[str, float]:
         used = self.used(scope)
