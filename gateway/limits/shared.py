@@ -251,7 +251,8 @@ class SharedUsage:
         processes = 1 + sum(1 for o in heard if not partitioned or o.split("/", 1)[0] == self._replica)
         return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), in_minute[2],
                     self._own.in_flight.get(scope, 0), *unconfirmed, processes, into_minute, into_day,
-                    (minute_before[0], minute_before[1], minute_before[2]), (day_before[0], day_before[1], day_before[2]))
+                    (minute_before[0], minute_before[1], minute_before[2]),
+                    (day_before[0], day_before[1], day_before[2]))
 
     def _heard_late(self, lag_s: float) -> None:
         lags = self._lags  # the longest first: each entry is longer than every one heard after it

@@ -3,7 +3,6 @@ and which request is refused, why and for how long."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from gateway.config import LimitsConfig, UsageLimits
