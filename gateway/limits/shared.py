@@ -245,7 +245,8 @@ class SharedUsage:
                 continue
             _slide(counts.minutes.get(scope), minute, into_minute, in_minute, minute_before)
             _slide(counts.days.get(scope), day, into_day, in_day, day_before)
-            in_flight += counts.in_flight.get(scope, 0)
+            # A process's count below zero is an end whose start was forgotten (it was silent a while): none.
+            in_flight += max(0, counts.in_flight.get(scope, 0))
         unconfirmed = self._recent_of(scope)
         heard = self._heard(REPLICA_GONE_S)
         processes = 1 + sum(1 for o in heard if not partitioned or o.split("/", 1)[0] == self._replica)
