@@ -50,7 +50,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriptions import KvEventService, KvMetricsCollector
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
-from gateway.limits.enforcer import KeyLimits
+from gateway.limits.enforcer import KeyLimits, key_rates
 from gateway.limits.shared import SharedUsage
 from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
@@ -190,7 +190,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     def tenant_of(key: str) -> str:  # the key's own config, else as flow control tells it (reloaded with it)
         return key_tenants.get(key) or flow.config.keys.get(key, key)
 
-    limits = KeyLimits(config.limits, usage, tenant_of)
+    limits = KeyLimits(config.limits, usage, tenant_of, key_rates(config.auth.keys))
     key_limits = KeyLimitsStep(limits)
     usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)

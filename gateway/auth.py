@@ -1,6 +1,7 @@
 """Gateway API keys: the client's key, hashed, compared in constant time with the config's; per key, the
-models it may use and a request rate (token bucket). Admin keys guard /debug and /metrics, and are accepted
-on the API routes too (every model, no rate limit).
+models it may use (its request rate is a limit like the others, :mod:`gateway.limits`, held across workers
+and replicas). Admin keys guard /debug and /metrics, and are accepted on the API routes too (every model, no
+rate limit).
 
 A key arrives the way the client's SDK sends it, on every route: ``Authorization: Bearer <key>`` (the
 OpenAI SDK, Codex, Claude Code with ``ANTHROPIC_AUTH_TOKEN``) or ``x-api-key: <key>`` (the Anthropic SDK,
@@ -10,15 +11,13 @@ Each key's workflows and sessions are its own: their ids are kept under its *tag
 two keys sending the same ``x-workflow-id`` run two workflows, and one key never reads, completes or flushes
 another's. A pod-wide (hard) cache flush needs the admin key while keys are on.
 
-Owner: :class:`ApiKeyAuth` owns the per-key buckets.
+Owner: :class:`ApiKeyAuth` owns the table of keys.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,8 +34,6 @@ class ApiKey:
 
     digest: bytes
     config: ApiKeyConfig
-    tokens: float
-    refreshed: float  # monotonic time of the last refill
     admin: bool = False
 
     @property
@@ -79,21 +76,15 @@ def _match(digest: bytes | None, keys: list[ApiKey]) -> ApiKey | None:
 class ApiKeyAuth:
     def __init__(self, config: AuthConfig) -> None:
         keys = [ApiKeyConfig(hash=h) for h in config.api_key_hashes] + list(config.keys)
-        now = time.monotonic()
-        self._keys = [ApiKey(bytes.fromhex(k.hash), k, self._burst(k), now) for k in keys]
+        self._keys = [ApiKey(bytes.fromhex(k.hash), k) for k in keys]
         # An admin key is also a key for the API (at least as able as any: every model, no rate), named
         # ``admin`` in usage and limits.
         # It may choose anything a header can: any band, fairness id and cache action (hard flushes too).
         self._admin = [ApiKey(bytes.fromhex(h), ApiKeyConfig(hash=h, name=ADMIN_KEY_NAME, max_priority=MAX_BAND,
-                                                             may_set_fairness_id=True), math.inf, now, admin=True)
+                                                             may_set_fairness_id=True), admin=True)
                        for h in config.admin_key_hashes]
         self._admin_tags = frozenset(key.tag for key in self._admin)
         self.debug_endpoints = config.debug_endpoints
-
-    @staticmethod
-    def _burst(key: ApiKeyConfig) -> float:
-        """A minute's worth of requests, and at least one (a rate under one a minute still lets one through)."""
-        return max(1.0, key.requests_per_minute) if key.requests_per_minute else math.inf
 
     @property
     def enabled(self) -> bool:
@@ -116,27 +107,10 @@ class ApiKeyAuth:
         return key is None or not key.config.models or model in key.config.models
 
     def authorize(self, key: ApiKey | None, model: str) -> None:
-        """Once the model is known: the key's model list and its rate."""
-        if key is None:
-            return
-        if not self.may_use(key, model):
+        """Once the model is known: the key's model list (its rate is the key-limits step's)."""
+        if key is not None and not self.may_use(key, model):
             raise GatewayError(ErrorKind.FORBIDDEN, f"model: this API key may not use model `{model}`.",
                                code="model_not_allowed", param="model")
-        self._take(key)
-
-    def _take(self, key: ApiKey) -> None:
-        rate = key.config.requests_per_minute
-        if rate is None:
-            return
-        now = time.monotonic()
-        key.tokens = min(self._burst(key.config), key.tokens + (now - key.refreshed) * rate / 60)
-        key.refreshed = now
-        if key.tokens < 1:
-            wait = math.ceil((1 - key.tokens) * 60 / rate)
-            raise GatewayError(ErrorKind.RATE_LIMITED,
-                               f"Rate limit of {rate:g} requests per minute reached for this key.",
-                               code="rate_limit_exceeded", retry_after_s=wait)
-        key.tokens -= 1
 
     def may_flush_pod(self, workflow_id: str | None) -> bool:
         """Whether a workflow's cache action may empty a whole pod (engines flush nothing finer): with keys

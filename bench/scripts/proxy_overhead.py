@@ -8,7 +8,9 @@ the gateway's CPU time per request (all its processes). ``--workers 1 2`` measur
 size in the same run (``gateway_w<N>_c<connections>``) and prints the throughput ratio.
 ``--flow-control on off`` measures a gateway with flow control on and one with it off (each of the first
 ``--workers``), in the order on, off, off, on (``gateway_fc_<on|off>_c<connections>``: the mean of its two
-runs), and prints the CPU ratio; with one pod at 1 connection nothing is held. All processes
+runs), and prints the CPU ratio; with one pod at 1 connection nothing is held. ``--key-limits``: every
+request carries an API key with a request rate, token limits and ``max_concurrent`` (its key's and its
+tenant's), none of them reached. All processes
 share this machine, so compare the ratios of one run, not numbers across machines; to compare two
 versions, alternate them (A B B A) and compare the CPU per request.
 """
@@ -32,13 +34,36 @@ from simulator.pod import free_ports
 HERE = Path(__file__).resolve().parent
 
 
-def wrk_script(path: Path) -> None:
+BENCH_KEY = "sk-bench"
+# A key with every limit a request is checked against, none of them reached in a run.
+KEY_LIMITS_CONFIG = {
+    "auth": {"keys": [{"hash": "", "name": "bench",
+                       "requests_per_minute": 10**9}]},
+    "flow_control": {"keys": {"bench": "bench-team"}},
+    "limits": {"keys": {"bench": {"input_tokens_per_minute": 10**12, "output_tokens_per_minute": 10**12,
+                                  "max_concurrent": 10**6}},
+               "tenants": {"bench-team": {"input_tokens_per_day": 10**15, "max_concurrent": 10**6}}},
+}
+
+
+def wrk_script(path: Path, key: str | None = None) -> None:
     filler = "The gateway routes each request to the pod holding its prefix. " * 60
     body = json.dumps({"model": "bench", "max_tokens": 1,
                        "messages": [{"role": "system", "content": filler[:3900]},
                                     {"role": "user", "content": "Say ok."}]})
+    auth = f'wrk.headers["Authorization"] = "Bearer {key}"\n' if key else ""
     path.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
-                    'wrk.headers["Content-Type"] = "application/json"\n')
+                    'wrk.headers["Content-Type"] = "application/json"\n' + auth)
+
+
+def key_limits_config(path: Path) -> Path:
+    """The config file of ``--key-limits``: the bench key, hashed, with its limits."""
+    import hashlib
+
+    config = json.loads(json.dumps(KEY_LIMITS_CONFIG))
+    config["auth"]["keys"][0]["hash"] = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+    path.write_text(json.dumps(config))
+    return path
 
 
 def parse_wrk(output: str) -> dict[str, float]:
@@ -107,6 +132,8 @@ def main() -> int:
     parser.add_argument("--access-log", action="store_true", help="keep the per-request access log on")
     parser.add_argument("--flow-control", nargs="+", choices=["on", "off"],
                         help="measure a gateway with flow control on and/or off instead of one per --workers")
+    parser.add_argument("--key-limits", action="store_true",
+                        help="every request with an API key that has a rate, token and concurrency limits")
     parser.add_argument("--peers", action="store_true",
                         help="also measure vllm-router round_robin and cache_aware (installed into its own "
                              "environment on first use)")
@@ -119,10 +146,14 @@ def main() -> int:
     gateway_ports, peer_ports = ports[:len(variants)], ports[len(variants):]
     procs = [subprocess.Popen([sys.executable, str(HERE / "trivial_backend.py"), str(backend_port)])]
     env_log = [] if args.access_log else ["GATEWAY_LOGGING__ACCESS_LOG=false"]
+    config_dir = tempfile.TemporaryDirectory()
+    config = (["--config", str(key_limits_config(Path(config_dir.name) / "limits.json"))]
+              if args.key_limits else [])
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     for (name, (workers, env)), port in zip(variants.items(), gateway_ports, strict=True):
         command = ["env", *env_log, *env, sys.executable, "-m", "gateway", "serve", "--port", str(port),
-                   "--workers", str(workers), "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"]
+                   "--workers", str(workers), "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}",
+                   *config]
         gateways[name] = (f"http://127.0.0.1:{port}", subprocess.Popen(command, stderr=subprocess.DEVNULL))
     procs += [proc for _, proc in gateways.values()]
     wait_http(f"http://127.0.0.1:{backend_port}/health")  # the peers give up on a worker not up yet
@@ -145,7 +176,7 @@ def main() -> int:
             wait_http(f"{url}/v1/models")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "post.lua"
-            wrk_script(script)
+            wrk_script(script, BENCH_KEY if args.key_limits else None)
             for url, _ in gateways.values():
                 run_wrk(url, 16, 2, script)  # warm-up: connection pools, caches, every worker
             results = {}
@@ -166,6 +197,7 @@ def main() -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+        config_dir.cleanup()
     print(f"{'run':<30}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'non-2xx':>9}")
     for name, r in results.items():
         print(f"{name:<30}{r['req_per_s']:>10.0f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['non_2xx']:>9}")

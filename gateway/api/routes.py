@@ -199,7 +199,7 @@ async def _debug_usage(gateway: Gateway, request: web.Request) -> web.Response:
     worker's and replica's)."""
     _check_admin(gateway, request)
     limits = gateway.limits
-    scopes = [*(f"key:{k}" for k in limits.config.keys), *(f"tenant:{t}" for t in limits.config.tenants)]
+    scopes = limits.limited_scopes()
     return web.json_response({"worker": gateway.identity.name, "usage": gateway.usage.debug(),
                               "share": limits.usage.share(),
                               "limited": {scope: limits.usage.debug(scope) for scope in scopes}})

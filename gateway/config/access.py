@@ -20,7 +20,8 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str = ""
     # Models this key may use; empty: all.
     models: list[str] = []
-    # Sustained request rate (bursts up to one minute's worth, at least one request); none: unlimited.
+    # Requests in any sliding minute (at least one request), over every worker and replica: this key's
+    # ``limits.keys`` requests_per_minute unless that gives one; none: unlimited.
     requests_per_minute: Annotated[float, Meta(gt=0)] | None = None
     # Who its requests are, whatever they send (docs/models.md#what-a-key-may-choose): its tenant (the
     # fairness id flow control and tenant limits count it under; none: ``flow_control.keys``' entry for its
@@ -67,9 +68,11 @@ class UsageLimits(msgspec.Struct, forbid_unknown_fields=True):
     input_tokens_per_day: int | None = None
     output_tokens_per_day: int | None = None
     max_concurrent: int | None = None
+    # Requests begun in any sliding minute (under one: one request a minute).
+    requests_per_minute: Annotated[float, Meta(gt=0)] | None = None
 
     def __post_init__(self) -> None:
-        if any(v is not None and v < 1 for v in msgspec.structs.astuple(self)):
+        if any(v is not None and v < 1 for v in msgspec.structs.astuple(self)[:5]):
             raise ValueError("usage limits must be at least 1 (leave one out for no limit)")
 
 

@@ -130,15 +130,18 @@ class AdapterServed(Fact):
 
 
 # Key and tenant limits: tokens a scope (``key:<name>``, ``tenant:<id>``) used in a wall-clock minute (a
-# correction may be negative), its requests began (+1) or ended (-1), and every heartbeat a process's own
-# counts whole (minutes and days: (scope, index, input, output)), replacing what came before. ``sent``: the
-# charging process's wall clock (0: not said), from which the others learn how late they hear of a charge.
+# correction may be negative) and the requests it began then, its requests in flight began (+1) or ended
+# (-1), and every heartbeat a process's own counts whole (minutes and days: (scope, index, input, output);
+# ``requests``: each minute's requests begun, in the order of ``minutes``), replacing what came before.
+# ``sent``: the charging process's wall clock (0: not said), from which the others learn how late they hear
+# of a charge. Fields added later come last, with a default: a process of the previous version ignores them.
 class UsageCharged(Fact):
     scope: str
     minute: int
     input_tokens: int
     output_tokens: int
     sent: float = 0.0
+    requests: int = 0
 
 
 class ScopeRequests(Fact):
@@ -151,6 +154,7 @@ class UsageSnapshot(Fact):
     days: list[tuple[str, int, int, int]]
     scopes: list[str]
     in_flight: list[int]
+    requests: list[int] = []
 
 
 # Not state: a wake-up call to the workers of one replica, sent at once, when room frees up on a pod while

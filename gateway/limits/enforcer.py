@@ -3,6 +3,8 @@
 A request is refused (429, with a Retry-After) when, for its key or its key's tenant:
 
 - ``max_concurrent`` of its requests are already in flight;
+- the sliding minute's requests reached ``requests_per_minute`` (a key's own ``auth.keys[].requests_per_minute``
+  is its key scope's, unless ``limits.keys`` gives one; a window with nothing in it takes one request);
 - the sliding minute's (or day's) input tokens plus its prompt would pass the limit (a window with nothing in
   it takes one request of any size: a prompt larger than the limit is not refused for ever);
 - the sliding minute's (or day's) output tokens already reached the limit.
@@ -11,6 +13,9 @@ An admitted request is charged its prompt and its ``max_tokens`` (what it may ge
 burst cannot pass the limit while its answers run; when it ends, the charge is corrected to the engine's
 own usage (nothing, if no pod answered it). Limits are held across workers and replicas
 (:mod:`gateway.limits.shared`); while this replica cannot hear the others, it enforces its share of each.
+A request is in flight from its admission until it ends, however it ends (answered, failed, its client
+gone: the request's completion, which always runs); in a process that dies, until the others stop hearing
+from it (``shared_state.peer_timeout_s``: a lease).
 
 Owner: :class:`KeyLimits` owns the limits in force (replaced on reload); the use is :class:`SharedUsage`'s.
 """
@@ -18,10 +23,12 @@ Owner: :class:`KeyLimits` owns the limits in force (replaced on reload); the use
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from gateway.config import LimitsConfig, UsageLimits
+import msgspec
+
+from gateway.config import ApiKeyConfig, LimitsConfig, UsageLimits
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.limits.shared import DAY_S, MINUTE_S, SharedUsage, Used
 
@@ -36,20 +43,44 @@ class Admission:
     minute: int  # the wall-clock minute it was charged in
 
 
+def limited_name(key: ApiKeyConfig) -> str:
+    """The name a key's limits and usage are kept under: its ``name``, or (a key without one) ``#`` and the
+    start of its digest, the same in every process of every replica."""
+    return key.name or f"#{key.hash[:12]}"
+
+
+def key_rates(keys: Iterable[ApiKeyConfig]) -> dict[str, float]:
+    """Each key's own request rate (``auth.keys[].requests_per_minute``), by its limited name."""
+    return {limited_name(k): k.requests_per_minute for k in keys if k.requests_per_minute}
+
+
 class KeyLimits:
-    def __init__(self, config: LimitsConfig, usage: SharedUsage, tenant_of: Callable[[str], str]) -> None:
+    def __init__(self, config: LimitsConfig, usage: SharedUsage, tenant_of: Callable[[str], str],
+                 key_rates: Mapping[str, float] | None = None) -> None:
         self.usage = usage
         self._tenant_of = tenant_of
+        # Each key's own request rate (``auth.keys[].requests_per_minute``, by limited name): its key scope's
+        # requests_per_minute where ``limits.keys`` gives none.
+        self._key_rates = dict(key_rates or {})
         self.reconfigure(config)
 
     def reconfigure(self, config: LimitsConfig) -> None:
         """A reloaded config: from the next request on (those in flight end against the scopes they began in)."""
         self.config = config
+        keys = dict(config.keys)
+        for key, rate in self._key_rates.items():
+            limits = keys.get(key)
+            if limits is None or limits.requests_per_minute is None:
+                keys[key] = msgspec.structs.replace(limits or UsageLimits(), requests_per_minute=rate)
+        self._keys = keys
+
+    def limited_scopes(self) -> list[str]:
+        return [*(f"key:{k}" for k in self._keys), *(f"tenant:{t}" for t in self.config.tenants)]
 
     def scopes(self, key: str) -> list[tuple[str, UsageLimits, str]]:
         """The limited scopes of the key named ``key``: (scope, its limits, who it is in a message)."""
         out = []
-        if (limits := self.config.keys.get(key)) is not None:
+        if (limits := self._keys.get(key)) is not None:
             out.append((f"key:{key}", limits, "this API key"))
         tenant = self._tenant_of(key)
         if (limits := self.config.tenants.get(tenant)) is not None:
@@ -73,7 +104,7 @@ class KeyLimits:
         minute = self.usage.minute()
         for scope, _, _ in scopes:
             self.usage.began(scope)
-            self.usage.charge(scope, input_tokens, output_tokens, minute)
+            self.usage.charge(scope, input_tokens, output_tokens, minute, requests=1)
         return Admission(tuple(s for s, _, _ in scopes), input_tokens, output_tokens, minute)
 
     def finish(self, admission: Admission, input_tokens: int, output_tokens: int) -> None:
@@ -94,11 +125,16 @@ class KeyLimits:
 def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str) -> None:
     if limits.max_concurrent is not None:
         allowed = max(1, math.floor(limits.max_concurrent * share))
-        if used.in_flight >= allowed or _past_its_part(used.in_flight, used.unconfirmed_requests, 1, allowed, used):
+        # Of this process's requests begun lately, only those still in flight here can be in flight unknown to
+        # the others: one that ended is no longer anyone's (counting it refused a client sending one at a time).
+        unconfirmed = min(used.unconfirmed_requests, used.own_in_flight)
+        if used.in_flight >= allowed or _past_its_part(used.in_flight, unconfirmed, 1, allowed, used):
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Concurrency limit reached for {who}: "
                                f"{limits.max_concurrent} requests at once.", code="concurrency_limit_exceeded",
                                retry_after_s=1)
     for limit, window_used, unconfirmed, need, what, span_s, before, into in (
+            (limits.requests_per_minute, used.requests_minute, used.unconfirmed_requests, 1, "requests per minute",
+             MINUTE_S, used.minute_before[2], used.into_minute),
             (limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
              "input tokens per minute", MINUTE_S, used.minute_before[0], used.into_minute),
             (limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt, "input tokens per day",
@@ -113,11 +149,19 @@ def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str)
         over = window_used + need - allowed if need else window_used - allowed + 1
         if window_used > 0 and over > 0:
             retry = _seconds_to_shed(over, window_used, before, into, span_s)
-            raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit reached for {who}: {limit} {what}; retry "
-                               f"after {retry} s.", code="token_limit_exceeded", retry_after_s=retry)
+            raise _over(who, limit, what, f"; retry after {retry} s", retry)
         if _past_its_part(window_used, unconfirmed, need, allowed, used):
-            raise GatewayError(ErrorKind.RATE_LIMITED, f"Token limit nearly reached for {who}: {limit} {what}.",
-                               code="token_limit_exceeded", retry_after_s=1)
+            raise _over(who, limit, what, "", 1)
+
+
+def _over(who: str, limit: float, what: str, retry_text: str, retry_s: int) -> GatewayError:
+    """The 429 of a limit reached (``rate_limit_exceeded`` for requests, ``token_limit_exceeded`` for tokens);
+    nearly reached when the retry is not said (this process's part of what is left is taken)."""
+    kind, code = ("Rate", "rate_limit_exceeded") if what == "requests per minute" else ("Token", "token_limit_exceeded")
+    nearly = "" if retry_text else "nearly "
+    amount = int(limit) if limit == int(limit) else limit
+    return GatewayError(ErrorKind.RATE_LIMITED, f"{kind} limit {nearly}reached for {who}: {amount} {what}{retry_text}.",
+                        code=code, retry_after_s=retry_s)
 
 
 def _seconds_to_shed(over: float, window_used: float, before: float, into: float, span_s: float) -> int:

@@ -1,5 +1,5 @@
 """What every key and tenant (a *scope*: ``key:<name>``, ``tenant:<id>``) used, summed over every worker
-and replica: tokens per wall-clock minute and day, and requests in flight.
+and replica: tokens and requests per wall-clock minute and day, and requests in flight.
 
 Each process counts its own and tells the others (:class:`~gateway.core.facts.UsageCharged` and
 :class:`~gateway.core.facts.ScopeRequests` as they happen, a snapshot of its own counts every heartbeat,
@@ -43,27 +43,32 @@ REPLICA_GONE_S = 60.0
 # unconfirmed for at most MAX_CONFIRM_S (a clock skewed between hosts must not hold a limit back for long).
 LAG_WINDOW_S = 5.0
 MAX_CONFIRM_S = 2.0
+# A request begun counts as unconfirmed for at least this long: a burst's first facts can take longer to
+# arrive than any lag seen before it (4 gateways on one loaded event loop heard of each other's requests
+# 115 ms late, and ran 7 of a key's ``max_concurrent: 4`` at once with 50 ms).
+MIN_REQUEST_CONFIRM_S = 0.25
 
 
 @dataclass(slots=True)
 class _Counts:
-    """One process's use: per scope, tokens (input, output) per minute and per day (the last two of each),
-    and requests in flight."""
+    """One process's use: per scope, tokens (input, output) and requests begun per minute and per day (the
+    last two of each), and requests in flight."""
 
     minutes: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     days: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     in_flight: Counter[str] = field(default_factory=Counter)
 
-    def add(self, scope: str, minute: int, input_tokens: int, output_tokens: int) -> None:
+    def add(self, scope: str, minute: int, input_tokens: int, output_tokens: int, requests: int = 0) -> None:
         for windows, index in ((self.minutes, minute), (self.days, minute // MINUTES_A_DAY)):
             per = windows.setdefault(scope, {})
-            tokens = per.get(index)
-            if tokens is None:
-                tokens = per[index] = [0, 0]
+            counts = per.get(index)
+            if counts is None:
+                counts = per[index] = [0, 0, 0]
                 for old in [i for i in per if i < index - 1]:
                     del per[old]
-            tokens[0] += input_tokens
-            tokens[1] += output_tokens
+            counts[0] += input_tokens
+            counts[1] += output_tokens
+            counts[2] += requests
 
 
 class _Recent:
@@ -95,25 +100,27 @@ class _Recent:
 
 @dataclass(frozen=True, slots=True)
 class Used:
-    """A scope's use over the sliding minute and day, in tokens, and its requests in flight; of them, what
-    this process added in the last ``confirm_s`` (the others may not know it yet), and how many processes
-    share the scope's limits."""
+    """A scope's use over the sliding minute and day, in tokens and requests begun, and its requests in
+    flight (``own_in_flight`` of them this process's); of them, what this process added in the last
+    ``confirm_s`` (the others may not know it yet), and how many processes share the scope's limits."""
 
     input_minute: float = 0.0
     output_minute: float = 0.0
     input_day: float = 0.0
     output_day: float = 0.0
     in_flight: int = 0
+    requests_minute: float = 0.0
+    own_in_flight: int = 0
     unconfirmed_input: int = 0
     unconfirmed_output: int = 0
     unconfirmed_requests: int = 0
     processes: int = 1
     # How far into the current minute and day the clock is (0 to 1), and the previous minute's and day's
-    # whole use (input, output): what slides out by the current one's end.
+    # whole use (input, output, requests): what slides out by the current one's end.
     into_minute: float = 0.0
     into_day: float = 0.0
-    minute_before: tuple[float, float] = (0.0, 0.0)
-    day_before: tuple[float, float] = (0.0, 0.0)
+    minute_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    day_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class SharedUsage:
@@ -131,6 +138,7 @@ class SharedUsage:
         self._remote: dict[str, _Counts] = {}
         # Per scope, this process's charges within the confirmation window: what the others may not know yet.
         self._recent: dict[str, _Recent] = {}
+        self._recent_requests: dict[str, _Recent] = {}  # the same, of requests begun (a longer window)
         self._origins_seen: dict[str, float] = {}  # other process → when last heard from (monotonic)
         # How late the others' charges arrived of late, (when heard (monotonic), how late): a sliding maximum.
         self._lags: deque[tuple[float, float]] = deque()
@@ -142,25 +150,30 @@ class SharedUsage:
         """The wall clock's minute now (its index since the epoch)."""
         return int(self._clock() // MINUTE_S)
 
-    def charge(self, scope: str, input_tokens: int, output_tokens: int, minute: int | None = None) -> None:
-        """Tokens used by ``scope`` now, or booked to an earlier ``minute`` (a correction may be negative)."""
-        if input_tokens or output_tokens:
+    def charge(self, scope: str, input_tokens: int, output_tokens: int, minute: int | None = None,
+               requests: int = 0) -> None:
+        """Tokens used by ``scope`` now, or booked to an earlier ``minute`` (a correction may be negative), and
+        requests begun (counted against requests per minute)."""
+        if input_tokens or output_tokens or requests:
             minute = self.minute() if minute is None else minute
-            self._own.add(scope, minute, input_tokens, output_tokens)
-            self._publish(UsageCharged(scope, minute, input_tokens, output_tokens, self._clock()))
-            if input_tokens > 0 or output_tokens > 0:
-                self._unconfirmed(scope, max(0, input_tokens), max(0, output_tokens), 0)
+            self._own.add(scope, minute, input_tokens, output_tokens, requests)
+            self._publish(UsageCharged(scope, minute, input_tokens, output_tokens, self._clock(), requests))
+            if input_tokens > 0 or output_tokens > 0 or requests > 0:
+                self._unconfirmed(scope, max(0, input_tokens), max(0, output_tokens), max(0, requests))
 
     def began(self, scope: str) -> None:
+        """A request of ``scope`` is in flight here until :meth:`ended` (or until this process is no longer
+        heard from: the others then forget it, :meth:`forget_origin`)."""
         self._own.in_flight[scope] += 1
         self._publish(ScopeRequests(scope, 1))
-        self._unconfirmed(scope, 0, 0, 1)
 
     def _unconfirmed(self, scope: str, input_tokens: int, output_tokens: int, requests: int) -> None:
-        recent = self._recent.get(scope)
-        if recent is None:
-            recent = self._recent[scope] = _Recent()
-        recent.add(self._monotonic(), input_tokens, output_tokens, requests)
+        for recents, charged in ((self._recent, input_tokens or output_tokens), (self._recent_requests, requests)):
+            if charged:
+                recent = recents.get(scope)
+                if recent is None:
+                    recent = recents[scope] = _Recent()
+                recent.add(self._monotonic(), input_tokens, output_tokens, requests)
 
     def ended(self, scope: str) -> None:
         self._own.in_flight[scope] -= 1
@@ -174,15 +187,16 @@ class SharedUsage:
         self._origins_seen[origin] = self._monotonic()
         if isinstance(fact, UsageSnapshot):
             counts = self._remote[origin] = _Counts()
-            for scope, minute, input_tokens, output_tokens in fact.minutes:
-                counts.minutes.setdefault(scope, {})[minute] = [input_tokens, output_tokens]
+            requests = fact.requests if len(fact.requests) == len(fact.minutes) else [0] * len(fact.minutes)
+            for (scope, minute, input_tokens, output_tokens), begun in zip(fact.minutes, requests, strict=True):
+                counts.minutes.setdefault(scope, {})[minute] = [input_tokens, output_tokens, begun]
             for scope, day, input_tokens, output_tokens in fact.days:
-                counts.days.setdefault(scope, {})[day] = [input_tokens, output_tokens]
+                counts.days.setdefault(scope, {})[day] = [input_tokens, output_tokens, 0]
             counts.in_flight.update(dict(zip(fact.scopes, fact.in_flight, strict=True)))
             return
         counts = self._remote.setdefault(origin, _Counts())
         if isinstance(fact, UsageCharged):
-            counts.add(fact.scope, fact.minute, fact.input_tokens, fact.output_tokens)
+            counts.add(fact.scope, fact.minute, fact.input_tokens, fact.output_tokens, fact.requests)
             if fact.sent:
                 self._heard_late(max(0.0, self._clock() - fact.sent))
         else:
@@ -190,10 +204,11 @@ class SharedUsage:
 
     def snapshot(self) -> UsageSnapshot:
         own = self._own
+        minutes = [(scope, index, t) for scope, per in own.minutes.items() for index, t in per.items()]
         return UsageSnapshot(
-            [(scope, index, t[0], t[1]) for scope, per in own.minutes.items() for index, t in per.items()],
+            [(scope, index, t[0], t[1]) for scope, index, t in minutes],
             [(scope, index, t[0], t[1]) for scope, per in own.days.items() for index, t in per.items()],
-            list(own.in_flight), list(own.in_flight.values()))
+            list(own.in_flight), list(own.in_flight.values()), [t[2] for _, _, t in minutes])
 
     def forget_origin(self, origin: str) -> None:
         """A process gone silent: its requests are no longer in flight (the tokens it served stay counted)."""
@@ -222,20 +237,23 @@ class SharedUsage:
         minute, day = int(now // MINUTE_S), int(now // DAY_S)
         into_minute, into_day = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
         partitioned = self._partitioned()
-        in_minute, in_day = [0.0, 0.0], [0.0, 0.0]
-        minute_before, day_before = [0.0, 0.0], [0.0, 0.0]
+        in_minute, in_day = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+        minute_before, day_before = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
         in_flight = 0
         for origin, counts in [("", self._own), *self._remote.items()]:
             if partitioned and origin and origin.split("/", 1)[0] != self._replica:
                 continue
             _slide(counts.minutes.get(scope), minute, into_minute, in_minute, minute_before)
             _slide(counts.days.get(scope), day, into_day, in_day, day_before)
-            in_flight += counts.in_flight.get(scope, 0)
+            # A process's count below zero is an end whose start was forgotten (it was silent a while): none.
+            in_flight += max(0, counts.in_flight.get(scope, 0))
         unconfirmed = self._recent_of(scope)
         heard = self._heard(REPLICA_GONE_S)
         processes = 1 + sum(1 for o in heard if not partitioned or o.split("/", 1)[0] == self._replica)
-        return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), *unconfirmed, processes,
-                    into_minute, into_day, (minute_before[0], minute_before[1]), (day_before[0], day_before[1]))
+        return Used(in_minute[0], in_minute[1], in_day[0], in_day[1], max(0, in_flight), in_minute[2],
+                    self._own.in_flight.get(scope, 0), *unconfirmed, processes, into_minute, into_day,
+                    (minute_before[0], minute_before[1], minute_before[2]),
+                    (day_before[0], day_before[1], day_before[2]))
 
     def _heard_late(self, lag_s: float) -> None:
         lags = self._lags  # the longest first: each entry is longer than every one heard after it
@@ -253,16 +271,19 @@ class SharedUsage:
         return min(MAX_CONFIRM_S, max(self._confirm_s, 2 * longest))
 
     def _recent_of(self, scope: str) -> tuple[int, int, int]:
-        recent = self._recent.get(scope)
-        if recent is None:
-            return 0, 0, 0
-        return recent.since(self._monotonic() - self.confirm_window_s())
+        """This process's tokens (input, output) and requests charged to ``scope`` that the others may not
+        know of yet."""
+        now, window = self._monotonic(), self.confirm_window_s()
+        recent, requests = self._recent.get(scope), self._recent_requests.get(scope)
+        input_tokens, output_tokens, _ = recent.since(now - window) if recent is not None else (0, 0, 0)
+        begun = requests.since(now - max(window, MIN_REQUEST_CONFIRM_S))[2] if requests is not None else 0
+        return input_tokens, output_tokens, begun
 
     def debug(self, scope: str) -> dict[str, float]:
         used = self.used(scope)
         return {"input_tokens_minute": round(used.input_minute), "output_tokens_minute": round(used.output_minute),
                 "input_tokens_day": round(used.input_day), "output_tokens_day": round(used.output_day),
-                "in_flight": used.in_flight}
+                "requests_minute": round(used.requests_minute, 1), "in_flight": used.in_flight}
 
 
 def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: list[float],
@@ -272,11 +293,11 @@ def _slide(per: dict[int, list[int]] | None, current: int, into: float, out: lis
     if not per:
         return
     for index, weight in ((current, 1.0), (current - 1, 1.0 - into)):
-        tokens = per.get(index)
-        if tokens is not None:
-            out[0] += tokens[0] * weight
-            out[1] += tokens[1] * weight
-    if (tokens := per.get(current - 1)) is not None:
-        before[0] += tokens[0]
-        before[1] += tokens[1]
+        counts = per.get(index)
+        if counts is not None:
+            for i, count in enumerate(counts):
+                out[i] += count * weight
+    if (counts := per.get(current - 1)) is not None:
+        for i, count in enumerate(counts):
+            before[i] += count
 

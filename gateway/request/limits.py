@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.limits.enforcer import Admission, KeyLimits
+from gateway.limits.enforcer import Admission, KeyLimits, limited_name
 from gateway.limits.usage import UsageTally
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.types import ClientRequest, CompletedRequest
@@ -29,15 +29,16 @@ class KeyLimitsStep:
 
     def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
         key = request.key
-        if key is None or not key.config.name or request in self._admitted:
+        if key is None or request in self._admitted:
             return
         parsed = request.parsed
         output = parsed.max_completion_tokens or parsed.max_tokens or routing.predicted_output_tokens
-        admission = self._limits.admit(key.config.name, request.prompt_tokens(routing.token_ids), output)
+        admission = self._limits.admit(limited_name(key.config), request.prompt_tokens(routing.token_ids), output)
         if admission is not None:
             self._admitted[request] = admission
 
     def completed(self, done: CompletedRequest) -> None:
+        """However the request ended (answered, failed, its client gone): no longer in flight."""
         admission = self._admitted.pop(done.request, None)
         if admission is not None:
             self._limits.finish(admission, *served(done.outcome, admission.input_tokens))

@@ -36,9 +36,11 @@ PRINTABLE = string.ascii_letters + string.digits + "-_.:/@"
 
 
 def keyed_config(directory: Path) -> str:
-    """Two keys of two tenants (team-a, team-b), an admin key, one objective."""
+    """Two keys of two tenants (team-a, team-b), an admin key, one objective. The keys may name any fairness id
+    and band (a platform's own gateway acting for its users): what they send reaches flow control's series."""
+    grants = {"may_set_fairness_id": True, "max_priority": 1_000_000}
     config = {
-        "auth": {"keys": [{"hash": hash_api_key(secret), "name": name} for name, secret in KEYS.items()],
+        "auth": {"keys": [{"hash": hash_api_key(secret), "name": name, **grants} for name, secret in KEYS.items()],
                  "admin_key_hashes": [hash_api_key(ADMIN)]},
         "flow_control": {"keys": {"alice": "team-a", "bob": "team-b"},
                          "tenants": {"team-a": {"weight": 2}, "team-b": {}},

@@ -73,7 +73,9 @@ async def test_a_key_runs_as_its_tenant_within_its_bands_whatever_its_headers_sa
                 "may_set_fairness_id": True, "max_priority": 5, "may_set_cache_actions": False}
     _, gateways = await replicas(start_mock_pod, start_gateway, redis_server, run_dirs,
                                  auth={**AUTH, "keys": [*KEYS, platform]},
-                                 flow_control={**TENANTS, "objectives": {"urgent": {"priority": 50}}})
+                                 flow_control={**TENANTS, "objectives": {"urgent": {"priority": 50},
+                                                                         "background": {"priority": -3},
+                                                                         "elevated": {"priority": 5}}})
     asks = [{"x-gateway-inference-fairness-id": "team-a"}, {"x-priority": "1000"},
             {"x-gateway-inference-objective": "urgent"}]
     for headers in asks:

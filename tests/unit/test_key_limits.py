@@ -3,7 +3,6 @@ and which request is refused, why and for how long."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from gateway.config import LimitsConfig, UsageLimits
@@ -191,16 +190,66 @@ def test_a_request_that_ends_in_the_next_day_is_not_a_credit_on_it():
 
 
 def test_a_request_rate_under_one_a_minute_lets_one_request_through_then_asks_to_wait_its_interval():
-    from gateway.auth import ApiKeyAuth
-    from gateway.config import AuthConfig, hash_api_key
+    """A key's own ``requests_per_minute`` (auth) is its key scope's request limit, kept under the key's name
+    or, without one, under the start of its digest."""
+    from gateway.config import ApiKeyConfig, hash_api_key
+    from gateway.limits.enforcer import limited_name
 
-    auth = ApiKeyAuth(msgspec.convert({"keys": [{"hash": hash_api_key("sk-slow"), "requests_per_minute": 0.5}]},
-                                      AuthConfig))
-    key = auth.check({"authorization": "Bearer sk-slow"})
-    auth.authorize(key, "m")  # one request every 2 minutes: this one may go
-    with pytest.raises(GatewayError) as caught:
-        auth.authorize(key, "m")
-    assert caught.value.code == "rate_limit_exceeded" and 110 <= caught.value.retry_after_s <= 120
+    unnamed = ApiKeyConfig(hash=hash_api_key("sk-slow"), requests_per_minute=0.5)
+    name = limited_name(unnamed)
+    assert name.startswith("#") and name == limited_name(ApiKeyConfig(hash=hash_api_key("sk-slow")))
+    clock = Clock()
+    limiter = KeyLimits(LimitsConfig(), usage(clock), lambda key: key, {name: 0.5})
+    assert limiter.admit(name, 10, 10) is not None  # one request: this one may go
+    error = refused(limiter, name, 10)
+    assert error.code == "rate_limit_exceeded" and 60 <= error.retry_after_s <= 120
+    assert "0.5 requests per minute" in error.message
+    clock.now += 120
+    assert limiter.admit(name, 10, 10) is not None  # slid out
+
+
+def test_requests_per_minute_hold_across_processes_and_a_config_limit_wins_over_the_keys_own():
+    clock, sent = Clock(), []
+    one = KeyLimits(LimitsConfig(keys={"alice": UsageLimits(requests_per_minute=10)},
+                                 tenants={"team": UsageLimits(requests_per_minute=15)}),
+                    usage(clock, "ra/w0/1", sent), lambda key: "team", {"alice": 1000, "bob": 1000})
+    other = usage(clock, "rb/w0/2")
+    for _ in range(10):
+        one.admit("alice", 1, 1)
+        clock.now += 1  # each confirmed before the next
+    error = refused(one, "alice", 1)
+    assert error.code == "rate_limit_exceeded" and "10 requests per minute" in error.message
+    for _ in range(5):
+        one.admit("bob", 1, 1)
+    assert "tenant team" in refused(one, "bob", 1).message  # 15 of the tenant's
+    for fact in sent:
+        other.apply_remote("ra/w0/1", fact)
+    assert other.used("key:alice").requests_minute == 10 and other.used("tenant:team").requests_minute == 15
+    other.apply_remote("ra/w0/1", one.usage.snapshot())  # a snapshot carries the requests too
+    assert other.used("key:alice").requests_minute == 10
+
+
+def test_requests_begun_lately_take_at_most_this_process_s_part_of_the_rate():
+    limiter, _ = limits({"alice": {"requests_per_minute": 20}})
+    limiter.usage.apply_remote("ra/w1/2", ScopeRequests("key:x", 1))  # a sibling shares the limit
+    for _ in range(10):
+        limiter.admit("alice", 1, 1)  # all within the window the sibling may not have heard of
+    assert refused(limiter, "alice", 1).code == "rate_limit_exceeded"
+
+
+def test_a_client_sending_one_request_at_a_time_is_never_refused_for_concurrency():
+    """Requests that ended are in flight nowhere, however recently they began (counting them refused 45 of a
+    sequential client's 100 requests on two workers)."""
+    limiter, _ = limits({"alice": {"max_concurrent": 4}})
+    for sibling in ("ra/w1/2", "rb/w0/3", "rb/w1/4"):
+        limiter.usage.apply_remote(sibling, ScopeRequests("key:x", 1))
+    for _ in range(100):
+        admission = limiter.admit("alice", 1, 1)  # all within the confirmation window
+        limiter.finish(admission, 1, 1)
+    held = [limiter.admit("alice", 1, 1)]
+    assert refused(limiter, "alice", 1).code == "concurrency_limit_exceeded"  # its part of 4 over 4 processes
+    limiter.finish(held[0], 1, 1)
+    assert limiter.admit("alice", 1, 1) is not None
 
 
 @pytest.mark.parametrize("into_s, earlier, now",
