@@ -94,14 +94,17 @@ async def test_the_director_times_each_step_up_to_the_first_byte():
     headers_at = time.monotonic() + 1000
     answer = RelayOutcome(200, Ending.COMPLETE, headers_at + 0.25, headers_at=headers_at)
     the_director, _, recorder = director([RetryableFailure(upstream_failed("refused"), "connect"), answer])
+    started = time.monotonic()
     await the_director.handle(HttpEdge(http_request(chat()), the_director._proxy), RequestKind.CHAT, None)  # type: ignore[arg-type]
+    ended = time.monotonic()
     done = recorder.done
     times = done.steps
     assert times is not None
     # Not disaggregated (no prefill leg), and no prepare step names tokenization.
     assert reached(times) == set(Step) - {Step.PREFILL, Step.TOKENIZE}
     assert times.seconds[Step.FIRST_BYTE] == 0.25
-    assert 999 < times.seconds[Step.CONNECT] < 1000  # the failed try's time included
+    # From dispatch (within the handling) to the headers: the failed try's time included, however slow the machine.
+    assert headers_at - ended <= times.seconds[Step.CONNECT] <= headers_at - started
     # The steps follow each other: together they are the time to the first byte, from just after the start.
     total = sum(s for s in times.seconds if not math.isnan(s))
     assert done.first_byte_s is not None and 1000 < total <= done.first_byte_s
