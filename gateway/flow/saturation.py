@@ -123,13 +123,12 @@ class SaturationDetector:
         return room if len(near) > 1 else room - set(near) if near else frozenset()
 
     def stagger_in(self, pods: Sequence[Pod], demand: Demand) -> float | None:
-        """Seconds until a candidate pod's prefill work is down to half the (long) prompt's, when the stagger
-        holds it (None: it does not, or not before an answer begins)."""
+        """Seconds until another candidate pod's prefill work is down to half the (long) prompt's, when the stagger
+        holds it (None: it does not, or not before an answer begins). A pod already there is the one with room."""
         if not self._staggers(pods, demand):
             return None
         now, half = self._clock(), demand.prompt_tokens / 2
-        return min((wait for p in pods if (wait := self._ledger.prefill_below_in(p.name, half, now)) is not None),
-                   default=None)
+        return min((wait for p in pods if (wait := self._ledger.prefill_below_in(p.name, half, now))), default=None)
 
     def _staggers(self, pods: Sequence[Pod], demand: Demand) -> bool:
         return (self.config.stagger_prefills and len(pods) > 1 and demand.prompt_tokens > self.config.prefill_tokens
