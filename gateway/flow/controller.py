@@ -342,12 +342,9 @@ class FlowController:
                 if room is None and demand.estimates and self.detector.room_among(
                         pods, replace(demand, estimates={})) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
-                if room is None and (stagger := self.detector.stagger_in(pods, demand)) is not None \
-                        and any(self.detector.saturated_by(p.name, demand) is None for p in pods):
-                    # Held only until another pod is halfway through its long prefill, never for long: the
-                    # requests after it may pass it meanwhile.
+                if room is None and (stagger := self.detector.stagger_only_in(pods, demand)) is not None:
                     self._look_at = min(self._look_at or math.inf, now + stagger)
-                    continue
+                    continue  # held only until another pod is halfway through its prefill: never long, others pass
                 contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
                     # A shorter prompt may have room where a long one ahead of it has none (it waits for the

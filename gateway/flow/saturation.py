@@ -130,6 +130,12 @@ class SaturationDetector:
         now, half = self._clock(), demand.prompt_tokens / 2
         return min((wait for p in pods if (wait := self._ledger.prefill_below_in(p.name, half, now))), default=None)
 
+    def stagger_only_in(self, pods: Sequence[Pod], demand: Demand) -> float | None:
+        """When the stagger alone holds a long prompt (a pod has room for it otherwise), the seconds until it may
+        let it start; else None."""
+        wait = self.stagger_in(pods, demand)
+        return wait if wait is not None and any(self.saturated_by(p.name, demand) is None for p in pods) else None
+
     def _staggers(self, pods: Sequence[Pod], demand: Demand) -> bool:
         return (self.config.stagger_prefills and len(pods) > 1 and demand.prompt_tokens > self.config.prefill_tokens
                 and not self._counting_down())

@@ -59,7 +59,7 @@ def test_a_long_prompt_starts_on_the_idle_pod_only_once_the_other_is_halfway_thr
     assert detector.saturated_by("p1", DOC) is None and detector.room_among(pods, DOC) is None
     assert not detector.has_room(pods, DOC)
     assert detector.stagger_in(pods, DOC) == pytest.approx(0.3 + 1e-3)  # p0 down to 3,000 of its 6,000 tokens
-    assert detector.prefill_room_among(pods, DOC) == pytest.approx(0.3 + 1e-3)
+    assert detector.prefill_room_among(pods, DOC) == pytest.approx(0.3 + 1e-3) == detector.stagger_only_in(pods, DOC)
     clock.now += 0.31
     assert detector.room_among(pods, DOC) == frozenset({"p1"}) and detector.has_room(pods, DOC)
     # A prompt of one step, or a short one, is never held for it.
