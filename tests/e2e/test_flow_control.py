@@ -20,6 +20,9 @@ The same flood of distinct documents with longer answers (``DOC_MAX_TOKENS``) ru
 second one started with ``--scheduling-policy priority``, to which the gateway sends each request's priority
 (its band, then its flow's service as it leaves). And the simulated engine's scheduler is checked step for step
 against both pods: the same requests, paused and resumed at the same points, give the same KV event batches.
+
+Issue 54's crowd (64 of A's clients, each sending one new document after another, 64-token answers) runs on both
+pods as one fleet of two, whose long prefills the gateway staggers (tests/tenant_flood.py holds the clients).
 """
 
 from __future__ import annotations
