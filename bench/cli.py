@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.workloads import (
     GENERATORS,
+    PRESETS,
     Trace,
     longest_request_tokens,
     read_trace,
@@ -66,6 +67,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="a knob of the scenario's generator, repeatable (agentic-shared: workflows, min_stages, "
                         "max_stages, roles, role_words, task_words, tool_words, think_min_s, think_max_s, rate, "
                         "max_tokens)")
+    b.add_argument("--preset", metavar="NAME",
+                   help="a named set of the scenario's knobs, before any --set (noisy-neighbor: documents, 64 of "
+                        "A's clients each sending a new 3,000-word document with 64-token answers)")
     b.add_argument("--working-set-ratio", type=float, metavar="R",
                    help="size the simulated pods' caches so that the trace's peak working set is R times the "
                         "fleet's KV capacity (overrides --num-blocks)")
@@ -111,7 +115,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                                        "asks the pods' /tokenize)")
 
 
-def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, knobs: list[str] | None = None):
+def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, knobs: list[str] | None = None,
+                 preset: str | None = None):
     gen = GENERATORS[scenario]
     kwargs: dict[str, float] = {}
     counts = {"shared-prefix": "per_group", "multi-turn": "conversations", "conversations": "conversations",
@@ -123,6 +128,11 @@ def scaled_trace(scenario: str, seed: int, scale: float, rate: float | None, kno
         kwargs[counts[scenario]] = max(1, round(default * scale))
     if rate is not None:
         kwargs["start_rate" if scenario == "overload" else "rate"] = rate
+    if preset is not None:
+        presets = PRESETS.get(scenario, {})
+        if preset not in presets:
+            raise ValueError(f"unknown preset {preset!r} for {scenario}; its presets: {', '.join(presets) or 'none'}")
+        kwargs.update(presets[preset])
     kwargs.update(parse_knobs(gen, knobs or []))
     return gen(seed=seed, **kwargs)
 
@@ -184,7 +194,7 @@ def size_simulated_pods(runner: BenchRunner, trace: Trace, args: argparse.Namesp
 def load_trace(args: argparse.Namespace, scenario: str | None, tokenizer: str | None) -> Trace:
     """The generated trace of ``scenario``, or the one in ``--trace`` (a saved one, or a Mooncake file)."""
     if scenario is not None:
-        return scaled_trace(scenario, args.seed, args.scale, args.rate, args.set)
+        return scaled_trace(scenario, args.seed, args.scale, args.rate, args.set, args.preset)
     if args.trace_format == "bench":
         return read_trace(args.trace)
     from bench.mooncake import TRACE_BLOCK_TOKENS, read_mooncake
@@ -289,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"gateway": gateway_version(), "seed": args.seed, "pods": args.pods,
             "pods_per_process": args.pods_per_process, "num_blocks": runner.num_blocks,
             "speed": args.speed,
-            "working_set_ratio": args.working_set_ratio, "knobs": args.set, "trace": args.trace,
+            "working_set_ratio": args.working_set_ratio, "knobs": args.set, "preset": args.preset,
+            "trace": args.trace,
             "trace_format": args.trace_format, **{f: getattr(args, f) for f in MOONCAKE_FLAGS},
             "seconds": round(time.time() - started, 1)}
     paths = write_results(results, Path(args.out), meta)

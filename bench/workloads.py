@@ -400,6 +400,15 @@ GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "convers
               "fleet-scale": fleet_scale}
 
 
+# Named sets of a scenario's knobs (``gateway bench --preset``), applied before any ``--set``.
+PRESETS: dict[str, dict[str, dict[str, float]]] = {
+    # A crowd of documents: each of A's 64 clients sends one new 3,000-word document (64-token answers) while B's
+    # two clients chat with 16-token answers: the flood issue 54 measured B's floor against
+    # (docs/flow-isolation.md#a-crowd-of-documents).
+    "noisy-neighbor": {"documents": {"a_steps": 1, "a_max_tokens": 64, "b_max_tokens": 16}},
+}
+
+
 def write_trace(trace: Trace, path: str | Path) -> None:
     with open(path, "wb") as f:
         f.write(msgspec.json.encode({"scenario": trace.scenario, "seed": trace.seed,

@@ -75,6 +75,11 @@ class SaturationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # beside the whole queue. Off: measured, it doubled B's TTFT p90 on noisy-neighbor and made B wait longer
     # beside a flood of documents on real vLLM (docs/flow-isolation.md).
     join_beside_prefill: bool = False
+    # While several flows are served, a prompt longer than ``prefill_tokens`` starts on a pod only while another
+    # candidate pod has at most half as much prefill work left: the pods' long prefills end at staggered times,
+    # so another flow's newcomer waits for half of one at most, not for a whole one on every pod at once (a
+    # crowd of documents on 2 pods: docs/flow-isolation.md). One pod, or one flow served: nothing to stagger.
+    stagger_prefills: bool = True
     # Requests waiting in the engine's own queue (vLLM's num_requests_waiting, SGLang's num_queue_reqs).
     engine_waiting: Annotated[int, Meta(ge=1)] = 5
     # KV-cache usage the engine reports (running requests' blocks, 0-1).

@@ -276,8 +276,7 @@ class FlowController:
         room (they are looked at until one has: in a large fleet, the first one or two)."""
         if self._others_first():
             return False
-        detector = self.detector
-        return not pods or any(detector.saturated_by(p.name, demand) is None for p in pods)
+        return not pods or self.detector.has_room(pods, demand)
 
     def _others_first(self) -> bool:
         """Whether requests go before a new one: held here, released and not yet dispatched, or held by another
@@ -341,6 +340,9 @@ class FlowController:
                 if room is None and demand.estimates and self.detector.room_among(
                         pods, replace(demand, estimates={})) is not None:
                     continue  # too large for the room there is (SLO admission): nobody need wait for it
+                if room is None and (stagger := self.detector.stagger_only_in(pods, demand)) is not None:
+                    self._look_at = min(self._look_at or math.inf, now + stagger)
+                    continue  # held only until another pod is halfway through its prefill: never long, others pass
                 contender = Contender(held.key.priority, self.counters.get(held.key), held.give_up_at, pool_key(pods))
                 if contender.pool in waiting_pools:
                     # A shorter prompt may have room where a long one ahead of it has none (it waits for the
@@ -354,7 +356,8 @@ class FlowController:
                 if waiting is None:
                     waiting = contender
                     drained_in = self.detector.prefill_room_among(pods, demand)
-                    self._look_at = now + drained_in if drained_in is not None else None
+                    if drained_in is not None:
+                        self._look_at = min(self._look_at or math.inf, now + drained_in)
         self._order.claim(waiting, False, self.queues.count, now, TRANSIT_LIMIT_S)
 
     def _release(self, held: Held, room: frozenset[str], now: float) -> None:
@@ -377,7 +380,7 @@ class FlowController:
         elif held.unfit_since is None:
             held.unfit_since = now
         elif now - held.unfit_since >= detector.config.prefill_fit_wait_s:
-            return unsized
+            return detector.staggered(pods, unsized, demand) or None
         return None
 
     # Lifetime

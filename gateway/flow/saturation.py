@@ -100,7 +100,45 @@ class SaturationDetector:
         if not pods:
             return frozenset()  # nothing to wait for: routing says there is no pod
         room = frozenset(p.name for p in pods if self.saturated_by(p.name, demand) is None)
-        return room or None
+        return self.staggered(pods, room, demand) or None
+
+    def has_room(self, pods: Sequence[Pod], demand: Demand = NO_DEMAND) -> bool:
+        """Whether one of ``pods`` has room for the request (looked at until one has, unless it must stagger)."""
+        if self._staggers(pods, demand):
+            return self.room_among(pods, demand) is not None
+        return any(self.saturated_by(p.name, demand) is None for p in pods)
+
+    def staggered(self, pods: Sequence[Pod], room: frozenset[str], demand: Demand) -> frozenset[str]:
+        """Of the pods with ``room`` for a long prompt, those where it may start now: while several flows are
+        served, a prompt that takes more than one step starts on a pod only while another of its candidate pods
+        has at most half as much prefill work left (none, or a rate not measured yet, counts as none). The
+        pods' long prefills then end at staggered times, so a newcomer of another flow finds one pod about to
+        take it, not every pod at the start of a long prefill (docs/flow-isolation.md#a-crowd-of-documents)."""
+        if not room or not self._staggers(pods, demand):
+            return room
+        now, ledger, half = self._clock(), self._ledger, demand.prompt_tokens / 2
+        near = [p.name for p in pods
+                if ledger.prefill_rate(p.name) is None or ledger.prefill_remaining(p.name, now) <= half]
+        # A pod may start it where some other pod is near its turn (two near: any of the pods with room).
+        return room if len(near) > 1 else room - set(near) if near else frozenset()
+
+    def stagger_in(self, pods: Sequence[Pod], demand: Demand) -> float | None:
+        """Seconds until another candidate pod's prefill work is down to half the (long) prompt's, when the stagger
+        holds it (None: it does not, or not before an answer begins). A pod already there is the one with room."""
+        if not self._staggers(pods, demand):
+            return None
+        now, half = self._clock(), demand.prompt_tokens / 2
+        return min((wait for p in pods if (wait := self._ledger.prefill_below_in(p.name, half, now))), default=None)
+
+    def stagger_only_in(self, pods: Sequence[Pod], demand: Demand) -> float | None:
+        """When the stagger alone holds a long prompt (a pod has room for it otherwise), the seconds until it may
+        let it start; else None."""
+        wait = self.stagger_in(pods, demand)
+        return wait if wait is not None and any(self.saturated_by(p.name, demand) is None for p in pods) else None
+
+    def _staggers(self, pods: Sequence[Pod], demand: Demand) -> bool:
+        return (self.config.stagger_prefills and len(pods) > 1 and demand.prompt_tokens > self.config.prefill_tokens
+                and not self._counting_down())
 
     def prefill_queued(self, pod: str) -> int:
         """Prompt tokens sent to ``pod`` that it has not begun answering: what a prompt must fit beside."""
@@ -130,9 +168,13 @@ class SaturationDetector:
         return self._ledger.prefill_below_in(pod, limit, self._clock())
 
     def prefill_room_among(self, pods: Sequence[Pod], demand: Demand) -> float | None:
-        """Of ``pods`` without room for the request, the soonest one whose prefill drains enough to take it."""
-        return min((wait for p in pods if self.saturated_by(p.name, demand) == "prefill"
-                    and (wait := self.prefill_room_in(p.name, demand)) is not None), default=None)
+        """Of ``pods`` without room for the request, the soonest one whose prefill drains enough to take it (or,
+        for a long prompt the stagger holds, lets it start)."""
+        waits = [wait for p in pods if self.saturated_by(p.name, demand) == "prefill"
+                 and (wait := self.prefill_room_in(p.name, demand)) is not None]
+        if (stagger := self.stagger_in(pods, demand)) is not None:
+            waits.append(stagger)
+        return min(waits, default=None)
 
     def _counting_down(self) -> bool:
         return self._active_flows(self._clock()) <= 1
