@@ -9,12 +9,19 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+# How long a cancelled task may run on before it is cancelled again.
+CANCEL_AGAIN_S = 0.5
+
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
-    """Cancel ``task`` (if any) and wait until it has finished unwinding."""
+    """Cancel ``task`` (if any) and wait until it has finished unwinding. A task that runs on is cancelled
+    again: a cancellation can be lost (Python 3.11's ``asyncio.wait_for`` drops one that arrives as its inner
+    future completes), and a loop that lost one would keep a stop waiting for ever."""
     if task is None:
         return
-    task.cancel()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
@@ -116,7 +123,8 @@ class Doorbell:
         self._waiting = True
         try:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):  # not wait_for: in 3.11 it can lose a cancellation
+                    await self._event.wait()
         finally:
             self._waiting = False
 

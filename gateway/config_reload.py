@@ -115,7 +115,8 @@ class ConfigReloader:
         while True:
             forced = False
             try:
-                await asyncio.wait_for(self._asked.wait(), self._interval_s or None)
+                async with asyncio.timeout(self._interval_s or None):
+                    await self._asked.wait()
                 forced = True
             except TimeoutError:
                 pass

@@ -125,7 +125,8 @@ class Supervisor:
             while not stop.is_set():
                 self._restart_dead()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
+                    async with asyncio.timeout(0.5):
+                        await stop.wait()
         finally:
             await self._stop_all()
             self.table.close()

@@ -308,8 +308,8 @@ class RedisLink:
             self._wake.clear()
             while self.queue:
                 try:
-                    await asyncio.wait_for(self._client.publish(self.config.channel, self.queue[0]),
-                                           self.config.redis_timeout_s)
+                    async with asyncio.timeout(self.config.redis_timeout_s):
+                        await self._client.publish(self.config.channel, self.queue[0])
                 except Exception as exc:  # redis.RedisError, OSError, the timeout
                     self._mark(False, "publish", exc)
                     await asyncio.sleep(min(2.0, self.config.redis_timeout_s * 2))
@@ -323,7 +323,8 @@ class RedisLink:
         while True:
             pubsub = self._sub_client.pubsub()
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.config.channel), self.config.redis_timeout_s)
+                async with asyncio.timeout(self.config.redis_timeout_s):
+                    await pubsub.subscribe(self.config.channel)
                 self._mark(True)
                 backoff = 0.1
                 async for message in pubsub.listen():

@@ -422,7 +422,8 @@ class FlowController:
             else:  # nothing held: wake only to sweep (the flows served meanwhile go idle too)
                 self._has_queued.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._has_queued.wait(), SWEEP_S)
+                    async with asyncio.timeout(SWEEP_S):
+                        await self._has_queued.wait()
             if (now := self._clock()) - swept_at >= SWEEP_S:
                 swept_at = now
                 self.queues.forget_idle()

@@ -260,7 +260,8 @@ class TokenizationService:
         """A request that arrived while the tokenizers load waits for them (they tokenize as its pod would;
         past the bound it is tokenized by a pod, whose ids are as exact, or routed by text)."""
         with contextlib.suppress(Exception):  # timed out; or failed, and then the start fails too
-            await asyncio.wait_for(self.loaded(), LOAD_WAIT_S)
+            async with asyncio.timeout(LOAD_WAIT_S):
+                await self.loaded()
 
     def remember(self, model: str, tokens: Tokens, hashes: PromptHashes) -> None:
         """A chat prompt's block hashes exist: its conversation's next turn may build on it."""
