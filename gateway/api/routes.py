@@ -83,8 +83,9 @@ async def _directed(front: FrontDoor, director: RequestDirector, kind: RequestKi
 
 
 async def _models(front: FrontDoor, request: web.Request) -> web.Response:
-    """The models the fleet serves that the caller's key may use."""
+    """The models the fleet serves that the caller's key may use (just after start, once the pods have answered)."""
     key = front.auth.check(request.headers)
+    await front.pods.first_answers()
     return web.json_response({"object": "list", "data": front.model_cards(key)})
 
 

@@ -14,6 +14,8 @@ adapter registered or unregistered included): a request costs a copy of that lis
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.config import HealthConfig, PodConfig
+
+# How long after start a request waits for pods that have not answered yet.
+FIRST_ANSWERS_WINDOW_S = 15.0
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +97,15 @@ class PodRegistry:
         # ends); the version counts every change that may alter them.
         self._candidates: dict[tuple[str, Leg | None], tuple[int, float, list[Pod]]] = {}
         self._version = 0
+        # Until then a request may wait for the pods' first answers (:meth:`first_answers`), woken by a change.
+        self._first_answers_until = time.monotonic() + FIRST_ANSWERS_WINDOW_S
+        self._changes = asyncio.Event()
         for cfg in pods:
             self.add(cfg)
 
     def _changed(self) -> None:
         self._version += 1
+        self._changes.set()
 
     @property
     def loadable(self) -> dict[str, str]:
@@ -137,6 +146,20 @@ class PodRegistry:
         model no pod lists may still be one of its, so a request for it is told to retry, not that it does
         not exist (a worker listens before its first health checks have answered)."""
         return any(not pod.models for pod in self._pods.values())
+
+    async def first_answers(self) -> None:
+        """Until every pod has said what it serves, within the first ``FIRST_ANSWERS_WINDOW_S`` of the gateway's
+        life: a worker listens before its first health checks have answered (on a loaded host they may time
+        out once), and a request or a model list meanwhile waits for them rather than hear that no pod serves
+        its model. A pod down from the start holds nobody past the window."""
+        while True:
+            self._changes.clear()  # before looking: a change after this wakes the wait below
+            left = self._first_answers_until - time.monotonic()
+            if not self.models_pending() or left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changes.wait()
 
     def _serving(self, model: str) -> Iterator[Pod]:
         """The pods that list ``model``, or (an adapter registered where it is needed) its base model."""

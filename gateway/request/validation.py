@@ -36,7 +36,7 @@ laxer or answer with their own error shapes (vLLM's ``'int' object is not iterab
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gateway.auth import ApiKeyAuth
@@ -92,13 +92,31 @@ class RequestValidation:
         self._key_auth = key_auth
         self._max_messages = server.max_messages
 
-    def resolve(self, request: ClientRequest) -> None:
+    def resolve(self, request: ClientRequest) -> Awaitable[ClientRequest] | None:
         check_headers(request.headers)
         self._key_auth.authorize(request.key, request.model)
-        if not self._is_public(request.model) and not self._pods.knows_model(request.model):
-            if self._pods.models_pending():  # a pod that has not said what it serves may serve it: retry
+        if not self._knows(request.model):
+            if self._pods.models_pending():  # a pod that has not said what it serves may serve it
+                return self._once_pods_answered(request)
+            raise unknown_model(request.model)
+        self._check_body(request)
+        return None
+
+    def _knows(self, model: str) -> bool:
+        return self._is_public(model) or self._pods.knows_model(model)
+
+    async def _once_pods_answered(self, request: ClientRequest) -> ClientRequest:
+        """Just after start, the pods' first answers; then the model is known, or unknown, or (a pod still
+        silent) a 503 to retry."""
+        await self._pods.first_answers()
+        if not self._knows(request.model):
+            if self._pods.models_pending():
                 raise no_pod_available(request.model, self._pods.back_in_s(request.model))
             raise unknown_model(request.model)
+        self._check_body(request)
+        return request
+
+    def _check_body(self, request: ClientRequest) -> None:
         check_body(request.kind, request.parsed)
         messages = request.parsed.messages
         if messages is not None and len(messages) > self._max_messages:

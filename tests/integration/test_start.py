@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
+from gateway.backends import registry as registry_module
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
@@ -186,18 +187,32 @@ async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-async def test_a_model_of_a_pod_that_has_not_answered_yet_is_retried_not_unknown(start_gateway, start_mock_pod, http):
-    """A worker listens before its first health checks answer: a request for a model that a pod not yet heard
-    from may serve is a 503 to retry (a 404 would tell the client never to), and is served once the pod is up.
-    A model that no pod serves is still a 404 once every pod has said what it serves."""
+async def test_a_request_before_a_pods_first_answer_waits_for_it_and_after_the_window_is_told_to_retry(
+        start_gateway, start_mock_pod, http, monkeypatch):
+    """A worker listens before its first health checks answer (on a loaded host one may time out): a request,
+    or a model list, that comes meanwhile waits for the pods' first answers and is served, rather than hear
+    that no pod serves its model. Past the start window a pod still silent holds nobody: a 503 to retry (a
+    404 would tell the client never to). A model no pod serves is a 404 once every pod has answered."""
     port = free_port()
     gw = await start_gateway([f"http://127.0.0.1:{port}"])
-    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body()) as resp:
-        assert resp.status == 503 and resp.headers["x-should-retry"] == "true", await resp.text()
-        assert int(resp.headers["Retry-After"]) >= 1
+
+    async def status_of(method: str, path: str, **kwargs) -> tuple[int, dict]:
+        async with http.request(method, f"{gw.url}{path}", **kwargs) as resp:
+            return resp.status, await resp.json()
+
+    chat = asyncio.create_task(status_of("POST", "/v1/chat/completions", json=chat_body()))
+    models = asyncio.create_task(status_of("GET", "/v1/models"))
+    await asyncio.sleep(0.5)
+    assert not chat.done() and not models.done()  # waiting, not refused
     await start_mock_pod(port=port)
-    await gw.serving("mock-llama")
-    async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body()) as resp:
-        assert resp.status == 200, await resp.text()
+    assert (await chat)[0] == 200
+    status, listed = await models
+    assert status == 200 and [m["id"] for m in listed["data"]] == ["mock-llama"]
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="no-such-model")) as resp:
         assert resp.status == 404 and resp.headers["x-should-retry"] == "false", await resp.text()
+
+    monkeypatch.setattr(registry_module, "FIRST_ANSWERS_WINDOW_S", 0.5)
+    silent = await start_gateway([f"http://127.0.0.1:{free_port()}"])
+    async with http.post(f"{silent.url}/v1/chat/completions", json=chat_body()) as resp:
+        assert resp.status == 503 and resp.headers["x-should-retry"] == "true", await resp.text()
+        assert int(resp.headers["Retry-After"]) >= 1
