@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.config import ApiKeyConfig, AuthConfig
+from gateway.core.contexts import owner_in
 from gateway.core.errors import ErrorKind, GatewayError, unauthenticated
 
 ADMIN_KEY_NAME = "admin"
@@ -35,12 +36,12 @@ class ApiKey:
     digest: bytes
     config: ApiKeyConfig
     admin: bool = False
+    # The owner of the workflows and sessions it names: the start of its digest (no two configured keys share
+    # it in practice; never a ``/``, so no tag is a prefix of another's ids). Made once: every request reads it.
+    tag: str = field(init=False)
 
-    @property
-    def tag(self) -> str:
-        """The owner of the workflows and sessions it names: the start of its digest (no two configured keys
-        share it in practice; never a ``/``, so no tag is a prefix of another's ids)."""
-        return self.digest.hex()[:TAG_CHARS]
+    def __post_init__(self) -> None:
+        self.tag = self.digest.hex()[:TAG_CHARS]
 
 
 TAG_CHARS = 16
@@ -117,7 +118,7 @@ class ApiKeyAuth:
         on, only the admin key's workflows; with keys off, any (as before keys)."""
         if not self._keys:
             return True
-        return workflow_id is not None and workflow_id.partition("/")[0] in self._admin_tags
+        return workflow_id is not None and owner_in(workflow_id) in self._admin_tags
 
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """``/debug/*`` and ``/metrics`` (when debug endpoints are on: the routes hide them otherwise):

@@ -40,6 +40,6 @@ def owned(owner: str, client_id: str) -> str:
     return f"{owner}{_OWNED}{client_id}" if owner else client_id
 
 
-def client_id_of(owner: str, kept_id: str) -> str:
-    """The id as its client sent it, of one kept by :func:`owned`."""
-    return kept_id[len(owner) + len(_OWNED):] if owner else kept_id
+def owner_in(kept_id: str) -> str:
+    """The owner's tag of an id kept by :func:`owned` (with keys on, every kept id has one)."""
+    return kept_id.partition(_OWNED)[0]
