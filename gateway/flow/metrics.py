@@ -28,10 +28,10 @@ Labels = tuple[str, str]  # (fairness_id, priority) as exported
 
 class FlowLabels:
     """A flow's labels: its fairness id when the config names it (a tenant of ``flow_control.tenants``, a
-    key's tenant of ``flow_control.keys`` or of its own ``auth.keys[].tenant``, an API key's name that is its own
-    tenant, ``default``,
-    ``overflow``), else ``other``; its band when an objective of ``flow_control.objectives`` has it (or 0),
-    else ``other``. ``config``: the flow-control config in force (read again after a reload)."""
+    key's tenant of ``flow_control.keys`` or of its own ``auth.keys[].tenant``, an API key's name that is its
+    own tenant, ``default``, ``overflow``), else ``other``; its band when an objective of
+    ``flow_control.objectives`` has it (or 0), else ``other``. ``config``: the flow-control config in force
+    (read again after a reload)."""
 
     CACHED = 4096  # flows whose labels are kept at once (every request asks: a lookup costs less)
 
