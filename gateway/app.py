@@ -194,7 +194,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     key_limits = KeyLimitsStep(limits)
     usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
-    proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server)
+    loop_lag = LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe)
+    proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server, loop_lag.stalled_since)
     # SLO admission and flow control hold requests in one queue, the flow controller's.
     admit = (FlowControl(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
              if fc.enabled or config.admission.enabled else None)
@@ -284,8 +285,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         steps=steps, adapters=adapters, limits=limits, usage=usage_tally, kv=kv, tokens=tokens,
         profiles=profiles, load=load, flow=flow, working_set=working_set, capacity_of=capacity_of, health=health,
         verifier=verifier, membership=membership, modes=modes, identity=identity, bus=bus, losses=losses,
-        keep_warm=keep_warm, shared_load=shared_load,
-        loop_lag=LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe),
+        keep_warm=keep_warm, shared_load=shared_load, loop_lag=loop_lag,
         pressure=pressure, scraper=scraper, discovery=discovery, reloader=reloader, own_responses=own_responses,
         tracer_provider=tracer_provider if config.tracing.enabled else None,
     )

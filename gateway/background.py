@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import resource
 import time
@@ -11,6 +12,9 @@ from typing import Any
 
 # How long a cancelled task may run on before it is cancelled again.
 CANCEL_AGAIN_S = 0.5
+# A lag the loop-lag probe remembers as a stall, and how many of the latest it keeps (they are rare).
+STALL_S = 0.1
+STALLS_KEPT = 16
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -133,24 +137,43 @@ class LoopLagProbe:
     """Samples how late the event loop wakes a task: every ``interval_s`` it sleeps, and reports to
     ``observe`` how much longer than ``interval_s`` the sleep took. That lateness is what any request
     waiting on the loop then waited too (a stall from event ingest, a garbage-collector pause, a burst of
-    relayed chunks), so it is the loop's share of the TTFT the gateway adds."""
+    relayed chunks, the whole machine paused), so it is the loop's share of the TTFT the gateway adds.
+
+    It also remembers its recent stalls, for :meth:`stalled_since`: a timeout that ran out while the loop
+    itself stood still measured the gateway, not the peer it was waiting for."""
 
     def __init__(self, interval_s: float, observe: Callable[[float], None]) -> None:
         self._interval_s = interval_s
         self._observe = observe
         self._task: asyncio.Task[None] | None = None
+        self._asked = 0.0  # when the sleep now under way began (perf_counter); meaningful only while running
+        self._stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=STALLS_KEPT)
 
     async def start(self) -> None:
         if self._interval_s > 0:
+            self._asked = time.perf_counter()
             self._task = asyncio.create_task(self._run(), name="loop-lag-probe")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
 
+    def stalled_since(self, since: float) -> float:
+        """The longest the loop stood still since ``since`` (a ``time.perf_counter()`` reading), in seconds:
+        the stalls that ended since then, and the one under way now (the probe's sleep already overdue, as
+        when the loop has just woken and another task runs before the probe). 0 when the probe is off."""
+        if self._task is None:
+            return 0.0
+        under_way = max(0.0, time.perf_counter() - self._asked - self._interval_s)
+        return max([under_way, *(lag for ended, lag in self._stalls if ended >= since)])
+
     async def _run(self) -> None:
         interval, observe = self._interval_s, self._observe
         while True:
-            asked = time.perf_counter()
+            self._asked = asked = time.perf_counter()
             await asyncio.sleep(interval)
-            observe(max(0.0, time.perf_counter() - asked - interval))
+            woke = time.perf_counter()
+            lag = max(0.0, woke - asked - interval)
+            if lag >= STALL_S:
+                self._stalls.append((woke, lag))
+            observe(lag)

@@ -92,6 +92,10 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Pod failures seen by the proxy", ["pod", "kind"], registry=r
         )
+        self.stalled_connects = Counter(
+            "gateway_stalled_connects", "Connects sent to their pod again because their timeout ran out while "
+            "the gateway's event loop stood still (not the pod's failure)", ["pod"], registry=r,
+        )
         self.stream_aborts = Counter(
             "gateway_stream_aborts", "Streams ended early, by side", ["pod", "side"], registry=r
         )

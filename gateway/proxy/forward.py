@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -46,8 +46,10 @@ _KEY_HEADERS = ("authorization", "x-api-key")
 
 class Proxy:
     def __init__(self, pods: PodRegistry, metrics: GatewayMetrics, http: HttpClient, timeouts: TimeoutConfig,
-                 auth: AuthConfig, server: ServerConfig) -> None:
+                 auth: AuthConfig, server: ServerConfig, loop_stalled: Callable[[float], float]) -> None:
         self._pods = pods
+        self._loop_stalled = loop_stalled
+        self._connect_s = timeouts.connect_s
         self._metrics = metrics
         self._http = http
         self._auth = auth
@@ -113,11 +115,18 @@ class Proxy:
 
     async def _send(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         try:
-            sending = self._http.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
-            if not self._explicit_first_byte:
-                return await sending
-            async with asyncio.timeout(self._first_byte_s):
-                return await sending
+            started = time.perf_counter()
+            try:
+                return await self._post(pod, path, body, headers)
+            except aiohttp.ConnectionTimeoutError:
+                if (stalled := self._loop_stalled(started)) < self._connect_s / 2:
+                    raise
+                # The connect's timer ran out while the gateway's own event loop stood still (a burst of CPU
+                # work, the machine paused): its answer, there by then, waited behind the timer. Once more.
+                log.warning("connect to pod %s timed out while the event loop stood still for %.1f s; sent again",
+                            pod.name, stalled)
+                self._metrics.stalled_connects.labels(pod.name).inc()
+                return await self._post(pod, path, body, headers)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._pods.report_connect_failure(pod, str(exc))
             self._metrics.upstream_errors.labels(pod.name, "connect").inc()
@@ -136,6 +145,13 @@ class Proxy:
             # Not retried: the pod may still be working on it, and a second copy would double the load.
             self._metrics.upstream_errors.labels(pod.name, "first_byte_timeout").inc()
             raise upstream_timeout(f"Pod {pod.name} sent nothing within {self._first_byte_s:g} s.") from None
+
+    async def _post(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        sending = self._http.session.post(pod.url + path, data=body, headers=headers, timeout=self._client_timeout)
+        if not self._explicit_first_byte:
+            return await sending
+        async with asyncio.timeout(self._first_byte_s):
+            return await sending
 
     def _judge_stream(self, pod: Pod, outcome: RelayOutcome) -> None:
         """A stream is the pod's success once it ended well; one the engine failed inside (its own error event,
