@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import resource
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -15,6 +16,10 @@ CANCEL_AGAIN_S = 0.5
 # A lag the loop-lag probe remembers as a stall, and how many of the latest it keeps (they are rare).
 STALL_S = 0.1
 STALLS_KEPT = 16
+# A stall long enough to time out a connect or a health check (their defaults: 2 s, 1 s): logged.
+LOGGED_STALL_S = 1.0
+
+log = logging.getLogger("gateway.loop")
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -176,4 +181,7 @@ class LoopLagProbe:
             lag = max(0.0, woke - asked - interval)
             if lag >= STALL_S:
                 self._stalls.append((woke, lag))
+                if lag >= LOGGED_STALL_S:
+                    log.warning("the event loop stood still for %.1f s (a burst of work, or the machine paused): "
+                                "timeouts running meanwhile measured the gateway, not their peers", lag)
             observe(lag)

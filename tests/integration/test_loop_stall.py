@@ -90,7 +90,8 @@ def _counted(metrics: GatewayMetrics, name: str, **labels: str) -> float:
 
 
 @pytest.mark.parametrize("loop", RUNNERS)
-def test_a_connect_timed_out_by_a_stall_of_the_gateways_loop_is_sent_again_and_ejects_nobody(loop: str):
+def test_a_connect_timed_out_by_a_stall_of_the_gateways_loop_is_sent_again_and_ejects_nobody(
+        loop: str, caplog: pytest.LogCaptureFixture):
     pods, metrics, answer = RUNNERS[loop](_exchange_through_stalls(stalls=1, probe_interval_s=0.05))
     assert answer == (200, b'{"text": "ok"}')
     assert pods.get("p0").ejected_at is None
@@ -99,6 +100,9 @@ def test_a_connect_timed_out_by_a_stall_of_the_gateways_loop_is_sent_again_and_e
     # The probe saw the stall too: it is the loop's, on record.
     assert _counted(metrics, "gateway_event_loop_lag_seconds_bucket", le="+Inf") > 0
     assert metrics.registry.get_sample_value("gateway_event_loop_lag_seconds_sum") >= STALL_S * 0.9
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("sent again" in m and "p0" in m for m in logged), logged
+    assert any(m.startswith("the event loop stood still for") for m in logged), logged
 
 
 @pytest.mark.parametrize("loop", RUNNERS)
