@@ -54,7 +54,7 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     session_affinity: bool = True
     max_sessions: int = 100_000
     # Headers that name a session besides the built-in ones (x-session-id, the agent tools' own: see
-    # docs/architecture.md), read after them; the value is the session, matched exactly.
+    # docs/workflows.md, "What a request belongs to"), read after them; the value is the session, matched exactly.
     session_headers: list[str] = []
     keep_warm: KeepWarmConfig = msgspec.field(default_factory=KeepWarmConfig)
 
