@@ -1,4 +1,5 @@
-"""A bounded mapping that forgets its least recently used entries: the one LRU the gateway's caches share.
+"""A bounded mapping that forgets its least recently used entries: the LRU most of the gateway's caches share
+(two keep their own, bounded by tokens rather than entries: ``tokenization/reuse.py`` and ``workflow/refresh.py``).
 
 A ``dict`` keeps insertion order, so an LRU is a dict whose used entries move to the end and whose first
 entries go when it is full. :class:`LruCache` is such a dict: its own methods (``get``, ``in``,
