@@ -56,13 +56,13 @@ from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
 from gateway.models.rules import ModelRules
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure.modes import PressureModes
 from gateway.pressure.monitor import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.proxy.forward import Proxy
 from gateway.request.context_steps import (

@@ -36,12 +36,12 @@ from gateway.limits.enforcer import KeyLimits
 from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader
 from gateway.models.rules import ModelRules
-from gateway.pressure.modes import PressureModes
 from gateway.pressure.monitor import PressureMonitor
 from gateway.proxy.forward import Proxy
 from gateway.request.context_steps import PlacementLosses

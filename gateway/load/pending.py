@@ -3,7 +3,7 @@
 Owner: :class:`PendingLoad` owns no counts of its own: it reads what is in flight from the
 :class:`~gateway.load.ledger.InFlightLedger`, the engines' numbers from the :class:`EngineStats` that the
 metrics scraper alone writes, and which pods are in a KV-memory emergency from the pressure monitor's
-:class:`~gateway.pressure.modes.PressureModes`. Routing and admission read :meth:`PendingLoad.load`.
+:class:`~gateway.load.pressure_modes.PressureModes`. Routing and admission read :meth:`PendingLoad.load`.
 
 A request of signature ``s`` on a pod whose profile says it sustains ``tputs[s]`` req/s at latency
 ``e2e[s]`` consumes ``1 / (tputs[s] * e2e[s])`` of that pod; a pod's load is the sum over its in-flight

@@ -24,8 +24,8 @@ from gateway.config import PressureConfig
 from gateway.core.contexts import workflow_id_of
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import PendingLoad
+from gateway.load.pressure_modes import PressureMode, PressureModes
 from gateway.metrics import GatewayMetrics
-from gateway.pressure.modes import PressureMode, PressureModes
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 

@@ -20,7 +20,7 @@ from gateway.config import WorkflowConfig
 from gateway.core.contexts import owned
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import InferenceRequest
-from gateway.pressure.modes import PressureModes
+from gateway.load.pressure_modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals, WorkflowContext

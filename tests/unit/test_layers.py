@@ -146,3 +146,21 @@ def test_no_runtime_module_is_past_the_line_limit():
     too_long = {str(path.relative_to(ROOT)): n for name, path in _modules().items()
                 if name.split(".")[0] == "gateway" and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not too_long, f"split these modules (over {MAX_MODULE_LINES} lines): {too_long}"
+
+
+def _package(module: str) -> str:
+    """The package a module is part of (``gateway.pressure.monitor``: ``gateway.pressure``); a module at a
+    package's top (``gateway.app``) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_packages_import_each_other():
+    """Modules may import within one layer, but two packages that import each other are one feature in two
+    homes (pressure and workflow were: the modes moved below both, to ``gateway/load/pressure_modes.py``)."""
+    ties: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        for target in targets:
+            if _package(target) != _package(module):
+                ties.setdefault(_package(module), set()).add(_package(target))
+    both_ways = sorted({tuple(sorted((a, b))) for a, bs in ties.items() for b in bs if a in ties.get(b, ())})
+    assert not both_ways, f"packages that import each other: {both_ways}"

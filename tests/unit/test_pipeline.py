@@ -41,11 +41,11 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
+from gateway.load.pressure_modes import PressureModes
 from gateway.load.profiles import ProfileStore
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
-from gateway.pressure.modes import PressureModes
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.context_steps import (
     ContextPlacement,

@@ -10,7 +10,7 @@ from gateway.core.contexts import session_key, workflow_key
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import InferenceRequest, Metadata
 from gateway.load.ledger import Dispatch, InFlightLedger
-from gateway.pressure.modes import PressureMode
+from gateway.load.pressure_modes import PressureMode
 from gateway.pressure.monitor import next_mode
 from gateway.workflow.context import ContextSignals, WorkflowContext
 from gateway.workflow.sessions import SessionAffinity
