@@ -69,8 +69,9 @@ class RequestPlanner(Protocol):
     def plan(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> RequestPlan: ...
 
 
-class AdapterLoader(Protocol):
-    """Registers a request's LoRA adapter on the pod an attempt goes to, when the pod does not list it yet;
+class AdapterRegistration(Protocol):
+    """What the director asks of the adapter loader (:class:`gateway.models.adapters.AdapterLoader`): registers a
+    request's LoRA adapter on the pod an attempt goes to, when the pod does not list it yet;
     raises :class:`AdapterUnavailable` when it cannot (the request then tries another pod)."""
 
     def needed(self, routing: RoutingRequest, pod: Pod) -> bool: ...
@@ -104,7 +105,7 @@ class RequestDirector:
     def __init__(self, pipeline: RequestPipeline, router: Router, planner: RequestPlanner, ledger: InFlightLedger,
                  proxy: Proxy, pods: PodRegistry, *, max_retries: int, default_consumption: float,
                  allow_strategy_header: bool, max_body_bytes: int, prefill: PrefillLegs | None = None,
-                 models: ModelRules | None = None, adapters: AdapterLoader | None = None,
+                 models: ModelRules | None = None, adapters: AdapterRegistration | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pipeline = pipeline
         # The prepare steps (run again for each target), each with the step of the request's timings its time
