@@ -75,7 +75,7 @@ from gateway.request.context_steps import (
 )
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
-from gateway.request.flow_control import FlowControl
+from gateway.request.flow_control import FlowControlStep
 from gateway.request.identity import KeyIdentity
 from gateway.request.limits import KeyLimitsStep, UsageAccounting
 from gateway.request.models import AdapterTracking, ModelUse
@@ -197,7 +197,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     loop_lag = LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server, loop_lag.stalled_since)
     # SLO admission and flow control hold requests in one queue, the flow controller's.
-    admit = (FlowControl(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
+    admit = (FlowControlStep(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)
              if fc.enabled or config.admission.enabled else None)
     verifier = PredictionVerifier(config.verification, metrics)
     validation = RequestValidation(pods, auth, config.server, rules.is_public)

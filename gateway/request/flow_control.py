@@ -54,7 +54,7 @@ class _InFlight:
     released: Held | None  # released from waiting and not yet dispatched
 
 
-class FlowControl:
+class FlowControlStep:
     def __init__(self, controller: FlowController, slo: SloPolicy, workflows: WorkflowFlows,
                  pods: PodRegistry, metrics: FlowMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._controller = controller

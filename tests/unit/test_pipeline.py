@@ -228,7 +228,7 @@ def test_context_resolution_recognises_a_continued_conversation_and_nothing_with
     assert untokenized.context_key is None and untokenized.hashes is None
 
 
-# prepare: LoadEstimation (admit: FlowControl, in test_flow_control.py)
+# prepare: LoadEstimation (admit: FlowControlStep, in test_flow_control.py)
 
 
 @pytest.mark.parametrize(("admission", "needs_load", "estimated"), [
