@@ -57,8 +57,8 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.pressure_modes import PressureModes
-from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
 from gateway.models.rules import ModelRules

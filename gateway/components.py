@@ -37,8 +37,8 @@ from gateway.limits.usage import UsageTally
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureModes
-from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader
 from gateway.models.rules import ModelRules

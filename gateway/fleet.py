@@ -16,7 +16,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureModes
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.sessions import SessionAffinity
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.load.profiles import KEY_PREFIX, GpuProfile, Slos, parse_key, profile_key
+from gateway.load.slo_profiles import KEY_PREFIX, GpuProfile, Slos, parse_key, profile_key
 
 
 def add_profiles_parser(sub: argparse._SubParsersAction) -> None:

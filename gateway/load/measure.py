@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from gateway.load.profiles import GpuProfile, Slos
+from gateway.load.slo_profiles import GpuProfile, Slos
 
 log = logging.getLogger("gateway.load.measure")
 

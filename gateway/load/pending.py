@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from gateway.core.requests import RequestKind
 from gateway.load.ledger import InFlightLedger
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 
 
 @dataclass(slots=True)

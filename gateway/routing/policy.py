@@ -249,7 +249,7 @@ class PolicyContext:
         from gateway.kv.working_set import ResumableWorkingSet
         from gateway.load.ledger import InFlightLedger
         from gateway.load.pending import PendingLoad
-        from gateway.load.profiles import ProfileStore
+        from gateway.load.slo_profiles import ProfileStore
         from gateway.metrics import GatewayMetrics
 
         ledger = parts.pop("ledger", None) or InFlightLedger()

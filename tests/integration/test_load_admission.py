@@ -11,7 +11,7 @@ from collections import Counter
 import msgspec
 import redis.asyncio as redis
 
-from gateway.load.profiles import GpuProfile, ProfileStore, profile_key
+from gateway.load.slo_profiles import GpuProfile, ProfileStore, profile_key
 from tests.integration.test_kv_subscriber import eventually
 from tests.unit.test_load_model import PROFILE
 

@@ -28,7 +28,7 @@ from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import capped
 
 MODEL = "mock-llama"

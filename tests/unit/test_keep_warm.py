@@ -24,7 +24,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.workflow.keep_warm import Candidate, KeepWarm, PodWarmth, choose_refresh
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher

@@ -21,7 +21,7 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.context_steps import CacheRecency

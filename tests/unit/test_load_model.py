@@ -13,7 +13,7 @@ from gateway.backends.scraper import parse_engine_metrics, parse_lora_info
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
-from gateway.load.profiles import GpuProfile, ProfileStore, grid_index, parse_key
+from gateway.load.slo_profiles import GpuProfile, ProfileStore, grid_index, parse_key
 
 PROFILE = {
     "gpu": "a100", "cost": 1.0, "created": 100.0,

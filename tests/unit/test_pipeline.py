@@ -42,7 +42,7 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.pressure_modes import PressureModes
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry

@@ -19,8 +19,8 @@ from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
-from gateway.load.profiles import ProfileStore
 from gateway.load.shared_table import SharedLoadTable
+from gateway.load.slo_profiles import ProfileStore
 from tests.unit.test_flow_control import MODEL, one_pod
 
 

@@ -19,7 +19,7 @@ from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from tests.unit.test_flow_control import MODEL
 from tests.unit.test_prefill_progress import Clock
 

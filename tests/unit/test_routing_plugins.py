@@ -17,7 +17,7 @@ from gateway.kv.views import PodMatch
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, Estimate, PendingLoad
-from gateway.load.profiles import ProfileStore
+from gateway.load.slo_profiles import ProfileStore
 from gateway.routing.pickers import MaxScorePicker, RandomPicker
 from gateway.routing.policy import PlacementCost, PrefixMatch, RoutingRequest
 from plugins.routing.least_request import InFlightScorer

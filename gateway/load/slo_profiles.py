@@ -16,7 +16,7 @@ import msgspec
 
 from gateway.background import cancel_and_wait
 
-log = logging.getLogger("gateway.load.profiles")
+log = logging.getLogger("gateway.load.slo_profiles")
 
 KEY_PREFIX = "aibrix:profile_"
 
