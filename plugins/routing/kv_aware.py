@@ -13,16 +13,13 @@ from __future__ import annotations
 from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
 from plugins.routing.filters import part, scorer, shipped
-from plugins.routing.prefix_scoring import CacheAwareOptions
+from plugins.routing.prefix_scoring import APPROXIMATE_WEIGHT, IDLE_WEIGHT, OFFLOAD_WEIGHT, CacheAwareOptions
 
 
 class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
-    # An offloaded block (CPU tier) counts this much of a GPU one.
-    offload_weight: float = 0.5
-    # Approximate matches (untokenizable requests, a pod whose event stream broke) count this much.
-    approximate_weight: float = 0.7
-    # A workflow or session thinking on a pod counts this much of a request in flight there.
-    idle_weight: float = 0.5
+    offload_weight: float = OFFLOAD_WEIGHT
+    approximate_weight: float = APPROXIMATE_WEIGHT
+    idle_weight: float = IDLE_WEIGHT
     kv_usage_weight: float = 0.1
     # Under pressure, a starting workflow or session goes to a pod with at most this many more contexts
     # than the least loaded; none: no such balance (the cost in tokens alone decides).

@@ -42,7 +42,7 @@ from gateway.backends.registry import Pod
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.routing.policy import NO_NEEDS, Needs, PlacementCost, RoutingRequest
-from plugins.routing.prefix_scoring import PrefixScorer
+from plugins.routing.prefix_scoring import IDLE_WEIGHT, PrefixScorer
 
 CapacityOf = Callable[[str], float | None]
 
@@ -141,7 +141,8 @@ class ResumableLoadScorer:
 
     name = "resumable_load"
 
-    def __init__(self, ledger: InFlightLedger, working_set: ResumableWorkingSet, idle_weight: float = 0.5) -> None:
+    def __init__(self, ledger: InFlightLedger, working_set: ResumableWorkingSet,
+                 idle_weight: float = IDLE_WEIGHT) -> None:
         self._ledger = ledger
         self._working_set = working_set
         self._idle_weight = idle_weight

@@ -20,6 +20,14 @@ from gateway.routing.pickers import MaxScorePicker
 from gateway.routing.policy import NO_NEEDS, Needs, Pick, PolicyContext, PrefixMatch, RoutingRequest
 from gateway.tokenization.conversation import request_text
 
+# The defaults of the options every cache-aware policy shares, written once here.
+# An offloaded block (CPU tier) counts this much of a GPU one.
+OFFLOAD_WEIGHT = 0.5
+# Approximate matches (untokenizable requests, a pod whose event stream broke) count this much.
+APPROXIMATE_WEIGHT = 0.7
+# A workflow or session thinking on a pod counts this much of a request in flight there.
+IDLE_WEIGHT = 0.5
+
 
 class CacheAwareOptions(msgspec.Struct, forbid_unknown_fields=True):
     """The options of ``prefix_cache``, and the base of ``kv_aware``'s."""
@@ -81,7 +89,8 @@ class PrefixScorer:
     name = "prefix"
     needs: Needs = NO_NEEDS  # its matcher, given where it is built (plugins.routing.scorers)
 
-    def __init__(self, *, offload_weight: float = 0.5, approximate_weight: float = 0.7) -> None:
+    def __init__(self, *, offload_weight: float = OFFLOAD_WEIGHT, approximate_weight: float = APPROXIMATE_WEIGHT
+                 ) -> None:
         self._offload_weight = offload_weight
         self._approximate_weight = approximate_weight
 
@@ -100,8 +109,8 @@ class PrefixScorer:
         return [match.chars[p.name] / len(match.text) * self._approximate_weight for p in pods]
 
 
-def prefix_parts(context: PolicyContext, *, precise: bool = True, offload_weight: float = 0.5,
-                 approximate_weight: float = 0.7) -> tuple[PrefixMatcher, PrefixScorer]:
+def prefix_parts(context: PolicyContext, *, precise: bool = True, offload_weight: float = OFFLOAD_WEIGHT,
+                 approximate_weight: float = APPROXIMATE_WEIGHT) -> tuple[PrefixMatcher, PrefixScorer]:
     """The matcher and scorer every cache-aware policy builds the same way, on the gateway's indexes."""
     matcher = PrefixMatcher(context.index if precise else None, context.approximate, context.metrics)
     return matcher, PrefixScorer(offload_weight=offload_weight, approximate_weight=approximate_weight)

@@ -11,14 +11,20 @@ from gateway.routing.policy import Needs, PolicyContext
 from plugins.routing.least_request import InFlightScorer
 from plugins.routing.load_scoring import PendingLoadScorer, ThroughputScorer
 from plugins.routing.placement import PlacementPlanner, PlacementScorer, ResumableLoadScorer
-from plugins.routing.prefix_scoring import KvUsageScorer, LoadScorer, PrefixScorer, prefix_parts
+from plugins.routing.prefix_scoring import (
+    APPROXIMATE_WEIGHT,
+    IDLE_WEIGHT,
+    OFFLOAD_WEIGHT,
+    KvUsageScorer,
+    LoadScorer,
+    PrefixScorer,
+    prefix_parts,
+)
 
 
 class PrefixOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # An offloaded block (CPU tier) counts this much of a GPU one.
-    offload_weight: float = 0.5
-    # Approximate matches (untokenizable requests, a pod whose event stream broke) count this much.
-    approximate_weight: float = 0.7
+    offload_weight: float = OFFLOAD_WEIGHT
+    approximate_weight: float = APPROXIMATE_WEIGHT
     # True: match the prompt's tokens against the pods' KV events (the prompt is tokenized first);
     # false: its text against the gateway's own routing history.
     precise: bool = True
@@ -32,8 +38,8 @@ def _prefix(context: PolicyContext, o: PrefixOptions) -> PrefixScorer:
 
 
 class PlacementOptions(msgspec.Struct, forbid_unknown_fields=True):
-    offload_weight: float = 0.5
-    approximate_weight: float = 0.7
+    offload_weight: float = OFFLOAD_WEIGHT
+    approximate_weight: float = APPROXIMATE_WEIGHT
 
 
 def _placement(context: PolicyContext, o: PlacementOptions) -> PlacementScorer:
@@ -45,8 +51,7 @@ def _placement(context: PolicyContext, o: PlacementOptions) -> PlacementScorer:
 
 
 class ResumableLoadOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # A workflow or session thinking on a pod counts this much of a request in flight there.
-    idle_weight: float = 0.5
+    idle_weight: float = IDLE_WEIGHT
 
 
 class KvUsageOptions(msgspec.Struct, forbid_unknown_fields=True):

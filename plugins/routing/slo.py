@@ -11,13 +11,14 @@ import msgspec
 from gateway.config import ProfileConfig
 from gateway.plugin_registry import PluginSpec
 from plugins.routing.filters import part, scorer, shipped
+from plugins.routing.prefix_scoring import APPROXIMATE_WEIGHT, OFFLOAD_WEIGHT
 
 
 class SloOptions(msgspec.Struct, forbid_unknown_fields=True):
     prefix_weight: float = 1.0
     load_weight: float = 0.5
-    offload_weight: float = 0.5
-    approximate_weight: float = 0.7
+    offload_weight: float = OFFLOAD_WEIGHT
+    approximate_weight: float = APPROXIMATE_WEIGHT
 
 
 def build(context: None, options: SloOptions) -> ProfileConfig:
