@@ -1,5 +1,6 @@
-"""A bounded mapping that forgets its least recently used entries: the LRU most of the gateway's caches share
-(two keep their own, bounded by tokens rather than entries: ``tokenization/reuse.py`` and ``workflow/refresh.py``).
+"""Bounded mappings that forget their least recently used entries: the LRUs the gateway's caches share.
+:class:`LruCache` is bounded by its number of entries; :class:`WeightedLru` by the sum of its entries'
+weights (prompts, bounded by their tokens: ``tokenization/reuse.py``, ``workflow/refresh.py``).
 
 A ``dict`` keeps insertion order, so an LRU is a dict whose used entries move to the end and whose first
 entries go when it is full. :class:`LruCache` is such a dict: its own methods (``get``, ``in``,
@@ -10,7 +11,7 @@ iteration) read without refreshing, at C speed, for hot loops; :meth:`LruCache.t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -54,3 +55,47 @@ class LruCache(dict[K, V]):
                 victims.append(key)
         for key in victims:
             del self[key]
+
+
+class WeightedLru(Generic[K, V]):
+    """Entries of a weight each (a prompt's tokens), at most ``capacity`` in all: the least recently put or
+    touched go first. ``keep_newest``: the entry just put stays even when it alone weighs more than that."""
+
+    def __init__(self, capacity: int, weight: Callable[[V], int], keep_newest: bool = False) -> None:
+        self.capacity = capacity
+        self.total = 0
+        self._weight = weight
+        self._floor = 1 if keep_newest else 0
+        self._entries: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        """The entry, left where it is in the order."""
+        return self._entries.get(key)
+
+    def touch(self, key: K) -> V | None:
+        """The entry, made the most recently used (None if absent)."""
+        value = self._entries.pop(key, None)
+        if value is not None:
+            self._entries[key] = value
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self.pop(key)
+        self._entries[key] = value
+        self.total += self._weight(value)
+        while self.total > self.capacity and len(self._entries) > self._floor:
+            oldest = next(iter(self._entries))
+            self.total -= self._weight(self._entries.pop(oldest))
+
+    def pop(self, key: K) -> V | None:
+        value = self._entries.pop(key, None)
+        if value is not None:
+            self.total -= self._weight(value)
+        return value
+
+    def keys(self) -> list[K]:
+        """Least recently used first."""
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

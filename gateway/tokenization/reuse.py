@@ -23,7 +23,6 @@ LRU bounded by their tokens.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ import msgspec
 import xxhash
 
 from gateway.kv.hashing import PromptHashes
+from gateway.lru import WeightedLru
 
 _encode = msgspec.msgpack.Encoder().encode
 _hash = xxhash.xxh3_64_intdigest
@@ -64,14 +64,18 @@ class RememberedPrompt:
         return len(self.ids)
 
 
+def _tokens_of(prompt: RememberedPrompt) -> int:
+    return prompt.tokens
+
+
 class ConversationMemory:
     """Remembered prompts by the fingerprint of their messages; the least recently used go first once
     they hold more than ``max_tokens`` token ids in all."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._prompts: OrderedDict[int, RememberedPrompt] = OrderedDict()
-        self._tokens = 0
+        # The newest stays whatever its size: a conversation longer than the bound still has its last prompt.
+        self._prompts: WeightedLru[int, RememberedPrompt] = WeightedLru(max_tokens, _tokens_of, keep_newest=True)
 
     def longest(self, prints: list[int]) -> RememberedPrompt | None:
         """The remembered prompt of the most leading messages, fewer than all of them (the request's own
@@ -79,8 +83,7 @@ class ConversationMemory:
         for k in range(len(prints) - 2, -1, -1):
             found = self._prompts.get(prints[k])
             if found is not None and found.messages == k + 1:
-                self._prompts.move_to_end(prints[k])
-                return found
+                return self._prompts.touch(prints[k])
         return None
 
     def remember(self, prompt: RememberedPrompt, supersedes: RememberedPrompt | None = None) -> None:
@@ -88,18 +91,8 @@ class ConversationMemory:
         on (a retry or a fork of that earlier turn is tokenized whole once), and each conversation then
         holds one prompt, not one per turn."""
         if supersedes is not None and self._prompts.get(supersedes.fingerprint) is supersedes:
-            self._drop(supersedes.fingerprint)
-        self._drop(prompt.fingerprint)
-        self._prompts[prompt.fingerprint] = prompt
-        self._tokens += prompt.tokens
-        while self._tokens > self.max_tokens and len(self._prompts) > 1:
-            _, evicted = self._prompts.popitem(last=False)
-            self._tokens -= evicted.tokens
-
-    def _drop(self, fingerprint: int) -> None:
-        old = self._prompts.pop(fingerprint, None)
-        if old is not None:
-            self._tokens -= old.tokens
+            self._prompts.pop(supersedes.fingerprint)
+        self._prompts.put(prompt.fingerprint, prompt)
 
     def __len__(self) -> int:
         return len(self._prompts)

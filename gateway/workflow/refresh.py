@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import msgspec
 from gateway.backends.registry import PodRegistry
 from gateway.config import AuthConfig
 from gateway.http_client import HttpClient
+from gateway.lru import WeightedLru
 from gateway.metrics import GatewayMetrics
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -54,36 +54,36 @@ class KeptPrompt:
         return ids
 
 
+def _length_of(kept: KeptPrompt) -> int:
+    return kept.length
+
+
 class KeptPrompts:
     def __init__(self, min_tokens: int, max_tokens: int) -> None:
         self._min_tokens = max(1, min_tokens)
-        self._max_tokens = max_tokens
-        self._by_context: OrderedDict[str, KeptPrompt] = OrderedDict()  # least recently kept first
-        self.tokens = 0
+        self._by_context: WeightedLru[str, KeptPrompt] = WeightedLru(max_tokens, _length_of)
 
     def keep(self, context: str, pod: str, model: str, ids: Sequence[int]) -> None:
         """The context's request went to ``pod`` with this prompt; one too short to be worth a refresh is not
         kept."""
-        self.drop(context)
         if len(ids) < self._min_tokens:
+            self.drop(context)
             return
         packed = ids if isinstance(ids, array) else array("I", ids)
-        self._by_context[context] = KeptPrompt(pod, model, packed, len(ids))
-        self.tokens += len(ids)
-        while self.tokens > self._max_tokens and self._by_context:
-            _, oldest = self._by_context.popitem(last=False)
-            self.tokens -= oldest.length
+        self._by_context.put(context, KeptPrompt(pod, model, packed, len(ids)))
+
+    @property
+    def tokens(self) -> int:
+        return self._by_context.total
 
     def drop(self, context: str) -> None:
-        kept = self._by_context.pop(context, None)
-        if kept is not None:
-            self.tokens -= kept.length
+        self._by_context.pop(context)
 
     def get(self, context: str) -> KeptPrompt | None:
         return self._by_context.get(context)
 
     def contexts(self) -> list[str]:
-        return list(self._by_context)
+        return self._by_context.keys()
 
     def __len__(self) -> int:
         return len(self._by_context)

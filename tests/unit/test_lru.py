@@ -1,10 +1,10 @@
-"""The one LRU the caches share: what is forgotten first, and what is never forgotten."""
+"""The LRUs the caches share: what is forgotten first, and what is never forgotten."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.lru import LruCache
+from gateway.lru import LruCache, WeightedLru
 
 
 def test_least_recently_used_goes_first_and_reads_do_not_refresh():
@@ -38,3 +38,25 @@ def test_direct_writes_are_bounded_by_trim():
     assert list(cache) == [7, 8, 9]
     with pytest.raises(ValueError, match="at least 1"):
         LruCache(0)
+
+
+def test_a_weighted_lru_forgets_the_least_recently_used_until_its_weights_fit():
+    lru: WeightedLru[str, str] = WeightedLru(10, len)
+    for key, value in (("a", "xxxx"), ("b", "xxx"), ("c", "xxx")):
+        lru.put(key, value)
+    assert lru.total == 10 and lru.keys() == ["a", "b", "c"]
+    assert lru.get("a") == "xxxx" and lru.keys()[0] == "a"  # a plain read: "a" stays the oldest
+    assert lru.touch("a") == "xxxx" and lru.keys() == ["b", "c", "a"]
+    lru.put("d", "xx")  # 12: "b", now the oldest, goes
+    assert lru.keys() == ["c", "a", "d"] and lru.total == 9
+    lru.put("a", "x")  # a put replaces: the old weight is given back
+    assert lru.keys() == ["c", "d", "a"] and lru.total == 6
+    assert lru.pop("c") == "xxx" and lru.pop("zz") is None and lru.total == 3
+
+
+@pytest.mark.parametrize("keep_newest", [False, True])
+def test_an_entry_heavier_than_the_whole_bound_stays_only_when_the_newest_is_kept(keep_newest: bool):
+    lru: WeightedLru[str, str] = WeightedLru(5, len, keep_newest=keep_newest)
+    lru.put("a", "xx")
+    lru.put("big", "x" * 8)
+    assert lru.keys() == (["big"] if keep_newest else []) and lru.total == (8 if keep_newest else 0)
