@@ -132,35 +132,57 @@ def _check(used: Used, limits: UsageLimits, share: float, prompt: int, who: str)
             raise GatewayError(ErrorKind.RATE_LIMITED, f"Concurrency limit reached for {who}: "
                                f"{limits.max_concurrent} requests at once.", code="concurrency_limit_exceeded",
                                retry_after_s=1)
-    for limit, window_used, unconfirmed, need, what, span_s, before, into in (
-            (limits.requests_per_minute, used.requests_minute, used.unconfirmed_requests, 1, "requests per minute",
-             MINUTE_S, used.minute_before[2], used.into_minute),
-            (limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
-             "input tokens per minute", MINUTE_S, used.minute_before[0], used.into_minute),
-            (limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt, "input tokens per day",
-             DAY_S, used.day_before[0], used.into_day),
-            (limits.output_tokens_per_minute, used.output_minute, used.unconfirmed_output, 0,
-             "output tokens per minute", MINUTE_S, used.minute_before[1], used.into_minute),
-            (limits.output_tokens_per_day, used.output_day, used.unconfirmed_output, 0, "output tokens per day",
-             DAY_S, used.day_before[1], used.into_day)):
-        if limit is None:
+    for window in _windows(used, limits, prompt):
+        if window.limit is None:
             continue
-        allowed = limit * share
-        over = window_used + need - allowed if need else window_used - allowed + 1
-        if window_used > 0 and over > 0:
-            retry = _seconds_to_shed(over, window_used, before, into, span_s)
-            raise _over(who, limit, what, f"; retry after {retry} s", retry)
-        if _past_its_part(window_used, unconfirmed, need, allowed, used):
-            raise _over(who, limit, what, "", 1)
+        allowed = window.limit * share
+        over = window.used + window.need - allowed if window.need else window.used - allowed + 1
+        if window.used > 0 and over > 0:
+            retry = _seconds_to_shed(over, window.used, window.before, window.into, window.span_s)
+            raise _over(who, window, f"; retry after {retry} s", retry)
+        if _past_its_part(window.used, window.unconfirmed, window.need, allowed, used):
+            raise _over(who, window, "", 1)
 
 
-def _over(who: str, limit: float, what: str, retry_text: str, retry_s: int) -> GatewayError:
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """One sliding-window limit as a request meets it: its use so far, and what the request would add."""
+
+    limit: float | None
+    used: float
+    unconfirmed: float
+    need: int  # what the request adds: 1 request, its prompt's tokens, or 0 (output is charged as it comes)
+    what: str  # the limit's name, as the 429 says it
+    tokens: bool  # a limit on tokens (else on requests): the 429's code
+    span_s: float
+    before: float  # the previous window's use, sliding out
+    into: float  # how far into the current window
+
+
+def _windows(used: Used, limits: UsageLimits, prompt: int) -> tuple[_Window, ...]:
+    return (
+        _Window(limits.requests_per_minute, used.requests_minute, used.unconfirmed_requests, 1,
+                "requests per minute", False, MINUTE_S, used.minute_before[2], used.into_minute),
+        _Window(limits.input_tokens_per_minute, used.input_minute, used.unconfirmed_input, prompt,
+                "input tokens per minute", True, MINUTE_S, used.minute_before[0], used.into_minute),
+        _Window(limits.input_tokens_per_day, used.input_day, used.unconfirmed_input, prompt,
+                "input tokens per day", True, DAY_S, used.day_before[0], used.into_day),
+        _Window(limits.output_tokens_per_minute, used.output_minute, used.unconfirmed_output, 0,
+                "output tokens per minute", True, MINUTE_S, used.minute_before[1], used.into_minute),
+        _Window(limits.output_tokens_per_day, used.output_day, used.unconfirmed_output, 0,
+                "output tokens per day", True, DAY_S, used.day_before[1], used.into_day),
+    )
+
+
+def _over(who: str, window: _Window, retry_text: str, retry_s: int) -> GatewayError:
     """The 429 of a limit reached (``rate_limit_exceeded`` for requests, ``token_limit_exceeded`` for tokens);
     nearly reached when the retry is not said (this process's part of what is left is taken)."""
-    kind, code = ("Rate", "rate_limit_exceeded") if what == "requests per minute" else ("Token", "token_limit_exceeded")
+    kind, code = ("Token", "token_limit_exceeded") if window.tokens else ("Rate", "rate_limit_exceeded")
     nearly = "" if retry_text else "nearly "
+    limit = window.limit or 0.0
     amount = int(limit) if limit == int(limit) else limit
-    return GatewayError(ErrorKind.RATE_LIMITED, f"{kind} limit {nearly}reached for {who}: {amount} {what}{retry_text}.",
+    return GatewayError(ErrorKind.RATE_LIMITED,
+                        f"{kind} limit {nearly}reached for {who}: {amount} {window.what}{retry_text}.",
                         code=code, retry_after_s=retry_s)
 
 
