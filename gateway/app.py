@@ -122,9 +122,10 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     http = HttpClient()
     pods = PodRegistry(config.pods, config.health)
     metrics = GatewayMetrics()
+    loop_lag = LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe)
     shared_load = (SharedLoadTable(identity.load_table, identity.index, identity.count)
                    if identity.count > 1 else None)
-    bus = StateBus(config.shared_state, identity, metrics.registry)
+    bus = StateBus(config.shared_state, identity, metrics.registry, loop_lag.stalled_since)
     sinks = Sinks.of(bus)
     room_freed = Doorbell()  # rung as pods free up (here, or in a sibling worker that tells us); flow control answers
     bus.on((RoomFreed,), lambda origin, fact: room_freed.ring())
@@ -194,7 +195,6 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     key_limits = KeyLimitsStep(limits)
     usage_tally = UsageTally(metrics.registry)
     workflows = WorkflowService(wc, tracker, sessions, executor, modes, signals)
-    loop_lag = LoopLagProbe(config.server.loop_lag_interval_s, metrics.loop_lag.observe)
     proxy = Proxy(pods, metrics, http, config.timeouts, config.auth, config.server, loop_lag.stalled_since)
     # SLO admission and flow control hold requests in one queue, the flow controller's.
     admit = (FlowControlStep(flow, SloPolicy(config.admission), workflow_flows, pods, flow_metrics)

@@ -9,11 +9,12 @@ Nothing on the request path waits for the bus: :meth:`publish` appends to a list
 ``flush_ms`` later. Between the workers of one replica it goes as one Unix datagram to each sibling
 (reliable and ordered on Linux; a sibling whose buffer is full loses it, counted); between replicas it
 goes through a Redis pub/sub channel, by a background task. Redis down or slow: batches wait in a
-bounded queue (the oldest dropped beyond it), one warning is logged, ``gateway_shared_state_redis_up``
-drops to 0, and every replica goes on with its own state until Redis is back. Every ``heartbeat_s`` a
-process sends its in-flight owner counts (and its keys' usage) whole, which repairs any count a lost batch
-left wrong; a peer
-silent for ``peer_timeout_s`` is gone and whatever it had in flight with it.
+bounded queue (the oldest dropped beyond it) and are sent again a second later, one warning is logged,
+``gateway_shared_state_redis_up`` drops to 0, and every replica goes on with its own state until Redis is
+back. A publish whose timeout ran out while this process stood still (``LoopLagProbe``) is sent again at
+once and blames nobody: Redis may then get it twice, as after any timeout. Every ``heartbeat_s`` a process
+sends its in-flight owner counts (and its keys' usage) whole, which repairs any count a lost batch left
+wrong; a peer silent for ``peer_timeout_s`` is gone and whatever it had in flight with it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class BusMetrics:
 
 
 class StateBus:
-    def __init__(self, config: SharedStateConfig, identity: WorkerIdentity, registry: CollectorRegistry) -> None:
+    def __init__(self, config: SharedStateConfig, identity: WorkerIdentity, registry: CollectorRegistry,
+                 loop_stalled: Callable[[float], float] = lambda since: 0.0) -> None:
         self.config = config
         self.identity = identity
         self.origin = identity.origin
@@ -72,7 +74,7 @@ class StateBus:
         self._flush_handle: asyncio.TimerHandle | None = None
         self.peers: dict[str, float] = {}  # origin → when last heard from (monotonic)
         self._siblings = SiblingLink(identity, self._received, self.metrics) if identity.count > 1 else None
-        self._redis = RedisLink(config, self._received, self.metrics) if config.redis_url else None
+        self._redis = RedisLink(config, self._received, self.metrics, loop_stalled) if config.redis_url else None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -253,11 +255,13 @@ class SiblingLink:
 class RedisLink:
     """One Redis pub/sub channel for every process of every replica."""
 
-    def __init__(self, config: SharedStateConfig, deliver: Callable[[bytes, bool], None], metrics: BusMetrics
-                 ) -> None:
+    def __init__(self, config: SharedStateConfig, deliver: Callable[[bytes, bool], None], metrics: BusMetrics,
+                 loop_stalled: Callable[[float], float]) -> None:
         self.config = config
         self._deliver = deliver
         self._metrics = metrics
+        self._loop_stalled = loop_stalled
+        self._timeouts: tuple[type[BaseException], ...] = (TimeoutError,)
         self.queue: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -266,6 +270,9 @@ class RedisLink:
 
     def start(self) -> None:
         import redis.asyncio as redis  # imported only with shared_state.redis_url set
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        self._timeouts = (TimeoutError, RedisTimeout)
 
         timeout = self.config.redis_timeout_s
         self._client = redis.from_url(self.config.redis_url, socket_timeout=timeout,
@@ -303,18 +310,29 @@ class RedisLink:
         self._metrics.redis_up.set(1 if up else 0)
 
     async def _publish(self) -> None:
+        excused = False
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.queue:
+                started = time.perf_counter()
                 try:
                     async with asyncio.timeout(self.config.redis_timeout_s):
                         await self._client.publish(self.config.channel, self.queue[0])
                 except Exception as exc:  # redis.RedisError, OSError, the timeout
+                    # A timer that ran out while this process stood still measured it, not Redis: at once again.
+                    if not excused and isinstance(exc, self._timeouts) and \
+                            self._loop_stalled(started) >= self.config.redis_timeout_s / 2:
+                        excused = True
+                        continue
                     self._mark(False, "publish", exc)
+                    # The batch stays first in the queue. Not sooner: what is published before the other
+                    # replicas have subscribed again after an outage reaches nobody.
                     await asyncio.sleep(min(2.0, self.config.redis_timeout_s * 2))
+                    excused = False
                     continue
                 self.queue.popleft()
+                excused = False
                 if not self.up:
                     self._mark(True)
 

@@ -18,10 +18,12 @@ import aiohttp
 import pytest
 import uvloop
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from gateway.backends.registry import PodRegistry
 from gateway.background import LoopLagProbe
-from gateway.config import AuthConfig, HealthConfig, PodConfig, ServerConfig, TimeoutConfig
+from gateway.cluster.bus import BusMetrics, RedisLink
+from gateway.config import AuthConfig, HealthConfig, PodConfig, ServerConfig, SharedStateConfig, TimeoutConfig
 from gateway.http_client import HttpClient
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.forward import Proxy
@@ -125,3 +127,64 @@ def test_a_connect_that_times_out_again_after_the_stall_is_the_pods_failure(loop
     assert pods.get("p0").ejected_at is not None
     assert _counted(metrics, "gateway_stalled_connects_total", pod="p0") == 1
     assert _counted(metrics, "gateway_upstream_errors_total", pod="p0", kind="connect") == 1
+
+
+class _StallingPublishes:
+    """A Redis client whose publishes stand the loop still for ``STALL_S`` once each is sent, ``stalls`` times."""
+
+    def __init__(self, client: Any, stalls: int) -> None:
+        self._client, self.stalls = client, stalls
+
+    async def publish(self, channel: str, data: bytes) -> Any:
+        if self.stalls > 0:
+            self.stalls -= 1
+            asyncio.get_running_loop().call_soon(time.sleep, STALL_S)
+        return await self._client.publish(channel, data)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def _publish_through_a_stall(url: str, probe_interval_s: float) -> tuple[BusMetrics, list[bytes], bool]:
+    """One batch published through a stall; what the metrics say, what a subscriber got, whether the link
+    was up throughout."""
+    import redis.asyncio as redis
+
+    config = SharedStateConfig(redis_url=url, channel="stall-test", redis_timeout_s=CONNECT_S)
+    metrics = BusMetrics(CollectorRegistry())
+    probe = LoopLagProbe(probe_interval_s, metrics.redis_up.set)  # any sink: the probe's record is its own
+    received: list[bytes] = []
+    listener = redis.from_url(url).pubsub()
+    await listener.subscribe("stall-test")
+    link = RedisLink(config, lambda data, remote: None, metrics, probe.stalled_since)
+    link.start()
+    await probe.start()
+    ups: list[bool] = []
+    try:
+        await asyncio.sleep(0.3)  # the link up (its subscription answered), the probe's sleeps under way
+        link._client = _StallingPublishes(link._client, stalls=1)
+        link.send(b"facts")
+        for _ in range(100):
+            ups.append(link.up)
+            message = await listener.get_message(ignore_subscribe_messages=True, timeout=0.05)
+            if message is not None:
+                received.append(message["data"])
+            if received and not link.queue:
+                break
+        return metrics, received, all(ups)
+    finally:
+        await probe.stop()
+        await link.stop()
+        await listener.aclose()
+
+
+@pytest.mark.parametrize("probe_interval_s", [0.05, 0.0], ids=["probe", "no probe"])
+def test_a_publish_timed_out_by_a_stall_is_sent_again_at_once_and_the_link_stays_up(redis_server,
+                                                                                     probe_interval_s: float):
+    metrics, received, always_up = uvloop.run(_publish_through_a_stall(redis_server.url, probe_interval_s))
+    errors = metrics.errors.labels("redis", "publish")._value.get()
+    assert received and set(received) == {b"facts"}  # delivered (twice, when the first had reached Redis)
+    if probe_interval_s:
+        assert errors == 0 and always_up
+    else:  # without the probe the stall looks like Redis gone: counted, the link down until the next try
+        assert errors == 1 and not always_up
