@@ -259,7 +259,7 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
         readings = pressure_source(config, PressureContext(load, working_set, capacity_of))
         pressure = PressureMonitor(config.pressure, pods, readings, tracker, working_set, executor, modes, metrics)
     health = HealthChecker(pods, http, config.health, lambda pod: health_changed(metrics, kv, pod),
-                           share=1 / identity.count)
+                           share=1 / identity.count, loop_stalled=loop_lag.stalled_since)
     membership = PodMembership(health, metrics, kv, load, profiles, approximate, sessions, working_set, modes,
                                ledger)
     discovery = None

@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import aiohttp
 
@@ -38,9 +39,12 @@ class HealthChecker:
         on_change: Callable[[Pod], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         share: float = 1.0,
+        loop_stalled: Callable[[float], float] = lambda since: 0.0,
     ) -> None:
-        """``share``: this process's part of the host's checks (one of its workers')."""
+        """``share``: this process's part of the host's checks (one of its workers'). ``loop_stalled``: how
+        long the event loop stood still since a ``time.perf_counter()`` reading (``LoopLagProbe``)."""
         self._registry = registry
+        self._loop_stalled = loop_stalled
         self._clock = clock
         self._http = http
         self._config = config
@@ -103,11 +107,17 @@ class HealthChecker:
         return (pod.consecutive_successes + 1) % MODEL_REFRESH_EVERY == 0
 
     async def check(self, pod: Pod, initial: bool = False, refresh_models: bool = False) -> None:
-        started = self._clock()
-        ok, error = await self._probe(pod)
-        if ok and (refresh_models or not pod.models) and not pod.config.models:
-            ok, error = await self._fetch_models(pod)
+        started, began = self._clock(), time.perf_counter()
+        answer = await self._probe(pod)
+        if answer.ok and (refresh_models or not pod.models) and not pod.config.models:
+            answer = await self._fetch_models(pod)
         pod.last_check = self._clock()
+        ok, error = answer.ok, answer.error
+        if answer.timed_out and self._loop_stalled(began) >= self._config.timeout_s / 2:
+            # Its timer ran out while this process stood still: the pod's answer may have waited behind it.
+            # Neither a pass nor a failure; the next round asks again.
+            log.info("health check of pod %s timed out while the event loop stood still; not counted", pod.name)
+            return
         self._record(pod, ok, error, initial)
         if ok:
             self._registry.health_passed(pod, started)
@@ -135,30 +145,38 @@ class HealthChecker:
             if self._on_change:
                 self._on_change(pod)
 
-    async def _probe(self, pod: Pod) -> tuple[bool, str | None]:
+    async def _probe(self, pod: Pod) -> _Answer:
         try:
             async with self._http.session.get(
                 f"{pod.url}/health", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
             ) as resp:
                 await resp.read()
                 if resp.status == 200:
-                    return True, None
-                return False, f"/health answered {resp.status}"
+                    return _Answer(True)
+                return _Answer(False, f"/health answered {resp.status}")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return False, f"/health failed: {type(exc).__name__}: {exc}"
+            return _Answer(False, f"/health failed: {type(exc).__name__}: {exc}", isinstance(exc, TimeoutError))
 
-    async def _fetch_models(self, pod: Pod) -> tuple[bool, str | None]:
+    async def _fetch_models(self, pod: Pod) -> _Answer:
         try:
             async with self._http.session.get(
                 f"{pod.url}/v1/models", timeout=aiohttp.ClientTimeout(total=self._config.timeout_s)
             ) as resp:
                 if resp.status != 200:
-                    return False, f"/v1/models answered {resp.status}"
+                    return _Answer(False, f"/v1/models answered {resp.status}")
                 payload = await resp.json(content_type=None)
             cards = payload.get("data") if isinstance(payload, dict) else None
             if not isinstance(cards, list):
-                return False, "/v1/models returned no data list"
+                return _Answer(False, "/v1/models returned no data list")
             pod.set_models([c for c in cards if isinstance(c, dict)])
-            return True, None
+            return _Answer(True)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return False, f"/v1/models failed: {type(exc).__name__}: {exc}"
+            return _Answer(False, f"/v1/models failed: {type(exc).__name__}: {exc}", isinstance(exc, TimeoutError))
+
+
+class _Answer(NamedTuple):
+    """A pod's answer to one probe: whether it passed, and if not why (and whether its timer ran out)."""
+
+    ok: bool
+    error: str | None = None
+    timed_out: bool = False

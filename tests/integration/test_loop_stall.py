@@ -20,6 +20,7 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from gateway.backends.health import HealthChecker
 from gateway.backends.registry import PodRegistry
 from gateway.background import LoopLagProbe
 from gateway.cluster.bus import BusMetrics, RedisLink
@@ -188,3 +189,41 @@ def test_a_publish_timed_out_by_a_stall_is_sent_again_at_once_and_the_link_stays
         assert errors == 0 and always_up
     else:  # without the probe the stall looks like Redis gone: counted, the link down until the next try
         assert errors == 1 and not always_up
+
+
+async def _health_check_through_a_stall(probe_interval_s: float) -> tuple[int, str | None]:
+    app = web.Application()
+    app.router.add_get("/health", _healthy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    pods = PodRegistry([PodConfig(url=f"http://127.0.0.1:{port}", name="p0", models=["m"])], HealthConfig())
+    http, metrics = StallingClient(stalls=1), GatewayMetrics()
+    probe = LoopLagProbe(probe_interval_s, metrics.loop_lag.observe)
+    checker = HealthChecker(pods, http, HealthConfig(timeout_s=CONNECT_S), loop_stalled=probe.stalled_since)
+    await http.start()
+    await probe.start()
+    try:
+        await asyncio.sleep(0.2)
+        pod = pods.get("p0")
+        await checker.check(pod)
+        return pod.consecutive_failures, pod.last_error
+    finally:
+        await probe.stop()
+        await http.stop()
+        await runner.cleanup()
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.mark.parametrize("probe_interval_s", [0.05, 0.0], ids=["probe", "no probe"])
+def test_a_health_check_timed_out_by_a_stall_counts_as_no_failure(probe_interval_s: float):
+    failures, error = uvloop.run(_health_check_through_a_stall(probe_interval_s))
+    if probe_interval_s:
+        assert failures == 0 and error is None
+    else:  # without the probe: one of the failures in a row that make the pod unhealthy
+        assert failures == 1 and error is not None and "TimeoutError" in error
