@@ -10,6 +10,7 @@ iteration) read without refreshing, at C speed, for hot loops; :meth:`LruCache.t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -66,7 +67,9 @@ class WeightedLru(Generic[K, V]):
         self.total = 0
         self._weight = weight
         self._floor = 1 if keep_newest else 0
-        self._entries: dict[K, V] = {}
+        # Ordered for O(1) eviction from the front (a dict's first live entry is found by a scan past the
+        # ones deleted before it).
+        self._entries: OrderedDict[K, V] = OrderedDict()
 
     def get(self, key: K) -> V | None:
         """The entry, left where it is in the order."""
@@ -74,9 +77,9 @@ class WeightedLru(Generic[K, V]):
 
     def touch(self, key: K) -> V | None:
         """The entry, made the most recently used (None if absent)."""
-        value = self._entries.pop(key, None)
+        value = self._entries.get(key)
         if value is not None:
-            self._entries[key] = value
+            self._entries.move_to_end(key)
         return value
 
     def put(self, key: K, value: V) -> None:
@@ -84,8 +87,7 @@ class WeightedLru(Generic[K, V]):
         self._entries[key] = value
         self.total += self._weight(value)
         while self.total > self.capacity and len(self._entries) > self._floor:
-            oldest = next(iter(self._entries))
-            self.total -= self._weight(self._entries.pop(oldest))
+            self.total -= self._weight(self._entries.popitem(last=False)[1])
 
     def pop(self, key: K) -> V | None:
         value = self._entries.pop(key, None)
