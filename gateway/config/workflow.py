@@ -47,6 +47,8 @@ class WorkflowConfig(msgspec.Struct, forbid_unknown_fields=True):
     # prompts the next workflows would reuse. A stage that asks for a flush (x-stage-cache-policy: flush)
     # is flushed hard either way.
     hard_flush: bool = False
+    # A hard flush the engine refuses (requests running there) is sent again this many times, the wait
+    # doubling from flush_retry_base_s; the wait for other workflows to leave the pod counts no try.
     flush_retries: int = 5
     flush_retry_base_s: float = 0.5
     # Requests without a workflow but with a session key (x-session-id, prompt_cache_key, user) stick to

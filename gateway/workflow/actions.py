@@ -28,6 +28,9 @@ from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
 log = logging.getLogger("gateway.workflow")
 
+# A hard flush waiting for the pod to be free looks again at least this often.
+FLUSH_WAIT_POLL_MAX_S = 2.0
+
 FlushOutcome = Literal["done", "refused", "failed"]
 
 
@@ -98,13 +101,17 @@ class CacheActionExecutor:
     async def _hard(self, pod: Pod, action: CacheAction) -> None:
         controller = self._controller_for(pod)
         assert controller is not None
-        delay = self._retry_base_s
-        for attempt in range(self._retries + 1):
+        delay, wait = self._retry_base_s, self._retry_base_s
+        attempt = 0
+        while attempt <= self._retries:
             if (waiting_for := self._flush_waits_for(pod, action)) is not None:
+                # Not a try: the flush waits as long as another workflow uses the pod (on a slow machine its
+                # stage outlasted the tries' backoff, and the flush was dropped without being sent).
                 self._metrics.cache_actions.labels("hard_flush_deferred", waiting_for, pod.name).inc()
-                await asyncio.sleep(delay)
-                delay *= 2
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, FLUSH_WAIT_POLL_MAX_S)
                 continue
+            attempt += 1
             outcome, detail = await controller.flush(self._http.session, pod)
             self._metrics.cache_actions.labels(f"hard_flush_{outcome}", action.reason, pod.name).inc()
             if outcome == "done":
@@ -114,7 +121,7 @@ class CacheActionExecutor:
             if outcome == "failed":
                 log.warning("hard flush of %s failed (%s); the soft flush stands", pod.name, detail)
                 return
-            log.info("pod %s refused a flush (%s); retry %d in %.1f s", pod.name, detail, attempt + 1, delay)
+            log.info("pod %s refused a flush (%s); retry %d in %.1f s", pod.name, detail, attempt, delay)
             await asyncio.sleep(delay)
             delay *= 2
         log.warning("pod %s kept refusing to flush; giving up after %d tries", pod.name, self._retries + 1)

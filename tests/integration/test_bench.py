@@ -54,7 +54,9 @@ def test_generators_are_seeded_and_traces_round_trip(tmp_path):
 
 
 def test_runner_compares_direct_and_gateway(tmp_path):
-    trace = shared_prefix(seed=0, groups=2, per_group=6, shared_words=300, question_words=20, rate=20)
+    # 5 requests a second: each request's KV events are in before the next of its group is routed, even on a
+    # machine 5x slower beside CPU hogs (at 20 a second there, 3 of 12 predictions came short of the pod's hits).
+    trace = shared_prefix(seed=0, groups=2, per_group=6, shared_words=300, question_words=20, rate=5)
     runner = BenchRunner(pods=2, num_blocks=400, speed=0.0, progress=False)
     results = [runner.run(CONTENDERS[name], trace) for name in ("direct", "gateway-kv_aware")]
     direct, gateway = results
