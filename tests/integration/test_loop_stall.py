@@ -29,6 +29,7 @@ from gateway.http_client import HttpClient
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RetryableFailure
+from tests.conftest import serve_app
 
 CONNECT_S = 1.0
 STALL_S = 1.2  # past the connect timeout, and past the half of it that marks a stall the pod is not blamed for
@@ -57,16 +58,18 @@ class StallingClient(HttpClient):
             asyncio.get_running_loop().call_soon(time.sleep, STALL_S)
 
 
+async def _one_pod(method: str, path: str, handler: Any) -> tuple[web.AppRunner, PodRegistry]:
+    """A pod on a real socket answering ``path``, and a registry of that one pod (``p0``)."""
+    app = web.Application()
+    app.router.add_route(method, path, handler)
+    runner = await serve_app(app)
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return runner, PodRegistry([PodConfig(url=url, name="p0", models=["m"])], HealthConfig())
+
+
 async def _exchange_through_stalls(stalls: int, probe_interval_s: float) -> tuple[PodRegistry, GatewayMetrics,
                                                                                   tuple[int, bytes] | str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", _answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    pods = PodRegistry([PodConfig(url=f"http://127.0.0.1:{port}", name="p0", models=["m"])], HealthConfig())
+    runner, pods = await _one_pod("POST", "/v1/completions", _answer)
     metrics, http = GatewayMetrics(), StallingClient(stalls)
     probe = LoopLagProbe(probe_interval_s, metrics.loop_lag.observe)
     proxy = Proxy(pods, metrics, http, TimeoutConfig(connect_s=CONNECT_S), AuthConfig(), ServerConfig(),
@@ -192,14 +195,7 @@ def test_a_publish_timed_out_by_a_stall_is_sent_again_at_once_and_the_link_stays
 
 
 async def _health_check_through_a_stall(probe_interval_s: float) -> tuple[int, str | None]:
-    app = web.Application()
-    app.router.add_get("/health", _healthy)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    pods = PodRegistry([PodConfig(url=f"http://127.0.0.1:{port}", name="p0", models=["m"])], HealthConfig())
+    runner, pods = await _one_pod("GET", "/health", _healthy)
     http, metrics = StallingClient(stalls=1), GatewayMetrics()
     probe = LoopLagProbe(probe_interval_s, metrics.loop_lag.observe)
     checker = HealthChecker(pods, http, HealthConfig(timeout_s=CONNECT_S), loop_stalled=probe.stalled_since)
