@@ -112,14 +112,13 @@ class HealthChecker:
         if answer.ok and (refresh_models or not pod.models) and not pod.config.models:
             answer = await self._fetch_models(pod)
         pod.last_check = self._clock()
-        ok, error = answer.ok, answer.error
         if answer.timed_out and self._loop_stalled(began) >= self._config.timeout_s / 2:
             # Its timer ran out while this process stood still: the pod's answer may have waited behind it.
             # Neither a pass nor a failure; the next round asks again.
             log.info("health check of pod %s timed out while the event loop stood still; not counted", pod.name)
             return
-        self._record(pod, ok, error, initial)
-        if ok:
+        self._record(pod, answer.ok, answer.error, initial)
+        if answer.ok:
             self._registry.health_passed(pod, started)
 
     def _record(self, pod: Pod, ok: bool, error: str | None, initial: bool) -> None:
