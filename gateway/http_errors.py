@@ -7,6 +7,7 @@ error is ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -68,6 +69,13 @@ NOT_RETRYABLE = frozenset({400, 401, 403, 404, 405, 413, 422, 431, 501})
 RETRYABLE = frozenset({429, 503})
 # A gateway 429 or 503 whose cause did not say how long: the client may try again in a second.
 DEFAULT_RETRY_AFTER_S = 1
+# How many times a request was already retried, as the OpenAI and Anthropic SDKs (and Claude Code, built on the
+# latter) number each attempt. Other clients send nothing: their every attempt reads as a first.
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+# While no pod serves a model, a call gets this many retries: the first 503 says retry after Retry-After (when a
+# pod may be back), the retry's 503 says ``x-should-retry: false``. Without the budget every SDK call against a
+# dead fleet costs 1 + max_retries requests (3 at the SDKs' default), and a fleet coming back meets them at once.
+NO_POD_RETRIES = 1
 
 _encoder = msgspec.json.Encoder()
 
@@ -90,11 +98,15 @@ class HttpError:
         self.headers = {**retry_headers(self.status), **self.headers}
 
     @classmethod
-    def of(cls, err: GatewayError) -> HttpError:
-        """The gateway's own error: a 429 or 503 always says when to retry (its cause's estimate, or 1 s)."""
+    def of(cls, err: GatewayError, retries: int = 0) -> HttpError:
+        """The gateway's own error: a 429 or 503 always says when to retry (its cause's estimate, or 1 s), except
+        to a request that already spent its retries while no pod serves the model (``retries``: the client's
+        :func:`retries_sent`)."""
         status, kind = _HTTP[err.kind]
         retry_after = err.retry_after_s if err.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
         headers = {"Retry-After": str(max(1, retry_after))} if status in RETRYABLE else {}
+        if err.kind is ErrorKind.NO_POD and retries >= NO_POD_RETRIES:
+            headers["x-should-retry"] = "false"
         return cls(status, err.message, kind, err.code, err.param, headers)
 
     def body(self, anthropic: bool = False) -> bytes:
@@ -116,6 +128,12 @@ def retry_headers(status: int) -> dict[str, str]:
     if status in RETRYABLE:
         return {"x-should-retry": "true"}
     return {}
+
+
+def retries_sent(headers: Mapping[str, str]) -> int:
+    """How many times the client says it already sent this request (0 when it does not say, or says nonsense)."""
+    value = headers.get(RETRY_COUNT_HEADER, "")
+    return int(value) if value.isdigit() and len(value) <= 3 else 0
 
 
 def openai_error_type(status: int) -> str:

@@ -12,7 +12,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.core.errors import GatewayError, internal_error
 from gateway.core.requests import ANTHROPIC_PATHS
-from gateway.http_errors import REQUEST_ID, HttpError
+from gateway.http_errors import REQUEST_ID, HttpError, retries_sent
 
 log = logging.getLogger("gateway.api")
 
@@ -36,7 +36,7 @@ def openai_errors(max_header_bytes: int) -> Callable[[web.Request, Handler], Awa
         try:
             return await handler(request)
         except GatewayError as err:
-            return _with_request_id(HttpError.of(err).to_response(anthropic), request)
+            return _with_request_id(HttpError.of(err, retries_sent(request.headers)).to_response(anthropic), request)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

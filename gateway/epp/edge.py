@@ -23,7 +23,7 @@ from gateway.core.errors import ErrorKind, GatewayError, bad_request, upstream_f
 from gateway.core.usage import Usage, usage_of_json_tail, usage_of_stream_tail
 from gateway.epp import protocol
 from gateway.epp.access_log import AccessLogs, Ended
-from gateway.http_errors import HttpError
+from gateway.http_errors import HttpError, retries_sent
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.request.body import decode_body
 
@@ -124,7 +124,7 @@ class EnvoyEdge:
         if self.answered or self.closed:
             return
         self.answered = True
-        http = HttpError.of(error)
+        http = HttpError.of(error, retries_sent(self.headers))
         headers = dict(http.headers)
         if self._request_id:
             headers["x-request-id"] = self._request_id

@@ -280,8 +280,13 @@ async def test_the_subset_hint_is_honoured_and_an_empty_one_is_a_503(stack, http
         status, headers, _ = await post(http, envoy.url, chat(i, "Where?"), **{"x-subset": only})
         assert status == 200 and headers["x-gateway-pod"] == "pod2"
     assert stack.served() == [0, 0, 5]
-    status, _, body = await post(http, envoy.url, chat(0, "Nowhere?"), **{"x-subset": "10.255.0.1:1"})
+    status, headers, body = await post(http, envoy.url, chat(0, "Nowhere?"), **{"x-subset": "10.255.0.1:1"})
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
+    assert headers["x-should-retry"] == "true"
+    # An SDK's retry of it has spent the retry a call gets while no pod can serve it.
+    status, headers, _ = await post(http, envoy.url, chat(0, "Nowhere?"),
+                                    **{"x-subset": "10.255.0.1:1", "x-stainless-retry-count": "1"})
+    assert status == 503 and headers["x-should-retry"] == "false"
 
 
 @BODY_MODES

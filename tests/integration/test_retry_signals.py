@@ -1,6 +1,7 @@
 """What a client is told about retrying, by a real gateway process: refusals a retry cannot fix say
 ``x-should-retry: false``; a 503 with no healthy pod says ``true`` and a Retry-After from how soon a pod
-may be back (its health checks); the official SDKs at their default retries follow it. Connections that
+may be back (its health checks), and ``false`` to an SDK's retry of it (one retry a call while no pod serves the
+model); the official SDKs at their default retries follow both. Connections that
 send their headers too slowly are cut off."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from gateway.config import hash_api_key
+from gateway.http_errors import NO_POD_RETRIES
 from simulator.pod import free_port
 from tests.conftest import chat_body, gateway_process
 from tests.integration.test_records import requests_total
@@ -94,9 +96,10 @@ async def gateway_requests(http: aiohttp.ClientSession, url: str) -> int:
     return sum(int(float(n)) for n in re.findall(r'^gateway_requests_total\{model="m"[^}]*\} (\S+)', text, re.M))
 
 
-async def test_sdk_clients_at_default_retries_make_only_their_retries(down, http):
-    """4 clients (2 OpenAI, 2 Anthropic), at their default ``max_retries``, one call each against a model
-    with no healthy pod: each call is its request and its retries, each retry after the Retry-After."""
+async def test_sdk_clients_at_default_retries_make_one_retry_while_no_pod_serves_the_model(down, http):
+    """4 clients (2 OpenAI, 2 Anthropic), at their default ``max_retries`` (2), one call each against a model
+    with no healthy pod: each call is its request and one retry after the Retry-After, whose 503 says not to
+    retry again (without the budget each call was 3 requests)."""
     clients = [openai.AsyncOpenAI(base_url=f"{down.url}/v1", api_key="sk-user") for _ in range(2)]
     anthropics = [anthropic.AsyncAnthropic(base_url=down.url, api_key="sk-user") for _ in range(2)]
     calls = [c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5) for c in clients]
@@ -105,10 +108,17 @@ async def test_sdk_clients_at_default_retries_make_only_their_retries(down, http
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, openai.InternalServerError | anthropic.InternalServerError) and r.status_code == 503
                for r in results), results
+    assert all(r.response.headers["x-should-retry"] == "false" for r in results)  # the retry's answer
     sent = await gateway_requests(http, down.url) - before
-    per_call = 1 + clients[0].max_retries
     assert anthropics[0].max_retries == clients[0].max_retries == 2  # the SDKs' defaults
-    assert sent == per_call * len(results), sent
+    assert sent == (1 + NO_POD_RETRIES) * len(results), sent
+
+
+async def test_a_client_that_does_not_number_its_retries_is_told_to_retry_each_time(down, http):
+    for headers in ({}, {"x-stainless-retry-count": "0"}, {"x-stainless-retry-count": "many"}):
+        async with http.post(f"{down.url}/v1/chat/completions", json=chat_body(model="m"),
+                             headers={**user(), **headers}) as resp:
+            assert resp.status == 503 and resp.headers["x-should-retry"] == "true", headers
 
 
 async def test_slow_headers_are_cut_off_and_other_clients_are_served(down, http):
