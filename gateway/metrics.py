@@ -52,6 +52,19 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._declare_answers(r)
+        self._declare_proxy(r)
+        self._declare_pods(r)
+        self._declare_routing(r)
+        self._declare_admission(r)
+        self._declare_kv_prediction(r)
+        self._declare_disaggregation(r)
+        self._declare_workflows(r)
+        self._per_request: dict[Answer, tuple] = {}
+        self._decisions: dict[tuple[str, str], Counter] = {}
+
+    def _declare_answers(self, r: CollectorRegistry) -> None:
+        """What every answer is counted by (labels, time, first byte, tokens, steps), and the loop it waited on."""
         self.requests = Counter(
             "gateway_requests", "Requests answered, each once: by model (a name the gateway serves, else "
             "unknown), pod, the HTTP status the client got, route (the path template, or unmatched) and outcome "
@@ -68,11 +81,8 @@ class GatewayMetrics:
             "Time from request received to the first response byte relayed (TTFT for streams)",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.loop_lag = Histogram(
-            "gateway_event_loop_lag_seconds",
-            "How much later than asked the event loop woke a sleeping task (sampled every "
-            "server.loop_lag_interval_s): what a request waiting on the loop waited too",
-            buckets=LOOP_LAG_BUCKETS, registry=r,
+        self.tokens = Counter(
+            "gateway_tokens", "Tokens reported in usage, by model and kind", ["model", "kind"], registry=r
         )
         self.request_steps = Histogram(
             "gateway_request_step_seconds",
@@ -80,11 +90,15 @@ class GatewayMetrics:
             "connect (sent until the pod's headers), first_byte (headers until the first byte)",
             ["step"], buckets=STEP_BUCKETS, registry=r,
         )
-        self.in_flight = Gauge("gateway_in_flight_requests", "Requests in flight per pod", ["pod"], registry=r)
-        self.decisions = Counter(
-            "gateway_routing_decisions", "Routing decisions by policy and reason", ["policy", "reason"],
-            registry=r,
+        self.loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a sleeping task (sampled every "
+            "server.loop_lag_interval_s): what a request waiting on the loop waited too",
+            buckets=LOOP_LAG_BUCKETS, registry=r,
         )
+
+    def _declare_proxy(self, r: CollectorRegistry) -> None:
+        """What the proxy saw go wrong with a pod: retries, failures, stalled connects, streams cut."""
         self.retries = Counter(
             "gateway_retries", "Requests moved to another pod before the first byte, by failed pod and cause",
             ["pod", "cause"], registry=r,
@@ -99,8 +113,23 @@ class GatewayMetrics:
         self.stream_aborts = Counter(
             "gateway_stream_aborts", "Streams ended early, by side", ["pod", "side"], registry=r
         )
-        self.tokens = Counter(
-            "gateway_tokens", "Tokens reported in usage, by model and kind", ["model", "kind"], registry=r
+
+    def _declare_pods(self, r: CollectorRegistry) -> None:
+        """Each pod's live numbers and state, exported per pod while it is in the fleet."""
+        self.in_flight = Gauge("gateway_in_flight_requests", "Requests in flight per pod", ["pod"], registry=r)
+        self.pending_load = Gauge("gateway_pod_pending_load", "Little's-law pending load (1 = full)", ["pod"],
+                                  registry=r)
+        self.kv_usage = Gauge("gateway_pod_kv_usage", "KV-cache usage the pod reports (0-1)", ["pod"], registry=r)
+        self.pod_role = Gauge("gateway_pod_role", "1 for the role each pod plays: prefill, decode or both",
+                              ["pod", "role"], registry=r)
+        self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
+                                 registry=r)
+
+    def _declare_routing(self, r: CollectorRegistry) -> None:
+        """How requests were tokenized and routed, and the cached prefixes they found or lost."""
+        self.decisions = Counter(
+            "gateway_routing_decisions", "Routing decisions by policy and reason", ["policy", "reason"],
+            registry=r,
         )
         self.tokenization = Counter(
             "gateway_tokenization", "Tokenization attempts for routing, by model, mode and outcome",
@@ -122,6 +151,13 @@ class GatewayMetrics:
             "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
+        self.placement_lost_tokens = Counter(
+            "gateway_placement_lost_tokens",
+            "Prompt tokens a request could have found cached and did not, by cause (evicted while its context "
+            "thought, moved from its cache, a new context placed off the best prefix)", ["cause"], registry=r)
+
+    def _declare_admission(self, r: CollectorRegistry) -> None:
+        """What admission decided and how its output predictions and SLO slack fared."""
         self.admission = Counter(
             "gateway_admission", "Admission outcomes by reason", ["outcome", "reason"], registry=r,
         )
@@ -140,31 +176,9 @@ class GatewayMetrics:
             "gateway_slo_slack_seconds", "TTFT target minus time spent, at dispatch and at first byte",
             ["stage"], buckets=(-10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
         )
-        self.pending_load = Gauge("gateway_pod_pending_load", "Little's-law pending load (1 = full)", ["pod"],
-                                  registry=r)
-        self.kv_usage = Gauge("gateway_pod_kv_usage", "KV-cache usage the pod reports (0-1)", ["pod"], registry=r)
-        self.cache_actions = Counter(
-            "gateway_cache_actions", "Workflow cache actions by action, reason and pod", ["action", "reason", "pod"],
-            registry=r,
-        )
-        self.pressure_mode = Gauge(
-            "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
-        )
-        self.pod_role = Gauge("gateway_pod_role", "1 for the role each pod plays: prefill, decode or both",
-                              ["pod", "role"], registry=r)
-        self.pd_requests = Counter(
-            "gateway_pd_requests",
-            "Requests of disaggregated models by what became of their prefill leg: split, cached, short, "
-            "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
-            ["model", "outcome"], registry=r,
-        )
-        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (the pod's own; "
-                                    "502: unreachable or broke off; 504: timed out; 499: the "
-                                    "client left)", ["pod", "status"], registry=r)
-        self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
-                                         "included", buckets=LATENCY_BUCKETS, registry=r)
-        self._per_request: dict[Answer, tuple] = {}
-        self._decisions: dict[tuple[str, str], Counter] = {}
+
+    def _declare_kv_prediction(self, r: CollectorRegistry) -> None:
+        """Cached-prefix predictions checked against what the engine reported."""
         self.kv_prediction_error = Histogram(
             "gateway_kv_prediction_error_tokens",
             "Predicted minus engine-reported cached prompt tokens, per answered request",
@@ -178,12 +192,27 @@ class GatewayMetrics:
         )
         self.kv_drift = Gauge("gateway_kv_drift", "1 while a model's predictions keep missing", ["model"],
                               registry=r)
-        self.placement_lost_tokens = Counter(
-            "gateway_placement_lost_tokens",
-            "Prompt tokens a request could have found cached and did not, by cause (evicted while its context "
-            "thought, moved from its cache, a new context placed off the best prefix)", ["cause"], registry=r)
-        self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
-                                 registry=r)
+
+    def _declare_disaggregation(self, r: CollectorRegistry) -> None:
+        """Prefill/decode disaggregation: what became of prefill legs."""
+        self.pd_requests = Counter(
+            "gateway_pd_requests",
+            "Requests of disaggregated models by what became of their prefill leg: split, cached, short, "
+            "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
+            ["model", "outcome"], registry=r,
+        )
+        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (the pod's own; "
+                                    "502: unreachable or broke off; 504: timed out; 499: the "
+                                    "client left)", ["pod", "status"], registry=r)
+        self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
+                                         "included", buckets=LATENCY_BUCKETS, registry=r)
+
+    def _declare_workflows(self, r: CollectorRegistry) -> None:
+        """Workflow cache actions, keep-warm refreshes and KV pressure modes."""
+        self.cache_actions = Counter(
+            "gateway_cache_actions", "Workflow cache actions by action, reason and pod", ["action", "reason", "pod"],
+            registry=r,
+        )
         self.keep_warm_requests = Counter(
             "gateway_keep_warm_requests", "Keep-warm refreshes sent, by pod and outcome (ok, failed, cancelled: a "
             "client request came for the pod)",
@@ -194,6 +223,10 @@ class GatewayMetrics:
         self.keep_warm_returns = Counter(
             "gateway_keep_warm_returns", "Refreshed contexts that came back and found their blocks (kept) or "
             "did not (lost)", ["outcome"], registry=r)
+
+        self.pressure_mode = Gauge(
+            "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
+        )
 
     def watch_pod(self, pod: str, in_flight: Callable[[], float], pending_load: Callable[[], float],
                   kv_usage: Callable[[], float]) -> None:

@@ -70,7 +70,31 @@ def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, i
               listen_host: str = "127.0.0.1", bodies: BodyModes = "buffered") -> dict[str, Any]:
     """The bootstrap as a dict (``yaml.safe_dump`` it for ``envoy -c``). ``pods`` (``(ip, port)``) are the
     override-host cluster's endpoints; an ORIGINAL_DST cluster needs none."""
-    ext_proc: dict[str, Any] = {
+    manager = _connection_manager(cluster=cluster, failure_mode_allow=failure_mode_allow, access_log=access_log,
+                                  retries=retries, message_timeout_s=message_timeout_s, bodies=bodies)
+    pods_cluster = _original_dst_cluster() if cluster == "original_dst" else _override_host_cluster(pods or [])
+    config: dict[str, Any] = {
+        "static_resources": {
+            "listeners": [{"name": "inference", "address": _address(listen_host, listen_port),
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": manager}]}]}],
+            "clusters": [_epp_cluster(epp), pods_cluster],
+        },
+        # No limit on downstream connections is Envoy's default; say so, rather than be warned at start.
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                                      "downstream_connections.v3.DownstreamConnectionsConfig",
+                             "max_active_downstream_connections": 10000}}]},
+    }
+    if admin_port is not None:
+        config["admin"] = {"address": _address("127.0.0.1", admin_port)}
+    return config
+
+
+def _ext_proc_filter(*, failure_mode_allow: bool, message_timeout_s: float, bodies: BodyModes) -> dict[str, Any]:
+    """The ext_proc filter that asks the EPP where each request goes."""
+    return {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
         "failure_mode_allow": failure_mode_allow,
@@ -81,6 +105,14 @@ def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, i
         "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
         "mutation_rules": {"allow_all_routing": True},
     }
+
+
+def _connection_manager(*, cluster: ClusterKind, failure_mode_allow: bool, access_log: bool, retries: int,
+                        message_timeout_s: float, bodies: BodyModes) -> dict[str, Any]:
+    """The listener's HTTP connection manager: its filters (ext_proc, the access log's Lua tail, the router),
+    its one route to the pods and, when ``access_log``, the gRPC access log the EPP reads."""
+    ext_proc = _ext_proc_filter(failure_mode_allow=failure_mode_allow, message_timeout_s=message_timeout_s,
+                                bodies=bodies)
     filters = [
         {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
         {"name": "envoy.filters.http.lua", "typed_config": {
@@ -107,7 +139,12 @@ def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, i
             "common_config": {"log_name": "kv-gateway", "transport_api_version": "V3",
                               "buffer_size_bytes": 0,  # each entry at once: the EPP waits for it
                               "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}}}}}]
-    epp_cluster = {
+    return manager
+
+
+def _epp_cluster(epp: tuple[str, int]) -> dict[str, Any]:
+    """The EPP's cluster: one static endpoint spoken to over HTTP/2 (ext_proc and the access log are gRPC)."""
+    return {
         "name": "epp", "type": "STATIC", "connect_timeout": "1s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -115,48 +152,37 @@ def bootstrap(*, listen_port: int, epp: tuple[str, int], pods: list[tuple[str, i
         "load_assignment": {"cluster_name": "epp", "endpoints": [
             {"lb_endpoints": [{"endpoint": {"address": _address(*epp)}}]}]},
     }
-    if cluster == "original_dst":
-        pods_cluster: dict[str, Any] = {
-            "name": "pods", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
-            "original_dst_lb_config": {"use_http_header": True,
-                                       "http_header_name": "x-gateway-destination-endpoint"}}
-    else:
-        pods_cluster = {
-            "name": "pods", "type": "STATIC", "connect_timeout": "2s",
-            "load_assignment": {"cluster_name": "pods", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": _address(host, port)}} for host, port in pods or []]}]},
-            "load_balancing_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.override_host",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
-                             ".OverrideHost",
-                    "override_host_sources": [{"header": "x-gateway-destination-endpoint"},
-                                              {"metadata": {"key": "envoy.lb",
-                                                            "path": [{"key": "x-gateway-destination-endpoint"}]}}],
-                    "fallback_policy": {"policies": [{"typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.round_robin",
-                        "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3"
-                                     ".RoundRobin"}}}]},
-                }}}]},
-        }
-    config: dict[str, Any] = {
-        "static_resources": {
-            "listeners": [{"name": "inference", "address": _address(listen_host, listen_port),
-                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                           "typed_config": manager}]}]}],
-            "clusters": [epp_cluster, pods_cluster],
-        },
-        # No limit on downstream connections is Envoy's default; say so, rather than be warned at start.
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.resource_monitors."
-                                      "downstream_connections.v3.DownstreamConnectionsConfig",
-                             "max_active_downstream_connections": 10000}}]},
+
+
+def _original_dst_cluster() -> dict[str, Any]:
+    """The pods' cluster that connects wherever the EPP's destination header says (no endpoints listed)."""
+    return {
+        "name": "pods", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True,
+                                   "http_header_name": "x-gateway-destination-endpoint"}}
+
+
+def _override_host_cluster(pods: list[tuple[str, int]]) -> dict[str, Any]:
+    """The pods' cluster of listed endpoints, the EPP's pick overriding round robin (by header or metadata)."""
+    return {
+        "name": "pods", "type": "STATIC", "connect_timeout": "2s",
+        "load_assignment": {"cluster_name": "pods", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _address(host, port)}} for host, port in pods]}]},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
+                         ".OverrideHost",
+                "override_host_sources": [{"header": "x-gateway-destination-endpoint"},
+                                          {"metadata": {"key": "envoy.lb",
+                                                        "path": [{"key": "x-gateway-destination-endpoint"}]}}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3"
+                                 ".RoundRobin"}}}]},
+            }}}]},
     }
-    if admin_port is not None:
-        config["admin"] = {"address": _address("127.0.0.1", admin_port)}
-    return config
 
 
 def bootstrap_yaml(**kwargs: Any) -> str:

@@ -99,85 +99,89 @@ class Relay:
         pod = call.pod.name
         response = web.StreamResponse(status=upstream.status, headers=self.answer_headers(call, upstream))
         await response.prepare(client)
-        last_chunks: deque[bytes] = deque(maxlen=4)
-        first_byte_at: float | None = None
-        events = 0
-        rewrite = call.rewrite
-
-        def ended(status: int, ending: Ending) -> RelayOutcome:
-            usage = usage_of_stream_tail(last_chunks) if ending is Ending.COMPLETE else None
-            return RelayOutcome(status, ending, first_byte_at, usage, events, headers_at,
-                                rewrite.response_id if rewrite is not None else None, sent=response.status)
-
+        sent = _StreamSent(call, client, response, headers_at)
         check = EventCheck()
-        transport, tap = client.transport, call.tap
-
-        async def pass_on(chunk: bytes) -> None:
-            nonlocal events
-            if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
-                return  # an event cut in two: the rest comes with the next chunk
-            if tap is not None and (reading := tap.chunk(pod, chunk)) is not None:
-                await reading
-            if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
-                # A backlog (or a chunk that could fill the socket): the client may read slower than
-                # the pod writes. Wait for it, but not forever.
-                await self._write_or_stall(response, chunk)
-            else:
-                await response.write(chunk)
-            last_chunks.append(chunk)
-            events += chunk.count(b"data: ")
-
         try:
-            async for chunk in self._chunks(upstream):
-                if first_byte_at is None:
-                    first_byte_at = time.monotonic()
-                    if call.answering is not None:
-                        call.answering()
-                if chunk := check.chunk(chunk):
-                    await pass_on(chunk)
-                if check.malformed:
-                    break
-            else:
-                if rest := check.rest():
-                    await pass_on(rest)
-            if rewrite is not None and (rest := rewrite.rest()):
-                await response.write(rest)  # a last event without its blank line
-                last_chunks.append(rest)
+            await self._relay_chunks(call, upstream, sent, check)
             if check.malformed:
-                return response, await self._malformed(call, response, ended)
+                return response, await self._malformed(call, response, sent.ended)
         except ClientStalled:
-            self._metrics.stream_aborts.labels(pod, "client_stalled").inc()
-            log.warning("request %s: client stalled for %g s; stream cut", call.request_id, self._client_stall_s)
-            if client.transport is not None:
-                client.transport.abort()
-            return response, ended(499, Ending.CLIENT_STALLED)
+            return response, self._client_stalled(call, client, sent)
         except (*_UPSTREAM_READ_ERRORS, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
-                kind = "idle_timeout" if first_byte_at is not None else "first_byte_timeout"
-            else:
-                kind = "mid_stream"
-            self._metrics.stream_aborts.labels(pod, "upstream").inc()
-            self._metrics.upstream_errors.labels(pod, kind).inc()
-            log.warning("request %s: pod %s broke the stream (%s)", call.request_id, pod, kind)
-            error = upstream_failed(f"Pod {pod} stopped the stream early ({kind}).")
-            try:
-                await response.write(error_event(error, call.anthropic))
-            except ConnectionResetError:
-                return response, ended(499, Ending.CLIENT_GONE)
-            return response, ended(502, Ending.UPSTREAM_BROKE)
+            return response, await self._upstream_broke(call, sent, exc)
         except ConnectionResetError:
             self._metrics.stream_aborts.labels(pod, "client").inc()
-            return response, ended(499, Ending.CLIENT_GONE)
+            return response, sent.ended(499, Ending.CLIENT_GONE)
         except asyncio.CancelledError:  # the client left while the relay waited for the pod
             self._metrics.stream_aborts.labels(pod, "client").inc()
             if call.left is not None:
-                call.left(ended(499, Ending.CLIENT_GONE))
+                call.left(sent.ended(499, Ending.CLIENT_GONE))
             raise
         await response.write_eof()
         if check.engine_error:
             log.warning("request %s: pod %s wrote an error event into its stream", call.request_id, pod)
-            return response, ended(502, Ending.ENGINE_ERROR)
-        return response, ended(upstream.status, Ending.COMPLETE)
+            return response, sent.ended(502, Ending.ENGINE_ERROR)
+        return response, sent.ended(upstream.status, Ending.COMPLETE)
+
+    async def _relay_chunks(self, call: UpstreamCall, upstream: aiohttp.ClientResponse, sent: _StreamSent,
+                            check: EventCheck) -> None:
+        """The pod's chunks passed on as they come, up to the stream's end or its first malformed event."""
+        async for chunk in self._chunks(upstream):
+            if sent.first_byte_at is None:
+                sent.first_byte_at = time.monotonic()
+                if call.answering is not None:
+                    call.answering()
+            if chunk := check.chunk(chunk):
+                await self._pass_on(sent, chunk)
+            if check.malformed:
+                break
+        else:
+            if rest := check.rest():
+                await self._pass_on(sent, rest)
+        if sent.rewrite is not None and (rest := sent.rewrite.rest()):
+            await sent.response.write(rest)  # a last event without its blank line
+            sent.last_chunks.append(rest)
+
+    async def _pass_on(self, sent: _StreamSent, chunk: bytes) -> None:
+        """One checked chunk to the client: rewritten, tapped, and written (timed when the client lags)."""
+        rewrite, tap, transport = sent.rewrite, sent.tap, sent.transport
+        if rewrite is not None and not (chunk := rewrite.chunk(chunk)):
+            return  # an event cut in two: the rest comes with the next chunk
+        if tap is not None and (reading := tap.chunk(sent.pod, chunk)) is not None:
+            await reading
+        if transport is not None and (len(chunk) > _UNTIMED_CHUNK or transport.get_write_buffer_size()):
+            # A backlog (or a chunk that could fill the socket): the client may read slower than
+            # the pod writes. Wait for it, but not forever.
+            await self._write_or_stall(sent.response, chunk)
+        else:
+            await sent.response.write(chunk)
+        sent.last_chunks.append(chunk)
+        sent.events += chunk.count(b"data: ")
+
+    def _client_stalled(self, call: UpstreamCall, client: web.Request, sent: _StreamSent) -> RelayOutcome:
+        """The client read nothing for ``client_stall_s``: its connection is cut."""
+        self._metrics.stream_aborts.labels(sent.pod, "client_stalled").inc()
+        log.warning("request %s: client stalled for %g s; stream cut", call.request_id, self._client_stall_s)
+        if client.transport is not None:
+            client.transport.abort()
+        return sent.ended(499, Ending.CLIENT_STALLED)
+
+    async def _upstream_broke(self, call: UpstreamCall, sent: _StreamSent, exc: BaseException) -> RelayOutcome:
+        """The pod broke off or went quiet mid-stream: the stream ends with an error event in the route's shape."""
+        pod = sent.pod
+        if isinstance(exc, TimeoutError):
+            kind = "idle_timeout" if sent.first_byte_at is not None else "first_byte_timeout"
+        else:
+            kind = "mid_stream"
+        self._metrics.stream_aborts.labels(pod, "upstream").inc()
+        self._metrics.upstream_errors.labels(pod, kind).inc()
+        log.warning("request %s: pod %s broke the stream (%s)", call.request_id, pod, kind)
+        error = upstream_failed(f"Pod {pod} stopped the stream early ({kind}).")
+        try:
+            await sent.response.write(error_event(error, call.anthropic))
+        except ConnectionResetError:
+            return sent.ended(499, Ending.CLIENT_GONE)
+        return sent.ended(502, Ending.UPSTREAM_BROKE)
 
     async def _malformed(self, call: UpstreamCall, response: web.StreamResponse,
                          ended: Callable[[int, Ending], RelayOutcome]) -> RelayOutcome:
@@ -209,6 +213,31 @@ class Relay:
         while chunk := await _read(content, limit_s):
             yield chunk
             limit_s = self._idle_s if self._explicit_idle else None
+
+
+class _StreamSent:
+    """What one stream relay has passed on so far, for its outcome. Producer: :meth:`Relay.stream`."""
+
+    __slots__ = ("events", "first_byte_at", "headers_at", "last_chunks", "pod", "response", "rewrite", "tap",
+                 "transport")
+
+    def __init__(self, call: UpstreamCall, client: web.Request, response: web.StreamResponse,
+                 headers_at: float | None) -> None:
+        self.pod = call.pod.name
+        self.response = response
+        self.rewrite = call.rewrite
+        self.tap = call.tap
+        self.transport = client.transport
+        self.headers_at = headers_at
+        self.last_chunks: deque[bytes] = deque(maxlen=4)
+        self.first_byte_at: float | None = None
+        self.events = 0
+
+    def ended(self, status: int, ending: Ending) -> RelayOutcome:
+        usage = usage_of_stream_tail(self.last_chunks) if ending is Ending.COMPLETE else None
+        rewrite = self.rewrite
+        return RelayOutcome(status, ending, self.first_byte_at, usage, self.events, self.headers_at,
+                            rewrite.response_id if rewrite is not None else None, sent=self.response.status)
 
 
 async def _read(content: aiohttp.StreamReader, limit_s: float | None) -> bytes:

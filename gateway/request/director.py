@@ -199,6 +199,39 @@ class RequestDirector:
     async def _serve_target(self, run: _Run, route: ModelRoute, target: str) -> None:
         """Serve the request with one of its targets, or raise :class:`_TargetFailed` when that target
         cannot (and nothing reached the client)."""
+        request = run.request
+        policy, routing, plan = await self._ready_for(run, route, target)
+        headers = self._proxy.upstream_headers(request.headers, request.id)
+        # The body was read as JSON whatever type its client declared (none, or a +json one): vLLM takes it
+        # only as application/json.
+        headers["content-type"] = "application/json"
+        exclude = self._excluded_pods(run)
+        failure: RetryableFailure | None = None
+        served_by: Pod | None = None  # where the data plane took the request after a failure
+        tries = 0
+        while failure is None or served_by is not None or tries <= self._max_retries:
+            started = self._clock()
+            if served_by is not None:
+                decision = _fallback(served_by, policy, routing, exclude)
+            else:
+                decision = self._route(routing, policy, plan, exclude, failure)
+            run.times.mark(Step.ROUTE)
+            run.last = attempt = self._dispatch(run, policy, routing, plan, decision, started, headers)
+            tries += 1
+            try:
+                await self._attempt(run, attempt, exclude, route)
+                return
+            except RetryableFailure as exc:
+                failure, served_by = exc, exc.served_by
+                exclude.add(decision.pod.name)
+                log.warning("request %s: pod %s failed before the first byte (%s: %s)%s",
+                            request.id, decision.pod.name, exc.cause, exc.error.message,
+                            f"; the data plane took it to {served_by.name}" if served_by is not None else "")
+        raise _TargetFailed(failure.error, "failed")
+
+    async def _ready_for(self, run: _Run, route: ModelRoute, target: str
+                         ) -> tuple[Policy, RoutingRequest, RequestPlan]:
+        """The request resolved for ``target``, through its prepare and admit steps, and planned (once)."""
         request, times = run.request, run.times
         policy, routing = self._resolve(request, route, target)
         run.routing = routing
@@ -211,53 +244,43 @@ class RequestDirector:
         times.mark(Step.ADMIT)
         if run.plan is None:  # a workflow's stage begins once, whichever target serves it
             run.plan = self._planner.plan(request, policy, routing)
-        plan = run.plan
-        headers = self._proxy.upstream_headers(request.headers, request.id)
-        # The body was read as JSON whatever type its client declared (none, or a +json one): vLLM takes it
-        # only as application/json.
-        headers["content-type"] = "application/json"
+        return policy, routing, run.plan
+
+    def _excluded_pods(self, run: _Run) -> set[str]:
+        """The pods the request may not go to: those outside its key's allowed pods or its ``only_pod``."""
         allowed = run.edge.allowed_pods
-        if request.only_pod is not None:
-            allowed = frozenset({request.only_pod} if allowed is None else {request.only_pod} & allowed)
-        exclude = {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
-        failure: RetryableFailure | None = None
-        served_by: Pod | None = None  # where the data plane took the request after a failure
-        tries = 0
-        while failure is None or served_by is not None or tries <= self._max_retries:
-            started = self._clock()
-            if served_by is not None:
-                decision = _fallback(served_by, policy, routing, exclude)
-            else:
-                try:
-                    decision = self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
-                                                  binding=plan.pin_binding)
-                except GatewayError as err:
-                    if failure:  # every pod we could try has failed: say why, not just "none left"
-                        raise _TargetFailed(failure.error, "failed") from None
-                    if err.code in _FALLBACK_CODES:
-                        raise _TargetFailed(err, "no_pod") from None
-                    raise
-            times.mark(Step.ROUTE)
-            estimate = routing.estimates.get(decision.pod.name)
-            dispatch = self._ledger.dispatch(
-                request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
-                request.kind, context=routing.context_key, stage=plan.stage_owner,
-                prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
-            run.last = attempt = Attempt(request, policy, routing, plan, decision, dispatch, run.attempts, started,
-                                         upstream_headers(headers, run.admitted, decision.pod),
-                                         run.body if run.body is not request.body else None)
-            run.attempts += 1
-            tries += 1
-            try:
-                await self._attempt(run, attempt, exclude, route)
-                return
-            except RetryableFailure as exc:
-                failure, served_by = exc, exc.served_by
-                exclude.add(decision.pod.name)
-                log.warning("request %s: pod %s failed before the first byte (%s: %s)%s",
-                            request.id, decision.pod.name, exc.cause, exc.error.message,
-                            f"; the data plane took it to {served_by.name}" if served_by is not None else "")
-        raise _TargetFailed(failure.error, "failed")
+        if run.request.only_pod is not None:
+            only = run.request.only_pod
+            allowed = frozenset({only} if allowed is None else {only} & allowed)
+        return {p.name for p in self._pods.all() if p.name not in allowed} if allowed is not None else set()
+
+    def _route(self, routing: RoutingRequest, policy: Policy, plan: RequestPlan, exclude: set[str],
+               failure: RetryableFailure | None) -> Decision:
+        """The router's pick among the pods not excluded; a target it finds no pod for is :class:`_TargetFailed`."""
+        try:
+            return self._router.route(routing, policy, frozenset(exclude), plan.pin, plan.pin_reason,
+                                      binding=plan.pin_binding)
+        except GatewayError as err:
+            if failure:  # every pod we could try has failed: say why, not just "none left"
+                raise _TargetFailed(failure.error, "failed") from None
+            if err.code in _FALLBACK_CODES:
+                raise _TargetFailed(err, "no_pod") from None
+            raise
+
+    def _dispatch(self, run: _Run, policy: Policy, routing: RoutingRequest, plan: RequestPlan, decision: Decision,
+                  started: float, headers: dict[str, str]) -> Attempt:
+        """The attempt on the decision's pod, written into the in-flight ledger before it is sent."""
+        request = run.request
+        estimate = routing.estimates.get(decision.pod.name)
+        dispatch = self._ledger.dispatch(
+            request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
+            request.kind, context=routing.context_key, stage=plan.stage_owner,
+            prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
+        attempt = Attempt(request, policy, routing, plan, decision, dispatch, run.attempts, started,
+                          upstream_headers(headers, run.admitted, decision.pod),
+                          run.body if run.body is not request.body else None)
+        run.attempts += 1
+        return attempt
 
     async def _admit(self, run: _Run, policy: Policy, routing: RoutingRequest) -> None:
         """The admit steps, in order; a target that would keep the request waiting too long (or has no pod)
