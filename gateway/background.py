@@ -138,6 +138,15 @@ class Doorbell:
             self._waiting = False
 
 
+def own_stall(stalled_since: Callable[[float], float], started: float, timeout_s: float) -> float | None:
+    """Whether a timeout of ``timeout_s`` begun at ``started`` (a ``time.perf_counter()`` reading) that ran out
+    measured the gateway rather than its peer: it does when the event loop stood still for at least half of
+    it (by :meth:`LoopLagProbe.stalled_since`, passed as ``stalled_since``). The stall's length when it
+    does, else None. The one rule of the proxy's connects, the health checks and the Redis link."""
+    stalled = stalled_since(started)
+    return stalled if stalled >= timeout_s / 2 else None
+
+
 class LoopLagProbe:
     """Samples how late the event loop wakes a task: every ``interval_s`` it sleeps, and reports to
     ``observe`` how much longer than ``interval_s`` the sleep took. That lateness is what any request

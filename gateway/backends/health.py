@@ -19,7 +19,7 @@ import aiohttp
 
 from gateway.backends.registry import Pod, PodRegistry
 from gateway.backends.rotation import Rotation
-from gateway.background import cancel_and_wait
+from gateway.background import cancel_and_wait, own_stall
 from gateway.config import HealthConfig
 from gateway.http_client import HttpClient
 
@@ -112,7 +112,7 @@ class HealthChecker:
         if answer.ok and (refresh_models or not pod.models) and not pod.config.models:
             answer = await self._fetch_models(pod)
         pod.last_check = self._clock()
-        if answer.timed_out and self._loop_stalled(began) >= self._config.timeout_s / 2:
+        if answer.timed_out and own_stall(self._loop_stalled, began, self._config.timeout_s) is not None:
             # Its timer ran out while this process stood still: the pod's answer may have waited behind it.
             # Neither a pass nor a failure; the next round asks again.
             log.info("health check of pod %s timed out while the event loop stood still; not counted", pod.name)

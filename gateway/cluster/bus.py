@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.background import cancel_and_wait
+from gateway.background import cancel_and_wait, own_stall
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.wire import DECODER, ENCODER, Batch
 from gateway.config import SharedStateConfig
@@ -322,7 +322,7 @@ class RedisLink:
                 except Exception as exc:  # redis.RedisError, OSError, the timeout
                     # A timer that ran out while this process stood still measured it, not Redis: at once again.
                     if not excused and isinstance(exc, self._timeouts) and \
-                            self._loop_stalled(started) >= self.config.redis_timeout_s / 2:
+                            own_stall(self._loop_stalled, started, self.config.redis_timeout_s) is not None:
                         excused = True
                         continue
                     self._mark(False, "publish", exc)

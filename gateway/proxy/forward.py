@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends.registry import Pod, PodRegistry
+from gateway.background import own_stall
 from gateway.config import AuthConfig, ServerConfig, TimeoutConfig
 from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.http_client import HttpClient
@@ -119,7 +120,7 @@ class Proxy:
             try:
                 return await self._post(pod, path, body, headers)
             except aiohttp.ConnectionTimeoutError:
-                if (stalled := self._loop_stalled(started)) < self._connect_s / 2:
+                if (stalled := own_stall(self._loop_stalled, started, self._connect_s)) is None:
                     raise
                 # The connect's timer ran out while the gateway's own event loop stood still (a burst of CPU
                 # work, the machine paused): its answer, there by then, waited behind the timer. Once more.

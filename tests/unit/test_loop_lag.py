@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.background import LoopLagProbe
+from gateway.background import LoopLagProbe, own_stall
 
 
 async def test_a_stalled_loop_is_reported_as_late_and_an_idle_one_is_not() -> None:
@@ -34,3 +34,17 @@ async def test_an_interval_of_zero_takes_no_samples() -> None:
     await asyncio.sleep(0.05)
     await probe.stop()
     assert lags == []
+
+
+def test_a_timeout_is_the_gateways_own_stall_when_the_loop_stood_still_for_half_of_it_or_more() -> None:
+    asked: list[float] = []
+
+    def stalled_since(since: float) -> float:
+        asked.append(since)
+        return 1.0
+
+    assert own_stall(stalled_since, 5.0, 2.0) == 1.0  # half of the 2 s: the gateway's
+    assert own_stall(stalled_since, 5.0, 1.9) == 1.0
+    assert own_stall(stalled_since, 5.0, 2.1) is None  # less than half: the peer's
+    assert own_stall(lambda since: 0.0, 5.0, 2.0) is None  # the probe off: never the gateway's
+    assert asked == [5.0, 5.0, 5.0]  # the stalls counted are those since the timeout began
