@@ -1,18 +1,21 @@
-"""Prometheus metrics of the gateway, on a registry of its own (several apps may share a process)."""
+"""Prometheus metrics of the gateway, on a registry of its own (several apps may share a process).
+
+Each family is declared by its owner: this module declares those of the HTTP edge, the proxy, the pods and
+routing; a feature declares its own in its module (``gateway/kv/verification.py``, ``gateway/flow/metrics.py``,
+...), on the one registry. Names, labels and help texts are what dashboards and alerts read: never renamed."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from gateway.config import POD_ROLES
 
-PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # A request's steps (gateway.request.timings): tens of microseconds (a parse) to seconds (a pod's prefill).
 STEP_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
@@ -27,6 +30,7 @@ UNMATCHED_ROUTE = "unmatched"
 # longer, and each character is written into every series of every scrape.
 MAX_LABEL_CHARS = 256
 _DIGEST_CHARS = 8
+F = TypeVar("F")  # a feature's class of families (see GatewayMetrics.owned)
 
 
 def capped(value: str) -> str:
@@ -49,6 +53,10 @@ class Answer(NamedTuple):
 
 
 class GatewayMetrics:
+    """The one registry, and the families of what every request passes through: the HTTP edge (answers, their
+    times and tokens, the steps, the loop), the proxy, the pods and routing. A feature declares its own
+    families in its own module, on this registry (:meth:`owned`, or the registry handed to it)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -56,12 +64,17 @@ class GatewayMetrics:
         self._declare_proxy(r)
         self._declare_pods(r)
         self._declare_routing(r)
-        self._declare_admission(r)
-        self._declare_kv_prediction(r)
-        self._declare_disaggregation(r)
-        self._declare_workflows(r)
         self._per_request: dict[Answer, tuple] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
+        self._owned: dict[type, object] = {}
+
+    def owned(self, families: type[F]) -> F:
+        """A feature's own families (``families``: a class of its module that declares them on the registry it
+        is given), declared on this registry once, by whichever of the feature's parts asks first."""
+        declared = self._owned.get(families)
+        if declared is None:
+            declared = self._owned[families] = families(self.registry)  # type: ignore[call-arg]
+        return declared  # type: ignore[return-value]
 
     def _declare_answers(self, r: CollectorRegistry) -> None:
         """What every answer is counted by (labels, time, first byte, tokens, steps), and the loop it waited on."""
@@ -124,24 +137,17 @@ class GatewayMetrics:
                               ["pod", "role"], registry=r)
         self.pod_healthy = Gauge("gateway_pod_healthy", "1 when the pod passes health checks", ["pod"],
                                  registry=r)
+        # Written by the pressure monitor alone, but a pod's gauge, gone with the pod (:meth:`forget_pod`),
+        # and exported whether or not pressure is on.
+        self.pressure_mode = Gauge(
+            "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
+        )
 
     def _declare_routing(self, r: CollectorRegistry) -> None:
-        """How requests were tokenized and routed, and the cached prefixes they found or lost."""
+        """How requests were routed (by any policy or plugin), and the cached prefixes their pods held."""
         self.decisions = Counter(
             "gateway_routing_decisions", "Routing decisions by policy and reason", ["policy", "reason"],
             registry=r,
-        )
-        self.tokenization = Counter(
-            "gateway_tokenization", "Tokenization attempts for routing, by model, mode and outcome",
-            ["model", "mode", "outcome"], registry=r,
-        )
-        self.prompt_tokens_reused = Counter(
-            "gateway_prompt_tokens_reused", "Chat prompt tokens taken from the conversation's earlier turn "
-            "(reused) or rendered and tokenized for this request (new)", ["model", "source"], registry=r,
-        )
-        self.tokenization_seconds = Histogram(
-            "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
-            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=r,
         )
         self.prefix_hit_tokens = Histogram(
             "gateway_prefix_hit_tokens", "Cached prompt tokens predicted on the chosen pod, per decision",
@@ -151,83 +157,6 @@ class GatewayMetrics:
             "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
-        self.placement_lost_tokens = Counter(
-            "gateway_placement_lost_tokens",
-            "Prompt tokens a request could have found cached and did not, by cause (evicted while its context "
-            "thought, moved from its cache, a new context placed off the best prefix)", ["cause"], registry=r)
-
-    def _declare_admission(self, r: CollectorRegistry) -> None:
-        """What admission decided and how its output predictions and SLO slack fared."""
-        self.admission = Counter(
-            "gateway_admission", "Admission outcomes by reason", ["outcome", "reason"], registry=r,
-        )
-        self.output_tokens = Histogram(
-            "gateway_output_tokens", "Output tokens per request: predicted at admission and actual",
-            ["kind"], buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r,
-        )
-        # Children looked up once: labels() costs more than the observation on the request path.
-        self.output_predicted = self.output_tokens.labels("predicted")
-        self.output_actual = self.output_tokens.labels("actual")
-        self.output_prediction_error = Histogram(
-            "gateway_output_prediction_error_tokens", "Actual minus predicted output tokens, per request",
-            buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096), registry=r,
-        )
-        self.slo_slack = Histogram(
-            "gateway_slo_slack_seconds", "TTFT target minus time spent, at dispatch and at first byte",
-            ["stage"], buckets=(-10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
-        )
-
-    def _declare_kv_prediction(self, r: CollectorRegistry) -> None:
-        """Cached-prefix predictions checked against what the engine reported."""
-        self.kv_prediction_error = Histogram(
-            "gateway_kv_prediction_error_tokens",
-            "Predicted minus engine-reported cached prompt tokens, per answered request",
-            ["model", "pod"], buckets=PREDICTION_ERROR_BUCKETS, registry=r,
-        )
-        self.kv_prediction = Counter(
-            "gateway_kv_prediction_exact",
-            "Cached-prefix predictions checked against the engine: exact, near (within tolerance), over, "
-            "under, or prompt_tokens_mismatch (the engine counted another prompt length)",
-            ["model", "pod", "outcome"], registry=r,
-        )
-        self.kv_drift = Gauge("gateway_kv_drift", "1 while a model's predictions keep missing", ["model"],
-                              registry=r)
-
-    def _declare_disaggregation(self, r: CollectorRegistry) -> None:
-        """Prefill/decode disaggregation: what became of prefill legs."""
-        self.pd_requests = Counter(
-            "gateway_pd_requests",
-            "Requests of disaggregated models by what became of their prefill leg: split, cached, short, "
-            "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
-            ["model", "outcome"], registry=r,
-        )
-        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (the pod's own; "
-                                    "502: unreachable or broke off; 504: timed out; 499: the "
-                                    "client left)", ["pod", "status"], registry=r)
-        self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
-                                         "included", buckets=LATENCY_BUCKETS, registry=r)
-
-    def _declare_workflows(self, r: CollectorRegistry) -> None:
-        """Workflow cache actions, keep-warm refreshes and KV pressure modes."""
-        self.cache_actions = Counter(
-            "gateway_cache_actions", "Workflow cache actions by action, reason and pod", ["action", "reason", "pod"],
-            registry=r,
-        )
-        self.keep_warm_requests = Counter(
-            "gateway_keep_warm_requests", "Keep-warm refreshes sent, by pod and outcome (ok, failed, cancelled: a "
-            "client request came for the pod)",
-            ["pod", "outcome"], registry=r)
-        self.keep_warm_tokens = Counter(
-            "gateway_keep_warm_tokens", "Prompt tokens of keep-warm refreshes as the pod counted them (prompt), "
-            "and of those found cached (cached)", ["pod", "kind"], registry=r)
-        self.keep_warm_returns = Counter(
-            "gateway_keep_warm_returns", "Refreshed contexts that came back and found their blocks (kept) or "
-            "did not (lost)", ["outcome"], registry=r)
-
-        self.pressure_mode = Gauge(
-            "gateway_pod_pressure_mode", "KV pressure mode (0 relaxed .. 4 emergency)", ["pod"], registry=r
-        )
-
     def watch_pod(self, pod: str, in_flight: Callable[[], float], pending_load: Callable[[], float],
                   kv_usage: Callable[[], float]) -> None:
         """Export the pod's live numbers, read at scrape time (nothing to update per request)."""
@@ -270,11 +199,6 @@ class GatewayMetrics:
         if usage:
             prompt_tokens.inc(usage[0])
             completion_tokens.inc(usage[1])
-
-    def tokenization_done(self, model: str, mode: str, outcome: str, seconds: float | None) -> None:
-        self.tokenization.labels(model, mode, outcome).inc()
-        if seconds is not None:
-            self.tokenization_seconds.labels(mode).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(_CappedLabels(self.registry))  # type: ignore[arg-type]

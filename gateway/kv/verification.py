@@ -33,12 +33,35 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from gateway.config import VerificationConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.kv.verification")
 
 MISSES = frozenset({"prompt_tokens_mismatch", "over"})
+PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
+
+
+class PredictionMetrics:
+    """The checks' families, on the gateway's registry (:meth:`GatewayMetrics.owned`). Producer:
+    :class:`PredictionVerifier`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.error = Histogram(
+            "gateway_kv_prediction_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens, per answered request",
+            ["model", "pod"], buckets=PREDICTION_ERROR_BUCKETS, registry=registry,
+        )
+        self.outcomes = Counter(
+            "gateway_kv_prediction_exact",
+            "Cached-prefix predictions checked against the engine: exact, near (within tolerance), over, "
+            "under, or prompt_tokens_mismatch (the engine counted another prompt length)",
+            ["model", "pod", "outcome"], registry=registry,
+        )
+        self.drift = Gauge("gateway_kv_drift", "1 while a model's predictions keep missing", ["model"],
+                           registry=registry)
 
 
 @dataclass(slots=True)
@@ -65,7 +88,7 @@ def outcome_of(predicted: int, reported: int, gateway_tokens: int, engine_tokens
 class PredictionVerifier:
     def __init__(self, config: VerificationConfig, metrics: GatewayMetrics) -> None:
         self.config = config
-        self._metrics = metrics
+        self._metrics = metrics.owned(PredictionMetrics)
         self._models: dict[str, ModelChecks] = {}
 
     def _checks(self, model: str) -> ModelChecks:
@@ -99,9 +122,9 @@ class PredictionVerifier:
                 engine_tokens: int) -> str:
         """One answered request whose prefix was predicted from token ids: its outcome."""
         outcome = outcome_of(predicted, reported, gateway_tokens, engine_tokens, self.config.tolerance_tokens)
-        self._metrics.kv_prediction.labels(model, pod, outcome).inc()
+        self._metrics.outcomes.labels(model, pod, outcome).inc()
         if outcome != "prompt_tokens_mismatch":
-            self._metrics.kv_prediction_error.labels(model, pod).observe(predicted - reported)
+            self._metrics.error.labels(model, pod).observe(predicted - reported)
         checks = self._checks(model)
         checks.outcomes[outcome] = checks.outcomes.get(outcome, 0) + 1
         checks.misses.append(outcome in MISSES)
@@ -118,7 +141,7 @@ class PredictionVerifier:
         if checks.agreeing_probes >= self.config.recover_after:
             checks.drifting = False
             checks.misses.clear()
-            self._metrics.kv_drift.labels(model).set(0)
+            self._metrics.drift.labels(model).set(0)
             log.warning("model %s: the local tokenizer agrees with the engines again; precise routing resumes",
                         model)
 
@@ -130,7 +153,7 @@ class PredictionVerifier:
         checks.drifting = True
         checks.requests_while_drifting = 0
         checks.agreeing_probes = 0
-        self._metrics.kv_drift.labels(model).set(1)
+        self._metrics.drift.labels(model).set(1)
         log.warning(
             "model %s: %d of the last %d cached-prefix predictions missed (%s); the gateway's tokenizer or chat "
             "template seems to differ from the engines'. Tokenizing by the pods' /tokenize (or routing by "

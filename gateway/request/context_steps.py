@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from gateway.auth import owner_tag
 from gateway.backends.registry import PodRegistry
 from gateway.core.retention import declared_retention_s
@@ -60,6 +62,22 @@ class ContextResolution:
         routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
 
 
+class PlacementMetrics:
+    """Placement's families, on the gateway's registry (:meth:`GatewayMetrics.owned`). Producers:
+    :class:`PlacementLosses` (the tokens lost) and :class:`RoomForNewContexts` (the holds, as admission
+    outcomes)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lost_tokens = Counter(
+            "gateway_placement_lost_tokens",
+            "Prompt tokens a request could have found cached and did not, by cause (evicted while its context "
+            "thought, moved from its cache, a new context placed off the best prefix)", ["cause"],
+            registry=registry)
+        self.admission = Counter(
+            "gateway_admission", "Admission outcomes by reason", ["outcome", "reason"], registry=registry,
+        )
+
+
 class PlacementLosses:
     """Where cache hits were lost, by cause, as each decision saw them: the tokens a request could have
     found cached and did not (``/debug/placement``, ``gateway_placement_lost_tokens_total``).
@@ -78,7 +96,8 @@ class PlacementLosses:
         self.tokens = {cause: 0 for cause in self.CAUSES}
         self.decisions = 0
         self.cached_tokens = 0  # found cached on the chosen pod, in all
-        self._metric = {cause: metrics.placement_lost_tokens.labels(cause) for cause in self.CAUSES}
+        lost_tokens = metrics.owned(PlacementMetrics).lost_tokens
+        self._metric = {cause: lost_tokens.labels(cause) for cause in self.CAUSES}
 
     def record(self, attempt: Attempt, context: Context | None, block_size: int) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
@@ -224,7 +243,7 @@ class RoomForNewContexts:
         self._working_set = working_set
         self._capacity_of = capacity_of
         self._hold_s = hold_s
-        self._waited = metrics.admission.labels("held", "no_room_for_new_context")
+        self._waited = metrics.owned(PlacementMetrics).admission.labels("held", "no_room_for_new_context")
         self._clock = clock
 
     def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> Awaitable[None] | None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.backends.registry import Leg, PodRegistry
 from gateway.config import DisaggregationConfig
@@ -32,7 +33,7 @@ from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.requests import RequestKind
 from gateway.core.usage import Usage
 from gateway.load.ledger import InFlightLedger
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import LATENCY_BUCKETS, GatewayMetrics
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RetryableFailure
 from gateway.request.pipeline import DispatchStep
@@ -66,6 +67,24 @@ class _Refused(Exception):
         self.outcome = outcome
 
 
+class DisaggregationMetrics:
+    """P/D's families, on the gateway's registry (:meth:`GatewayMetrics.owned`). Producers: :class:`PrefillLegs`
+    (the legs) and :class:`gateway.request.observers.RequestMetrics` (each request's prefill outcome)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "gateway_pd_requests",
+            "Requests of disaggregated models by what became of their prefill leg: split, cached, short, "
+            "no_prefill_pod, prefill_failed, prefill_refused, unsupported",
+            ["model", "outcome"], registry=registry,
+        )
+        self.prefill_legs = Counter("gateway_prefill_legs", "Prefill legs sent, by pod and status (the pod's own; "
+                                    "502: unreachable or broke off; 504: timed out; 499: the "
+                                    "client left)", ["pod", "status"], registry=registry)
+        self.prefill_seconds = Histogram("gateway_prefill_seconds", "Time of a request's prefill leg, every try "
+                                         "included", buckets=LATENCY_BUCKETS, registry=registry)
+
+
 class PrefillLegs:
     def __init__(self, config: DisaggregationConfig, pods: PodRegistry, router: Router, ledger: InFlightLedger,
                  proxy: Proxy, metrics: GatewayMetrics, dispatched: list[DispatchStep], default_consumption: float,
@@ -75,7 +94,7 @@ class PrefillLegs:
         self._router = router
         self._ledger = ledger
         self._proxy = proxy
-        self._metrics = metrics
+        self._metrics = metrics.owned(DisaggregationMetrics)
         # The steps that see a prefill leg dispatched (the blocks its pod will hold).
         self._dispatched = dispatched
         self._default_consumption = default_consumption

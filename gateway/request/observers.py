@@ -7,11 +7,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram
+
 from gateway.core.requests import PATHS, RequestKind
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import MAX_LABEL_CHARS, UNKNOWN_MODEL, Answer, GatewayMetrics, capped
+from gateway.request.disaggregation import DisaggregationMetrics
 from gateway.request.timings import STEP_NAMES, RecentSteps
 from gateway.request.types import Attempt, CompletedRequest
 
@@ -66,13 +69,35 @@ def _one_prompt(done: CompletedRequest) -> bool:
         isinstance(p, str | list) for p in prompt))
 
 
+class OutputMetrics:
+    """The families of output lengths and SLO slack, on the gateway's registry (:meth:`GatewayMetrics.owned`).
+    Producers: :class:`gateway.request.steps.LoadEstimation` (the predictions) and :class:`OutputLearning`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.output_tokens = Histogram(
+            "gateway_output_tokens", "Output tokens per request: predicted at admission and actual",
+            ["kind"], buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=registry,
+        )
+        # Children looked up once: labels() costs more than the observation on the request path.
+        self.predicted = self.output_tokens.labels("predicted")
+        self.actual = self.output_tokens.labels("actual")
+        self.prediction_error = Histogram(
+            "gateway_output_prediction_error_tokens", "Actual minus predicted output tokens, per request",
+            buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096), registry=registry,
+        )
+        self.slo_slack = Histogram(
+            "gateway_slo_slack_seconds", "TTFT target minus time spent, at dispatch and at first byte",
+            ["stage"], buckets=(-10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30), registry=registry,
+        )
+
+
 class OutputLearning:
     """complete: feed the output-length predictor and the SLO telemetry from a request whose answer
     reached the client whole (a cut stream says nothing true about output lengths)."""
 
     def __init__(self, predictor: OutputLengthPredictor, metrics: GatewayMetrics) -> None:
         self._predictor = predictor
-        self._metrics = metrics
+        self._metrics = metrics.owned(OutputMetrics)
 
     def completed(self, done: CompletedRequest) -> None:
         outcome, rr = done.outcome, done.routing
@@ -88,9 +113,9 @@ class OutputLearning:
             return
         if prompt:
             self._predictor.observe(rr.base_model, prompt, output)
-        self._metrics.output_actual.observe(output)
+        self._metrics.actual.observe(output)
         if rr.predicted_output_tokens:
-            self._metrics.output_prediction_error.observe(output - rr.predicted_output_tokens)
+            self._metrics.prediction_error.observe(output - rr.predicted_output_tokens)
         slo = done.admitted.slo if done.admitted is not None else None
         if slo is not None and slo.ttft_s is not None and (first_byte := done.first_byte_s) is not None:
             self._metrics.slo_slack.labels("first_byte").observe(slo.ttft_s - first_byte)
@@ -102,6 +127,7 @@ class RequestMetrics:
 
     def __init__(self, metrics: GatewayMetrics, known: Callable[[str], bool]) -> None:
         self._metrics = metrics
+        self._pd_requests = metrics.owned(DisaggregationMetrics).requests
         self._models = ModelLabels(known)
 
     def completed(self, done: CompletedRequest) -> None:
@@ -112,7 +138,7 @@ class RequestMetrics:
         self._metrics.request_done(answer, done.finished - done.request.started, done.first_byte_s,
                                    (usage.prompt_tokens, usage.completion_tokens) if usage else None)
         if done.prefill is not None:
-            self._metrics.pd_requests.labels(self._models.label(done.model), done.prefill.outcome.value).inc()
+            self._pd_requests.labels(self._models.label(done.model), done.prefill.outcome.value).inc()
 
 
 class ModelLabels:

@@ -15,6 +15,7 @@ from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import RelayOutcome
+from gateway.request.observers import OutputMetrics
 from gateway.request.timings import Step
 from gateway.request.types import Attempt, ClientRequest
 from gateway.request.validation import check_output_tokens, check_token_ids_in_vocabulary, output_tokens
@@ -102,7 +103,7 @@ class LoadEstimation:
         self._pods = pods
         self._load = load
         self._predictor = predictor
-        self._metrics = metrics
+        self._predicted = metrics.owned(OutputMetrics).predicted
         self._admission_enabled = admission_enabled
 
     def prepare(self, request: ClientRequest, policy: Policy, routing: RoutingRequest) -> None:
@@ -112,7 +113,7 @@ class LoadEstimation:
         routing.input_tokens = request.prompt_tokens(routing.token_ids)
         routing.predicted_output_tokens = self._predictor.predict(
             routing.base_model, routing.input_tokens, parsed.max_completion_tokens or parsed.max_tokens)
-        self._metrics.output_predicted.observe(routing.predicted_output_tokens)
+        self._predicted.observe(routing.predicted_output_tokens)
         routing.estimates = {p.name: self._load.estimate(p.name, routing.base_model, routing.input_tokens,
                                                          routing.predicted_output_tokens)
                              for p in self._pods.candidates(routing.model, leg=routing.leg)}

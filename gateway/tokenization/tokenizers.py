@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
@@ -172,12 +173,37 @@ class LocalTokenizer:
         return ids
 
 
+class TokenizationMetrics:
+    """Tokenization's families, on the gateway's registry (:meth:`GatewayMetrics.owned`). Producer:
+    :class:`TokenizationService`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.attempts = Counter(
+            "gateway_tokenization", "Tokenization attempts for routing, by model, mode and outcome",
+            ["model", "mode", "outcome"], registry=registry,
+        )
+        self.prompt_tokens_reused = Counter(
+            "gateway_prompt_tokens_reused", "Chat prompt tokens taken from the conversation's earlier turn "
+            "(reused) or rendered and tokenized for this request (new)", ["model", "source"], registry=registry,
+        )
+        self.seconds = Histogram(
+            "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=registry,
+        )
+
+    def done(self, model: str, mode: str, outcome: str, seconds: float | None) -> None:
+        self.attempts.labels(model, mode, outcome).inc()
+        if seconds is not None:
+            self.seconds.labels(mode).observe(seconds)
+
+
 class TokenizationService:
     def __init__(self, config: TokenizationConfig, pods: PodRegistry, metrics: GatewayMetrics,
                  http: HttpClient, ledger: InFlightLedger) -> None:
         self._config = config
         self._pods = pods
         self._metrics = metrics
+        self._families = metrics.owned(TokenizationMetrics)
         self._local: dict[str, LocalTokenizer] = {}
         self._warned: set[str] = set()
         self._remote_timeout = aiohttp.ClientTimeout(total=config.remote_timeout_s)
@@ -246,14 +272,14 @@ class TokenizationService:
                 tokens = None
                 self._warn_once(base, "no tokenizer is configured for it")
         except _NotTokenizable as exc:
-            self._metrics.tokenization_done(base, mode, exc.outcome, None)
+            self._families.done(base, mode, exc.outcome, None)
             return None
-        self._metrics.tokenization_done(base, mode, "ok" if tokens is not None else "unavailable",
+        self._families.done(base, mode, "ok" if tokens is not None else "unavailable",
                                         time.perf_counter() - started)
         if tokens is not None and tokens.fingerprint is not None:
             reused = tokens.earlier.length if tokens.earlier is not None else 0
-            self._metrics.prompt_tokens_reused.labels(base, "reused").inc(reused)
-            self._metrics.prompt_tokens_reused.labels(base, "new").inc(len(tokens.ids) - reused)
+            self._families.prompt_tokens_reused.labels(base, "reused").inc(reused)
+            self._families.prompt_tokens_reused.labels(base, "new").inc(len(tokens.ids) - reused)
         return tokens
 
     async def _wait_for_load(self) -> None:

@@ -24,6 +24,7 @@ from gateway.core.contexts import workflow_key
 from gateway.http_client import HttpClient
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
+from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 
 log = logging.getLogger("gateway.workflow")
@@ -51,7 +52,7 @@ class CacheActionExecutor:
         self._tracker = tracker
         self._working_set = working_set
         self._pods = pods
-        self._metrics = metrics
+        self._metrics = metrics.owned(WorkflowMetrics)
         self._controller_for = controller_for
         self._hard_flush = hard_flush
         self._may_flush_pod = may_flush_pod  # by the workflow's owner: the admin key's, with keys on

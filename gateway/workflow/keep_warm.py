@@ -48,6 +48,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.metrics import GatewayMetrics
+from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher, RefreshFailed
 
 log = logging.getLogger("gateway.workflow.keep_warm")
@@ -158,7 +159,7 @@ class KeepWarm:
         self._ledger = ledger
         self._capacity_of = capacity_of
         self._refresher = refresher
-        self._metrics = metrics
+        self._metrics = metrics.owned(WorkflowMetrics)
         self._clock = clock
         self._client_due = client_due
         self.prompts = KeptPrompts(config.min_tokens, config.max_prompt_tokens)

@@ -28,6 +28,7 @@ from gateway.config import AuthConfig
 from gateway.http_client import HttpClient
 from gateway.lru import WeightedLru
 from gateway.metrics import GatewayMetrics
+from gateway.workflow.metrics import WorkflowMetrics
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 
@@ -94,7 +95,7 @@ class Refresher:
         self._pods = pods
         self._auth = auth
         self._http = http
-        self._metrics = metrics
+        self._metrics = metrics.owned(WorkflowMetrics)
         self._ids = itertools.count()
 
     async def refresh(self, pod_name: str, model: str, ids: list[int]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.kv.verification import PredictionMetrics
 from gateway.metrics import GatewayMetrics
 from gateway.request.observers import ModelLabels
 
@@ -12,9 +13,9 @@ from gateway.request.observers import ModelLabels
 def test_a_label_value_past_256_characters_is_capped_in_every_family_and_long_names_stay_apart():
     metrics = GatewayMetrics()
     long_a, long_b = "x" * 1000 + "a", "x" * 1000 + "b"  # a config's or a pod's names, alike at first
-    metrics.kv_drift.labels(long_a).set(1)
-    metrics.kv_drift.labels(long_b).set(0)
-    metrics.kv_drift.labels("short").set(1)
+    metrics.owned(PredictionMetrics).drift.labels(long_a).set(1)
+    metrics.owned(PredictionMetrics).drift.labels(long_b).set(0)
+    metrics.owned(PredictionMetrics).drift.labels("short").set(1)
     metrics.upstream_errors.labels("p" * 300, "connect").inc()
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     values = [v for f in families.values() for s in f.samples for v in s.labels.values()]

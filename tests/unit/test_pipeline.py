@@ -51,6 +51,7 @@ from gateway.request.context_steps import (
     ContextPlacement,
     ContextResolution,
     PlacementLosses,
+    PlacementMetrics,
     RoomForNewContexts,
     RoutedPrefix,
 )
@@ -266,7 +267,7 @@ async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
     asyncio.get_running_loop().call_later(0.2, contexts.working_set.release, "session:p1")
     await waiting
     assert 0.2 <= time.monotonic() - started < 1.0  # room opened on p1: it went on long before its 2 s
-    assert metrics.admission.labels("held", "no_room_for_new_context")._value.get() == 1
+    assert metrics.owned(PlacementMetrics).admission.labels("held", "no_room_for_new_context")._value.get() == 1
     assert step.admit(client_request(chat()), policy(), fresh) is None  # now there is room
 
 
