@@ -2,8 +2,8 @@
 held on its pod while the request runs and thinking after it (dispatch, finish), and the blocks the chosen
 pod will now hold (dispatch).
 
-None of them decides anything: the policy reads what they keep (:mod:`plugins.routing.placement`,
-:mod:`plugins.routing.prefix_scoring`).
+None of them decides anything: the policy reads what they keep (:mod:`plugins.routing.preparers.placement`,
+:mod:`plugins.routing.preparers.prefix_match`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class PrefixMatch:
 
 @dataclass(slots=True)
 class PlacementCost:
-    """One pod's cost for one request, in tokens (:mod:`plugins.routing.placement`)."""
+    """One pod's cost for one request, in tokens (:mod:`plugins.routing.preparers.placement`)."""
 
     uncached: int
     overflow: float
@@ -212,12 +212,6 @@ class Policy:
     places_contexts: bool = False
     # Run after the scorers, in order: the first that settles the choice decides instead of the picker.
     settlers: list[Settler] = field(default_factory=list)
-
-    def settle(self, request: RoutingRequest, pods: list[Pod]) -> Pick | None:
-        for settler in self.settlers:
-            if (pick := settler.settle(request, pods)) is not None:
-                return pick
-        return None
 
 
 @dataclass(slots=True)

@@ -3,7 +3,10 @@ them in a large fleet: :mod:`gateway.routing.candidates`).
 
 Policies are built from their profiles (:mod:`gateway.routing.profiles`), declared in config or shipped;
 flow control's pods with room and the workflow or session pin are filters those profiles declare
-(``saturated``, ``pin``: :mod:`plugins.routing.filters`).
+(``saturated``, ``pin``: ``plugins/routing/filters/``).
+
+The router times each call of each part (``gateway_routing_plugin_seconds{kind, plugin}``), so that no
+plugin measures itself.
 
 Owner: the router owns the built policies (and their internal state, such as a round-robin cursor) and
 the request's ``filtered_out``. It reads pods from the registry and never changes them.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from time import perf_counter
 from typing import Any
 
 from gateway.backends.registry import Pod, PodRegistry
@@ -20,7 +24,7 @@ from gateway.config import ProfileConfig, RoutingConfig
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
 from gateway.routing.candidates import Shortlist
-from gateway.routing.policy import Decision, Policy, PolicyContext, RoutingRequest
+from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, RoutingRequest
 from gateway.routing.profiles import Profiles
 
 log = logging.getLogger("gateway.routing")
@@ -46,6 +50,9 @@ class Router:
         self._plugins = plugins
         self.profiles = Profiles(plugins, options, profiles or {})
         self.default_policy = default_policy
+        self._plugin_seconds = context.metrics.routing_plugin_seconds
+        # (kind, part name) → its histogram child, looked up once: labels() costs more than the observation.
+        self._timers: dict[tuple[str, str], Any] = {}
         # Fail at start on an unknown default, and on any policy's bad options (not at its first use).
         self._policies = self._built(self.profiles, default_policy)
 
@@ -95,13 +102,8 @@ class Router:
         candidates = self._shortlist.of(request, policy, self._pods.candidates(request.model, exclude, request.leg),
                                         exclude)
         pods = self._filtered(request, policy, candidates)
-        for preparer in policy.preparers:
-            preparer.prepare(request, pods)
-        scores = [0.0] * len(pods)
-        for ws in policy.scorers:
-            for i, s in enumerate(ws.scorer.score(request, pods)):
-                scores[i] += ws.weight * s
-        pick = policy.settle(request, pods) or policy.picker.pick(request, pods, scores)
+        scores = self._scored(request, policy, pods)
+        pick = self._picked(request, policy, pods, scores)
         unpinned = pin if pin != pick.pod.name else None
         return Decision(
             pod=pick.pod,
@@ -123,12 +125,49 @@ class Router:
             return "placement"
         return next((name for name, dropped in request.filtered_out.items() if pin in dropped), "pod_unavailable")
 
+    def _timed(self, kind: str, name: str, started: float) -> None:
+        """Records a part's call that began at ``started`` (``perf_counter``)."""
+        timer = self._timers.get((kind, name))
+        if timer is None:
+            timer = self._timers[kind, name] = self._plugin_seconds.labels(kind, name)
+        timer.observe(perf_counter() - started)
+
+    def _scored(self, request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[float]:
+        """The policy's preparers run, then each pod's weighted sum of its scorers' scores."""
+        for preparer in policy.preparers:
+            started = perf_counter()
+            preparer.prepare(request, pods)
+            self._timed("preparer", preparer.name, started)
+        scores = [0.0] * len(pods)
+        for ws in policy.scorers:
+            started = perf_counter()
+            scored = ws.scorer.score(request, pods)
+            self._timed("scorer", ws.scorer.name, started)
+            for i, s in enumerate(scored):
+                scores[i] += ws.weight * s
+        return scores
+
+    def _picked(self, request: RoutingRequest, policy: Policy, pods: list[Pod], scores: list[float]) -> Pick:
+        """The first settler's pick (the workflow or session pin), else the picker's."""
+        for settler in policy.settlers:
+            started = perf_counter()
+            settled = settler.settle(request, pods)
+            self._timed("filter", settler.name, started)
+            if settled is not None:
+                return settled
+        started = perf_counter()
+        pick = policy.picker.pick(request, pods, scores)
+        self._timed("picker", policy.picker.name, started)
+        return pick
+
     def _filtered(self, request: RoutingRequest, policy: Policy, pods: list[Pod]) -> list[Pod]:
         request.filtered_out = {}
         for f in policy.filters:
             if not pods:
                 break
+            started = perf_counter()
             kept = f.filter(request, pods)
+            self._timed("filter", f.name, started)
             if len(kept) < len(pods):
                 request.filtered_out[f.name] = [p.name for p in pods if p not in kept]
             pods = kept

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from gateway.backends.registry import Pod
-from gateway.workflow.actions import FlushOutcome
+from gateway.plugin_api import FlushOutcome, Pod
 
 FLUSH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 

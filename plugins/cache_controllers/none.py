@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.plugin_api import NoOptions, PluginSpec
 
 
 def build(context: None, options: NoOptions) -> None:

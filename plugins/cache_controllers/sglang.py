@@ -3,7 +3,7 @@ body decides."""
 
 from __future__ import annotations
 
-from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.plugin_api import NoOptions, PluginSpec
 from plugins.cache_controllers import FlushEndpoint
 
 

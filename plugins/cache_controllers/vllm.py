@@ -3,7 +3,7 @@ A ``{"success": false}`` body or a 4xx is a refusal (blocks still in use); 404 m
 
 from __future__ import annotations
 
-from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.plugin_api import NoOptions, PluginSpec
 from plugins.cache_controllers import FlushEndpoint
 
 

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.backends.discovery import DiscoveryContext
-from gateway.config import ConfigError, PodConfig, read_config_file
-from gateway.plugin_registry import PluginSpec
+from gateway.plugin_api import ConfigError, DiscoveryContext, PluginSpec, PodConfig, read_config_file
 
 log = logging.getLogger("gateway.discovery.file")
 

@@ -26,9 +26,7 @@ import aiohttp
 import msgspec
 import orjson
 
-from gateway.backends.discovery import DiscoveryContext
-from gateway.config import PodConfig
-from gateway.plugin_registry import PluginSpec
+from gateway.plugin_api import DiscoveryContext, PluginSpec, PodConfig
 
 log = logging.getLogger("gateway.discovery.kubernetes")
 

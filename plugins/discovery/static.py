@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.backends.discovery import DiscoveryContext
-from gateway.config import PodConfig
-from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.plugin_api import DiscoveryContext, NoOptions, PluginSpec, PodConfig
 
 
 class StaticSource:

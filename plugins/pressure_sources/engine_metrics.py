@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-from gateway.backends.registry import Pod
-from gateway.load.pending import PendingLoad
-from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.pressure.monitor import PressureContext
+from gateway.plugin_api import NoOptions, PendingLoadView, PluginSpec, Pod, PressureContext
 
 
 class EngineMetricsSource:
     name = "engine_metrics"
 
-    def __init__(self, load: PendingLoad) -> None:
+    def __init__(self, load: PendingLoadView) -> None:
         self._load = load
 
     def usage(self, pod: Pod) -> float | None:

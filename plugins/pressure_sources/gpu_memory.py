@@ -7,9 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gateway.backends.registry import Pod
-from gateway.plugin_registry import PluginSpec
-from gateway.pressure.monitor import DeviceOptions, PressureContext, PressureSourceUnavailable
+from gateway.plugin_api import DeviceOptions, PluginSpec, Pod, PressureContext, PressureSourceUnavailable
 
 
 class NvmlSource:

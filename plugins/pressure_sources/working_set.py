@@ -6,18 +6,14 @@ for a pod whose capacity is unknown."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
-from gateway.backends.registry import Pod
-from gateway.kv.working_set import ResumableWorkingSet
-from gateway.plugin_registry import NoOptions, PluginSpec
-from gateway.pressure.monitor import PressureContext
+from gateway.plugin_api import CapacityOf, NoOptions, PluginSpec, Pod, PressureContext, ResumableWorkingSet
 
 
 class WorkingSetSource:
     name = "working_set"
 
-    def __init__(self, working_set: ResumableWorkingSet, capacity_of: Callable[[str], float | None]) -> None:
+    def __init__(self, working_set: ResumableWorkingSet, capacity_of: CapacityOf) -> None:
         self._working_set = working_set
         self._capacity_of = capacity_of
 

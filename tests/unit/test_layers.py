@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
      ("gateway.backends", "gateway.load", "gateway.kv", "gateway.tokenization", "gateway.responses")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
      "decide", ("gateway.auth", "gateway.admission", "gateway.flow", "gateway.routing", "gateway.workflow",
-                "gateway.pressure", "gateway.models", "gateway.limits", "plugins")),
+                "gateway.pressure", "gateway.models", "gateway.limits", "gateway.plugin_api", "plugins")),
     ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
     ("HTTP errors: the domain's errors in each API's shape and status", ("gateway.http_errors",)),
     ("request path: forwarding, the pipeline", ("gateway.proxy", "gateway.request")),
@@ -136,6 +136,20 @@ def test_the_checks_see_what_they_should():
     routing = {target for target, _, _ in _imports(modules["gateway.routing.policy"], modules)}
     assert "gateway.kv.working_set" in routing  # under TYPE_CHECKING
     assert all(_layer(m) >= 0 for m in modules)
+
+
+# The one module of the runtime a plugin may import: the extension points, the views they receive, and what
+# plugins are built from. Anything else a plugin took from ``gateway`` would tie it to an internal.
+PLUGIN_CONTRACT = "gateway.plugin_api"
+
+
+def test_plugins_import_nothing_of_the_runtime_but_the_contract():
+    modules = _modules()
+    reaching = sorted({f"{path.relative_to(ROOT)}:{line}: {text.strip()}"
+                for module, path in sorted(modules.items()) if module.split(".")[0] == "plugins"
+                for target, line, text in _imports(path, modules)
+                if target.split(".")[0] == "gateway" and target != PLUGIN_CONTRACT})
+    assert not reaching, f"plugins import the runtime beyond {PLUGIN_CONTRACT}:\n" + "\n".join(reaching)
 
 
 # A module past this many lines holds more than one idea; the runtime (``gateway/``) keeps each file under it.

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -13,7 +14,7 @@ from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import Estimate
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
-from gateway.routing.policy import PolicyContext, PrefixMatch, RoutingRequest
+from gateway.routing.policy import Pick, Policy, PolicyContext, PrefixMatch, RoutingRequest, WeightedScorer
 from gateway.routing.router import Router
 
 
@@ -36,6 +37,40 @@ def make_router(pods: PodRegistry, policy: str, options: dict | None = None,
 
 def request(model: str = "m") -> RoutingRequest:
     return RoutingRequest("r", model, "chat")
+
+
+class SlowScorer:
+    name = "slow"
+
+    def score(self, request: RoutingRequest, pods: list) -> list[float]:
+        time.sleep(0.02)
+        return [0.0] * len(pods)
+
+
+class FirstPicker:
+    name = "first"
+
+    def pick(self, request: RoutingRequest, pods: list, scores: list[float]) -> Pick:
+        return Pick(pods[0], "first")
+
+
+def test_the_router_times_each_part_by_kind_and_name():
+    """A part measures nothing itself: the router records each call of each part, so a slow scorer shows."""
+    pods = registry()
+    context = PolicyContext.standalone(pods)
+    router = Router(pods, policies(), "round_robin", {}, context)
+    policy = Policy("timed", FirstPicker(), scorers=[WeightedScorer(SlowScorer())])
+    router.route(request(), policy)
+    router.route(request(), policy)
+
+    def sample(kind: str, plugin: str, suffix: str) -> float | None:
+        return context.metrics.registry.get_sample_value(f"gateway_routing_plugin_seconds_{suffix}",
+                                                         {"kind": kind, "plugin": plugin})
+
+    assert sample("scorer", "slow", "count") == 2
+    assert sample("scorer", "slow", "sum") >= 0.04
+    assert sample("picker", "first", "count") == 2
+    assert sample("picker", "first", "sum") < 0.02
 
 
 def test_policies_are_found_through_entry_points():

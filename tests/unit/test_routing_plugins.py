@@ -18,20 +18,22 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, Estimate, PendingLoad
 from gateway.load.slo_profiles import ProfileStore
-from gateway.routing.pickers import MaxScorePicker, RandomPicker
 from gateway.routing.policy import PlacementCost, PrefixMatch, RoutingRequest
-from plugins.routing.least_request import InFlightScorer
-from plugins.routing.load_scoring import CapacityFilter, PendingLoadScorer, ThroughputScorer
-from plugins.routing.placement import PlacementScorer, ResumableLoadScorer
-from plugins.routing.prefix_scoring import (
-    CacheAwarePicker,
-    KvUsageScorer,
-    LoadScorer,
-    OverloadGuard,
-    PrefixMatcher,
-    PrefixScorer,
-)
-from plugins.routing.round_robin import RoundRobinPicker
+from plugins.routing.filters.capacity import CapacityFilter
+from plugins.routing.filters.overload_guard import OverloadGuard
+from plugins.routing.pickers.cache_aware import CacheAwarePicker
+from plugins.routing.pickers.max_score import MaxScorePicker
+from plugins.routing.pickers.random import RandomPicker
+from plugins.routing.pickers.round_robin import RoundRobinPicker
+from plugins.routing.preparers.prefix_match import PrefixMatcher
+from plugins.routing.scorers.in_flight import InFlightScorer
+from plugins.routing.scorers.kv_usage import KvUsageScorer
+from plugins.routing.scorers.load import LoadScorer
+from plugins.routing.scorers.pending_load import PendingLoadScorer
+from plugins.routing.scorers.placement import PlacementScorer
+from plugins.routing.scorers.prefix import PrefixScorer
+from plugins.routing.scorers.resumable_load import ResumableLoadScorer
+from plugins.routing.scorers.throughput import ThroughputScorer
 
 NAMES = ["p0", "p1", "p2"]
 

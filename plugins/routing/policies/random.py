@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.config import ProfileConfig
-from gateway.plugin_registry import PluginSpec
-from plugins.routing.filters import part, shipped
-from plugins.routing.pickers import RandomOptions
+from gateway.plugin_api import PluginSpec, ProfileConfig
+from plugins.routing.pickers.random import RandomOptions
+from plugins.routing.policies.shipped import part, shipped
 
 
 def build(context: None, options: RandomOptions) -> ProfileConfig:

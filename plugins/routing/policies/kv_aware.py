@@ -1,7 +1,7 @@
 """``kv_aware``: precise prefix-cache routing from the pods' own KV events, placed by cost in tokens.
 
 Score = ``prefix_weight`` * placement score (the prompt tokens the pod has cached, less the tokens of
-resumable contexts it would have to evict: :mod:`plugins.routing.placement`) + ``load_weight`` *
+resumable contexts it would have to evict: :mod:`plugins.routing.preparers.placement`) + ``load_weight`` *
 idleness (requests in flight plus ``idle_weight`` per workflow or session thinking there) +
 ``kv_usage_weight`` * free cache (fewest indexed blocks). Pods far busier than the least busy are
 filtered out first, so a hot prefix spreads once its pod is overloaded. Requests that cannot be tokenized
@@ -10,10 +10,12 @@ are scored on the approximate text history instead (the decision's reason says s
 
 from __future__ import annotations
 
-from gateway.config import ProfileConfig
-from gateway.plugin_registry import PluginSpec
-from plugins.routing.filters import part, scorer, shipped
-from plugins.routing.prefix_scoring import APPROXIMATE_WEIGHT, IDLE_WEIGHT, OFFLOAD_WEIGHT, CacheAwareOptions
+from gateway.plugin_api import PluginSpec, ProfileConfig
+from plugins.routing.filters import context_balance
+from plugins.routing.policies.prefix_cache import CacheAwareOptions
+from plugins.routing.policies.shipped import part, scorer, shipped
+from plugins.routing.scorers.prefix import APPROXIMATE_WEIGHT, OFFLOAD_WEIGHT
+from plugins.routing.scorers.resumable_load import IDLE_WEIGHT
 
 
 class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
@@ -23,7 +25,7 @@ class KvAwareOptions(CacheAwareOptions, forbid_unknown_fields=True):
     kv_usage_weight: float = 0.1
     # Under pressure, a starting workflow or session goes to a pod with at most this many more contexts
     # than the least loaded; none: no such balance (the cost in tokens alone decides).
-    balance_slack: int | None = 1
+    balance_slack: int | None = context_balance.SLACK
 
 
 def build(context: None, options: KvAwareOptions) -> ProfileConfig:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.config import ProfileConfig
-from gateway.plugin_registry import PluginSpec
-from plugins.routing.filters import part, scorer, shipped
-from plugins.routing.prefix_scoring import APPROXIMATE_WEIGHT, OFFLOAD_WEIGHT
+from gateway.plugin_api import PluginSpec, ProfileConfig
+from plugins.routing.policies.shipped import part, scorer, shipped
+from plugins.routing.scorers.prefix import APPROXIMATE_WEIGHT, OFFLOAD_WEIGHT
 
 
 class SloOptions(msgspec.Struct, forbid_unknown_fields=True):

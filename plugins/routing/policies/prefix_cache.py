@@ -6,10 +6,21 @@ there, with the same load scoring and overload guard as ``kv_aware``. No tokeniz
 
 from __future__ import annotations
 
-from gateway.config import ProfileConfig
-from gateway.plugin_registry import PluginSpec
-from plugins.routing.filters import part, scorer, shipped
-from plugins.routing.prefix_scoring import CacheAwareOptions
+import msgspec
+
+from gateway.plugin_api import PluginSpec, ProfileConfig
+from plugins.routing.filters import overload_guard
+from plugins.routing.policies.shipped import part, scorer, shipped
+
+
+class CacheAwareOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The options of ``prefix_cache``, and the base of ``kv_aware``'s."""
+
+    prefix_weight: float = 1.0
+    load_weight: float = 0.3
+    # The overload guard: past ``least + max(slack, ratio * least)`` requests in flight, a pod is skipped.
+    overload_slack: int = overload_guard.SLACK
+    overload_ratio: float = overload_guard.RATIO
 
 
 def build(context: None, options: CacheAwareOptions) -> ProfileConfig:

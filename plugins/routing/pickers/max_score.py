@@ -1,11 +1,12 @@
-"""Pickers shared by policies: best score (ties broken at random) and uniform random."""
+"""``max_score``: the best total score, ties broken at random."""
 
 from __future__ import annotations
 
 import random
 
-from gateway.backends.registry import Pod
-from gateway.routing.policy import Pick, RoutingRequest
+import msgspec
+
+from gateway.plugin_api import Pick, PluginSpec, Pod, RoutingRequest
 
 
 class MaxScorePicker:
@@ -22,11 +23,9 @@ class MaxScorePicker:
         return Pick(pod, self._reason, f"score {best:.3f}, {len(tied)} tied of {len(pods)}")
 
 
-class RandomPicker:
-    name = "random"
+class MaxScoreOptions(msgspec.Struct, forbid_unknown_fields=True):
+    # The decision's reason code when this picker chooses (``gateway_routing_decisions_total``).
+    reason: str = "best_score"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
 
-    def pick(self, request: RoutingRequest, pods: list[Pod], scores: list[float]) -> Pick:
-        return Pick(self._rng.choice(pods), "random", f"1 of {len(pods)}")
+PLUGIN = PluginSpec(MaxScoreOptions, lambda context, o: MaxScorePicker(o.reason))

@@ -2,7 +2,7 @@
 
 It scores 1 for the pods of the named deployments (``pods[].deployment``: say the H200s) and 0 for the
 rest; weighed against the prefix scorer, a request goes to a preferred pod unless another holds enough
-more of its prompt. One entry point names it (``deployment = "plugins.routing.deployment:PLUGIN"`` in
+more of its prompt. One entry point names it (``deployment = "plugins.routing.scorers.deployment:PLUGIN"`` in
 ``gateway.scorers``), one line of a profile uses it (``{name: deployment, weight: 0.5, options:
 {prefer: [h200]}}``).
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.backends.registry import Pod
-from gateway.plugin_registry import PluginSpec
-from gateway.routing.policy import RoutingRequest
+from gateway.plugin_api import PluginSpec, Pod, RoutingRequest
 
 
 class DeploymentOptions(msgspec.Struct, forbid_unknown_fields=True):

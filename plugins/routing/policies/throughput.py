@@ -3,9 +3,8 @@ deployment's profile and its current load."""
 
 from __future__ import annotations
 
-from gateway.config import ProfileConfig
-from gateway.plugin_registry import NoOptions, PluginSpec
-from plugins.routing.filters import part, scorer, shipped
+from gateway.plugin_api import NoOptions, PluginSpec, ProfileConfig
+from plugins.routing.policies.shipped import part, scorer, shipped
 
 
 def build(context: None, options: NoOptions) -> ProfileConfig:
