@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from gateway.app import lifecycle
+from gateway.kits.kit import lifecycle
 
 
 class Component:
