@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from aiohttp import web
 
@@ -39,7 +39,7 @@ class Kit:
     """One feature, assembled. Subclasses name themselves and the kits they need running before they start,
     build their parts in their constructor, and override what they contribute."""
 
-    name: ClassVar[str]
+    name: str  # unique in the assembly: what other kits name in their requires
     requires: tuple[str, ...] = ()  # the kits that must be running before this one starts (or EVERY_KIT)
 
     def running(self) -> Iterable[Running]:
