@@ -25,7 +25,6 @@ import hashlib
 import logging
 import signal
 
-from gateway.app import discovery_source
 from gateway.backends.discovery import PodSetApplier
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import Pod, PodRegistry
@@ -33,6 +32,7 @@ from gateway.background import cancel_and_wait, raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig
 from gateway.http_client import HttpClient
+from gateway.kits.fleet import discovery_source
 from gateway.kv._blockindex import BlockIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriptions import KvEventService

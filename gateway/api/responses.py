@@ -24,10 +24,10 @@ import orjson
 from aiohttp import web
 
 from gateway.cluster.sibling_responses import INTERNAL_PATH
-from gateway.components import FrontDoor
 from gateway.core.errors import bad_request, not_implemented, upstream_failed
 from gateway.http_client import HttpClient
 from gateway.http_errors import error_event
+from gateway.kits.requests import FrontDoor
 from gateway.proxy.pod_errors import translated
 from gateway.request.responses import response_not_found
 from gateway.responses.store import MemoryResponses, StoredResponse, encode

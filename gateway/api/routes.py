@@ -15,9 +15,10 @@ from gateway.api.records import from_sibling
 from gateway.api.responses import add_response_routes
 from gateway.auth import owner_tag
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
-from gateway.components import GATEWAY_KEY, FrontDoor, Gateway
+from gateway.components import GATEWAY_KEY, Gateway
 from gateway.core.errors import GatewayError
 from gateway.core.requests import PATHS, RequestKind
+from gateway.kits.requests import FrontDoor
 from gateway.request.director import RequestDirector
 
 # The deployment of the simulated pods ``gateway serve --mock-pods`` starts (simulator/launcher.py).

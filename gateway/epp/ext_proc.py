@@ -14,12 +14,12 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.api.routes import PROXIED_ROUTES
 from gateway.auth import ApiKey
-from gateway.components import FrontDoor
 from gateway.config import EppConfig
 from gateway.core.errors import ErrorKind, GatewayError, internal_error
 from gateway.core.requests import ANTHROPIC_PATHS, PATHS, RequestKind
 from gateway.epp.access_log import AccessLogs
 from gateway.epp.edge import EnvoyEdge
+from gateway.kits.requests import FrontDoor
 
 log = logging.getLogger("gateway.epp")
 

@@ -25,8 +25,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sharing: workers and replicas telling each other their changes", ("gateway.cluster",)),
     ("HTTP errors: the domain's errors in each API's shape and status", ("gateway.http_errors",)),
     ("request path: forwarding, the pipeline", ("gateway.proxy", "gateway.request")),
-    ("assembly: the fleet's membership, the components, the routes, the wiring, the endpoint picker's edge",
-     ("gateway.fleet", "gateway.components", "gateway.api", "gateway.app", "gateway.epp")),
+    ("assembly: the fleet's membership, the components, the routes, the feature kits, the wiring, the endpoint "
+     "picker's edge", ("gateway.fleet", "gateway.components", "gateway.api", "gateway.kits", "gateway.app",
+                       "gateway.epp")),
     ("processes: the server, its supervisor, the host's indexer, the endpoint picker, the command line",
      ("gateway.server", "gateway.supervisor", "gateway.indexer", "gateway.epp.server", "gateway.cli",
       "gateway.__main__")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from gateway.app import lifecycle
+from gateway.kits.kit import EVERY_KIT, Kit, KitOrderError, Running, lifecycle, lifecycles, start_order
 
 
 class Component:
@@ -48,3 +48,37 @@ async def test_a_failed_start_stops_what_had_started():
     with pytest.raises(RuntimeError, match="health cannot start"):
         await start_runner(runner)
     assert log == ["start http", "stop http"]
+
+
+class Feature(Kit):
+    def __init__(self, name: str, log: list[str], requires: tuple[str, ...] = ()) -> None:
+        self.name, self.requires, self.part = name, requires, Component(name, log)
+
+    def running(self) -> list[Running]:
+        return [Running(self.part.start, self.part.stop)]
+
+
+def test_kits_start_after_what_they_require_and_stop_before_it():
+    """The order comes from each kit's declared requirements; kits that need nothing of each other keep the
+    order they were composed in, and the one that requires every kit starts last."""
+    log: list[str] = []
+    kits = [Feature("tokens", log, (EVERY_KIT,)), Feature("flow", log, ("fleet",)), Feature("http", log),
+            Feature("fleet", log, ("http",)), Feature("store", log)]
+    assert [k.name for k in start_order(kits)] == ["http", "fleet", "flow", "store", "tokens"]
+
+
+async def test_kits_lifecycles_run_in_their_start_order():
+    log: list[str] = []
+    app = web.Application()
+    app.cleanup_ctx.extend(lifecycles([Feature("flow", log, ("http",)), Feature("http", log)]))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await runner.cleanup()
+    assert log == ["start http", "start flow", "stop flow", "stop http"]
+
+
+def test_a_missing_or_circular_requirement_is_refused_at_assembly():
+    with pytest.raises(KitOrderError, match="requires"):
+        start_order([Feature("flow", [], ("fleet",))])
+    with pytest.raises(KitOrderError, match="circle"):
+        start_order([Feature("a", [], ("b",)), Feature("b", [], ("a",))])

@@ -1,0 +1,132 @@
+"""The request kit: the pipeline of every kit's steps, in the order of their extension points, the two
+directors that run it, the prefill legs of disaggregated models, and the front door the client edges use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.auth import ApiKey, ApiKeyAuth
+from gateway.backends.registry import PodRegistry
+from gateway.config import GatewayConfig, ServerConfig
+from gateway.kits.flow import FlowKit
+from gateway.kits.foundation import Foundation, SharedState
+from gateway.kits.keys import LimitsKit, ResponsesKit
+from gateway.kits.kit import Kit
+from gateway.kits.models import ModelsKit, RoutingKit
+from gateway.kits.state import KvKit, LoadKit, TokensKit
+from gateway.kits.workflows import KeepWarmKit, WorkflowKit
+from gateway.models.rules import ModelRules
+from gateway.proxy.forward import Proxy
+from gateway.request.context_steps import ContextResolution, RoomForNewContexts
+from gateway.request.director import NoPlanner, RequestDirector
+from gateway.request.disaggregation import PrefillLegs
+from gateway.request.identity import KeyIdentity
+from gateway.request.observers import (
+    AccessLog,
+    OutputLearning,
+    PredictionCheck,
+    RequestMetrics,
+    RoutingMetrics,
+    StepMetrics,
+)
+from gateway.request.pipeline import RequestPipeline
+from gateway.request.responses import ResponsesState
+from gateway.request.steps import LoadEstimation, PromptTokenization
+from gateway.request.validation import RequestValidation
+from gateway.workflow.planning import WorkflowService
+
+Traced = Callable[[RequestPipeline], RequestPipeline]  # the pipeline, traced when tracing is on
+
+
+@dataclass(eq=False)
+class FrontDoor:
+    """What the edges that serve clients use: who is asking, the two directors, the upstream side, the
+    models a key may list, and whether the gateway still takes requests."""
+
+    auth: ApiKeyAuth
+    director: RequestDirector
+    counting: RequestDirector  # for count_tokens: routed and relayed, nothing else
+    proxy: Proxy  # the HTTP edge's upstream side
+    pods: PodRegistry
+    models: ModelRules  # public model names and their targets
+    responses: ResponsesState  # the Responses API's stored responses
+    workflows: WorkflowService  # a workflow's state, and its end as the client declares it
+    config: ServerConfig
+    # The one field that changes after start: set when shutdown begins (readiness answers 503).
+    draining: bool = False
+
+    def model_cards(self, key: ApiKey | None) -> list[dict[str, Any]]:
+        """``/v1/models``: the pods' models and the public names (:meth:`ModelRules.cards`) that ``key`` may use."""
+        return [c for c in self.models.cards(self.pods.model_cards()) if self.auth.may_use(key, str(c.get("id")))]
+
+    def ready_pods(self) -> int:
+        """The pods that can take a request now."""
+        now = time.monotonic()
+        return sum(1 for p in self.pods.all() if p.available(now))
+
+
+class RequestsKit(Kit):
+    """``director`` (the generating routes), ``counting`` (count_tokens), ``front`` (what the client edges
+    use), and ``steps``, the time of each step of the director's requests (/debug/steps)."""
+
+    name = "requests"
+
+    def __init__(self, config: GatewayConfig, base: Foundation, shared: SharedState, load: LoadKit, kv: KvKit,
+                 tokens: TokensKit, flow: FlowKit, workflows: WorkflowKit, keep_warm: KeepWarmKit,
+                 models: ModelsKit, routing: RoutingKit, limits: LimitsKit, responses: ResponsesKit,
+                 traced: Traced) -> None:
+        pods, metrics, rules = base.pods, base.metrics, models.rules
+        self.proxy = Proxy(pods, metrics, base.http, config.timeouts, config.auth, config.server,
+                           base.loop_lag.stalled_since)
+        self.validation = RequestValidation(pods, base.auth, config.server, rules.is_public)
+
+        def served(model: str) -> bool:  # a name the gateway answers for: a metrics label (the rest are "unknown")
+            return rules.is_public(model) or pods.knows_model(model)
+
+        self.steps = StepMetrics(metrics)
+        self.served = served
+        pipeline = traced(self._pipeline(config, base, load, kv, tokens, flow, workflows, keep_warm, models, limits,
+                                         responses))
+        directing = {"max_retries": config.routing.max_retries, "default_consumption": load.load.default_consumption,
+                     "allow_strategy_header": config.routing.allow_strategy_header,
+                     "max_body_bytes": config.server.max_body_bytes}
+        router, ledger = routing.router, shared.ledger
+        self.prefill = PrefillLegs(config.disaggregation, pods, router, ledger, self.proxy, metrics,
+                                   dispatched=[kv.routed], default_consumption=load.load.default_consumption)
+        self.director = RequestDirector(pipeline, router, workflows.planning, ledger, self.proxy, pods,
+                                        prefill=self.prefill, models=rules, adapters=models.adapters, **directing)
+        # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
+        # workflow or prediction steps, since nothing is cached or learnt by them.
+        counting = RequestPipeline(resolve=[self.validation], complete=[RequestMetrics(metrics, served), AccessLog()])
+        self.counting = RequestDirector(counting, router, NoPlanner(), ledger, self.proxy, pods, models=rules,
+                                        **directing)
+        self.front = FrontDoor(base.auth, self.director, self.counting, self.proxy, pods, rules, responses.state,
+                               workflows.service, config.server)
+
+    def _pipeline(self, config: GatewayConfig, base: Foundation, load: LoadKit, kv: KvKit, tokens: TokensKit,
+                  flow: FlowKit, workflows: WorkflowKit, keep_warm: KeepWarmKit, models: ModelsKit,
+                  limits: LimitsKit, responses: ResponsesKit) -> RequestPipeline:
+        """Each kit's steps at their extension points, in the order they run."""
+        pods, metrics, planning = base.pods, base.metrics, workflows.planning
+        admit = [flow.admit] if flow.admit is not None else []
+        recency = [keep_warm.recency] if keep_warm.recency is not None else []
+        hold_new_s = config.placement.hold_new_s
+        return RequestPipeline(
+            resolve=[self.validation, KeyIdentity(lambda: flow.flow.policy, metrics.registry), responses.state],
+            prepare=[PromptTokenization(pods, tokens.tokens, kv.verifier, config.server, limits.limits.counts_input),
+                     ContextResolution(pods, kv.index, kv.working_set, workflows.signals),
+                     LoadEstimation(pods, load.load, load.predictor, metrics, config.admission.enabled)],
+            # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
+            admit=[limits.step,
+                   *([RoomForNewContexts(pods, kv.working_set, load.capacity_of, hold_new_s, metrics)]
+                     if hold_new_s else []), *admit],
+            # Cache recency reads a context as it was before this request: before placement holds it anew.
+            dispatch=[RoutingMetrics(metrics), kv.routed, *recency, kv.placement, planning, *admit, models.tracking],
+            finish=[*admit, planning, kv.placement, *recency, models.tracking],
+            complete=[*admit, *([PredictionCheck(kv.verifier)] if config.verification.enabled else []),
+                      OutputLearning(load.predictor, metrics), RequestMetrics(metrics, self.served), models.use,
+                      limits.step, limits.accounting, self.steps, AccessLog()],
+        )
