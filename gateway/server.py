@@ -19,11 +19,11 @@ from aiohttp import web
 
 from gateway.api.connections import GatewayRunner
 from gateway.api.records import RECORDS_KEY, runner_options
-from gateway.app import build_app
+from gateway.app import build_app, build_gateway
 from gateway.background import raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
-from gateway.components import GATEWAY_KEY, Gateway
 from gateway.config import ConfigSource, GatewayConfig, ServerConfig
+from gateway.tokenization.tokenizers import TokenizationService
 
 log = logging.getLogger("gateway.server")
 
@@ -71,9 +71,9 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     if identity is None:  # one process (the workers' supervisor says it for them)
         log.info("starting the gateway (it listens, then loads its tokenizers; %d pods to check)...",
                  len(config.pods))
-    app = build_app(config, identity=identity, source=source)
-    gateway = app[GATEWAY_KEY]
-    identity = gateway.identity
+    gateway = build_gateway(config, identity=identity, source=source)
+    app = build_app(gateway)
+    identity, tokens, reloader = gateway.foundation.identity, gateway.tokens.tokens, gateway.reload.reloader
     runner = GatewayRunner(
         app, header_timeout_s=config.server.header_read_timeout_s, on_header_timeout=app[RECORDS_KEY].unparsed,
         handler_cancellation=True, shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS,
@@ -90,11 +90,11 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
     try:
         name = f"worker {identity.name} " if many else ""
         log.info("gateway %slistening on %s (policy %s, %d pods)%s", name, site.name, config.routing.policy,
-                 len(config.pods), "; loading its tokenizers..." if gateway.tokens.loading else "")
-        on_signals(stop, gateway.reloader.request if gateway.reloader is not None else None)
-        if await _loaded(gateway, stop):
+                 len(config.pods), "; loading its tokenizers..." if tokens.loading else "")
+        on_signals(stop, reloader.request if reloader is not None else None)
+        if await _loaded(tokens, stop):
             log.info("gateway %sstarted (%.1f s after its imports): tokenizers loaded, %d of %d pods healthy", name,
-                     time.monotonic() - began, gateway.front.ready_pods(), len(config.pods))
+                     time.monotonic() - began, gateway.requests.front.ready_pods(), len(config.pods))
             if ready:
                 ready.set()
         await stop.wait()
@@ -105,10 +105,10 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
         log.info("gateway stopped")
 
 
-async def _loaded(gateway: Gateway, stop: asyncio.Event) -> bool:
+async def _loaded(tokens: TokenizationService, stop: asyncio.Event) -> bool:
     """Whether the tokenizers loaded before ``stop`` was set; raises what stopped them loading."""
     stopped = asyncio.ensure_future(stop.wait())
-    loaded = asyncio.ensure_future(gateway.tokens.loaded())
+    loaded = asyncio.ensure_future(tokens.loaded())
     try:
         await asyncio.wait((stopped, loaded), return_when=asyncio.FIRST_COMPLETED)
     finally:

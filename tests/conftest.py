@@ -18,7 +18,7 @@ from aiohttp import web
 
 from bench.runner import start_redis_server, wait_http
 from gateway.api.records import RECORDS_KEY, runner_options
-from gateway.app import GATEWAY_KEY, Gateway, build_app
+from gateway.app import Assembly, build_app, build_gateway
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
 from gateway.server import SERVER_OPTIONS
@@ -32,20 +32,17 @@ def tokenizer() -> HfTokenizer:
 
 
 class RunningGateway:
-    def __init__(self, runner: web.AppRunner, app: web.Application) -> None:
+    def __init__(self, runner: web.AppRunner, app: web.Application, kits: Assembly) -> None:
         self.runner = runner
         self.app = app
+        self.kits = kits  # each feature's state, through the kit that built it
         self.port = runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def gateway(self) -> Gateway:
-        return self.app[GATEWAY_KEY]
 
     async def serving(self, model: str) -> None:
         """Until a healthy pod serves ``model``: on a loaded machine the first health check (before the gateway
         serves) can time out, and the pod is back a few checks later."""
-        await eventually(lambda: any(p.healthy and p.serves(model) for p in self.gateway.pods.all()))
+        await eventually(lambda: any(p.healthy and p.serves(model) for p in self.kits.foundation.pods.all()))
 
 
 async def serve_app(app: web.Application) -> web.AppRunner:
@@ -65,11 +62,12 @@ async def start_gateway() -> AsyncIterator[Callable[..., Awaitable[RunningGatewa
         pod_dicts = [p if isinstance(p, dict) else {"url": p} for p in pods]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5})
         config: GatewayConfig = load_config(overrides={"pods": pod_dicts, **overrides}, environ={})
-        app = build_app(config, identity=identity)
+        kits = build_gateway(config, identity=identity)
+        app = build_app(kits)
         runner = await serve_app(app)
         runners.append(runner)
-        await app[GATEWAY_KEY].tokens.loaded()  # it listens at once; the tests begin as a ready gateway would
-        return RunningGateway(runner, app)
+        await kits.tokens.tokens.loaded()  # it listens at once; the tests begin as a ready gateway would
+        return RunningGateway(runner, app, kits)
 
     yield start
     for runner in runners:

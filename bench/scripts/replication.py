@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, Gateway, build_app
+from gateway.app import Assembly, build_app, build_gateway
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.wire import DECODER
 from gateway.config import load_config
@@ -39,14 +39,14 @@ MODEL = "mock-llama"
 WORDS = "agent tool result plan review file change test build deploy cache block".split()
 
 
-def gateway_app(pods: list[dict[str, Any]], identity: WorkerIdentity) -> web.Application:
+def gateway_kits(pods: list[dict[str, Any]], identity: WorkerIdentity) -> Assembly:
     SharedLoadTable.create(identity.load_table, identity.count).close()
     config = load_config(overrides={
         "pods": pods, "routing": {"policy": "kv_aware"},
         "tokenization": {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
         "shared_state": {"share": ["workflows", "sessions", "contexts", "speculative"]},
     }, environ={})
-    return build_app(config, identity=identity)
+    return build_gateway(config, identity=identity)
 
 
 async def capture(pods: list[dict[str, Any]], run_dir: str, workflows: int, stages: int, prompt_words: int
@@ -57,7 +57,7 @@ async def capture(pods: list[dict[str, Any]], run_dir: str, workflows: int, stag
     sink.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
     sink.bind(sender.bus_socket(1))
     sink.setblocking(False)
-    runner = web.AppRunner(gateway_app(pods, sender), access_log=None)
+    runner = web.AppRunner(build_app(gateway_kits(pods, sender)), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
@@ -100,8 +100,7 @@ def drain(sink: socket.socket, into: list[bytes]) -> None:
 
 def apply_all(pods: list[dict[str, Any]], run_dir: str, datagrams: list[bytes]) -> dict[str, float]:
     """Apply the captured batches to a fresh worker 1; nanoseconds spent decoding and per kind of fact."""
-    gateway: Gateway = gateway_app(pods, WorkerIdentity("r", 1, 2, run_dir))[GATEWAY_KEY]
-    bus = gateway.bus
+    bus = gateway_kits(pods, WorkerIdentity("r", 1, 2, run_dir)).shared.bus
     spent: Counter[str] = Counter()
     def timed(handler: Any, name: str) -> Any:
         def run(origin: str, fact: Any) -> None:

@@ -17,8 +17,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from gateway.app import build_app
-from gateway.components import GATEWAY_KEY, Gateway
+from gateway.app import Assembly, build_app, build_gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
 from gateway.epp.ext_proc import ExtProcService, Readiness
@@ -28,20 +27,22 @@ log = logging.getLogger("gateway.epp")
 
 
 class EppServer:
-    """The gateway's components behind two listeners: HTTP (``server.port``) and gRPC (``epp.port``)."""
+    """The gateway's kits behind two listeners: HTTP (``server.port``) and gRPC (``epp.port``). The gRPC
+    services get the front door (``kits.requests.front``)."""
 
     def __init__(self, config: GatewayConfig, source: ConfigSource | None = None) -> None:
         self.config = config
-        self._app = build_app(config, source=source)
-        self.gateway: Gateway = self._app[GATEWAY_KEY]
+        self.kits: Assembly = build_gateway(config, source=source)
+        self._app = build_app(self.kits)
+        front = self.kits.requests.front
         self.access_logs = AccessLogs(config.epp.access_log)
         self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()
-        self._readiness = Readiness(self.gateway.front, self._health)
+        self._readiness = Readiness(front, self._health)
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.gateway.front, self.access_logs, config.epp), self._grpc)
+            ExtProcService(front, self.access_logs, config.epp), self._grpc)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(self.access_logs), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_port = 0
@@ -69,8 +70,7 @@ class EppServer:
 
     async def stop(self) -> None:
         """Not ready, nothing new admitted, the streams in flight finish (up to the grace), then the rest."""
-        self.gateway.front.draining = True
-        self.gateway.flow.drain()
+        self.kits.serving.drain()
         try:
             await self._readiness.stop()
             await self._grpc.stop(self.config.server.shutdown_grace_s)
@@ -82,7 +82,7 @@ async def run_epp(config: GatewayConfig, source: ConfigSource | None = None) -> 
     server = EppServer(config, source)
     await server.start()
     stop = asyncio.Event()
-    reloader = server.gateway.reloader
+    reloader = server.kits.reload.reloader
     on_signals(stop, reloader.request if reloader is not None else None)
     try:
         await stop.wait()

@@ -4,22 +4,25 @@ queue, ordered by its flow's service, and released as room frees up here or in a
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 
 from gateway.admission import SloPolicy
+from gateway.api import debug
 from gateway.config import GatewayConfig
 from gateway.flow.controller import FlowController
 from gateway.flow.metrics import FlowLabels, FlowMetrics
 from gateway.flow.saturation import SaturationDetector
 from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.kits.foundation import Foundation, SharedState
-from gateway.kits.kit import Apply, Kit, Running
+from gateway.kits.kit import Apply, Kit, Route, Running
 from gateway.kits.state import LoadKit
 from gateway.request.flow_control import FlowControlStep
 
 
 class FlowKit(Kit):
     """The saturation detector, each flow's service (here and shared), the flow controller, and the request
-    step that holds and releases (``admit``: present when flow control or SLO admission is on)."""
+    step that holds and releases (``admit``: present when flow control or SLO admission is on); what it holds
+    on ``/debug/flows``."""
 
     name = "flow_control"
     requires = ("shared_state", "fleet")  # it releases to the pods the health checks find
@@ -38,6 +41,10 @@ class FlowKit(Kit):
         self.admit = (FlowControlStep(self.flow, SloPolicy(config.admission), self.workflow_flows, base.pods,
                                       self.metrics)
                       if fc.enabled or config.admission.enabled else None)
+        self._page = partial(debug.flows_page, base.auth, fc.enabled, self.flow)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/flows", self._page)]
 
     def running(self) -> Iterable[Running]:
         return [Running(self.flow.start, self.flow.stop)]

@@ -4,13 +4,16 @@ by every worker and replica) with the usage they count, and the Responses API's 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 
+from gateway.api import debug
+from gateway.api.responses import StoredResponseRoutes
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.sibling_responses import SiblingResponses
 from gateway.config import GatewayConfig
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
-from gateway.kits.kit import Apply, Kit, Running
+from gateway.kits.kit import Apply, Kit, Route, Running
 from gateway.limits.enforcer import KeyLimits, key_rates
 from gateway.limits.shared import SharedUsage
 from gateway.limits.usage import UsageTally
@@ -21,7 +24,8 @@ from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMe
 
 class LimitsKit(Kit):
     """Limits per key and tenant (``limits``, enforced by ``step``), the usage they share across processes,
-    and the requests and tokens counted per key, tenant and model (``tally``, by ``accounting``)."""
+    and the requests and tokens counted per key, tenant and model (``tally``, by ``accounting``); both on
+    ``/debug/usage``."""
 
     name = "key_limits"
 
@@ -38,6 +42,10 @@ class LimitsKit(Kit):
         self.step = KeyLimitsStep(self.limits)
         self.tally = UsageTally(base.metrics.registry)
         self.accounting = UsageAccounting(self.tally, tenant_of)
+        self._page = partial(debug.usage_page, base.auth, base.identity.name, self.tally, self.limits)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/usage", self._page)]
 
     def reloads(self) -> Mapping[str, Apply]:
         return {"limits": self.limits.reconfigure}
@@ -45,7 +53,8 @@ class LimitsKit(Kit):
 
 class ResponsesKit(Kit):
     """The Responses API's stored responses (``store``; ``own``: this worker's, which its siblings may ask
-    for, without Redis) and the step that resolves a request's previous response (``state``)."""
+    for, without Redis), the step that resolves a request's previous response (``state``), and the routes on
+    stored responses (:mod:`gateway.api.responses`)."""
 
     name = "responses"
     requires = ("foundation",)
@@ -54,6 +63,10 @@ class ResponsesKit(Kit):
         self.metrics = ResponsesMetrics(base.metrics.registry)
         self.own, store = responses_stores(config, base.identity, self.metrics)
         self.state = ResponsesState(config.responses, store, base.pods, self.metrics)
+        self._routes = StoredResponseRoutes(base.auth, self.state, base.pods, base.proxy, base.http, self.own)
+
+    def routes(self) -> Iterable[Route]:
+        return self._routes.routes()
 
     def running(self) -> Iterable[Running]:
         return [Running(self.state.store.start, self.state.store.stop)]

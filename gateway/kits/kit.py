@@ -1,5 +1,6 @@
 """What a feature hands the assembly: a *kit* builds the feature's state and steps, and says what of it runs
-(starts and stops), which config sections it reloads, and which kits must be running before it starts.
+(starts and stops), which HTTP routes it serves, which config sections it reloads, and which kits must be
+running before it starts.
 
 :func:`start_order` derives the start order from those declarations (a kit starts after the kits it
 requires; kits that do not depend on each other start in the order the assembly composed them), and
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from gateway.api.routes import Route
 
 log = logging.getLogger("gateway.app")
 SLOW_STOP_S = 2.0  # a component that takes longer to stop is named in the log: a slow shutdown says who
@@ -44,6 +47,10 @@ class Kit:
 
     def running(self) -> Iterable[Running]:
         """The parts with a lifetime, in the order they start (they stop in reverse)."""
+        return ()
+
+    def routes(self) -> Iterable[Route]:
+        """The HTTP routes it serves, each handler bound to the parts of the kit it reads."""
         return ()
 
     def reloads(self) -> Mapping[str, Apply]:

@@ -4,11 +4,13 @@ profiles that pick a pod)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 
+from gateway.api import debug
 from gateway.config import GatewayConfig, ModelsConfig
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
-from gateway.kits.kit import Apply, Kit, Running
+from gateway.kits.kit import Apply, Kit, Route, Running
 from gateway.kits.state import KvKit, LoadKit
 from gateway.kits.workflows import WorkflowKit
 from gateway.models.adapters import AdapterLoader, AdapterPlacement, AdapterUse
@@ -22,7 +24,8 @@ from gateway.routing.router import Router
 
 class ModelsKit(Kit):
     """Public model names and their targets (``rules``), and LoRA adapters: where each is used, where it
-    should go, and registering it on a pod (``adapters``); with the steps that track and count their use."""
+    should go, and registering it on a pod (``adapters``, on ``/debug/adapters``); with the steps that track
+    and count their use."""
 
     name = "models"
     requires = ("foundation", "fleet")  # adapters are registered on the pods the health checks find
@@ -39,6 +42,10 @@ class ModelsKit(Kit):
                                       base.metrics.registry)
         self.tracking = AdapterTracking(self.adapter_use)
         self.use = ModelUse(self.rules, base.metrics.registry)
+        self._page = partial(debug.adapters_page, base.auth, self.adapters)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/adapters", self._page)]
 
     def running(self) -> Iterable[Running]:
         return [Running(self.adapters.start, self.adapters.stop)]
@@ -52,7 +59,8 @@ class ModelsKit(Kit):
 
 
 class RoutingKit(Kit):
-    """The router: the routing policies (plugins), the profiles built of them, and what they read."""
+    """The router: the routing policies (plugins), the profiles built of them, and what they read; the pods
+    as it sees them on ``/debug/pods``."""
 
     name = "routing"
 
@@ -64,6 +72,10 @@ class RoutingKit(Kit):
                                 capacity_of=load.capacity_of, adapter_placement=models.adapter_placement)
         self.router = Router(base.pods, PluginRegistry(POLICY_GROUP, "routing policy"), rc.policy, rc.options,
                              context, max_candidates=rc.max_candidates, profiles=rc.profiles)
+        self._page = partial(debug.pods_page, base.auth, base.pods, shared.ledger, self.router)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/pods", self._page)]
 
     def reloads(self) -> Mapping[str, Apply]:
         return {"routing": self.router.reconfigure}

@@ -1,20 +1,25 @@
 """The request kit: the pipeline of every kit's steps, in the order of their extension points, the two
-directors that run it, the prefill legs of disaggregated models, and the front door the client edges use."""
+directors that run it, the prefill legs of disaggregated models, the front door the client edges use, and
+the clients' routes that the directors serve."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from gateway.api import debug
+from gateway.api.routes import PROXIED_ROUTES, directed, models
 from gateway.auth import ApiKey, ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import GatewayConfig, ServerConfig
+from gateway.core.requests import PATHS, RequestKind
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
 from gateway.kits.keys import LimitsKit, ResponsesKit
-from gateway.kits.kit import Kit
+from gateway.kits.kit import Kit, Route
 from gateway.kits.models import ModelsKit, RoutingKit
 from gateway.kits.state import KvKit, LoadKit, TokensKit
 from gateway.kits.workflows import KeepWarmKit, WorkflowKit
@@ -70,7 +75,8 @@ class FrontDoor:
 
 class RequestsKit(Kit):
     """``director`` (the generating routes), ``counting`` (count_tokens), ``front`` (what the client edges
-    use), and ``steps``, the time of each step of the director's requests (/debug/steps)."""
+    use), and ``steps``, the time of each step of the director's requests (/debug/steps). It serves the
+    generating routes, count_tokens and ``/v1/models``."""
 
     name = "requests"
 
@@ -79,8 +85,8 @@ class RequestsKit(Kit):
                  models: ModelsKit, routing: RoutingKit, limits: LimitsKit, responses: ResponsesKit,
                  traced: Traced) -> None:
         pods, metrics, rules = base.pods, base.metrics, models.rules
-        self.proxy = Proxy(pods, metrics, base.http, config.timeouts, config.auth, config.server,
-                           base.loop_lag.stalled_since)
+        self.proxy = base.proxy
+        self._worker = base.identity.name
         self.validation = RequestValidation(pods, base.auth, config.server, rules.is_public)
 
         def served(model: str) -> bool:  # a name the gateway answers for: a metrics label (the rest are "unknown")
@@ -105,6 +111,14 @@ class RequestsKit(Kit):
                                         **directing)
         self.front = FrontDoor(base.auth, self.director, self.counting, self.proxy, pods, rules, responses.state,
                                workflows.service, config.server)
+
+    def routes(self) -> Iterable[Route]:
+        front = self.front
+        door = partial(directed, front.auth, front.proxy, front.config.body_timeout_s)
+        return [*(Route("POST", path, partial(door, self.director, kind)) for path, kind in PROXIED_ROUTES.items()),
+                Route("POST", PATHS[RequestKind.COUNT_TOKENS], partial(door, self.counting, RequestKind.COUNT_TOKENS)),
+                Route("GET", "/v1/models", partial(models, front.auth, front.pods, front.model_cards)),
+                Route("GET", "/debug/steps", partial(debug.steps_page, front.auth, self._worker, self.steps))]
 
     def _pipeline(self, config: GatewayConfig, base: Foundation, load: LoadKit, kv: KvKit, tokens: TokensKit,
                   flow: FlowKit, workflows: WorkflowKit, keep_warm: KeepWarmKit, models: ModelsKit,

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from functools import partial
 
+from gateway.api import debug
 from gateway.backends.registry import PodRegistry
 from gateway.backends.scraper import MetricsScraper
 from gateway.config import GatewayConfig
 from gateway.kits.foundation import Foundation, SharedState
-from gateway.kits.kit import EVERY_KIT, Kit, Running
+from gateway.kits.kit import EVERY_KIT, Kit, Route, Running
 from gateway.kv._blockindex import BlockIndex
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.free_queue import FreeQueues
@@ -60,7 +61,7 @@ class LoadKit(Kit):
 class KvKit(Kit):
     """What each pod caches: the prefix index its engine's KV events feed, the approximate index, the
     working set of contexts, the sessions pinned to a pod, the free queues keep-warm reads, the check of
-    predicted hits, and the steps that read and keep them. The events'
+    predicted hits, and the steps that read and keep them (``/debug/index``). The events'
     subscribers start with the pods' membership (:class:`~gateway.kits.fleet.FleetKit`)."""
 
     name = "kv"
@@ -88,6 +89,10 @@ class KvKit(Kit):
         self.losses = PlacementLosses(base.metrics)
         self.placement = ContextPlacement(self.index, self.working_set, self.losses)
         self.routed = RoutedPrefix(self.index, self.approximate)
+        self._page = partial(debug.index_page, base.auth, self.events, self.verifier)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/index", self._page)]
 
 
 class TokensKit(Kit):

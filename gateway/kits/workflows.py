@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 
+from gateway.api import debug
+from gateway.api.routes import complete_workflow, workflow_state
 from gateway.backends.registry import Pod
 from gateway.config import GatewayConfig
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
-from gateway.kits.kit import Kit, Running
+from gateway.kits.kit import Kit, Route, Running
 from gateway.kits.state import KvKit, LoadKit
 from gateway.plugin_registry import PluginRegistry
 from gateway.pressure.monitor import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
@@ -31,7 +34,8 @@ log = logging.getLogger("gateway.app")
 
 class WorkflowKit(Kit):
     """A workflow's stages (here and shared), the signals that name a context,
-    the cache actions a stage asks for, and the step that plans them (``planning``)."""
+    the cache actions a stage asks for, and the step that plans them (``planning``); a workflow's state and
+    end as its client asks (``/v1/workflows/{workflow_id}``), and all of them on ``/debug/workflows``."""
 
     name = "workflows"
     requires = ("foundation",)  # cache actions go through the HTTP client
@@ -47,14 +51,22 @@ class WorkflowKit(Kit):
         self.signals = ContextSignals(wc.session_headers)
         self.service = WorkflowService(wc, self.tracker, kv.sessions, self.executor, load.modes, self.signals)
         self.planning = WorkflowPlanning(self.service)
+        self._auth, self._modes = base.auth, load.modes
 
     def running(self) -> Iterable[Running]:
         return [Running(self.service.start, self.service.stop)]
 
+    def routes(self) -> Iterable[Route]:
+        auth, service = self._auth, self.service
+        return [Route("POST", "/v1/workflows/{workflow_id}/complete", partial(complete_workflow, auth, service)),
+                Route("GET", "/v1/workflows/{workflow_id}", partial(workflow_state, auth, service)),
+                Route("GET", "/debug/workflows", partial(debug.workflows_page, auth, service, self._modes))]
+
 
 class KeepWarmKit(Kit):
     """Refreshing an idle context before its pod evicts it (``workflow.keep_warm``), and the step that reads
-    a context's recency before placement holds it anew (``recency``). Both ``None`` when off."""
+    a context's recency before placement holds it anew (``recency``). Both ``None`` when off. Where contexts
+    are placed, what they lost and what keep-warm does are on ``/debug/placement``."""
 
     name = "keep_warm"
     requires = ("workflows", "flow_control", "fleet")
@@ -69,6 +81,11 @@ class KeepWarmKit(Kit):
                                       Refresher(base.pods, config.auth, base.http, base.metrics), base.metrics,
                                       client_due=flow.flow.waits_for)
             self.recency = CacheRecency(kv.index, kv.queues, self.keep_warm, kv.working_set)
+        self._page = partial(debug.placement_page, base.auth, base.pods, kv.working_set, load.capacity_of, kv.losses,
+                             self.keep_warm)
+
+    def routes(self) -> Iterable[Route]:
+        return [Route("GET", "/debug/placement", self._page)]
 
     def running(self) -> Iterable[Running]:
         return [Running(self.keep_warm.start, self.keep_warm.stop)] if self.keep_warm is not None else []

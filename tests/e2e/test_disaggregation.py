@@ -104,7 +104,7 @@ async def test_split_answers_equal_one_pods_and_the_transfer_shows(start_pd_gate
     connector, fleet = pd
     prefill, decode = fleet[0], fleet[1]
     gw = await start_pd_gateway()
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     messages = conversation(document(f"split-{connector}"), "What is in it?")
     n = len(tokens.encode_chat(messages))
     external_before = await pod_metric(http, decode.url, "vllm:external_prefix_cache_hits_total")
@@ -150,7 +150,7 @@ async def test_split_answers_equal_one_pods_and_the_transfer_shows(start_pd_gate
 async def test_a_prompt_the_decode_pod_holds_skips_the_prefill_leg(start_pd_gateway, pd, http) -> None:
     connector, fleet = pd
     gw = await start_pd_gateway()
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     doc = document(f"repeat-{connector}")
     first = conversation(doc, "First question?")
     _, headers = await post(http, f"{gw.url}/v1/chat/completions", chat_body(first))
@@ -198,7 +198,7 @@ async def test_no_request_fails_when_the_prefill_pod_is_killed(start_pd_gateway,
         # ExampleConnector saves a prompt's KV as a folder, then a file per layer, and a pod finding the folder
         # loads every file: a prefill pod killed while saving leaves an entry that kills the decode pod loading
         # it (vLLM 0.32; docs/disaggregation.md). So here it dies while the decode legs run, none of its own in flight.
-        ledger = gw.gateway.ledger
+        ledger = gw.kits.shared.ledger
         await eventually(lambda: ledger.on_pod("prefill") == 0 and ledger.on_pod("decode") > 0, WAIT_S)
     await asyncio.to_thread(fleet[0].kill)
     await running

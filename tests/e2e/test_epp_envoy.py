@@ -88,15 +88,15 @@ async def test_envoy_and_the_epp_route_real_pods_as_the_proxy_does(vllm: VllmFle
         "routing": {"policy": "kv_aware"}, "tokenization": {"models": {MODEL: {"path": model_dir}}},
         "health": {"interval_s": 0.3, "timeout_s": 2.0, "failure_threshold": 2}}
 
-    def settled_in(gateway: Any) -> Any:
-        tokenizer = gateway.tokens.local(MODEL).tokenizer
+    def settled_in(kits: Any) -> Any:
+        tokenizer = kits.tokens.tokens.local(MODEL).tokenizer
 
         async def wait(pod: str, messages: list[dict[str, Any]]) -> None:
             ids = tokenizer.encode_chat(messages)
             full = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
             def held() -> bool:
-                match = gateway.kv.index.lookup(MODEL, None, ids, [pod])[pod]
+                match = kits.kv.index.lookup(MODEL, None, ids, [pod])[pod]
                 return match.gpu_tokens - match.speculative_tokens >= full
 
             await eventually(held, 20.0)
@@ -104,7 +104,7 @@ async def test_envoy_and_the_epp_route_real_pods_as_the_proxy_does(vllm: VllmFle
 
     await reset(http, vllm)
     proxy = await start_gateway(vllm.gateway_pods(), **overrides)
-    through_proxy = await replay(http, proxy.url, vllm, settled_in(proxy.gateway))
+    through_proxy = await replay(http, proxy.url, vllm, settled_in(proxy.kits))
 
     await reset(http, vllm)
     config = load_config(overrides={"pods": vllm.gateway_pods(), "server": {"port": 0},
@@ -117,14 +117,14 @@ async def test_envoy_and_the_epp_route_real_pods_as_the_proxy_does(vllm: VllmFle
                             cluster="original_dst", bodies="full_duplex"), tmp_path, port, admin)
     try:
         await envoy.ready()
-        await eventually(lambda: all(p.healthy for p in epp.gateway.pods.all()), 20.0)
-        through_envoy = await replay(http, envoy.url, vllm, settled_in(epp.gateway))
+        await eventually(lambda: all(p.healthy for p in epp.kits.foundation.pods.all()), 20.0)
+        through_envoy = await replay(http, envoy.url, vllm, settled_in(epp.kits))
         # The same hits, request by request, as the proxy on the same trace.
         assert [c for _, c in through_envoy] == [c for _, c in through_proxy], (through_envoy, through_proxy)
         assert sum(c > 0 for _, c in through_envoy) >= 6
         # The EPP learnt every stream's usage from its last chunk: its predictions all agreed with the engines.
-        await eventually(lambda: epp.gateway.ledger.total() == 0, 10.0)
-        checks = epp.gateway.verifier.debug()[MODEL]["outcomes"]
+        await eventually(lambda: epp.kits.shared.ledger.total() == 0, 10.0)
+        checks = epp.kits.kv.verifier.debug()[MODEL]["outcomes"]
         assert checks == {"exact": len(through_envoy)}, checks
         assert epp.access_logs.received == len(through_envoy)
     finally:

@@ -44,7 +44,7 @@ def lora_pods(model_dir: str) -> Iterator[VllmFleet]:
 
 def confirmed(gw, pod: str, adapter: str | None, ids: list[int]) -> int:
     """Prompt tokens the gateway's index holds on ``pod`` under ``adapter`` from the pod's events alone."""
-    match = gw.gateway.kv.index.lookup(MODEL, adapter, ids, [pod])[pod]
+    match = gw.kits.kv.index.lookup(MODEL, adapter, ids, [pod])[pod]
     return match.gpu_tokens - match.speculative_tokens
 
 
@@ -83,7 +83,7 @@ async def test_adapters_are_registered_on_demand_and_keep_their_pod_and_prefix(
         # The gateway's index holds the adapter's blocks from the pod's own events (vLLM marks them per adapter),
         # in the adapter's namespace only.
         body = {"model": name, "messages": conversation(document(name), "Summarise it.")}
-        tokens = await gw.gateway.tokens.tokenize(name, "chat", parse_inference_request(json.dumps(body).encode()))
+        tokens = await gw.kits.tokens.tokens.tokenize(name, "chat", parse_inference_request(json.dumps(body).encode()))
         assert tokens is not None and len(tokens.ids) == prompt
         expected = full_blocks(prompt)
         await eventually(lambda ids=tokens.ids, name=name, expected=expected:
@@ -91,4 +91,4 @@ async def test_adapters_are_registered_on_demand_and_keep_their_pod_and_prefix(
         assert confirmed(gw, pods[name], None, tokens.ids) == 0
     debug = await (await http.get(f"{gw.url}/debug/adapters")).json()
     assert sorted(n for p in debug["pods"].values() for n in p["listed"]) == sorted(ADAPTERS)
-    await eventually(lambda: all(gw.gateway.load.engine[p.name].max_loras == 1 for p in lora_pods.pods), 10)
+    await eventually(lambda: all(gw.kits.load.load.engine[p.name].max_loras == 1 for p in lora_pods.pods), 10)

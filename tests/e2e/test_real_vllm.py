@@ -96,7 +96,7 @@ def start_kv_gateway(start_gateway, empty_caches: VllmFleet, model_dir: str):
 
 def confirmed_tokens(gw, pod: str, ids: list[int]) -> int:
     """Prompt tokens the gateway's index holds on ``pod`` from the pod's own events (not speculation)."""
-    match = gw.gateway.kv.index.lookup(MODEL, None, ids, [pod])[pod]
+    match = gw.kits.kv.index.lookup(MODEL, None, ids, [pod])[pod]
     return match.gpu_tokens - match.speculative_tokens
 
 
@@ -164,12 +164,12 @@ async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vll
     ]
     for messages in chats:
         body = {"model": MODEL, "messages": messages}
-        local = await gw.gateway.tokens.tokenize(MODEL, "chat", parse_inference_request(json.dumps(body).encode()))
+        local = await gw.kits.tokens.tokens.tokenize(MODEL, "chat", parse_inference_request(json.dumps(body).encode()))
         remote, _ = await post(http, f"{vllm[0].url}/tokenize", {**body, "add_generation_prompt": True})
         assert list(local.ids) == remote["tokens"], messages
     for prompt in ("Hello", doc, "tabs\tand\nnewlines  ", "<|eot_id|> special text", "ünïcödé ✓"):
         body = {"model": MODEL, "prompt": prompt}
-        local = await gw.gateway.tokens.tokenize(MODEL, "completion",
+        local = await gw.kits.tokens.tokens.tokenize(MODEL, "completion",
                                                  parse_inference_request(json.dumps(body).encode()))
         remote, _ = await post(http, f"{vllm[1].url}/tokenize", body)
         assert list(local.ids) == remote["tokens"], prompt
@@ -178,7 +178,7 @@ async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vll
 async def test_index_predicts_each_pods_cached_tokens_request_by_request(start_kv_gateway, vllm: VllmFleet,
                                                                           http) -> None:
     gw = await start_kv_gateway()
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     urls = {p.name: p.url for p in vllm.pods}
     rng = random.Random(3)
     history: dict[str, list[dict[str, Any]]] = {}
@@ -209,7 +209,7 @@ async def test_index_predicts_each_pods_cached_tokens_request_by_request(start_k
 async def test_kv_aware_sends_a_shared_prefix_to_the_pod_holding_it(start_kv_gateway, vllm: VllmFleet,
                                                                      http) -> None:
     gw = await start_kv_gateway()
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     docs = {"vllm0": document("holder-b"), "vllm1": document("holder-a")}
     # Each document goes straight to one pod, past the gateway: only that pod's events can tell.
     for pod, doc in docs.items():
@@ -236,9 +236,9 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
     _, resp_headers = await chat(http, gw.url, messages, headers)
     pod = resp_headers["x-gateway-pod"]
     url = vllm[int(pod[-1])].url
-    ids = gw.gateway.tokens.local(MODEL).tokenizer.encode_chat(messages)
+    ids = gw.kits.tokens.tokens.local(MODEL).tokenizer.encode_chat(messages)
     await settled(gw, pod, ids, http, url)
-    index = gw.gateway.kv.index
+    index = gw.kits.kv.index
     assert index.blocks_on(pod) >= full_blocks(len(ids)) // BLOCK_SIZE
     clears = index.stats.clears
 
@@ -246,7 +246,7 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
         assert resp.status == 200, await resp.text()
         actions = (await resp.json())["actions"]
     assert any(a["pod"] == pod and a["action"] == "flush" for a in actions), actions
-    executor = gw.gateway.front.workflows.executor
+    executor = gw.kits.workflows.service.executor
     await eventually(lambda: executor.hard_flushes.get(pod, 0) == 1, WAIT_S)
     # The engine queues AllBlocksCleared and publishes it with its next step.
     await eventually(lambda: index.blocks_on(pod) == 0 and index.stats.clears > clears, WAIT_S,
@@ -258,10 +258,10 @@ async def test_reset_through_the_vllm_controller_empties_the_index_by_the_pods_e
 async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(start_kv_gateway, vllm: VllmFleet,
                                                                                http) -> None:
     gw = await start_kv_gateway()
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     victim, survivor = vllm[1], vllm[0]
-    index = gw.gateway.kv.index
-    subscriber = next(s for s in gw.gateway.kv.subscribers() if s.view.pod == victim.name)
+    index = gw.kits.kv.index
+    subscriber = next(s for s in gw.kits.kv.events.subscribers() if s.view.pod == victim.name)
     warm = [conversation(document(f"victim-{i}"), "Warm up.") for i in range(3)]
     for messages in warm:  # one event batch each: the restarted engine's seq must run backwards
         await chat(http, victim.url, messages)
@@ -274,7 +274,7 @@ async def test_killed_pod_fails_over_is_forgotten_and_is_rebuilt_after_restart(s
     for i in range(4):  # the index still points at the victim for the first ones: retried on the survivor
         reply, headers = await chat(http, gw.url, conversation(doc, f"After the crash {i}?"))
         assert headers["x-gateway-pod"] == survivor.name
-    pod = gw.gateway.pods.get(victim.name)
+    pod = gw.kits.foundation.pods.get(victim.name)
     await eventually(lambda: not pod.healthy, WAIT_S)
     assert index.blocks_on(victim.name) == 0  # dropped with the pod, before any event could say so
 
@@ -306,7 +306,7 @@ async def test_anthropic_messages_are_tokenized_like_vllm_renders_them(start_kv_
 
     gw = await start_kv_gateway()
     sdk = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
-    tokens = gw.gateway.tokens.local(MODEL).tokenizer
+    tokens = gw.kits.tokens.tokens.local(MODEL).tokenizer
     urls = {p.name: p.url for p in vllm.pods}
     system = [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},  # vLLM drops it, so must we
               {"type": "text", "text": document("anthropic")}]

@@ -13,7 +13,7 @@ from tests.integration.test_kv_routing import MODEL, fleet, synced, system_promp
 async def test_claude_code_sessions_and_sub_agents_through_the_anthropic_sdk(start_mock_pod, start_gateway):
     pods, gw = await fleet(start_mock_pod, start_gateway, n=2)
     sdk = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
-    working_set = gw.gateway.working_set
+    working_set = gw.kits.kv.working_set
     served: dict[str, set[str]] = {}
     for turn in range(3):
         for who, headers in {
@@ -39,7 +39,7 @@ async def test_claude_code_sessions_and_sub_agents_through_the_anthropic_sdk(sta
 async def test_codex_and_qwen_code_sessions_through_the_openai_sdk(start_mock_pod, start_gateway):
     pods, gw = await fleet(start_mock_pod, start_gateway, n=2)
     sdk = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
-    working_set = gw.gateway.working_set
+    working_set = gw.kits.kv.working_set
     for turn in range(2):
         # Codex sends its conversation in two headers and in prompt_cache_key: one context, not three.
         await sdk.chat.completions.create(

@@ -103,7 +103,7 @@ async def test_count_tokens_is_answered_by_a_pod_and_touches_no_workflow(start_m
                                                      extra_headers={"x-workflow-id": "wf-count"})
     expected = tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *messages])
     assert counted.input_tokens == len(expected)
-    assert "wf-count" not in gw.gateway.front.workflows.tracker.workflows  # counting is not a stage
+    assert "wf-count" not in gw.kits.workflows.service.tracker.workflows  # counting is not a stage
     with pytest.raises(anthropic.NotFoundError):
         await client(gw).messages.count_tokens(model="nope", messages=messages)
 
@@ -122,7 +122,7 @@ async def test_a_declared_cache_ttl_keeps_the_session_resumable_and_a_bad_one_is
     assert (await raw.parse()).content[0].text
     await sdk.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Plan it."}],
                               extra_headers={"X-Claude-Code-Session-Id": "cc-2"})  # declares nothing
-    working_set = gw.gateway.working_set
+    working_set = gw.kits.kv.working_set
     declared, undeclared = working_set.context("session:cc-1"), working_set.context("session:cc-2")
     assert declared.retention_s == 3600.0 and declared.pod == raw.headers["x-gateway-pod"]
     assert undeclared is not None and undeclared.retention_s is None

@@ -142,7 +142,7 @@ def _gateway_metrics():
     from gateway.app import build_gateway
     from gateway.config import GatewayConfig
 
-    return build_gateway(GatewayConfig()).metrics
+    return build_gateway(GatewayConfig()).foundation.metrics
 
 
 def test_dashboard_queries_name_real_metrics():

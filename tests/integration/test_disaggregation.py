@@ -66,7 +66,7 @@ async def pd_outcomes(http, gw) -> dict[str, float]:
 
 
 def confirmed(gw, pod: str, ids: list[int]) -> int:
-    match = gw.gateway.kv.index.lookup(MODEL, None, ids, [pod])[pod]
+    match = gw.kits.kv.index.lookup(MODEL, None, ids, [pod])[pod]
     return match.gpu_tokens - match.speculative_tokens
 
 
@@ -180,7 +180,7 @@ async def test_no_prefill_pod_and_unsplit_apis_are_served_whole_by_decode_pods(s
         _, headers = await post(http, f"{gw.url}/v1/completions", several)
         assert headers["x-gateway-pod"].startswith("decode") and "x-gateway-prefill-pod" not in headers
     await prefill.stop()
-    pod = gw.gateway.pods.get("prefill0")
+    pod = gw.kits.foundation.pods.get("prefill0")
     await eventually(lambda: not pod.healthy, within_s=5)
     _, headers = await post(http, f"{gw.url}/v1/chat/completions", chat("alone"))
     assert headers["x-gateway-pod"].startswith("decode") and "x-gateway-prefill-pod" not in headers
@@ -197,7 +197,7 @@ async def test_no_prefill_pod_and_unsplit_apis_are_served_whole_by_decode_pods(s
 async def test_the_ledger_counts_both_legs_on_their_pods(start_mock_pod, start_gateway, http, tmp_path):
     (prefill,), _, gw = await pd_fleet(start_mock_pod, start_gateway, tmp_path)
     prefill.faults = type(prefill.faults)(stall_s=0.5)
-    ledger = gw.gateway.ledger
+    ledger = gw.kits.shared.ledger
     asking = asyncio.create_task(post(http, f"{gw.url}/v1/chat/completions", chat("ledger")))
     await eventually(lambda: ledger.on_pod("prefill0") == 1, within_s=2)
     assert ledger.on_pod("decode0") == 1  # chosen first, and waiting for its prefill

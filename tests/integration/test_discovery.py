@@ -20,7 +20,7 @@ async def test_file_discovery_adds_and_removes_pods(start_mock_pod, start_gatewa
     pods_file = tmp_path / "pods.json"
     write_pods(pods_file, [(0, a)])
     gw = await start_gateway([], discovery={"source": "file", "options": {"path": str(pods_file), "interval_s": 0.05}})
-    registry = gw.gateway.pods
+    registry = gw.kits.foundation.pods
     await eventually(lambda: [p.name for p in registry.all()] == ["pod0"] and registry.all()[0].healthy)
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
@@ -36,15 +36,15 @@ async def test_file_discovery_adds_and_removes_pods(start_mock_pod, start_gatewa
     write_pods(pods_file, [(0, a), (1, b)])
     await eventually(lambda: {p.name for p in registry.all() if p.healthy} == {"pod0", "pod1"})
     assert await served_by() == {"pod0", "pod1"}
-    assert {v.pod for v in gw.gateway.kv.index.views()} == {"pod0", "pod1"}  # subscribers started
+    assert {v.pod for v in gw.kits.kv.index.views()} == {"pod0", "pod1"}  # subscribers started
     pods_file.write_text('{"pods": [{"url": "not-a-url"}]}')  # a bad edit is ignored: the last good set stays
     await asyncio.sleep(0.3)
     assert {p.name for p in registry.all()} == {"pod0", "pod1"}
     write_pods(pods_file, [(1, b)])
     await eventually(lambda: [p.name for p in registry.all()] == ["pod1"])
     assert await served_by() == {"pod1"}
-    assert {v.pod for v in gw.gateway.kv.index.views()} == {"pod1"}  # pod0's index and subscriber gone
-    metrics = gw.gateway.metrics.render().decode()  # its gauges went with it
+    assert {v.pod for v in gw.kits.kv.index.views()} == {"pod1"}  # pod0's index and subscriber gone
+    metrics = gw.kits.foundation.metrics.render().decode()  # its gauges went with it
     for gauge in ("gateway_in_flight_requests", "gateway_pod_pending_load", "gateway_pod_kv_usage",
                   "gateway_pod_healthy"):
         assert f'{gauge}{{pod="pod1"}}' in metrics and f'{gauge}{{pod="pod0"}}' not in metrics
@@ -104,12 +104,12 @@ async def test_kubernetes_discovery_follows_the_watch(start_mock_pod, start_back
     token.write_text("sa-token\n")
     gw = await start_gateway([], discovery={"source": "kubernetes", "options": {
         "api_server": server, "namespace": "llm", "label_selector": "app=vllm", "token_path": str(token)}})
-    registry = gw.gateway.pods
+    registry = gw.kits.foundation.pods
     await eventually(lambda: [p.name for p in registry.all()] == ["vllm-0"] and registry.all()[0].healthy)
     assert registry.all()[0].config.kv_events == a.publisher.endpoint and api.tokens[0] == "Bearer sa-token"
     api.push("MODIFIED", api.pod_object("vllm-1", b, ready=True))
     await eventually(lambda: {p.name for p in registry.all() if p.healthy} == {"vllm-0", "vllm-1"})
-    assert {v.pod for v in gw.gateway.kv.index.views()} == {"vllm-0", "vllm-1"}
+    assert {v.pod for v in gw.kits.kv.index.views()} == {"vllm-0", "vllm-1"}
     api.push("DELETED", api.pod_object("vllm-0", a))
     await eventually(lambda: [p.name for p in registry.all()] == ["vllm-1"])
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

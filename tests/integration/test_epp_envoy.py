@@ -96,7 +96,7 @@ class Stack:
                                         **overrides}, environ={})
         self.epp = EppServer(config)
         await self.epp.start()
-        await eventually(lambda: all(p.healthy for p in self.epp.gateway.pods.all()), within_s=10)
+        await eventually(lambda: all(p.healthy for p in self.epp.kits.foundation.pods.all()), within_s=10)
         return self.epp
 
     async def start_envoy(self, epp_port: int | None = None, **kwargs: Any) -> Envoy:
@@ -148,9 +148,9 @@ async def post(http: aiohttp.ClientSession, url: str, body: Any, path: str = "/v
 async def settled(stack: Stack) -> None:
     """The EPP has seen every request end (its ledger is empty) and every pod's events."""
     assert stack.epp is not None
-    gateway = stack.epp.gateway
-    index = gateway.kv.index
-    await eventually(lambda: gateway.ledger.total() == 0 and all(
+    kits = stack.epp.kits
+    index = kits.kv.index
+    await eventually(lambda: kits.shared.ledger.total() == 0 and all(
         index.view(f"pod{i}", 0, MODEL).last_seq == p.publisher.seq - 1 for i, p in enumerate(stack.pods)),
         within_s=10)
 
@@ -183,7 +183,7 @@ async def test_envoy_sends_each_request_to_the_pod_the_epp_chose(stack, http, to
     assert hits >= 25
     # The EPP saw every answer end, with its usage (the access log's tail, or the body's last chunks in
     # full duplex): its predictions were checked.
-    checks = epp.gateway.verifier.debug()[MODEL]
+    checks = epp.kits.kv.verifier.debug()[MODEL]
     assert checks["outcomes"] == {"exact": 40}, checks
     assert epp.access_logs.received == 40
     metrics = await (await http.get(f"http://127.0.0.1:{epp.http_port}/metrics")).text()
@@ -201,7 +201,7 @@ async def test_streams_arrive_whole_and_their_end_is_seen_from_the_last_chunk(st
         pod = resp.headers["x-gateway-pod"]
         first = await resp.content.readline()
         assert first.startswith(b"data: ")
-        assert epp.gateway.ledger.on_pod(pod) == 1  # in flight while it streams
+        assert epp.kits.shared.ledger.on_pod(pod) == 1  # in flight while it streams
         rest = await resp.read()
     events = [line[6:] for line in (first + rest).split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
@@ -251,7 +251,7 @@ async def test_a_killed_pod_is_avoided(stack, http):
     for i in range(6):
         status, headers, _ = await post(http, envoy.url, chat(5, f"And again {i}?"))
         assert status == 200 and headers["x-gateway-pod"] != f"pod{first}"
-    await eventually(lambda: epp.gateway.ledger.total() == 0)
+    await eventually(lambda: epp.kits.shared.ledger.total() == 0)
     # The EPP recorded the one failure and Envoy's fallback as such, then chose only live pods itself.
     metrics = await (await http.get(f"http://127.0.0.1:{epp.http_port}/metrics")).text()
     assert 'gateway_routing_decisions_total{policy="kv_aware",reason="fallback"} 1.0' in metrics

@@ -374,7 +374,7 @@ async def test_a_pod_answering_what_is_not_http_fails_over_to_another_pod(start_
             async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-gateway-pod"] == "good"
-        counted = gw.gateway.metrics.registry.get_sample_value("gateway_upstream_errors_total",
+        counted = gw.kits.foundation.metrics.registry.get_sample_value("gateway_upstream_errors_total",
                                                                {"pod": "bad", "kind": "invalid_response"})
         assert counted >= 1
         assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no "unhandled error" traceback

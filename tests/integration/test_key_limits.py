@@ -135,7 +135,7 @@ async def test_two_replicas_of_two_workers_serve_a_minutes_tokens_within_5_perce
               "shared_state": {**FAST_BUS, "redis_url": redis_server.url}}
     identities = workers("ra", run_dirs[0]) + workers("rb", run_dirs[1])
     gateways = [await start_gateway(pods, identity=identity, **config) for identity in identities]
-    await eventually(lambda: all(len(g.gateway.bus.peers) == 3 for g in gateways), within_s=10)
+    await eventually(lambda: all(len(g.kits.shared.bus.peers) == 3 for g in gateways), within_s=10)
     await asyncio.sleep(minute_to_spare())
     started = time.time()
     served, refused = await flood(http, gateways, "alice")
@@ -144,8 +144,8 @@ async def test_two_replicas_of_two_workers_serve_a_minutes_tokens_within_5_perce
 
     # Redis lost: each replica keeps to half of bob's limit on its own; together, the limit again.
     redis_server.stop()
-    await eventually(lambda: all(g.gateway.bus.redis_up is False for g in gateways), within_s=10)
-    assert all(g.gateway.limits.usage.share() == 0.5 for g in gateways)
+    await eventually(lambda: all(g.kits.shared.bus.redis_up is False for g in gateways), within_s=10)
+    assert all(g.kits.limits.limits.usage.share() == 0.5 for g in gateways)
     await asyncio.sleep(minute_to_spare())
     for r in range(2):
         started = time.time()
@@ -165,7 +165,7 @@ async def test_a_client_that_leaves_mid_stream_is_charged_what_it_was_streamed(s
     while received.count(b"data: ") < 8:
         received += await resp.content.readany()
     resp.close()  # the client hangs up mid-stream
-    await eventually(lambda: bool(gw.gateway.usage.debug()), within_s=5)  # the request completed
+    await eventually(lambda: bool(gw.kits.limits.tally.debug()), within_s=5)  # the request completed
     usage = await (await http.get(f"{gw.url}/debug/usage")).json()
     rows = {r["key"]: r for r in usage["usage"]}
     assert rows["alice"]["requests"] == 1 and rows["alice"]["input_tokens"] > 100

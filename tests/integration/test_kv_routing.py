@@ -25,7 +25,7 @@ async def fleet(start_mock_pod, start_gateway, n=4, pod_kw=None, **gateway_kw):
 
 async def synced(gw, pods) -> None:
     """Wait until the gateway has applied every event batch each pod has published."""
-    index = gw.gateway.kv.index
+    index = gw.kits.kv.index
     await eventually(lambda: all(
         index.view(f"pod{i}", 0, MODEL).last_seq == p.publisher.seq - 1 for i, p in enumerate(pods)), within_s=15)
 
@@ -91,7 +91,7 @@ async def test_before_any_event_the_block_size_comes_from_the_engines_metrics(st
                               for i, p in enumerate(pods)],
                              tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                              routing={"policy": "kv_aware"})
-    index = gw.gateway.kv.index
+    index = gw.kits.kv.index
     assert [index.block_size(f"pod{i}") for i in range(2)] == [16, 16]
     assert all(view.block_size is None and view.last_seq == -1 for view in index.views())  # no event said it
     first_pod, _, _ = await ask(http, gw, 21, "Same question?")
@@ -153,7 +153,7 @@ async def test_index_converges_after_lost_batches_and_a_restart(start_mock_pod, 
         async with http.get(f"{pods[i].url}/debug/blocks") as resp:
             return {b["token_hash"] for b in (await resp.json())["blocks"]}
 
-    index = gw.gateway.kv.index
+    index = gw.kits.kv.index
     for i in range(4):
         assert index.own_hashes(f"pod{i}") == await truth(i), f"pod{i}"
     debug = await (await http.get(f"{gw.url}/debug/index")).json()

@@ -75,11 +75,11 @@ async def test_gateway_uses_redis_profiles_for_pending_load(redis_server, start_
     pods = [await start_mock_pod(speed=0.5) for _ in range(2)]
     gw = await start_gateway([{"url": p.url, "name": f"pod{i}", "deployment": "small"} for i, p in enumerate(pods)],
                              routing={"policy": "pending_load"}, load={"redis_url": redis_server.url})
-    assert gw.gateway.profiles.get("mock-llama", "small") is not None
+    assert gw.kits.load.profiles.get("mock-llama", "small") is not None
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "x " * 100}], "max_tokens": 200}
     tasks = [asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body)) for _ in range(4)]
-    await eventually(lambda: gw.gateway.ledger.total() == 4)
-    loads = sorted(gw.gateway.load.load(f"pod{i}") for i in range(2))
+    await eventually(lambda: gw.kits.shared.ledger.total() == 4)
+    loads = sorted(gw.kits.load.load.load(f"pod{i}") for i in range(2))
     assert loads[0] == loads[1] > 0  # spread by Little's-law load: 2 and 2
     for t in tasks:
         (await t).close()
@@ -109,7 +109,8 @@ async def test_admission_rejects_the_excess_with_retry_after(start_mock_pod, sta
             assert payload["error"]["code"] in {"queue_full", "queue_timeout"}
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
     assert 'gateway_flow_requests_total{fairness_id="default",outcome="at_once",priority="0"} 4.0' in metrics
-    assert gw.gateway.flow.queued == 0 and all(gw.gateway.load.load(p.name) == 0 for p in gw.gateway.pods.all())
+    assert gw.kits.flow.flow.queued == 0 and all(gw.kits.load.load.load(p.name) == 0
+                                                 for p in gw.kits.foundation.pods.all())
 
 
 async def test_queued_requests_start_when_capacity_frees(start_mock_pod, start_gateway, http):
@@ -135,7 +136,7 @@ async def test_bad_slo_headers_are_400(start_mock_pod, start_gateway, http):
 async def test_scraper_reads_engine_stats_and_marks_stale(start_mock_pod, start_gateway, http):
     pod = await start_mock_pod(speed=1.0)
     gw = await start_gateway([{"url": pod.url, "name": "p"}], load={"scrape_interval_s": 0.05})
-    stats = gw.gateway.load.engine
+    stats = gw.kits.load.load.engine
     await eventually(lambda: "p" in stats and not stats["p"].stale)
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 500, "stream": True}
     resp = await http.post(f"{gw.url}/v1/chat/completions", json=body)
@@ -155,7 +156,7 @@ async def test_redis_outage_never_blocks_requests(redis_server, start_mock_pod, 
                              load={"redis_url": redis_server.url, "profile_refresh_s": 0.1},
                              admission={"enabled": True})
     redis_server.stop()
-    store = gw.gateway.profiles
+    store = gw.kits.load.profiles
     await eventually(lambda: store.errors >= 2)
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "still here?"}], "max_tokens": 2}
     statuses = [(await http.post(f"{gw.url}/v1/chat/completions", json=body)).status for _ in range(20)]
@@ -170,9 +171,9 @@ async def test_shutting_down_refuses_what_waits_for_capacity_and_keeps_what_runs
                              admission={"enabled": True}, flow_control={"enabled": False, "max_wait_s": 60})
     body = {"model": "mock-llama", "messages": [{"role": "user", "content": "slow " * 50}], "max_tokens": 60}
     running = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
-    await eventually(lambda: gw.gateway.ledger.total() == 1)
+    await eventually(lambda: gw.kits.shared.ledger.total() == 1)
     queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=body))
-    await eventually(lambda: gw.gateway.flow.queued == 1)
+    await eventually(lambda: gw.kits.flow.flow.queued == 1)
     stopping = asyncio.create_task(gw.runner.cleanup())  # SIGTERM's drain
     refused = await asyncio.wait_for(queued, timeout=5)  # at once, not after its 60 s of queueing
     assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"

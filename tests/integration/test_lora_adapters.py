@@ -107,7 +107,7 @@ async def test_an_adapter_a_pod_stopped_serving_is_unregistered_there(start_mock
         await asyncio.sleep(0.1)
         assert "sql" in pods[0].adapters
     await eventually(lambda: not pods[0].adapters, within_s=3)  # idle: unregistered
-    assert not gw.gateway.pods.all()[0].serves("sql")
+    assert not gw.kits.foundation.pods.all()[0].serves("sql")
     status, _, _ = await post(http, gw, "sql", "again")  # registered again when needed
     assert status == 200 and "sql" in pods[0].adapters
     metrics = await (await http.get(f"{gw.url}/metrics")).text()

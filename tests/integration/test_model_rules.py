@@ -225,8 +225,8 @@ async def test_models_lists_what_a_healthy_pod_can_serve_now(fleet, http):
     assert await listed() == {"stable", "canary", "small", *RULES}
     for pod in pods["stable"]:
         await pod.stop()
-    await eventually(lambda: not any(p.healthy for p in gw.gateway.pods.all() if p.serves("stable")))
+    await eventually(lambda: not any(p.healthy for p in gw.kits.foundation.pods.all() if p.serves("stable")))
     assert await listed() == {"canary", "small", "chat", "guarded"}  # each still has a target served
     await pods["canary"][0].stop()
-    await eventually(lambda: not any(p.healthy for p in gw.gateway.pods.all() if p.serves("canary")))
+    await eventually(lambda: not any(p.healthy for p in gw.kits.foundation.pods.all() if p.serves("canary")))
     assert await listed() == {"small", "guarded"}

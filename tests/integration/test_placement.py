@@ -22,8 +22,8 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
                              tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}},
                              placement={"default_stages": 4})
     # Each pod's capacity comes from its scraped vllm:cache_config_info.
-    await eventually(lambda: all(gw.gateway.load.engine.get(p.name) and gw.gateway.load.engine[p.name]
-                                 .kv_capacity_tokens == 96 * 16 for p in gw.gateway.pods.all()))
+    await eventually(lambda: all(gw.kits.load.load.engine.get(p.name) and gw.kits.load.load.engine[p.name]
+                                 .kv_capacity_tokens == 96 * 16 for p in gw.kits.foundation.pods.all()))
     chosen: dict[str, str] = {}
     for w in range(6):
         history = [{"role": "system", "content": PREAMBLE + f" You are worker {w}."},
@@ -37,11 +37,11 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
     # The preamble makes the first pod a hit for everyone; the working set sends workflows elsewhere.
     counts = {name: list(chosen.values()).count(name) for name in set(chosen.values())}
     assert len(counts) == 2 and max(counts.values()) <= 4, chosen
-    registry = gw.gateway.metrics.registry
+    registry = gw.kits.foundation.metrics.registry
     spread = registry.get_sample_value("gateway_routing_decisions_total",
                                        {"policy": "kv_aware", "reason": "capacity_spread"})
     assert spread and spread >= 1
-    ws = gw.gateway.working_set
+    ws = gw.kits.kv.working_set
     assert ws.context("workflow:wf-0").pod == chosen["wf-0"] and ws.forecast.growth.value > 0
     async with http.get(f"{gw.url}/debug/placement") as resp:
         view = await resp.json()
@@ -53,7 +53,7 @@ async def test_workflows_sharing_a_preamble_spread_once_a_pod_is_full(start_mock
 async def test_completion_releases_and_pressure_lets_go_of_the_idlest(start_mock_pod, start_gateway, http):
     _, gw = await fleet(start_mock_pod, start_gateway, n=1, workflow={"hard_flush": False},
                         pressure={"interval_s": 3600, "source": "working_set"})
-    ws = gw.gateway.working_set
+    ws = gw.kits.kv.working_set
     history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "go"}]
     for wf in ("old", "newer", "done"):
         await stage(http, gw, wf, "s1", history)
@@ -61,8 +61,8 @@ async def test_completion_releases_and_pressure_lets_go_of_the_idlest(start_mock
     await stage(http, gw, "done", "s2", history, **{"x-workflow-complete": "true"})
     assert ws.context("workflow:done") is None and ws.forecast.stages.value == 2
     # The pressure source reads the working set against the scraped capacity: make the pod look full.
-    gw.gateway.load.engine["pod0"].kv_capacity_tokens = 1.0
-    monitor = gw.gateway.pressure
+    gw.kits.load.load.engine["pod0"].kv_capacity_tokens = 1.0
+    monitor = gw.kits.pressure.monitor
     monitor.tick()
     assert monitor.modes.mode("pod0").name == "EMERGENCY"
     assert ws.context("workflow:old") is None and ws.context("workflow:newer") is not None
@@ -78,12 +78,12 @@ async def test_a_hard_flush_waits_for_a_session_resumable_on_the_pod(start_mock_
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-session-id": "chat-1"}) as resp:
         assert resp.status == 200
     await stage(http, gw, "wf", "s1", history, **{"x-workflow-complete": "true"})
-    executor = gw.gateway.front.workflows.executor
+    executor = gw.kits.workflows.service.executor
     started = time.monotonic()
     # The session thinks for 0.3 s: the global reset waits until it lapses, then goes through.
     await eventually(lambda: executor.hard_flushes.get("pod0") == 1, within_s=10)
     assert time.monotonic() - started >= 0.2
-    registry = gw.gateway.metrics.registry
+    registry = gw.kits.foundation.metrics.registry
     assert registry.get_sample_value("gateway_cache_actions_total", {
         "action": "hard_flush_deferred", "reason": "others_on_pod", "pod": "pod0"}) >= 1
     assert not mock_pods[0].engine.cache.cached_blocks()

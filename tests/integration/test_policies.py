@@ -100,7 +100,7 @@ async def test_least_request_splits_a_burst_evenly(start_backend, start_gateway,
         await asyncio.sleep(0.01)
     # In-flight counts rise before the request is sent, so a burst splits evenly.
     assert hits == Counter({"p0": 5, "p1": 5})
-    assert sorted(gw.gateway.ledger.on_pod(p.name) for p in gw.gateway.pods.all()) == [5, 5]
+    assert sorted(gw.kits.shared.ledger.on_pod(p.name) for p in gw.kits.foundation.pods.all()) == [5, 5]
     hold.set()
     assert [r.status for r in await asyncio.gather(*tasks)] == [200] * 10
 
@@ -128,14 +128,14 @@ async def test_retry_before_first_byte_moves_to_another_pod(start_backend, start
     alive = await start_backend(counting_backend("alive", hits))
     gw = await start_gateway([{"url": dead, "models": ["m"], "name": "dead"}, {"url": alive, "name": "alive"}],
                              health={"interval_s": 60})
-    gw.gateway.pods.get("dead").healthy = True  # as if it died right after its last health check
+    gw.kits.foundation.pods.get("dead").healthy = True  # as if it died right after its last health check
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
         assert resp.status == 200
         assert resp.headers["x-gateway-pod"] == "alive"
     metrics = await (await http.get(f"{gw.url}/metrics")).text()
     assert 'gateway_retries_total{cause="connect",pod="dead"} 1.0' in metrics
     # Passive ejection: the dead pod is skipped without another failed try.
-    dead_pod = gw.gateway.pods.get("dead")
+    dead_pod = gw.kits.foundation.pods.get("dead")
     assert dead_pod.ejections == 1 and not dead_pod.available(time.monotonic())
     for _ in range(5):
         async with http.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="m")) as resp:
@@ -162,7 +162,7 @@ async def test_retry_after_backend_500(start_backend, start_gateway, http):
             assert resp.status == 200 and resp.headers["x-gateway-pod"] == "good"
     # Round robin keeps offering the failing pod until three 5xx in a row eject it.
     assert hits == Counter({"good": 4, "failing": 3})
-    assert gw.gateway.pods.get("failing").ejections == 1
+    assert gw.kits.foundation.pods.get("failing").ejections == 1
 
 
 async def test_a_restarted_pod_is_back_within_two_health_intervals(start_backend, start_gateway, http):
@@ -184,7 +184,7 @@ async def test_a_restarted_pod_is_back_within_two_health_intervals(start_backend
     for resp in await asyncio.gather(*burst):
         assert resp.status == 200 and resp.headers["x-gateway-pod"] == "steady"
         resp.release()
-    pod = gw.gateway.pods.get("restarted")
+    pod = gw.kits.foundation.pods.get("restarted")
     assert pod.ejections == 1
     site_app = counting_backend("restarted", hits)
     revived = web.AppRunner(site_app)

@@ -180,9 +180,9 @@ async def test_engine_errors_inside_streams_count_against_the_pod_as_5xx_answers
         async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
             assert resp.status == 200
             await resp.read()
-    (served,) = gw.gateway.pods.all()
+    (served,) = gw.kits.foundation.pods.all()
     assert served.ejections == 1 and "malformed_event" in (served.last_error or "")
-    registry = gw.gateway.metrics.registry
+    registry = gw.kits.foundation.metrics.registry
     for kind in ("engine_error", "malformed_event"):
         assert registry.get_sample_value("gateway_upstream_errors_total", {"pod": served.name, "kind": kind}) == 1
 

@@ -43,7 +43,8 @@ async def workers(start_mock_pod, start_gateway, run_dir: str, **config: Any) ->
                                     shared_state=FAST_BUS, **config)
                 for identity in two_workers(run_dir)]
     for gw in gateways:
-        await web.UnixSite(gw.runner, gw.gateway.identity.http_socket(gw.gateway.identity.index)).start()
+        identity = gw.kits.foundation.identity
+        await web.UnixSite(gw.runner, identity.http_socket(identity.index)).start()
     return gateways
 
 
@@ -148,7 +149,7 @@ async def test_stored_responses_routes(start_mock_pod, start_gateway, http):
         await a.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         await a.responses.delete(first.id)
-    counted = gw.gateway.metrics.registry.get_sample_value
+    counted = gw.kits.foundation.metrics.registry.get_sample_value
     assert [counted("gateway_responses_total", {"event": e}) for e in ("stored", "deleted")] == [2, 1]
     unstored = await a.responses.create(model=MODEL, input="Hello", max_output_tokens=3, store=False)
     with pytest.raises(openai.NotFoundError):

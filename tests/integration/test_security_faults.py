@@ -74,7 +74,7 @@ CHAT = "/v1/chat/completions"
 def recorded(gw, caplog) -> tuple[dict[str, float], list[str], float]:
     """What the gateway recorded of its chat requests: their count by status and outcome in metrics, the same
     in its access log, and how many answers it learnt output lengths from."""
-    registry = gw.gateway.metrics.registry
+    registry = gw.kits.foundation.metrics.registry
     by_answer = {}
     for family in registry.collect():
         if family.name == "gateway_requests":
@@ -146,8 +146,8 @@ async def test_a_streams_first_chunk_waits_first_byte_s_and_each_later_one_idle_
         body = await asyncio.wait_for(resp.read(), timeout=10)
     assert b'data: {"n"' not in body and b"first_byte_timeout" in body  # cut at first_byte_s, not idle_s
     assert recorded(strict, caplog)[0] == {"200 upstream_broke": 1.0}
-    errors = strict.gateway.metrics.registry.get_sample_value("gateway_upstream_errors_total",
-                                                              {"pod": strict.gateway.pods.all()[0].name,
+    errors = strict.kits.foundation.metrics.registry.get_sample_value("gateway_upstream_errors_total",
+                                                              {"pod": strict.kits.foundation.pods.all()[0].name,
                                                                "kind": "first_byte_timeout"})
     assert errors == 1
 

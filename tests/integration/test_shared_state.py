@@ -71,7 +71,7 @@ async def alternate_stages(http, gateways, workflow: str, stages: int) -> tuple[
 
 
 def stage_known(gw, workflow: str, stage: str, pod: str) -> bool:
-    wf = gw.gateway.front.workflows.tracker.workflows.get(workflow)
+    wf = gw.kits.workflows.service.tracker.workflows.get(workflow)
     return wf is not None and stage in wf.stages and wf.stages[stage].pod == pod and wf.stages[stage].completed
 
 
@@ -97,7 +97,7 @@ async def test_a_session_sticks_to_one_pod_across_workers(start_mock_pod, start_
         gw = gateways[i % 2]
         pod, _, _ = await post(http, gw, history, **{"x-session-id": "sess-1"})
         seen.append(pod)
-        await eventually(lambda pod=pod: all(g.gateway.front.workflows.sessions.pod_of("sess-1") == pod
+        await eventually(lambda pod=pod: all(g.kits.workflows.service.sessions.pod_of("sess-1") == pod
                                              for g in gateways))
     assert len(set(seen)) == 1
 
@@ -108,21 +108,21 @@ async def test_workers_weigh_each_others_contexts_and_speculative_blocks(start_m
     first, second = await start_group(start_gateway, pods, two_workers(run_dir), "kv_aware")
     history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "Begin."}]
     pod, _, _ = await post(http, first, history, **{"x-workflow-id": "wf-c"})
-    working_set = second.gateway.working_set
+    working_set = second.kits.kv.working_set
     await eventually(lambda: (ctx := working_set.context("workflow:wf-c")) is not None and ctx.pod == pod
-                     and ctx.thinking and not second.gateway.ledger.of_context(ctx.key))
+                     and ctx.thinking and not second.kits.shared.ledger.of_context(ctx.key))
     assert working_set.demand_tokens(pod, 0.0) > 0
     other = next(p["name"] for p in pods if p["name"] != pod)
     assert working_set.demand_tokens(other, 0.0) == 0
     # The second worker's index expects the first's blocks on that pod before any event says so.
-    assert second.gateway.kv.index._speculative
+    assert second.kits.kv.index._speculative
 
 
 async def test_replicas_share_workflows_through_redis_and_survive_its_loss(start_mock_pod, start_gateway, http,
                                                                           redis_server):
     pods = await pods_for(start_mock_pod)
     gateways = await start_group(start_gateway, pods, [None, None], "round_robin", redis_url=redis_server.url)
-    buses = [gw.gateway.bus for gw in gateways]
+    buses = [gw.kits.shared.bus for gw in gateways]
     await eventually(lambda: all(len(bus.peers) == 1 for bus in buses), within_s=10)
     pods_used, actions = await alternate_stages(http, gateways, "wf-r", 4)
     assert len(set(pods_used)) == 1 and actions == ["noop"] + ["preserve:small_increment"] * 3

@@ -85,12 +85,12 @@ async def test_client_disconnect_mid_stream_cancels_upstream(start_backend, star
     assert (await resp.content.readany()).startswith(b"data: ")
     resp.close()  # the client hangs up mid-stream
     await asyncio.wait_for(upstream_gone.wait(), timeout=10)
-    pod = gw.gateway.pods.all()[0]
+    pod = gw.kits.foundation.pods.all()[0]
     for _ in range(100):
-        if gw.gateway.ledger.on_pod(pod.name) == 0:
+        if gw.kits.shared.ledger.on_pod(pod.name) == 0:
             break
         await asyncio.sleep(0.02)
-    assert gw.gateway.ledger.on_pod(pod.name) == 0
+    assert gw.kits.shared.ledger.on_pod(pod.name) == 0
 
 
 async def test_client_disconnect_aborts_the_request_on_a_mock_pod(start_mock_pod, start_gateway, http):

@@ -95,7 +95,7 @@ async def start(topology: str, start_gateway, start_backend, redis_server, run_d
         config["shared_state"] = {**FAST_BUS, "redis_url": redis_server.url}
     gateways = [await start_gateway([{"url": url, "models": [MODEL]}], identity=identity, **config)
                 for identity in identities]
-    await eventually(lambda: all(len(g.gateway.bus.peers) == len(gateways) - 1 for g in gateways), within_s=10)
+    await eventually(lambda: all(len(g.kits.shared.bus.peers) == len(gateways) - 1 for g in gateways), within_s=10)
     return gateways
 
 
@@ -107,7 +107,7 @@ async def ask(http: aiohttp.ClientSession, gw: Any, name: str, content: str = "h
 
 
 def in_flight(gw: Any, scope: str) -> int:
-    return gw.gateway.limits.usage.used(scope).in_flight
+    return gw.kits.limits.limits.usage.used(scope).in_flight
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -191,7 +191,7 @@ async def test_max_concurrent_holds_under_20_clients(topology, start_gateway, st
 
 async def silence(gw: Any) -> None:
     """As if the process were killed: nothing more is heard from it (not even its requests' ends)."""
-    bus = gw.gateway.bus
+    bus = gw.kits.shared.bus
     bus._task.cancel()
     if bus._siblings is not None:
         bus._siblings.stop()
@@ -246,6 +246,6 @@ async def test_a_request_leaves_the_count_however_it_ends(topology, start_gatewa
                     admitted = True
                     break
                 await asyncio.sleep(0.2)
-            assert admitted, (name, gw.gateway.identity.name)
+            assert admitted, (name, gw.kits.foundation.identity.name)
     pod.release.set()
     await asyncio.gather(*held_tasks, return_exceptions=True)

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import build_app
+from gateway.app import build_app, build_gateway
 from gateway.config import hash_api_key, load_config
 from tests.conftest import GatewayProcess, gateway_process, serve_app
 
@@ -197,7 +197,7 @@ async def test_spans_carry_no_client_string_past_the_label_cap(start_mock_pod, h
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = load_config(overrides={"pods": [{"url": pod.url}], "tracing": {"enabled": True}}, environ={})
-    runner = await serve_app(build_app(config, tracer_provider=provider))
+    runner = await serve_app(build_app(build_gateway(config, tracer_provider=provider)))
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     rng = random.Random(4)
     sent = [("".join(rng.choices(PRINTABLE, k=5000)), {}), (MODEL, {"x-request-id": text(rng, 3000)}),

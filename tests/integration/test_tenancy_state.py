@@ -42,12 +42,12 @@ async def replicas(start_mock_pod, start_gateway, redis_server, run_dirs, n_pods
     shared = {"shared_state": {**FAST_BUS, "redis_url": redis_server.url}}
     identities = workers("ra", run_dirs[0]) + workers("rb", run_dirs[1])
     gateways = [await start_gateway(pod_configs, identity=identity, **shared, **config) for identity in identities]
-    await eventually(lambda: all(len(g.gateway.bus.peers) == 3 for g in gateways), within_s=10)
+    await eventually(lambda: all(len(g.kits.shared.bus.peers) == 3 for g in gateways), within_s=10)
     return pods, gateways
 
 
 def total(gateways: list[Any], name: str, labels: dict[str, str]) -> float:
-    return sum(g.gateway.metrics.registry.get_sample_value(name, labels) or 0.0 for g in gateways)
+    return sum(g.kits.foundation.metrics.registry.get_sample_value(name, labels) or 0.0 for g in gateways)
 
 
 async def chat(http, gw, who: str, content: str = "Hello", **headers: str) -> tuple[int, dict]:
@@ -109,7 +109,7 @@ async def test_another_keys_workflow_is_not_found_not_completed_and_not_joined(
         assert (await chat(http, gw, "alice", CONTEXT, **{"x-workflow-id": "wf", "x-stage-id": stage}))[0] == 200
 
     def known(gw) -> bool:
-        tracked = gw.gateway.front.workflows.tracker.workflows.items()
+        tracked = gw.kits.workflows.service.tracker.workflows.items()
         return any(w.rpartition("/")[2] == "wf" and len(wf.stages) == 2 for w, wf in tracked)
 
     await eventually(lambda: all(known(g) for g in gateways), within_s=10)
@@ -135,7 +135,7 @@ async def test_a_keys_flush_reaches_only_its_own_blocks_and_a_pod_wide_one_needs
     for stage, policy in (("s1", "auto"), ("s2", "flush")):
         headers = {"x-workflow-id": "wf-admin", "x-stage-id": stage, "x-stage-cache-policy": policy}
         assert (await chat(http, gateways[3], "admin", CONTEXT, **headers))[0] == 200
-    await eventually(lambda: gateways[3].gateway.front.workflows.executor.hard_flushes.get("pod0") == 1, within_s=10)
+    await eventually(lambda: gateways[3].kits.workflows.service.executor.hard_flushes.get("pod0") == 1, within_s=10)
     assert not cache.cached_blocks()
     async with http.post(f"{gateways[3].url}/v1/workflows/wf-admin/complete", headers=key("admin")) as resp:
         assert resp.status == 200  # nothing of it left on the pod for a flush to wait for
@@ -145,14 +145,14 @@ async def test_a_keys_flush_reaches_only_its_own_blocks_and_a_pod_wide_one_needs
         headers = {"x-workflow-id": "wf-b", "x-stage-id": stage, "x-stage-cache-policy": policy}
         assert (await chat(http, gateways[2], "bob", f"Bob's notes. {CONTEXT}", **headers))[0] == 200
     refused = {"action": "hard_flush_not_allowed", "reason": "override", "pod": "pod0"}
-    bobs = gateways[2].gateway.front.workflows.executor
+    bobs = gateways[2].kits.workflows.service.executor
 
     def decided() -> bool:  # refused a hard flush, or (as before keys held tenancy) did one
         return total(gateways, "gateway_cache_actions_total", refused) == 1 or bool(bobs.hard_flushes)
 
     await eventually(decided, within_s=10)
     await asyncio.sleep(0.5)  # a hard flush would be done by now (its retries start at 0.05 s)
-    assert [g.gateway.front.workflows.executor.hard_flushes.get("pod0") for g in gateways] == [None] * 3 + [1]
+    assert [g.kits.workflows.service.executor.hard_flushes.get("pod0") for g in gateways] == [None] * 3 + [1]
     status, again = await chat(http, gateways[1], "alice", CONTEXT)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
 
@@ -182,7 +182,7 @@ async def test_response_ids_are_the_gateways_and_unique_across_workers_without_r
     for gw in gateways:  # bob asks each worker for alice's id: neither keeps his answer under it
         status, theirs = await respond(http, gw, "bob", input="Take it over", request_id=mine["id"])
         assert status == 200 and theirs["id"] != mine["id"]
-    assert sum(len(g.gateway.own_responses) for g in gateways) == 3
+    assert sum(len(g.kits.responses.own) for g in gateways) == 3
     for gw in gateways:
         async with http.get(f"{gw.url}/v1/responses/{mine['id']}", headers=key("alice")) as resp:
             assert resp.status == 200 and (await resp.json())["output"] == mine["output"]

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.app import build_app
+from gateway.app import build_app, build_gateway
 from gateway.config import load_config
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.conftest import serve_app
@@ -41,7 +41,7 @@ async def test_the_clients_trace_reaches_the_pod_through_the_gateways_spans(star
         "pods": [{"url": pod_url, "name": "pod0"}], "tracing": {"enabled": True},
         "routing": {"policy": "kv_aware"}, "admission": {"enabled": True}, "server": {"max_body_bytes": 65536},
         "tokenization": {"models": {"m": {"path": str(BUNDLED_TOKENIZER_DIR)}}}}, environ={})
-    runner = await serve_app(build_app(config, tracer_provider=provider))
+    runner = await serve_app(build_app(build_gateway(config, tracer_provider=provider)))
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Trace me."}]}
@@ -86,4 +86,4 @@ async def test_without_tracing_nothing_is_added(start_backend, start_gateway, ht
     body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "No trace."}]}
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-    assert seen == [None] and gw.gateway.tracer_provider is None
+    assert seen == [None] and gw.kits.tracing.provider is None

@@ -65,14 +65,14 @@ async def test_a_preserve_that_cannot_be_kept_says_why(start_mock_pod, start_gat
     history.append({"role": "user", "content": "Step 1."})
     assert (await stage(http, gw, "wf-busy", "s1", history))[:2] == (home, "preserve:small_increment")
     # Three requests of other clients in flight on the workflow's pod, none elsewhere: past the slack of 2.
-    ledger = gw.gateway.ledger
+    ledger = gw.kits.shared.ledger
     others = [ledger.dispatch(f"other-{i}", home, 1.0, "chat") for i in range(3)]
     history.append({"role": "user", "content": "Step 2."})
     pod, action, _ = await stage(http, gw, "wf-busy", "s2", history)
     assert pod != home and action == "preserve-fallback:overload_guard"
     for entry in others:
         ledger.finish(entry)
-    gw.gateway.pods.get(pod).healthy = False  # the stage's new pod, which now holds its cache
+    gw.kits.foundation.pods.get(pod).healthy = False  # the stage's new pod, which now holds its cache
     history.append({"role": "user", "content": "Step 3."})
     moved, action, _ = await stage(http, gw, "wf-busy", "s3", history)
     assert moved == home and action == "preserve-fallback:pod_unavailable"
@@ -89,14 +89,14 @@ async def test_flush_override_and_completion_reach_the_right_pod(start_mock_pod,
     # The stage that asks for the flush goes where its cache is; the flush waits for it to end there (sent
     # before the stage reached the engine, it would have been undone by it).
     assert (await stage(http, gw, "wf-2", "s2", history, **{"x-stage-cache-policy": "flush"}))[0] == pod
-    executor = gw.gateway.front.workflows.executor
+    executor = gw.kits.workflows.service.executor
     await eventually(lambda: executor.hard_flushes.get(pod) == 1)
-    assert gw.gateway.metrics.registry.get_sample_value("gateway_cache_actions_total", {
+    assert gw.kits.foundation.metrics.registry.get_sample_value("gateway_cache_actions_total", {
         "action": "hard_flush_deferred", "reason": "own_requests_running", "pod": pod}) >= 1
     assert not holder.engine.cache.cached_blocks()
     assert executor.hard_flushes.get(f"pod{1 - index}") is None
     # The index learns of it from the pod's own AllBlocksCleared event.
-    await eventually(lambda: not gw.gateway.kv.index.own_hashes(pod))
+    await eventually(lambda: not gw.kits.kv.index.own_hashes(pod))
     await stage(http, gw, "wf-2", "s3", history)
     async with http.post(f"{gw.url}/v1/workflows/wf-2/complete") as resp:
         assert (await resp.json())["status"] == "completed"
@@ -114,11 +114,11 @@ async def test_no_hard_flush_while_another_workflow_uses_the_pod(start_mock_pod,
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     running = await http.post(f"{gw.url}/v1/chat/completions", json=slow,
                               headers={"x-workflow-id": "wf-b", "x-stage-id": "s1"})
-    await eventually(lambda: gw.gateway.ledger.others_on("pod0", "wf-a"))
+    await eventually(lambda: gw.kits.shared.ledger.others_on("pod0", "wf-a"))
     async with http.post(f"{gw.url}/v1/workflows/wf-a/complete") as resp:
         assert resp.status == 200
     await asyncio.sleep(0.3)
-    executor = gw.gateway.front.workflows.executor
+    executor = gw.kits.workflows.service.executor
     assert executor.hard_flushes.get("pod0") is None  # wf-b is running there: the flush waits
     await running.read()
     await asyncio.sleep(0.3)
@@ -138,11 +138,11 @@ async def test_sglang_refusal_is_retried(start_mock_pod, start_gateway, http):
     direct = await http.post(f"{pod.url}/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "stream": True})
     await http.post(f"{gw.url}/v1/workflows/wf-s/complete")
-    registry = gw.gateway.metrics.registry
+    registry = gw.kits.foundation.metrics.registry
     labels = {"action": "hard_flush_refused", "reason": "workflow_complete", "pod": "pod0"}
     await eventually(lambda: (registry.get_sample_value("gateway_cache_actions_total", labels) or 0) >= 1)
     await direct.read()
-    await eventually(lambda: gw.gateway.front.workflows.executor.hard_flushes.get("pod0") == 1, within_s=10)
+    await eventually(lambda: gw.kits.workflows.service.executor.hard_flushes.get("pod0") == 1, within_s=10)
     assert not pod.engine.cache.cached_blocks()
 
 
@@ -154,15 +154,15 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     for wf in ("old", "newer"):
         for s in ("s1", "s2"):
             await stage(http, gw, wf, s, history)
-    tracker = gw.gateway.front.workflows.tracker
+    tracker = gw.kits.workflows.service.tracker
     assert [w.id for w in tracker.idle_preserved("pod0")] == ["old", "newer"]
     mock_pods[0].engine.timing = mock_pods[0].engine.timing.__class__(speed=0.5)
     busy = await http.post(f"{gw.url}/v1/chat/completions", headers={"x-workflow-id": "busy", "x-stage-id": "s2"},
                            json={"model": MODEL, "messages": history, "max_tokens": 300, "stream": True})
     await eventually(lambda: "busy" in tracker.workflows and tracker.in_flight(tracker.workflows["busy"]) == 1)
     tracker.workflows["busy"].entries["pod0"].preserved = True
-    gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.9, stale=False)
-    monitor = gw.gateway.pressure
+    gw.kits.load.load.engine["pod0"] = EngineStats(kv_usage=0.9, stale=False)
+    monitor = gw.kits.pressure.monitor
     monitor.tick()
     assert not tracker.workflows["old"].entries["pod0"].preserved  # the oldest idle one went first
     assert tracker.workflows["newer"].entries["pod0"].preserved
@@ -170,12 +170,12 @@ async def test_pressure_flushes_oldest_idle_workflow_never_in_flight(start_mock_
     assert not tracker.workflows["newer"].entries["pod0"].preserved
     monitor.tick()
     assert tracker.workflows["busy"].entries["pod0"].preserved  # in flight: never flushed
-    gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.97, stale=False)
+    gw.kits.load.load.engine["pod0"] = EngineStats(kv_usage=0.97, stale=False)
     monitor.tick()
-    assert gw.gateway.modes.in_emergency("pod0") and monitor.modes.mode("pod0").name == "EMERGENCY"
-    gw.gateway.load.engine["pod0"] = EngineStats(kv_usage=0.5, stale=False)
+    assert gw.kits.load.modes.in_emergency("pod0") and monitor.modes.mode("pod0").name == "EMERGENCY"
+    gw.kits.load.load.engine["pod0"] = EngineStats(kv_usage=0.5, stale=False)
     monitor.tick()
-    assert not gw.gateway.modes.in_emergency("pod0")
+    assert not gw.kits.load.modes.in_emergency("pod0")
     await busy.read()
 
 
@@ -187,7 +187,7 @@ async def test_session_affinity_sticks_and_moves_off_a_sick_pod(start_mock_pod, 
         async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-session-id": "s-1"}) as resp:
             seen.add(resp.headers["x-gateway-pod"])
     assert len(seen) == 1
-    pod = gw.gateway.pods.get(seen.pop())
+    pod = gw.kits.foundation.pods.get(seen.pop())
     pod.healthy = False
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-session-id": "s-1"}) as resp:
         assert resp.headers["x-gateway-pod"] != pod.name and resp.headers["x-gateway-cache-action"] == "session-moved"
@@ -198,7 +198,7 @@ async def test_session_affinity_sticks_and_moves_off_a_sick_pod(start_mock_pod, 
 async def test_by_default_only_a_stage_that_asks_for_it_is_flushed_hard(start_mock_pod, start_gateway, http):
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1, workflow={"flush_retry_base_s": 0.05})
     history = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "go"}]
-    executor = gw.gateway.front.workflows.executor
+    executor = gw.kits.workflows.service.executor
     await stage(http, gw, "wf-done", "s1", history, **{"x-workflow-complete": "true"})
     await asyncio.sleep(0.3)
     assert executor.hard_flushes.get("pod0") is None and mock_pods[0].engine.cache.cached_blocks()  # soft only
@@ -212,8 +212,8 @@ async def test_a_declared_retention_is_never_flushed_inside_its_ttl(start_mock_p
     the pod keeps its cache (the hard flush waits, saying why). A flush the client asks for itself wins."""
     mock_pods, gw = await fleet(start_mock_pod, start_gateway, n=1,
                                 workflow={"flush_retry_base_s": 0.05, "flush_retries": 2, "hard_flush": True})
-    cache, metrics = mock_pods[0].engine.cache, gw.gateway.metrics.registry
-    executor = gw.gateway.front.workflows.executor
+    cache, metrics = mock_pods[0].engine.cache, gw.kits.foundation.metrics.registry
+    executor = gw.kits.workflows.service.executor
 
     async def stage_declaring(workflow: str, stage_id: str, retention: str | None = "24h", **headers: str) -> int:
         body = {"model": MODEL, "messages": [{"role": "system", "content": CONTEXT},
@@ -239,5 +239,5 @@ async def test_a_declared_retention_is_never_flushed_inside_its_ttl(start_mock_p
         "action": "hard_flush_deferred", "reason": "declared_retention", "pod": "pod0"}) or 0) >= 2)
     await asyncio.sleep(0.5)  # past its retries
     assert executor.hard_flushes.get("pod0") == 2 and cache.cached_blocks()
-    assert gw.gateway.working_set.context("workflow:wf-r").retention_s == 86_400.0
+    assert gw.kits.kv.working_set.context("workflow:wf-r").retention_s == 86_400.0
     assert await stage_declaring("wf-r", "s2", retention="1w") == 400

@@ -151,13 +151,13 @@ def test_cli_help_version_and_config_check(tmp_path, capsys, monkeypatch):
     ({"pressure": {"source": "nvml", "options": {"device": {"pod0": 0}}}}, "device"),
 ])
 def test_bad_plugin_options_stop_the_start_naming_the_option(tmp_path, capsys, section, fragment):
-    from gateway.app import build_app
+    from gateway.app import build_gateway
     from gateway.cli import main
     from gateway.plugin_registry import PluginOptionsError
 
     config = load_config(None, {"pods": [{"url": "http://127.0.0.1:1", "models": ["m"]}], **section})
     with pytest.raises(PluginOptionsError, match=fragment):
-        build_app(config)
+        build_gateway(config)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(section))
     assert main(["config", "check", str(path)]) == 2

@@ -147,17 +147,17 @@ async def test_model_rules_adapters_and_limits_apply_to_a_running_gateway(tmp_pa
     source = ConfigSource.read(str(path))
     gateway = build_gateway(source.loaded, source=source)
     body = parse_inference_request(b'{"model": "mini"}')
-    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("llama",)
+    assert gateway.models.rules.route("mini", "chat", CIMultiDict(), body).targets == ("llama",)
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "qwen", "fallbacks": ["llama"]}},
                                     "adapters": {"sql": {"path": "/a/sql", "base_model": "qwen"}}},
                  "limits": {"tenants": {"team": {"max_concurrent": 3}}}})
-    assert gateway.reloader is not None and await gateway.reloader.reload() == "applied"
-    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
-    assert gateway.pods.loadable == {"sql": "qwen"} and gateway.pods.base_model("sql") == "qwen"
-    assert gateway.limits.config.tenants["team"].max_concurrent == 3
+    assert gateway.reload.reloader is not None and await gateway.reload.reloader.reload() == "applied"
+    assert gateway.models.rules.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
+    assert gateway.foundation.pods.loadable == {"sql": "qwen"} and gateway.foundation.pods.base_model("sql") == "qwen"
+    assert gateway.limits.limits.config.tenants["team"].max_concurrent == 3
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "mini"}}}})  # a bad rule: nothing changes
-    assert await gateway.reloader.reload() == "invalid"
-    assert gateway.front.models.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
+    assert await gateway.reload.reloader.reload() == "invalid"
+    assert gateway.models.rules.route("mini", "chat", CIMultiDict(), body).targets == ("qwen", "llama")
 
 
 async def test_routing_profiles_default_and_shortlist_apply_to_a_running_gateway_or_nothing_does(tmp_path, caplog):
@@ -169,20 +169,21 @@ async def test_routing_profiles_default_and_shortlist_apply_to_a_running_gateway
     write(path, BASE)
     source = ConfigSource.read(str(path))
     gateway = build_gateway(source.loaded, source=source)
-    router = gateway.router
+    router = gateway.routing.router
     assert router.default_policy == "round_robin" and "mine" not in router.profiles.names()
     profile = {"filters": ["saturated"], "scorers": [{"name": "prefix", "weight": 3}, "load"]}
     write(path, {**with_flow(max_queued=9), "routing": {"policy": "mine", "profiles": {"mine": profile},
                                                         "max_candidates": 4, "max_retries": 7}})
-    assert gateway.reloader is not None and await gateway.reloader.reload() == "restart_needed"
+    assert gateway.reload.reloader is not None and await gateway.reload.reloader.reload() == "restart_needed"
     policy = router.resolve(None)
     assert router.default_policy == "mine" and policy.name == "mine"
     assert [ws.weight for ws in policy.scorers] == [3, 1]
-    assert router._shortlist.limit == 4 and gateway.flow.config.max_queued == 9
-    assert gateway.reloader.source.loaded.routing.max_retries == 2  # the director keeps its retries until a restart
+    assert router._shortlist.limit == 4 and gateway.flow.flow.config.max_queued == 9
+    # The director keeps its retries until a restart.
+    assert gateway.reload.reloader.source.loaded.routing.max_retries == 2
     bad = {**profile, "scorers": [{"name": "no_such_scorer"}]}
     write(path, {**with_flow(max_queued=11), "routing": {"policy": "mine", "profiles": {"mine": bad}}})
     with caplog.at_level(logging.ERROR, "gateway.config"):
-        assert await gateway.reloader.reload() == "invalid"
+        assert await gateway.reload.reloader.reload() == "invalid"
     assert "no_such_scorer" in caplog.text
-    assert router.resolve(None) is policy and router._shortlist.limit == 4 and gateway.flow.config.max_queued == 9
+    assert router.resolve(None) is policy and router._shortlist.limit == 4 and gateway.flow.flow.config.max_queued == 9

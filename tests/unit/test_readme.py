@@ -33,17 +33,13 @@ import tomllib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
-from aiohttp import web
 
-from gateway.api.routes import add_routes
-from gateway.app import effective_plugin_options
+from gateway.app import build_app, build_gateway, effective_plugin_options
 from gateway.cli import build_parser, policy_names, serve_overrides
-from gateway.components import GATEWAY_KEY
-from gateway.config import ConfigError, ServerConfig, env_overrides, hash_api_key, load_config
+from gateway.config import ConfigError, GatewayConfig, ServerConfig, env_overrides, hash_api_key, load_config
 from gateway.plugin_registry import PluginOptionsError, UnknownPlugin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,11 +185,7 @@ def extras() -> frozenset[str]:
 @cache
 def served_routes() -> tuple[tuple[str, re.Pattern[str]], ...]:
     """(method, path pattern) of every route the gateway's HTTP server adds."""
-    app = web.Application()
-    # Handlers are only bound to what they use.
-    app[GATEWAY_KEY] = SimpleNamespace(identity=SimpleNamespace(count=1), http=None, own_responses=None,
-                                       front=SimpleNamespace(director=None, counting=None))
-    add_routes(app)
+    app = build_app(build_gateway(GatewayConfig()))  # built, never started: each kit adds its routes
     routes = []
     for route in app.router.routes():
         info = route.resource.get_info() if route.resource else {}
