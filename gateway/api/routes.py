@@ -81,8 +81,8 @@ async def directed(auth: ApiKeyAuth, proxy: Proxy, body_timeout_s: float | None,
     return edge.response
 
 
-async def models(auth: ApiKeyAuth, pods: PodRegistry, cards: Callable[[ApiKey | None], list[dict[str, Any]]],
-                 request: web.Request) -> web.Response:
+async def model_list(auth: ApiKeyAuth, pods: PodRegistry, cards: Callable[[ApiKey | None], list[dict[str, Any]]],
+                     request: web.Request) -> web.Response:
     """The models the fleet serves that the caller's key may use (just after start, once the pods have answered)."""
     key = auth.check(request.headers)
     await pods.first_answers()

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any
 
 from gateway.api import debug
-from gateway.api.routes import PROXIED_ROUTES, directed, models
+from gateway.api.routes import PROXIED_ROUTES, directed, model_list
 from gateway.auth import ApiKey, ApiKeyAuth
 from gateway.backends.registry import PodRegistry
 from gateway.config import GatewayConfig, ServerConfig
@@ -117,7 +117,7 @@ class RequestsKit(Kit):
         door = partial(directed, front.auth, front.proxy, front.config.body_timeout_s)
         return [*(Route("POST", path, partial(door, self.director, kind)) for path, kind in PROXIED_ROUTES.items()),
                 Route("POST", PATHS[RequestKind.COUNT_TOKENS], partial(door, self.counting, RequestKind.COUNT_TOKENS)),
-                Route("GET", "/v1/models", partial(models, front.auth, front.pods, front.model_cards)),
+                Route("GET", "/v1/models", partial(model_list, front.auth, front.pods, front.model_cards)),
                 Route("GET", "/debug/steps", partial(debug.steps_page, front.auth, self._worker, self.steps))]
 
     def _pipeline(self, config: GatewayConfig, base: Foundation, load: LoadKit, kv: KvKit, tokens: TokensKit,
