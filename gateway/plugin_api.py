@@ -128,7 +128,9 @@ class PreRequestView(msgspec.Struct, frozen=True):
     pod_url: str
     policy: str  # the routing profile that chose it
     reason: str  # why it chose it (the ``reason`` label of gateway_routing_decisions_total)
-    attempt: int  # 0 for the first try; a retry on another pod is seen again
+    # 0 for the first try; a retry on another pod is seen again. Behind Envoy, a fallback endpoint the data
+    # plane took by itself (reason ``fallback``) is seen once it was sent: its headers reach no pod.
+    attempt: int
 
 
 class ResponseView(msgspec.Struct, frozen=True):

@@ -171,10 +171,10 @@ def _registry(group: str, kind: str) -> PluginRegistry:
     return PluginRegistry(group, f"{kind.replace('_', '-')} hook")
 
 
-def hook_options(config: HooksConfig) -> dict[str, dict[str, Any]]:
-    """The options of each configured hook, decoded with their defaults, by kind and name (nothing built;
-    raises as :class:`RequestHooks` would)."""
+def hook_options(config: HooksConfig) -> dict[str, list[dict[str, Any]]]:
+    """The ``hooks`` section with each hook's options decoded with their defaults (``gateway config check``;
+    nothing built; raises as :class:`RequestHooks` would)."""
     kinds = ((PRE_REQUEST_GROUP, "pre_request", config.pre_request),
              (RESPONSE_COMPLETE_GROUP, "response_complete", config.response_complete))
-    return {kind: {p.name: msgspec.to_builtins(_registry(group, kind).options(p.name, p.options))
-                   for p in map(as_part, parts)} for group, kind, parts in kinds}
+    return {kind: [{"name": p.name, "options": msgspec.to_builtins(_registry(group, kind).options(p.name, p.options))}
+                   for p in map(as_part, parts)] for group, kind, parts in kinds}

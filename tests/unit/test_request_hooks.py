@@ -3,6 +3,7 @@ each call timed, and a hook that raises or answers nonsense counted while the re
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import tomllib
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from gateway.app import build_app, effective_plugin_options
+from gateway.cli import check_config
 from gateway.config import ConfigError, HooksConfig, PartConfig, load_config
 from gateway.core.requests import RequestKind
 from gateway.metrics import GatewayMetrics
@@ -47,9 +49,18 @@ def test_a_hook_is_named_bare_or_with_its_options_and_config_check_shows_their_d
         {"name": "usage_log", "options": {"logger": "billing"}}]}}, environ={})
     assert config.hooks.pre_request == [PartConfig("routing_headers")]
     assert effective_plugin_options(config)["hooks"] == {
-        "pre_request": {"routing_headers": {"policy_header": "x-gateway-routing-policy",
-                                            "reason_header": "x-gateway-routing-reason"}},
-        "response_complete": {"usage_log": {"logger": "billing"}}}
+        "pre_request": [{"name": "routing_headers", "options": {"policy_header": "x-gateway-routing-policy",
+                                                                "reason_header": "x-gateway-routing-reason"}}],
+        "response_complete": [{"name": "usage_log", "options": {"logger": "billing"}}]}
+
+
+def test_config_check_prints_each_hook_with_its_options_and_their_defaults(tmp_path, capsys):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("hooks: {response_complete: [usage_log, {name: usage_log, options: {logger: billing}}]}\n")
+    assert check_config(str(path), as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["hooks"] == {"pre_request": [], "response_complete": [
+        {"name": "usage_log", "options": {"logger": "gateway.usage"}},
+        {"name": "usage_log", "options": {"logger": "billing"}}]}
 
 
 @pytest.mark.parametrize(("hooks", "error", "message"), [
