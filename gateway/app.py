@@ -33,6 +33,7 @@ from gateway.kits.serving import ReloadKit, ServingKit, TracingKit
 from gateway.kits.state import KvKit, LoadKit, TokensKit
 from gateway.kits.workflows import PRESSURE_GROUP, KeepWarmKit, PressureKit, WorkflowKit
 from gateway.plugin_registry import PluginRegistry
+from gateway.request.hooks import hook_options
 from gateway.routing.profiles import POLICY_GROUP, Profiles
 
 
@@ -123,6 +124,7 @@ def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]
     source = config.discovery.source
     out["discovery"] = {source: msgspec.to_builtins(
         PluginRegistry(DISCOVERY_GROUP, "discovery source").options(source, config.discovery.options))}
+    out["hooks"] = hook_options(config.hooks)
     return out
 
 

@@ -260,6 +260,7 @@ def check_config(path: str, as_json: bool) -> int:
     if "pressure" in plugins:
         effective["pressure"]["options"] = plugins["pressure"][config.pressure.source]
     effective["discovery"]["options"] = plugins["discovery"][config.discovery.source]
+    effective["hooks"] = plugins["hooks"]
     if as_json:
         print(msgspec.json.encode(effective).decode())
     else:

@@ -23,6 +23,19 @@ names in brackets):
 Routing parts are built with a :class:`PolicyContext` and read a :class:`RoutingRequest`; the router
 times each call (``gateway_routing_plugin_seconds{kind, plugin}``), so a part measures nothing itself.
 
+Request hooks, run by the director for every request whichever edge received it (the HTTP proxy, or Envoy
+through the endpoint picker), in the order ``hooks`` lists them; the Extension's ``requestcontrol`` points:
+
+- ``gateway.pre_request``: a :class:`PreRequest` [PreRequest] sees each attempt once its pod is chosen,
+  before it is sent (a :class:`PreRequestView`), and may return headers to add to what the pod receives;
+- ``gateway.response_complete``: a :class:`ResponseComplete` [ResponseComplete] sees each request once,
+  after its answer ended however it ended (a :class:`ResponseView`), on the event loop's next turn.
+
+Both are built with a :class:`HookContext`; the director times each call (the same histogram, kinds
+``pre_request`` and ``response_complete``) and counts a call that raises
+(``gateway_request_hook_errors_total{kind, hook}``): the request goes on as if the hook were not there. A
+hook runs on the event loop: one with slow work (a network call) hands it to a task or a thread of its own.
+
 The other kinds: ``gateway.cache_controllers`` (a :class:`CacheController` flushes a pod's prefix cache),
 ``gateway.pressure_sources`` (a :class:`PressureSource` reads a pod's cache usage; built with a
 :class:`PressureContext`), ``gateway.discovery_sources`` (a :class:`DiscoverySource` watches the fleet's
@@ -35,7 +48,10 @@ Where a part reads the gateway's shared state, it is given a narrow read-only vi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from gateway.backends.discovery import DiscoveryContext, DiscoverySource
 from gateway.backends.registry import Pod
@@ -102,6 +118,57 @@ class Observer(Protocol):
     def observe(self, amount: float) -> None: ...
 
 
+class PreRequestView(msgspec.Struct, frozen=True):
+    """One attempt, its pod chosen, before it is sent: what a :class:`PreRequest` hook sees."""
+
+    request_id: str
+    model: str  # the model it is served as (the target of the client's name, when a model rule maps it)
+    kind: RequestKind
+    pod: str  # the chosen pod's name
+    pod_url: str
+    policy: str  # the routing profile that chose it
+    reason: str  # why it chose it (the ``reason`` label of gateway_routing_decisions_total)
+    # 0 for the first try; a retry on another pod is seen again. Behind Envoy, a fallback endpoint the data
+    # plane took by itself (reason ``fallback``) is seen once it was sent: its headers reach no pod.
+    attempt: int
+
+
+class ResponseView(msgspec.Struct, frozen=True):
+    """A request whose answer ended, as the gateway recorded it: what a :class:`ResponseComplete` hook sees."""
+
+    request_id: str
+    model: str  # as the client asked for it ("-": a body not understood)
+    kind: RequestKind
+    pod: str | None  # the pod of its last attempt (None: it never reached one)
+    status: int  # the status line the client got (a stream's 200 even when it broke: ``outcome`` says)
+    outcome: str  # ok, error, engine_error, malformed, upstream_broke, client_gone, client_stalled
+    attempts: int
+    prompt_tokens: int | None  # the pod's usage, when its answer reported one
+    completion_tokens: int | None
+    first_byte_s: float | None  # from the request's arrival to the answer's first byte (its TTFT)
+    total_s: float  # from the request's arrival to its end
+
+
+@dataclass(frozen=True, slots=True)
+class HookContext:
+    """What a request hook is built with: the name the config gives it (its entry point's)."""
+
+    name: str
+
+
+class PreRequest(Protocol):
+    """``gateway.pre_request``: headers to add to the attempt the pod receives (a name it already carries
+    keeps the gateway's value), or None."""
+
+    def pre_request(self, request: PreRequestView) -> Mapping[str, str] | None: ...
+
+
+class ResponseComplete(Protocol):
+    """``gateway.response_complete``: sees how a request ended; what it returns is not read."""
+
+    def response_complete(self, response: ResponseView) -> None: ...
+
+
 __all__ = [
     "NO_NEEDS",
     "ApproximatePrefixIndex",
@@ -115,6 +182,7 @@ __all__ = [
     "Estimate",
     "Filter",
     "FlushOutcome",
+    "HookContext",
     "InFlightCounts",
     "Needs",
     "NoOptions",
@@ -128,6 +196,8 @@ __all__ = [
     "Pod",
     "PodConfig",
     "PolicyContext",
+    "PreRequest",
+    "PreRequestView",
     "PrefixIndex",
     "PrefixMatch",
     "Preparer",
@@ -136,6 +206,8 @@ __all__ = [
     "PressureSourceUnavailable",
     "ProfileConfig",
     "RequestKind",
+    "ResponseComplete",
+    "ResponseView",
     "ResumableWorkingSet",
     "RoutingRequest",
     "Scorer",

@@ -1,10 +1,11 @@
 """Name → plugin lookup through Python entry points, so the core never imports a plugin by name.
 
 Each group (``gateway.policies``, ``gateway.filters``, ``gateway.scorers``, ``gateway.pickers``,
-``gateway.cache_controllers``, ``gateway.pressure_sources``, ``gateway.discovery_sources``) is declared
-in ``pyproject.toml``; third-party packages add plugins by declaring the same group. An entry point names
-a :class:`PluginSpec`: the msgspec Struct its options decode into (unknown or mistyped options stop the
-start, naming the option) and the function that builds it from the group's context and those options.
+``gateway.pre_request``, ``gateway.response_complete``, ``gateway.cache_controllers``,
+``gateway.pressure_sources``, ``gateway.discovery_sources``) is declared in ``pyproject.toml``; third-party
+packages add plugins by declaring the same group. An entry point names a :class:`PluginSpec`: the msgspec
+Struct its options decode into (unknown or mistyped options stop the start, naming the option) and the
+function that builds it from the group's context and those options.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from gateway.config.pods import (
     PodRole,
 )
 from gateway.config.routing import (
+    HooksConfig,
     KvIndexConfig,
     LoadConfig,
     ModelTokenizerConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "FlowControlConfig",
     "GatewayConfig",
     "HealthConfig",
+    "HooksConfig",
     "KeepWarmConfig",
     "KvIndexConfig",
     "LimitsConfig",

@@ -24,6 +24,7 @@ from gateway.config.flow import AdmissionConfig, FlowControlConfig
 from gateway.config.models import ModelsConfig
 from gateway.config.pods import DisaggregationConfig, DiscoveryConfig, PodConfig
 from gateway.config.routing import (
+    HooksConfig,
     KvIndexConfig,
     LoadConfig,
     PlacementConfig,
@@ -79,6 +80,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    hooks: HooksConfig = msgspec.field(default_factory=HooksConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.mock_pods, Mapping):

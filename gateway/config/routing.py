@@ -11,8 +11,9 @@ from msgspec import Meta
 
 
 class PartConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """One filter or picker of a routing profile: the plugin's name (entry points ``gateway.filters``,
-    ``gateway.pickers``) and its options. In YAML a bare name stands for a part without options."""
+    """One filter or picker of a routing profile, or one request hook: the plugin's name (entry points
+    ``gateway.filters``, ``gateway.pickers``, ``gateway.pre_request``, ``gateway.response_complete``) and its
+    options. In YAML a bare name stands for a part without options."""
 
     name: str
     options: dict[str, Any] = {}
@@ -46,6 +47,20 @@ class ProfileConfig(msgspec.Struct, forbid_unknown_fields=True):
         self.filters = [as_part(f) for f in self.filters]
         self.scorers = [ScorerConfig(s) if isinstance(s, str) else s for s in self.scorers]
         self.picker = as_part(self.picker)
+
+
+class HooksConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The request hooks that run, in order (gateway/request/hooks.py; docs/routing.md, "A request hook"). Read
+    at start: a changed list waits for a restart."""
+
+    # Once an attempt's pod is chosen, before it is sent: each may add headers to what the pod receives.
+    pre_request: list[str | PartConfig] = []
+    # Once per request, after its answer ended, however it ended.
+    response_complete: list[str | PartConfig] = []
+
+    def __post_init__(self) -> None:
+        self.pre_request = [as_part(h) for h in self.pre_request]
+        self.response_complete = [as_part(h) for h in self.response_complete]
 
 
 class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True):

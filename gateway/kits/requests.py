@@ -28,6 +28,7 @@ from gateway.proxy.forward import Proxy
 from gateway.request.context_steps import ContextResolution, RoomForNewContexts
 from gateway.request.director import NoPlanner, RequestDirector
 from gateway.request.disaggregation import PrefillLegs
+from gateway.request.hooks import RequestHooks
 from gateway.request.identity import KeyIdentity
 from gateway.request.observers import (
     AccessLog,
@@ -94,8 +95,9 @@ class RequestsKit(Kit):
 
         self.steps = StepMetrics(metrics)
         self.served = served
-        pipeline = traced(self._pipeline(config, base, load, kv, tokens, flow, workflows, keep_warm, models, limits,
-                                         responses))
+        hooks = RequestHooks(config.hooks, metrics)  # the config's request hooks, last at dispatch and complete
+        pipeline = traced(hooks.around(self._pipeline(config, base, load, kv, tokens, flow, workflows, keep_warm,
+                                                      models, limits, responses)))
         directing = {"max_retries": config.routing.max_retries, "default_consumption": load.load.default_consumption,
                      "allow_strategy_header": config.routing.allow_strategy_header,
                      "max_body_bytes": config.server.max_body_bytes}
@@ -106,7 +108,8 @@ class RequestsKit(Kit):
                                         prefill=self.prefill, models=rules, adapters=models.adapters, **directing)
         # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,
         # workflow or prediction steps, since nothing is cached or learnt by them.
-        counting = RequestPipeline(resolve=[self.validation], complete=[RequestMetrics(metrics, served), AccessLog()])
+        counting = hooks.around(RequestPipeline(resolve=[self.validation],
+                                                complete=[RequestMetrics(metrics, served), AccessLog()]))
         self.counting = RequestDirector(counting, router, NoPlanner(), ledger, self.proxy, pods, models=rules,
                                         **directing)
         self.front = FrontDoor(base.auth, self.director, self.counting, self.proxy, pods, rules, responses.state,
