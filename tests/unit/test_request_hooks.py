@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import generate_latest
 
-from gateway.app import build_app, effective_plugin_options
+from gateway.app import build_gateway, effective_plugin_options
 from gateway.cli import check_config
 from gateway.config import ConfigError, HooksConfig, PartConfig, load_config
 from gateway.core.requests import RequestKind
@@ -75,7 +75,7 @@ def test_an_unknown_hook_or_bad_options_stop_the_start_naming_them(hooks, error,
     with pytest.raises(error, match=message):
         effective_plugin_options(config)  # gateway config check
     with pytest.raises(error, match=message):
-        build_app(config)  # gateway serve
+        build_gateway(config)  # gateway serve
 
 
 def test_a_hooks_section_with_a_field_of_its_own_is_refused():
