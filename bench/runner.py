@@ -51,9 +51,9 @@ from bench.split import rows as split_rows
 from bench.split import summary as split_summary
 from bench.tenants import tenant_stats
 from bench.workloads import History, Session, Trace
-from gateway.backends.scraper import parse_engine_metrics
 from gateway.config import PodConfig
 from gateway.epp.envoy_config import bootstrap_yaml
+from gateway.pods.scraper import parse_engine_metrics
 from gateway.request.timings import STEP_NAMES
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from simulator.config import MockPodsConfig

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.backends.registry import Pod
 from gateway.config import AdmissionConfig
 from gateway.core.errors import ErrorKind, GatewayError, bad_request
 from gateway.load.pending import Estimate
+from gateway.pods.registry import Pod
 
 
 @dataclass(frozen=True, slots=True)

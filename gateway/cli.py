@@ -97,11 +97,11 @@ async def serve(config: GatewayConfig, epp: bool = False, source: ConfigSource |
     workers = worker_count(config)
     try:
         if epp:
-            from gateway.epp.server import run_epp
+            from gateway.epp.grpc_server import run_epp
 
             serving = run_epp(config, source)
         elif workers == 1:
-            from gateway.server import run_gateway  # the whole gateway (a supervisor leaves it to its workers)
+            from gateway.serve import run_gateway  # the whole gateway (a supervisor leaves it to its workers)
 
             serving = run_gateway(config, source=source)
         else:

@@ -25,9 +25,6 @@ import hashlib
 import logging
 import signal
 
-from gateway.backends.discovery import PodSetApplier
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait, raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig
@@ -36,6 +33,9 @@ from gateway.kits.fleet import discovery_source
 from gateway.kv._blockindex import BlockIndex
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriptions import KvEventService
+from gateway.pods.discovery import PodSetApplier
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("gateway.indexer")
 

@@ -53,10 +53,8 @@ from typing import Protocol
 
 import msgspec
 
-from gateway.backends.discovery import DiscoveryContext, DiscoverySource
-from gateway.backends.registry import Pod
 from gateway.config import ConfigError, PartConfig, PodConfig, ProfileConfig, ScorerConfig, read_config_file
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 
 # The prefix indexes and the working set are re-exported whole: a matcher and the placement planner use most
 # of what they offer (lookups keyed by prompt hashes, the working set's contexts and their forecast), so a
@@ -66,6 +64,8 @@ from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import EngineStats, Estimate
 from gateway.plugin_registry import NoOptions, PluginSpec
+from gateway.pods.discovery import DiscoveryContext, DiscoverySource
+from gateway.pods.registry import Pod
 from gateway.pressure.monitor import DeviceOptions, PressureContext, PressureSource, PressureSourceUnavailable
 from gateway.routing.policy import (
     NO_NEEDS,

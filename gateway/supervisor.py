@@ -250,7 +250,7 @@ def worker_main(config_bytes: bytes, source_bytes: bytes, identity: WorkerIdenti
                 ready: multiprocessing.connection.Connection, index_made: EventType) -> None:
     """A worker process: one gateway on the shared port, until SIGTERM; it reloads its config on SIGHUP."""
     from gateway.logs import configure_logging
-    from gateway.server import run_gateway  # the whole gateway: imported by the workers, not the supervisor
+    from gateway.serve import run_gateway  # the whole gateway: imported by the workers, not the supervisor
 
     config = msgspec.json.decode(config_bytes, type=GatewayConfig)
     source = msgspec.json.decode(source_bytes, type=ConfigSource) if source_bytes else None

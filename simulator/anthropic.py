@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.tokenization import anthropic
 from gateway.tokenization.hf import HfTokenizer
 from simulator.engine import Sequence

@@ -1,6 +1,6 @@
 """The simulated pod's Responses API (``/v1/responses``), answered as vLLM 0.32 answers it.
 
-The request's input items become a chat conversation (:mod:`gateway.tokenization.responses`), rendered by the
+The request's input items become a chat conversation (:mod:`gateway.tokenization.openai_responses`), rendered by the
 model's chat template and tokenized with the tokenizer's special tokens, as vLLM does. The answer is vLLM's
 ``ResponsesResponse``, whole or as its event stream (``event: <type>`` then ``data: <json>``, numbered by
 ``sequence_number``): ``response.created``, ``response.in_progress``, the output item's events, then
@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.tokenization import responses
+from gateway.tokenization import openai_responses
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.hf import HfTokenizer
 from simulator.engine import Sequence
@@ -63,7 +63,7 @@ def conversation(body: dict[str, Any], store: ResponseStore | None) -> list[dict
             if item.get("type") == "message":
                 previous += [{"role": "assistant", "content": part["text"]} for part in item["content"]]
     try:
-        new = responses.chat_messages(body.get("instructions"), body["input"])
+        new = openai_responses.chat_messages(body.get("instructions"), body["input"])
     except NotRenderable as exc:
         raise ValueError(f"Unsupported input: {exc}") from None
     system = new[:1] if new and body.get("instructions") else []
@@ -71,9 +71,9 @@ def conversation(body: dict[str, Any], store: ResponseStore | None) -> list[dict
 
 
 def prompt_ids(tokenizer: HfTokenizer, body: dict[str, Any], messages: list[dict[str, Any]]) -> list[int]:
-    return tokenizer.encode_chat(messages, tools=responses.chat_tools(body.get("tools")),
+    return tokenizer.encode_chat(messages, tools=openai_responses.chat_tools(body.get("tools")),
                                  chat_template_kwargs=body.get("chat_template_kwargs"),
-                                 add_special_tokens=responses.SPECIAL_TOKENS)
+                                 add_special_tokens=openai_responses.SPECIAL_TOKENS)
 
 
 def not_found(response_id: str) -> web.Response:

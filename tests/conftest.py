@@ -21,7 +21,7 @@ from gateway.api.records import RECORDS_KEY, runner_options
 from gateway.app import Assembly, build_app, build_gateway
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import GatewayConfig, load_config
-from gateway.server import SERVER_OPTIONS
+from gateway.serve import SERVER_OPTIONS
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from simulator.pod import MockPod, MockPodConfig, free_port
 

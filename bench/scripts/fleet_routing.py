@@ -16,12 +16,12 @@ import random
 import statistics
 import time
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import PodRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 

@@ -14,15 +14,15 @@ import random
 import statistics
 import time
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, PodConfig, TokenizationConfig
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.http_client import HttpClient
 from gateway.kv.events import BlockStored, Encoding, EventBatch, encode_batch
 from gateway.kv.index import PrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import PodRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR

@@ -15,7 +15,6 @@ from aiohttp import web
 from gateway.api.records import from_sibling
 from gateway.api.routes import check_admin
 from gateway.auth import ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.sibling_metrics import OWN_ONLY, merge_expositions, sibling_expositions
@@ -30,6 +29,7 @@ from gateway.load.pressure_modes import PressureModes
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
 from gateway.models.adapters import AdapterLoader
+from gateway.pods.registry import PodRegistry
 from gateway.request.context_steps import PlacementLosses
 from gateway.request.observers import StepMetrics
 from gateway.routing.router import Router

@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.core.errors import GatewayError, internal_error
-from gateway.core.requests import ANTHROPIC_PATHS
+from gateway.core.inference_api import ANTHROPIC_PATHS
 from gateway.http_errors import REQUEST_ID, HttpError, retries_sent
 
 log = logging.getLogger("gateway.api")

@@ -14,11 +14,11 @@ from aiohttp.typedefs import Handler
 from gateway.api.http_edge import HttpEdge
 from gateway.api.openapi import openapi_document
 from gateway.auth import ApiKey, ApiKeyAuth, owner_tag
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import PodRegistry
 from gateway.cluster.identity import WorkerIdentity
 from gateway.core.errors import GatewayError
-from gateway.core.requests import PATHS, RequestKind
+from gateway.core.inference_api import PATHS, RequestKind
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.request.director import RequestDirector
 from gateway.tokenization.tokenizers import TokenizationService

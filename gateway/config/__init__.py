@@ -32,6 +32,15 @@ from gateway.config.pods import (
     PodConfig,
     PodRole,
 )
+from gateway.config.process import (
+    EppConfig,
+    HealthConfig,
+    LoggingConfig,
+    ServerConfig,
+    SharedStateConfig,
+    TimeoutConfig,
+    TracingConfig,
+)
 from gateway.config.routing import (
     HooksConfig,
     KvIndexConfig,
@@ -46,15 +55,6 @@ from gateway.config.routing import (
     TokenizationConfig,
     VerificationConfig,
     as_part,
-)
-from gateway.config.server import (
-    EppConfig,
-    HealthConfig,
-    LoggingConfig,
-    ServerConfig,
-    SharedStateConfig,
-    TimeoutConfig,
-    TracingConfig,
 )
 from gateway.config.workflow import KeepWarmConfig, ResponsesConfig, WorkflowConfig
 

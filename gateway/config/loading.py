@@ -23,6 +23,15 @@ from gateway.config.access import AuthConfig, LimitsConfig
 from gateway.config.flow import AdmissionConfig, FlowControlConfig
 from gateway.config.models import ModelsConfig
 from gateway.config.pods import DisaggregationConfig, DiscoveryConfig, PodConfig
+from gateway.config.process import (
+    EppConfig,
+    HealthConfig,
+    LoggingConfig,
+    ServerConfig,
+    SharedStateConfig,
+    TimeoutConfig,
+    TracingConfig,
+)
 from gateway.config.routing import (
     HooksConfig,
     KvIndexConfig,
@@ -32,15 +41,6 @@ from gateway.config.routing import (
     RoutingConfig,
     TokenizationConfig,
     VerificationConfig,
-)
-from gateway.config.server import (
-    EppConfig,
-    HealthConfig,
-    LoggingConfig,
-    ServerConfig,
-    SharedStateConfig,
-    TimeoutConfig,
-    TracingConfig,
 )
 from gateway.config.workflow import ResponsesConfig, WorkflowConfig
 from gateway.extensions import NotInstalled, simulator

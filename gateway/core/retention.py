@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gateway.core.errors import bad_request
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 
 CACHE_CONTROL_TTL_S = {"5m": 300.0, "1h": 3600.0}
 DEFAULT_CACHE_CONTROL_TTL = "5m"

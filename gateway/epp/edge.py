@@ -18,12 +18,12 @@ from typing import Any
 
 import grpc
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import ErrorKind, GatewayError, bad_request, upstream_failed
 from gateway.core.usage import Usage, usage_of_json_tail, usage_of_stream_tail
 from gateway.epp import protocol
 from gateway.epp.access_log import AccessLogs, Ended
 from gateway.http_errors import HttpError, retries_sent
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.request.body import decode_body
 

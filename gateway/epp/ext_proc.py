@@ -16,7 +16,7 @@ from gateway.api.routes import PROXIED_ROUTES
 from gateway.auth import ApiKey
 from gateway.config import EppConfig
 from gateway.core.errors import ErrorKind, GatewayError, internal_error
-from gateway.core.requests import ANTHROPIC_PATHS, PATHS, RequestKind
+from gateway.core.inference_api import ANTHROPIC_PATHS, PATHS, RequestKind
 from gateway.epp.access_log import AccessLogs
 from gateway.epp.edge import EnvoyEdge
 from gateway.kits.requests import FrontDoor

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import Doorbell, cancel_and_wait
 from gateway.config import FlowControlConfig
 from gateway.core.errors import ErrorKind, GatewayError
@@ -50,6 +49,7 @@ from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import Demand, SaturationDetector
 from gateway.flow.service_counters import ServiceCounters
+from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("gateway.flow")
 

@@ -40,8 +40,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
-from gateway.backends.registry import Pod
 from gateway.background import Doorbell
+from gateway.pods.registry import Pod
 
 STALE_S = 0.5  # a worker holding requests refreshes its row every tick (50 ms)
 _WORDS = 7

@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.backends.registry import Pod
 from gateway.config import SaturationConfig
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import Estimate, PendingLoad
+from gateway.pods.registry import Pod
 
 
 @dataclass(frozen=True, slots=True)

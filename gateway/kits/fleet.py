@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gateway.backends.discovery import DiscoveryContext, PodSetApplier
-from gateway.backends.health import HealthChecker
 from gateway.config import GatewayConfig
-from gateway.fleet import PodMembership, health_changed
 from gateway.kits.foundation import Foundation, SharedState
 from gateway.kits.kit import Kit, Running
 from gateway.kits.state import KvKit, LoadKit
 from gateway.plugin_registry import PluginRegistry
+from gateway.pod_membership import PodMembership, health_changed
+from gateway.pods.discovery import DiscoveryContext, PodSetApplier
+from gateway.pods.health import HealthChecker
 
 DISCOVERY_GROUP = "gateway.discovery_sources"
 

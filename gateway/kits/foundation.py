@@ -9,7 +9,6 @@ from functools import partial
 
 from gateway.api import debug
 from gateway.auth import ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell, LoopLagProbe
 from gateway.cluster.bus import StateBus
 from gateway.cluster.identity import WorkerIdentity
@@ -22,6 +21,7 @@ from gateway.kits.kit import Kit, Route, Running
 from gateway.load.ledger import InFlightLedger
 from gateway.load.shared_table import SharedLoadTable
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from functools import partial
 
 from gateway.api import debug
-from gateway.api.responses import StoredResponseRoutes
+from gateway.api.stored_responses import StoredResponseRoutes
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.sibling_responses import SiblingResponses
 from gateway.config import GatewayConfig
@@ -18,7 +18,7 @@ from gateway.limits.enforcer import KeyLimits, key_rates
 from gateway.limits.shared import SharedUsage
 from gateway.limits.usage import UsageTally
 from gateway.request.limits import KeyLimitsStep, UsageAccounting
-from gateway.request.responses import ResponsesState
+from gateway.request.responses_state import ResponsesState
 from gateway.responses.store import MemoryResponses, RedisResponses, ResponsesMetrics, ResponseStore
 
 
@@ -54,7 +54,7 @@ class LimitsKit(Kit):
 class ResponsesKit(Kit):
     """The Responses API's stored responses (``store``; ``own``: this worker's, which its siblings may ask
     for, without Redis), the step that resolves a request's previous response (``state``), and the routes on
-    stored responses (:mod:`gateway.api.responses`)."""
+    stored responses (:mod:`gateway.api.stored_responses`)."""
 
     name = "responses"
     requires = ("foundation",)

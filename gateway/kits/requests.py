@@ -13,9 +13,8 @@ from typing import Any
 from gateway.api import debug
 from gateway.api.routes import PROXIED_ROUTES, directed, model_list
 from gateway.auth import ApiKey, ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.config import GatewayConfig, ServerConfig
-from gateway.core.requests import PATHS, RequestKind
+from gateway.core.inference_api import PATHS, RequestKind
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
 from gateway.kits.keys import LimitsKit, ResponsesKit
@@ -24,6 +23,7 @@ from gateway.kits.models import ModelsKit, RoutingKit
 from gateway.kits.state import KvKit, LoadKit, TokensKit
 from gateway.kits.workflows import KeepWarmKit, WorkflowKit
 from gateway.models.rules import ModelRules
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.request.context_steps import ContextResolution, RoomForNewContexts
 from gateway.request.director import NoPlanner, RequestDirector
@@ -39,7 +39,7 @@ from gateway.request.observers import (
     StepMetrics,
 )
 from gateway.request.pipeline import RequestPipeline
-from gateway.request.responses import ResponsesState
+from gateway.request.responses_state import ResponsesState
 from gateway.request.steps import LoadEstimation, PromptTokenization
 from gateway.request.validation import RequestValidation
 from gateway.workflow.planning import WorkflowService

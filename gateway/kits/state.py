@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from gateway.api import debug
-from gateway.backends.registry import PodRegistry
-from gateway.backends.scraper import MetricsScraper
 from gateway.config import GatewayConfig
 from gateway.kits.foundation import Foundation, SharedState
 from gateway.kits.kit import EVERY_KIT, Kit, Route, Running
@@ -24,6 +22,8 @@ from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.pressure_modes import PressureModes
 from gateway.load.slo_profiles import ProfileStore
+from gateway.pods.registry import PodRegistry
+from gateway.pods.scraper import MetricsScraper
 from gateway.request.context_steps import ContextPlacement, PlacementLosses, RoutedPrefix
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.sessions import SessionAffinity

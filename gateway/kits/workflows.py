@@ -9,13 +9,13 @@ from functools import partial
 
 from gateway.api import debug
 from gateway.api.routes import complete_workflow, workflow_state
-from gateway.backends.registry import Pod
 from gateway.config import GatewayConfig
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
 from gateway.kits.kit import Kit, Route, Running
 from gateway.kits.state import KvKit, LoadKit
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import Pod
 from gateway.pressure.monitor import PressureContext, PressureMonitor, PressureSource, PressureSourceUnavailable
 from gateway.request.context_steps import CacheRecency
 from gateway.request.steps import WorkflowPlanning

@@ -19,10 +19,10 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.backends.registry import Pod
 from gateway.background import LoopShare, allow_sockets, cancel_and_wait
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber, SubscriberStats
+from gateway.pods.registry import Pod
 
 log = logging.getLogger("gateway.kv")
 

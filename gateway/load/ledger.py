@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from gateway.core.contexts import session_key, workflow_key
 from gateway.core.facts import OwnersChanged, OwnersSnapshot, Publish, unshared
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 from gateway.load.shared_table import SharedLoadTable
 
 

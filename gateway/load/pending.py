@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 from gateway.load.ledger import InFlightLedger
 from gateway.load.slo_profiles import ProfileStore
 

@@ -38,12 +38,12 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import LoraConfig, ModelsConfig
 from gateway.core.facts import AdapterServed, Publish, unshared
 from gateway.http_client import HttpClient
 from gateway.load.pending import EngineStats
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.routing.policy import RoutingRequest
 
 log = logging.getLogger("gateway.adapters")

@@ -29,7 +29,7 @@ import msgspec
 
 from gateway.config import ModelRule, ModelsConfig
 from gateway.core.facts import Publish, SplitPinned, unshared
-from gateway.core.requests import InferenceRequest, RequestKind
+from gateway.core.inference_api import InferenceRequest, RequestKind
 from gateway.lru import LruCache
 from gateway.workflow.context import ContextSignals
 

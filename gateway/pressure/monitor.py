@@ -18,7 +18,6 @@ from typing import Protocol
 
 import msgspec
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import PressureConfig
 from gateway.core.contexts import workflow_id_of
@@ -26,6 +25,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureMode, PressureModes
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 

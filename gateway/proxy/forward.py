@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 import aiohttp
 from aiohttp import web
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import own_stall
 from gateway.config import AuthConfig, ServerConfig, TimeoutConfig
 from gateway.core.errors import upstream_failed, upstream_timeout
 from gateway.http_client import HttpClient
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.proxy.relay import ERROR_SNIPPET, Relay
 

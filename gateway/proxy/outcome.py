@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.backends.registry import Pod
 from gateway.core.errors import GatewayError
 from gateway.core.usage import Usage
+from gateway.pods.registry import Pod
 from gateway.proxy.rewrite import AnswerRewrite
 
 

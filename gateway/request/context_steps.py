@@ -16,7 +16,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.auth import owner_tag
-from gateway.backends.registry import PodRegistry
 from gateway.core.retention import declared_retention_s
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.contexts import Context, shared_blocks
@@ -24,6 +23,7 @@ from gateway.kv.free_queue import FreeQueues
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.types import Attempt, ClientRequest
 from gateway.routing.policy import Policy, RoutingRequest

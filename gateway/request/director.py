@@ -30,13 +30,13 @@ from functools import partial
 from typing import Protocol
 
 from gateway.auth import ApiKey, owner_tag
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.core.errors import GatewayError, upstream_failed
-from gateway.core.requests import InferenceRequest, RequestKind, parse_inference_request
+from gateway.core.inference_api import InferenceRequest, RequestKind, parse_inference_request
 from gateway.http_errors import status_of
 from gateway.load.ledger import InFlightLedger
 from gateway.models.adapters import AdapterUnavailable
 from gateway.models.rules import ModelRoute, ModelRules, as_is
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure, UpstreamCall
 from gateway.proxy.rewrite import AnswerRewrite, with_model

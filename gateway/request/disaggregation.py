@@ -27,13 +27,13 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.backends.registry import Leg, PodRegistry
 from gateway.config import DisaggregationConfig
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 from gateway.core.usage import Usage
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import LATENCY_BUCKETS, GatewayMetrics
+from gateway.pods.registry import Leg, PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RetryableFailure
 from gateway.request.pipeline import DispatchStep

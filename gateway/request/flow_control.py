@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.admission import Slo, SloPolicy
-from gateway.backends.registry import PodRegistry
 from gateway.core.contexts import workflow_id_of
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.flow.controller import FlowController, Held
@@ -32,6 +31,7 @@ from gateway.flow.flows import Flow, FlowKey, engine_priority
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand
 from gateway.flow.service_counters import WorkflowFlows
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.types import Admitted, Attempt, ClientRequest, CompletedRequest
 from gateway.routing.policy import Policy, RoutingRequest

@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.core.requests import PATHS, RequestKind
+from gateway.core.inference_api import PATHS, RequestKind
 from gateway.kv.verification import PredictionVerifier
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.logs import ACCESS_LOGGER

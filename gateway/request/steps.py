@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from gateway.auth import owner_tag
-from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
 from gateway.core.errors import bad_request
 from gateway.kv.hashing import PromptHashes, namespace_root
@@ -14,6 +13,7 @@ from gateway.kv.verification import PredictionVerifier
 from gateway.load.pending import PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.outcome import RelayOutcome
 from gateway.request.observers import OutputMetrics
 from gateway.request.timings import Step

@@ -20,12 +20,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.admission import Slo
 from gateway.auth import ApiKey
-from gateway.backends.registry import Pod
-from gateway.core.requests import InferenceRequest, RequestKind
+from gateway.core.inference_api import InferenceRequest, RequestKind
 from gateway.core.usage import Usage
 from gateway.flow.flows import FlowKey
 from gateway.load.ledger import Dispatch
 from gateway.models.rules import ModelRoute
+from gateway.pods.registry import Pod
 from gateway.proxy.outcome import AnswerTap, Ending, RelayOutcome
 from gateway.request.timings import StepTimes
 from gateway.routing.policy import Decision, Policy, RoutingRequest

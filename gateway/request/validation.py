@@ -20,7 +20,7 @@ laxer or answer with their own error shapes (vLLM's ``'int' object is not iterab
 - Messages (Anthropic): :func:`gateway.tokenization.anthropic.check_request`;
 - every API: ``n`` in 1..128, ``temperature`` in 0..2 (Anthropic's 0..1), ``top_p`` in 0..1; the OpenAI
   APIs: ``presence_penalty`` and ``frequency_penalty`` in -2..2, ``seed`` a 64-bit integer (token counts
-  and types are the parser's: :func:`gateway.core.requests.parse_inference_request`, where an integer
+  and types are the parser's: :func:`gateway.core.inference_api.parse_inference_request`, where an integer
   field takes no number with a fraction part, ``8.0`` included, as the OpenAI API's does: vLLM's takes
   ``8.0``);
 - the answer's length (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) against the model's
@@ -40,11 +40,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gateway.auth import ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.config import ServerConfig
 from gateway.core.errors import bad_request, no_pod_available, unknown_model
-from gateway.core.requests import InferenceRequest, RequestKind
+from gateway.core.inference_api import InferenceRequest, RequestKind
 from gateway.flow.flows import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS, OBJECTIVE_HEADER, PRIORITY_HEADER
+from gateway.pods.registry import PodRegistry
 from gateway.request.types import ClientRequest
 from gateway.tokenization import anthropic
 from gateway.workflow.context import AGENT_HEADERS, SESSION_SIGNALS, STAGE_HEADERS, WORKFLOW_HEADERS

@@ -13,7 +13,7 @@ age; :class:`RedisResponses`, shared by every worker and replica (``shared_state
 response a key with the same age limit. A gateway of several workers without Redis keeps each response in
 the worker that stored it and asks its siblings for the others (:mod:`gateway.cluster.sibling_responses`).
 
-Owner: each store owns its records; the Responses step (:mod:`gateway.request.responses`) writes them as
+Owner: each store owns its records; the Responses step (:mod:`gateway.request.responses_state`) writes them as
 answers arrive, the Responses routes read and delete them.
 """
 

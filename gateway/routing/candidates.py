@@ -17,8 +17,8 @@ import random
 import time
 from collections.abc import Callable
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.kv.index import PrefixIndex
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.routing.policy import Policy, RoutingRequest
 
 

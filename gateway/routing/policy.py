@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.backends.registry import Leg, Pod, PodRegistry
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
+from gateway.pods.registry import Leg, Pod, PodRegistry
 
 if TYPE_CHECKING:
     from gateway.kv.approx import ApproximatePrefixIndex

@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from time import perf_counter
 from typing import Any
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.config import ProfileConfig, RoutingConfig
 from gateway.core.errors import bad_request, no_pod_available
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.routing.candidates import Shortlist
 from gateway.routing.policy import Decision, Pick, Policy, PolicyContext, RoutingRequest
 from gateway.routing.profiles import Profiles

@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from gateway.core.errors import bad_request
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _ROLES = ("user", "assistant", "system")

@@ -2,7 +2,7 @@
 template sees what vLLM's would) and the approximate prefix index (a canonical text of the prompt).
 
 Chat requests carry ``messages``; Responses requests carry ``instructions`` and ``input`` items
-(:mod:`gateway.tokenization.responses`); Anthropic Messages requests carry ``system`` and content blocks
+(:mod:`gateway.tokenization.openai_responses`); Anthropic Messages requests carry ``system`` and content blocks
 (:mod:`gateway.tokenization.anthropic`); content is a string or a list of parts, of which only text parts
 (``text``, and the Responses API's ``input_text`` and ``output_text``) are flattened, joined by newlines as
 vLLM joins them for a template that takes string content.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.core.requests import InferenceRequest, RequestKind
-from gateway.tokenization import anthropic, responses
+from gateway.core.inference_api import InferenceRequest, RequestKind
+from gateway.tokenization import anthropic, openai_responses
 
 CHAT_KINDS = frozenset(k for k in RequestKind if k.conversational)
 
@@ -56,7 +56,7 @@ def chat_messages(kind: RequestKind, req: InferenceRequest, merge_inline_system:
         return anthropic.chat_messages(req, merge_inline_system) or None
     if kind != RequestKind.RESPONSES:
         return None
-    return normalize_messages(responses.chat_messages(req.instructions, req.input)) or None
+    return normalize_messages(openai_responses.chat_messages(req.instructions, req.input)) or None
 
 
 def chat_tools(kind: RequestKind, req: InferenceRequest) -> list[dict[str, Any]] | None:
@@ -64,7 +64,7 @@ def chat_tools(kind: RequestKind, req: InferenceRequest) -> list[dict[str, Any]]
     if kind == RequestKind.MESSAGES:
         return anthropic.chat_tools(req)
     if kind == RequestKind.RESPONSES:
-        return responses.chat_tools(req.tools, req.tool_choice)
+        return openai_responses.chat_tools(req.tools, req.tool_choice)
     return req.tools
 
 

@@ -22,15 +22,15 @@ from typing import Any, TypeVar
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import TokenizationConfig
-from gateway.core.requests import InferenceRequest, RequestKind
+from gateway.core.inference_api import InferenceRequest, RequestKind
 from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.lru import LruCache
 from gateway.metrics import GatewayMetrics
-from gateway.tokenization import responses
+from gateway.pods.registry import PodRegistry
+from gateway.tokenization import openai_responses
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.conversation import CHAT_KINDS, chat_messages, chat_tools
 from gateway.tokenization.hf import HfTokenizer
@@ -324,7 +324,7 @@ class TokenizationService:
             body: dict[str, Any] = {"model": model, "messages": messages,
                                     "add_generation_prompt": req.add_generation_prompt is not False}
             if kind == RequestKind.RESPONSES:
-                body["add_special_tokens"] = responses.SPECIAL_TOKENS
+                body["add_special_tokens"] = openai_responses.SPECIAL_TOKENS
             if (tools := chat_tools(kind, req)) is not None:
                 body["tools"] = tools
             for key in ("chat_template_kwargs", "continue_final_message"):

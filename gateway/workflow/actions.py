@@ -18,12 +18,12 @@ from typing import Literal, Protocol
 
 import aiohttp
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.core.contexts import workflow_key
 from gateway.http_client import HttpClient
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
 

@@ -22,7 +22,7 @@ from multidict import CIMultiDictProxy
 
 from gateway.core.contexts import context_key, owned
 from gateway.core.errors import bad_request
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 
 CachePolicy = Literal["auto", "preserve", "flush"]
 

@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.backends.registry import PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import KeepWarmConfig
 from gateway.kv.contexts import Context, RunningMean
@@ -48,6 +47,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher, RefreshFailed
 

@@ -19,7 +19,7 @@ from gateway.background import cancel_and_wait
 from gateway.config import WorkflowConfig
 from gateway.core.contexts import owned
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.load.pressure_modes import PressureModes
 from gateway.routing.policy import Decision
 from gateway.workflow.actions import CacheActionExecutor

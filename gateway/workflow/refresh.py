@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import AuthConfig
 from gateway.http_client import HttpClient
 from gateway.lru import WeightedLru
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.workflow.metrics import WorkflowMetrics
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)

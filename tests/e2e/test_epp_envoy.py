@@ -12,7 +12,7 @@ import aiohttp
 
 from gateway.config import load_config
 from gateway.epp.envoy_config import bootstrap
-from gateway.epp.server import EppServer
+from gateway.epp.grpc_server import EppServer
 from simulator.pod import free_port
 from tests.conftest import eventually
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet

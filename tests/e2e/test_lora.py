@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.core.requests import parse_inference_request
+from gateway.core.inference_api import parse_inference_request
 from tests.conftest import eventually
 from tests.e2e.conftest import MODEL, VllmFleet, running_pods
 from tests.e2e.test_real_vllm import WAIT_S, conversation, document, full_blocks, post

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from bench.metrics_text import prediction_checks
-from gateway.core.requests import parse_inference_request
+from gateway.core.inference_api import parse_inference_request
 from gateway.tokenization.hf import HfTokenizer
 from tests.conftest import eventually, gateway_process
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet

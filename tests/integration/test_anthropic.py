@@ -10,7 +10,7 @@ import time
 import anthropic
 import pytest
 
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.tokenization import anthropic as conversion
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from tests.integration.test_kv_routing import MODEL, fleet, synced, system_prompt

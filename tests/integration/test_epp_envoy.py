@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from gateway.config import hash_api_key, load_config
 from gateway.epp.envoy_config import bootstrap
-from gateway.epp.server import EppServer
+from gateway.epp.grpc_server import EppServer
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.pod import MockPod, free_port
 from tests.conftest import answers_ok, eventually

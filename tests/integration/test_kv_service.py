@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.backends.registry import Pod
 from gateway.config import PodConfig
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriptions import KvEventService
+from gateway.pods.registry import Pod
 from simulator.pod import free_port
 
 

@@ -20,13 +20,13 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import PodRegistry
 from gateway.background import LoopLagProbe
 from gateway.cluster.bus import BusMetrics, RedisLink
 from gateway.config import AuthConfig, HealthConfig, PodConfig, ServerConfig, SharedStateConfig, TimeoutConfig
 from gateway.http_client import HttpClient
 from gateway.metrics import GatewayMetrics
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RetryableFailure
 from tests.conftest import serve_app

@@ -16,11 +16,11 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
-from gateway.backends import registry as registry_module
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
 from gateway.http_client import HttpClient
+from gateway.pods import registry as registry_module
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import PodRegistry
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from simulator.config import MockPodsConfig
 from simulator.launcher import MockPodFleet

@@ -7,8 +7,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.backends.registry import Pod
 from gateway.config import PodConfig
+from gateway.pods.registry import Pod
 from plugins.cache_controllers.sglang import SglangCacheController
 from plugins.cache_controllers.vllm import VllmCacheController
 from simulator.pod import free_port

@@ -140,7 +140,7 @@ async def test_model_rules_adapters_and_limits_apply_to_a_running_gateway(tmp_pa
     from multidict import CIMultiDict
 
     from gateway.app import build_gateway
-    from gateway.core.requests import parse_inference_request
+    from gateway.core.inference_api import parse_inference_request
 
     path = tmp_path / "gateway.yaml"
     write(path, {**BASE, "models": {"rules": {"mini": {"target": "llama"}}}})

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 
-from gateway.backends.registry import PodRegistry
-from gateway.backends.rotation import Rotation
 from gateway.config import HealthConfig, PodConfig
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import PodRegistry
+from gateway.pods.rotation import Rotation
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 from tests.unit.test_routing import FakeClock

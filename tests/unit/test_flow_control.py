@@ -8,7 +8,6 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
 from gateway.config import (
     ApiKeyConfig,
@@ -30,6 +29,7 @@ from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import capped
+from gateway.pods.registry import PodRegistry
 
 MODEL = "mock-llama"
 CONFIG = FlowControlConfig(

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.backends.registry import Pod
 from gateway.config import PodConfig
+from gateway.pods.registry import Pod
 from gateway.pressure.monitor import DeviceOptions, PressureSourceUnavailable
 from plugins.pressure_sources.gpu_memory import NvmlSource, RocmSmiSource, build_nvml, build_rocm_smi
 

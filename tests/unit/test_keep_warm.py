@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from bench.metrics_text import keep_warm_spent, prediction_checks
-from gateway.backends.registry import PodRegistry
 from gateway.config import AuthConfig, HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
 from gateway.http_client import HttpClient
 from gateway.kv import free_queue
@@ -26,6 +25,7 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.workflow.keep_warm import Candidate, KeepWarm, PodWarmth, choose_refresh
 from gateway.workflow.refresh import KeptPrompt, KeptPrompts, Refresher
 

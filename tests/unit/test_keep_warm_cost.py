@@ -12,7 +12,6 @@ from array import array
 from pathlib import Path
 
 import gateway
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, KeepWarmConfig, PlacementConfig, PodConfig
 from gateway.kv.events import BlockStored
 from gateway.kv.free_queue import FreeQueues
@@ -23,6 +22,7 @@ from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.context_steps import CacheRecency
 from gateway.routing.policy import Decision, Policy, PrefixMatch, RoutingRequest

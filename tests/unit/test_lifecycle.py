@@ -40,7 +40,7 @@ async def test_stop_in_reverse_even_when_one_fails():
 
 
 async def test_a_failed_start_stops_what_had_started():
-    from gateway.server import start_runner
+    from gateway.serve import start_runner
 
     log: list[str] = []
     runner = web.AppRunner(app_of([Component("http", log), Component("health", log, fail_start=True),

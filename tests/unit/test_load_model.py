@@ -9,11 +9,11 @@ import random
 import msgspec
 import pytest
 
-from gateway.backends.scraper import parse_engine_metrics, parse_lora_info
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, PendingLoad
 from gateway.load.predictor import OutputLengthPredictor
 from gateway.load.slo_profiles import GpuProfile, ProfileStore, grid_index, parse_key
+from gateway.pods.scraper import parse_engine_metrics, parse_lora_info
 
 PROFILE = {
     "gpu": "a100", "cost": 1.0, "created": 100.0,

@@ -10,7 +10,7 @@ from multidict import CIMultiDict
 
 from gateway.config import ModelRule, ModelsConfig, ModelTarget, load_config
 from gateway.core.facts import SplitPinned
-from gateway.core.requests import parse_inference_request
+from gateway.core.inference_api import parse_inference_request
 from gateway.models.rules import ModelRules
 from gateway.proxy.rewrite import AnswerRewrite, with_model
 from gateway.workflow.context import ContextSignals

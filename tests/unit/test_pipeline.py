@@ -16,7 +16,6 @@ from multidict import CIMultiDict
 
 from gateway.api.http_edge import HttpEdge
 from gateway.auth import ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.config import (
     AuthConfig,
     HealthConfig,
@@ -30,7 +29,7 @@ from gateway.config import (
     hash_api_key,
 )
 from gateway.core.errors import ErrorKind, GatewayError, upstream_failed
-from gateway.core.requests import RequestKind, parse_inference_request
+from gateway.core.inference_api import RequestKind, parse_inference_request
 from gateway.core.usage import PromptTokensDetails, Usage
 from gateway.http_client import HttpClient
 from gateway.kv.approx import ApproximatePrefixIndex
@@ -46,6 +45,7 @@ from gateway.load.slo_profiles import ProfileStore
 from gateway.logs import ACCESS_LOGGER
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.context_steps import (
     ContextPlacement,

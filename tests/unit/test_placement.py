@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-from gateway.backends.registry import PodRegistry
-from gateway.backends.scraper import parse_engine_metrics
 from gateway.config import HealthConfig, PlacementConfig, PodConfig
 from gateway.kv.events import BlockStored
 from gateway.kv.index import PrefixIndex
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.plugin_registry import PluginRegistry
+from gateway.pods.registry import PodRegistry
+from gateway.pods.scraper import parse_engine_metrics
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 

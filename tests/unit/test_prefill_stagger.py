@@ -9,7 +9,6 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.backends.registry import PodRegistry
 from gateway.background import Doorbell
 from gateway.config import FlowControlConfig, HealthConfig, PodConfig, SaturationConfig
 from gateway.flow.controller import FlowController
@@ -20,6 +19,7 @@ from gateway.flow.service_counters import ServiceCounters
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.slo_profiles import ProfileStore
+from gateway.pods.registry import PodRegistry
 from tests.unit.test_flow_control import MODEL
 from tests.unit.test_prefill_progress import Clock
 

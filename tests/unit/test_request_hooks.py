@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from gateway.app import build_gateway, effective_plugin_options
 from gateway.cli import check_config
 from gateway.config import ConfigError, HooksConfig, PartConfig, load_config
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 from gateway.metrics import GatewayMetrics
 from gateway.plugin_api import ResponseView
 from gateway.plugin_registry import PluginOptionsError, UnknownPlugin

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import ResponsesConfig, TokenizationConfig
 from gateway.core.errors import GatewayError
-from gateway.core.requests import InferenceRequest, parse_inference_request
+from gateway.core.inference_api import InferenceRequest, parse_inference_request
 from gateway.core.usage import usage_of_body, usage_of_stream_tail
 from gateway.proxy.pod_errors import translated
-from gateway.request.responses import _EventCapture
+from gateway.request.responses_state import _EventCapture
 from gateway.request.validation import check_body, check_headers
 from gateway.responses.store import MemoryResponses, ResponsesMetrics, StoredResponse, decode, encode
-from gateway.tokenization import responses
+from gateway.tokenization import openai_responses as responses
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from gateway.tokenization.tokenizers import LocalTokenizer
 

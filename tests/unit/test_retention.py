@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import PlacementConfig
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.core.requests import parse_inference_request
+from gateway.core.inference_api import parse_inference_request
 from gateway.core.retention import declared_retention_s
 from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.config import TokenizationConfig
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.kv.hashing import PromptHashes
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from gateway.tokenization.reuse import ConversationMemory, RememberedPrompt, fingerprints

@@ -5,8 +5,6 @@ from collections import Counter
 
 import pytest
 
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PodConfig
 from gateway.core.errors import ErrorKind, GatewayError
 from gateway.http_client import HttpClient
@@ -14,6 +12,8 @@ from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import Estimate
 from gateway.plugin_registry import PluginRegistry, UnknownPlugin
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import PodRegistry
 from gateway.routing.policy import Pick, Policy, PolicyContext, PrefixMatch, RoutingRequest, WeightedScorer
 from gateway.routing.router import Router
 

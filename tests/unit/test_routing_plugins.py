@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, PlacementConfig, PodConfig
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.events import BlockStored
@@ -18,6 +17,7 @@ from gateway.kv.working_set import ResumableWorkingSet
 from gateway.load.ledger import InFlightLedger
 from gateway.load.pending import EngineStats, Estimate, PendingLoad
 from gateway.load.slo_profiles import ProfileStore
+from gateway.pods.registry import PodRegistry
 from gateway.routing.policy import PlacementCost, PrefixMatch, RoutingRequest
 from plugins.routing.filters.capacity import CapacityFilter
 from plugins.routing.filters.overload_guard import OverloadGuard
@@ -104,7 +104,7 @@ def test_prefix_matcher_precise_then_counts_the_chosen_pods_speculative_blocks(p
 
 
 def test_prefix_matcher_by_text_and_without_text(pods):
-    from gateway.core.requests import InferenceRequest
+    from gateway.core.inference_api import InferenceRequest
 
     # A host booted seconds ago: its monotonic clock is below the history's TTL, which must not make every
     # pod look as if it had been sent every text.

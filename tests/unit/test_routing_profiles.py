@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import ConfigError, HealthConfig, PodConfig, load_config
 from gateway.load.ledger import InFlightLedger
 from gateway.plugin_registry import PluginOptionsError, PluginRegistry, UnknownPlugin
+from gateway.pods.registry import PodRegistry
 from gateway.routing.policy import PolicyContext, RoutingRequest
 from gateway.routing.router import Router
 

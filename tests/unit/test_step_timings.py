@@ -13,7 +13,7 @@ from bench.metrics_text import bucket_quantile, buckets_since, histogram_buckets
 from bench.runner import gateway_split
 from gateway.api.http_edge import HttpEdge
 from gateway.core.errors import GatewayError, upstream_failed
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome, RetryableFailure
 from gateway.request.observers import StepMetrics

@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 
-from gateway.backends.registry import PodRegistry
 from gateway.config import HealthConfig, ModelTokenizerConfig, TokenizationConfig
-from gateway.core.requests import InferenceRequest
+from gateway.core.inference_api import InferenceRequest
 from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import PodRegistry
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
 from gateway.tokenization.segments import SegmentEncoder, cut_at_spaces
 from gateway.tokenization.tokenizers import LocalTokenizer, TokenizationService

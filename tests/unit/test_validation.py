@@ -18,7 +18,7 @@ from openai.types.responses import ResponseInputContentParam, ResponseInputItemP
 from openai.types.responses.response_output_message_param import Content as ResponseOutputContent
 
 from gateway.core.errors import GatewayError
-from gateway.core.requests import RequestKind, parse_inference_request
+from gateway.core.inference_api import RequestKind, parse_inference_request
 from gateway.request.validation import (
     CHAT_PART_TYPES,
     RESPONSES_ITEM_TYPES,

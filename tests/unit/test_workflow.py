@@ -8,7 +8,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import WorkflowConfig
 from gateway.core.contexts import session_key, workflow_key
 from gateway.core.errors import ErrorKind, GatewayError
-from gateway.core.requests import InferenceRequest, Metadata
+from gateway.core.inference_api import InferenceRequest, Metadata
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pressure_modes import PressureMode
 from gateway.pressure.monitor import next_mode

@@ -1,5 +1,5 @@
 """Active health checks: ``GET /health`` per pod, with failure and success thresholds, within a budget of
-checks per second (a large fleet is checked in turn: :mod:`gateway.backends.rotation`).
+checks per second (a large fleet is checked in turn: :mod:`gateway.pods.rotation`).
 
 Owner: the :class:`HealthChecker` writes ``Pod.healthy`` and, for pods without configured models, the
 pod's model list from ``GET /v1/models`` (refreshed while the pod is healthy, so adapters loaded later
@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import aiohttp
 
-from gateway.backends.registry import Pod, PodRegistry
-from gateway.backends.rotation import Rotation
 from gateway.background import cancel_and_wait, own_stall
 from gateway.config import HealthConfig
 from gateway.http_client import HttpClient
+from gateway.pods.registry import Pod, PodRegistry
+from gateway.pods.rotation import Rotation
 
 log = logging.getLogger("gateway.health")
 

@@ -1,6 +1,6 @@
 """Engine metrics scraper: each pod's ``/metrics`` (vLLM or SGLang names) every interval, jittered, within a
 budget of scrapes per second (a large fleet: the pods with requests in flight each interval, the others in turn;
-:mod:`gateway.backends.rotation`).
+:mod:`gateway.pods.rotation`).
 
 Owner: the :class:`MetricsScraper` alone writes :class:`~gateway.load.pending.EngineStats`. A failed
 scrape keeps the last values and marks them stale, so routing falls back to the gateway's own counts.
@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gateway.backends.registry import Pod, PodRegistry
-from gateway.backends.rotation import Rotation
 from gateway.background import cancel_and_wait
 from gateway.http_client import HttpClient
 from gateway.load.pending import EngineStats
+from gateway.pods.registry import Pod, PodRegistry
+from gateway.pods.rotation import Rotation
 
 log = logging.getLogger("gateway.scraper")
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.backends.health import HealthChecker
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.kv.approx import ApproximatePrefixIndex
 from gateway.kv.subscriptions import KvEventService
 from gateway.kv.working_set import ResumableWorkingSet
@@ -18,6 +16,8 @@ from gateway.load.pending import PendingLoad
 from gateway.load.pressure_modes import PressureModes
 from gateway.load.slo_profiles import ProfileStore
 from gateway.metrics import GatewayMetrics
+from gateway.pods.health import HealthChecker
+from gateway.pods.registry import Pod, PodRegistry
 from gateway.workflow.sessions import SessionAffinity
 
 

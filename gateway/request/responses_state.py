@@ -36,10 +36,10 @@ import msgspec
 import orjson
 
 from gateway.auth import ApiKey
-from gateway.backends.registry import PodRegistry
 from gateway.config import ResponsesConfig
 from gateway.core.errors import ErrorKind, GatewayError, bad_request
-from gateway.core.requests import RequestKind
+from gateway.core.inference_api import RequestKind
+from gateway.pods.registry import PodRegistry
 from gateway.request.types import ClientRequest
 from gateway.responses.store import ResponsesMetrics, ResponseStore, StoredResponse, StoreUnavailable
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from gateway.backends.registry import Pod
+from gateway.pods.registry import Pod
 
 
 class Rotation:

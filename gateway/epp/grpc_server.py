@@ -21,7 +21,7 @@ from gateway.app import Assembly, build_app, build_gateway
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
 from gateway.epp.ext_proc import ExtProcService, Readiness
-from gateway.server import SERVER_OPTIONS, on_signals, start_runner
+from gateway.serve import SERVER_OPTIONS, on_signals, start_runner
 
 log = logging.getLogger("gateway.epp")
 

@@ -46,7 +46,7 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True):
     interval_s: float = 2.0
     timeout_s: float = 1.0
     # The host's health checks per second at most (its workers share them): a fleet larger than this times
-    # ``interval_s`` is checked in turn (gateway/backends/rotation.py); a pod that fails a request is ejected
+    # ``interval_s`` is checked in turn (gateway/pods/rotation.py); a pod that fails a request is ejected
     # meanwhile all the same. 0: no limit.
     max_checks_per_s: Annotated[float, Meta(ge=0)] = 25.0
     failure_threshold: int = 3

@@ -2,7 +2,7 @@
 /v1/responses/{id}/cancel``, ``GET /v1/responses/{id}/input_items``.
 
 With ``responses.store: gateway`` the gateway answers them from its store
-(:class:`~gateway.request.responses.ResponsesState`): the response as the pod answered it; its deletion;
+(:class:`~gateway.request.responses_state.ResponsesState`): the response as the pod answered it; its deletion;
 a cancel refused as vLLM refuses one of a finished response; the input the model saw, as a page of items.
 With ``responses.store: pods`` a GET (a background response's ``?stream=true`` relayed event by event as
 the pod sends it) or a cancel goes to the pod that answered, and what vLLM does not serve (deleting,
@@ -25,14 +25,14 @@ from aiohttp import web
 
 from gateway.api.routes import Route
 from gateway.auth import ApiKeyAuth
-from gateway.backends.registry import PodRegistry
 from gateway.cluster.sibling_responses import INTERNAL_PATH
 from gateway.core.errors import bad_request, not_implemented, upstream_failed
 from gateway.http_client import HttpClient
 from gateway.http_errors import error_event
+from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.proxy.pod_errors import translated
-from gateway.request.responses import ResponsesState, response_not_found
+from gateway.request.responses_state import ResponsesState, response_not_found
 from gateway.responses.store import MemoryResponses, StoredResponse, encode
 
 PATH = "/v1/responses/{response_id}"

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.backends.registry import Pod, PodRegistry
 from gateway.background import cancel_and_wait
 from gateway.config import PodConfig
+from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("gateway.discovery")
 

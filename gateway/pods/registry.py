@@ -28,7 +28,7 @@ from gateway.config import HealthConfig, PodConfig
 # How long after start a request waits for pods that have not answered yet.
 FIRST_ANSWERS_WINDOW_S = 15.0
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gateway.backends.registry")  # the name log filters know (the package was backends/)
 
 # A leg of a request served by two pods (prefill/decode disaggregation).
 Leg = Literal["prefill", "decode"]
