@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -34,8 +34,10 @@ from gateway.config import ConfigError, ConfigSource, GatewayConfig, file_digest
 
 log = logging.getLogger("gateway.config")
 
-# The sections of the config that apply without a restart, less the fields of theirs that need one (they
-# decide what is built: whether flow control is in the pipeline; what the director was given).
+# The sections of the config that apply without a restart (the shipped kits' ``reloads()``; the assembly's
+# reloader takes them from its kits, so a new kit's section is live without a line here), less the fields of
+# theirs that need one (they decide what is built: whether flow control is in the pipeline; what the director
+# was given).
 LIVE_SECTIONS = frozenset({"flow_control", "models", "limits", "routing"})
 RESTART_FIELDS = {"flow_control": ("enabled",), "routing": ("max_retries", "allow_strategy_header")}
 OUTCOMES = ("applied", "unchanged", "restart_needed", "invalid")
@@ -47,14 +49,15 @@ def as_running(section: str, fresh: Any, running: Any) -> Any:
     return msgspec.structs.replace(fresh, **{f: getattr(running, f) for f in kept}) if kept else fresh
 
 
-def changed_sections(old: GatewayConfig, new: GatewayConfig) -> tuple[list[str], list[str]]:
+def changed_sections(old: GatewayConfig, new: GatewayConfig,
+                     live_sections: Collection[str] = LIVE_SECTIONS) -> tuple[list[str], list[str]]:
     """The sections (or fields) that differ, split into (applied live, needing a restart)."""
     live, restart = [], []
     for name in old.__struct_fields__:
         before, after = getattr(old, name), getattr(new, name)
         if before == after:
             continue
-        if name not in LIVE_SECTIONS:
+        if name not in live_sections:
             restart.append(name)
             continue
         restart += [f"{name}.{f}" for f in RESTART_FIELDS.get(name, ()) if getattr(before, f) != getattr(after, f)]
@@ -83,10 +86,13 @@ class ReloadMetrics:
 
 class ConfigReloader:
     def __init__(self, source: ConfigSource, appliers: Mapping[str, Callable[[Any], None]], metrics: ReloadMetrics,
-                 interval_s: float, checks: Mapping[str, Callable[[Any], None]] | None = None) -> None:
+                 interval_s: float, checks: Mapping[str, Callable[[Any], None]] | None = None,
+                 live_sections: Collection[str] = LIVE_SECTIONS) -> None:
         """``appliers``: each live section's owner, by section, taking the section whole; ``checks``: for a
         section whose validity only its owner can judge (``routing``: its plugins' options), a call that raises
-        what applying it would, run before anything is applied."""
+        what applying it would, run before anything is applied; ``live_sections``: the sections that apply
+        without a restart."""
+        self._live_sections = frozenset(live_sections)
         self.source = source
         self._appliers = dict(appliers)
         self._checks = dict(checks or {})
@@ -135,7 +141,7 @@ class ConfigReloader:
             self._metrics.observe("invalid")
             return "invalid"
         self._digest = fresh.digest
-        live, restart = changed_sections(self.source.loaded, fresh.loaded)
+        live, restart = changed_sections(self.source.loaded, fresh.loaded, self._live_sections)
         running = self._running(fresh.loaded, live)
         try:
             for name in live:

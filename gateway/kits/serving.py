@@ -79,9 +79,10 @@ class ReloadKit(Kit):
         if source is None or not source.path:
             return
         self.requires = tuple(kit.name for kit in kits if kit.reloads())
-        self.reloader = ConfigReloader(source, _merged(kit.reloads() for kit in kits),
-                                       ReloadMetrics(base.metrics.registry), config.server.config_watch_interval_s,
-                                       checks=_merged(kit.checks() for kit in kits))
+        appliers = _merged(kit.reloads() for kit in kits)  # the sections that apply live: those a kit reloads
+        self.reloader = ConfigReloader(source, appliers, ReloadMetrics(base.metrics.registry),
+                                       config.server.config_watch_interval_s,
+                                       checks=_merged(kit.checks() for kit in kits), live_sections=appliers.keys())
 
     def running(self) -> Iterable[Running]:
         return [Running(self.reloader.start, self.reloader.stop)] if self.reloader is not None else []
