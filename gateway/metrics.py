@@ -158,10 +158,12 @@ class GatewayMetrics:
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
         self.routing_plugin_seconds = Histogram(
-            "gateway_routing_plugin_seconds", "Time of each call of a routing policy's part (a filter, preparer, "
-            "scorer or picker), by kind and name; the router measures it", ["kind", "plugin"],
+            "gateway_routing_plugin_seconds", "Time of each call of a plugin, by kind and name: a routing policy's "
+            "part (kind filter, preparer, scorer or picker; the router measures it) or a request hook (kind "
+            "pre_request or response_complete; the director measures it)", ["kind", "plugin"],
             buckets=(0.000005, 0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03), registry=r,
         )
+
     def watch_pod(self, pod: str, in_flight: Callable[[], float], pending_load: Callable[[], float],
                   kv_usage: Callable[[], float]) -> None:
         """Export the pod's live numbers, read at scrape time (nothing to update per request)."""
