@@ -1,11 +1,17 @@
-"""Reading a gateway's ``/metrics`` text from outside, as the benchmark and the tests do: its checks of its
-predictions, what keep-warm spent per pod, and histograms' buckets and quantiles."""
+"""Reading a gateway's ``/metrics`` text from outside, as the benchmark and the tests do: a counter summed over
+its series, its checks of its predictions, what keep-warm spent per pod, and histograms' buckets and quantiles."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
+
+
+def sample_sum(metrics_text: str, name: str, **labels: str) -> float:
+    """The samples named ``name`` (``gateway_requests_total``) whose labels include ``labels``, summed."""
+    return sum(sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 def prediction_checks(metrics_text: str) -> dict[str, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import aiohttp
 import anthropic
 import openai
 
+from bench.metrics_text import sample_sum
 from bench.runner import stop_processes, wait_http
 from simulator.pod import free_port
 
@@ -44,7 +44,7 @@ def start_gateway() -> tuple[subprocess.Popen[bytes], str]:
 async def gateway_requests(url: str) -> int:
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    return sum(int(float(n)) for n in re.findall(r'^gateway_requests_total\{model="m"[^}]*\} (\S+)', text, re.M))
+    return int(sample_sum(text, "gateway_requests_total", model="m"))
 
 
 async def call_in_a_loop(n: int, url: str, until: float) -> int:

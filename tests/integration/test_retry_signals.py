@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import socket
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import anthropic
 import openai
 import pytest
 
+from bench.metrics_text import sample_sum
 from gateway.config import hash_api_key
 from gateway.http_errors import NO_POD_RETRIES
 from simulator.pod import free_port
@@ -93,7 +93,7 @@ async def test_the_admin_key_is_a_key_for_the_api_too(down, http):
 async def gateway_requests(http: aiohttp.ClientSession, url: str) -> int:
     async with http.get(f"{url}/metrics", headers=user("sk-admin")) as resp:
         text = await resp.text()
-    return sum(int(float(n)) for n in re.findall(r'^gateway_requests_total\{model="m"[^}]*\} (\S+)', text, re.M))
+    return int(sample_sum(text, "gateway_requests_total", model="m"))
 
 
 async def test_sdk_clients_at_default_retries_make_one_retry_while_no_pod_serves_the_model(down, http):
