@@ -1,10 +1,8 @@
 """Composes the feature kits (:mod:`gateway.kits`) from a config, and the aiohttp ``Application`` that serves them.
 
-Each kit builds its feature's state and steps from the kits composed before it, and serves its own routes;
-the kits' running parts start in the order their declared dependencies give
-(:func:`~gateway.kits.kit.start_order`, aiohttp's ``cleanup_ctx``) and stop in reverse, each one stopped even
-if another fails to stop. Nothing else in the package holds global state; tests build as many independent
-gateways as they like.
+Each kit builds its feature's state and steps from the kits composed before it and serves its own routes; the
+kits' running parts start in the order their declared dependencies give (:func:`~gateway.kits.kit.start_order`)
+and stop in reverse. Nothing else holds global state: tests build as many independent gateways as they like.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from gateway.api.routes import Route, add_routes, name_worker
 from gateway.cluster.identity import WorkerIdentity
 from gateway.cluster.replication import replicate
 from gateway.config import ConfigSource, GatewayConfig
+from gateway.kits.addons import AddOn, addon_options, build_addons
 from gateway.kits.fleet import DISCOVERY_GROUP, FleetKit
 from gateway.kits.flow import FlowKit
 from gateway.kits.foundation import Foundation, SharedState
@@ -59,11 +58,13 @@ class Assembly:
     tracing: TracingKit
     tokens: TokensKit
     serving: ServingKit
+    addons: tuple[AddOn, ...]  # the config's ``kits:`` (gateway/kits/addons.py)
     reload: ReloadKit
 
     @property
     def kits(self) -> tuple[Kit, ...]:
-        return tuple(getattr(self, each.name) for each in fields(self))
+        parts = [getattr(self, each.name) for each in fields(self)]
+        return tuple(kit for part in parts for kit in (part if isinstance(part, tuple) else (part,)))
 
     def lifecycles(self) -> list[Lifecycle]:
         """Every kit's running parts, started in the order their requirements give (stopped in reverse)."""
@@ -101,7 +102,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     serving = ServingKit(requests, tokens, fleet, flow)
     kits = (base, shared, responses, load, kv, fleet, flow, workflows, models, limits, routing, keep_warm, pressure,
             requests, tracing, tokens, serving)
-    return Assembly(*kits, ReloadKit(config, source, kits, base))
+    addons = build_addons(config, base, kits)
+    return Assembly(*kits, addons, ReloadKit(config, source, (*kits, *addons), base))
 
 
 def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]:
@@ -118,14 +120,14 @@ def effective_plugin_options(config: GatewayConfig) -> dict[str, dict[str, Any]]
                     for name in named if name not in rc.profiles},
     }
     if config.pressure.enabled:
-        source = config.pressure.source
-        out["pressure"] = {source: msgspec.to_builtins(
-            PluginRegistry(PRESSURE_GROUP, "pressure source").options(source, config.pressure.options))}
-    source = config.discovery.source
-    out["discovery"] = {source: msgspec.to_builtins(
-        PluginRegistry(DISCOVERY_GROUP, "discovery source").options(source, config.discovery.options))}
-    out["hooks"] = hook_options(config.hooks)
-    return out
+        pressure = config.pressure
+        out["pressure"] = _options(PRESSURE_GROUP, "pressure source", pressure.source, pressure.options)
+    out["discovery"] = _options(DISCOVERY_GROUP, "discovery source", config.discovery.source, config.discovery.options)
+    return {**out, "hooks": hook_options(config.hooks), "kits": addon_options(config)}
+
+
+def _options(group: str, kind: str, name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    return {name: msgspec.to_builtins(PluginRegistry(group, kind).options(name, raw))}
 
 
 def build_app(gateway: Assembly) -> web.Application:

@@ -78,6 +78,9 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     # declares (gateway/extensions.py) and decodes into its own struct; None: none asked for.
     mock_pods: Any = None
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
+    # Add-on kits to run (the ``gateway.kits`` entry points, gateway/kits/addons.py): name → its options,
+    # which the kit's own Struct decodes.
+    kits: dict[str, dict[str, Any]] = {}
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     hooks: HooksConfig = msgspec.field(default_factory=HooksConfig)

@@ -89,7 +89,14 @@ class ReloadKit(Kit):
 
 
 def _merged(hooks: Iterable[Mapping[str, Apply]]) -> dict[str, Apply]:
-    out: dict[str, Apply] = {}
+    """Section → what applies it; a section more than one kit reloads (the add-ons' ``kits``) goes to each."""
+    per: dict[str, list[Apply]] = {}
     for each in hooks:
-        out.update(each)
-    return out
+        for section, apply in each.items():
+            per.setdefault(section, []).append(apply)
+    return {section: applies[0] if len(applies) == 1 else partial(_each, applies) for section, applies in per.items()}
+
+
+def _each(applies: list[Apply], section: Any) -> None:
+    for apply in applies:
+        apply(section)

@@ -1,28 +1,22 @@
-"""docs/extending.md's worked examples hold: its example kit, composed with the shipped kits as
-``build_gateway`` composes them, serves its route and takes its section when the file is read again; its
+"""docs/extending.md's worked examples hold: its example kit, installed as its file and entry point line,
+runs when the config names it, serves its route and takes its options again when the file is read again; its
 route and config-option examples are the shipped code."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+import tomllib
 from pathlib import Path
 from textwrap import indent
-from typing import Any
 
 import msgspec
+import pytest
 import yaml
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.api.routes import check_admin
-from gateway.app import Assembly, build_app, build_gateway
-from gateway.config import ConfigSource, GatewayConfig, file_digest
-from gateway.kits.foundation import Foundation
-from gateway.kits.kit import Apply, Kit, Route
-from gateway.kits.serving import ReloadKit
+from gateway.app import build_app, build_gateway, effective_plugin_options
+from gateway.config import ConfigSource, GatewayConfig
+from gateway.plugin_registry import PluginOptionsError, UnknownPlugin
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs/extending.md").read_text()
@@ -33,63 +27,50 @@ def block(lang: str, holding: str) -> str:
     return next(b for b in re.findall(rf"^```{lang}\n(.*?)^```", PAGE, flags=re.S | re.M) if holding in b)
 
 
-def example() -> dict[str, Any]:
-    """The page's config Struct and kit, run with what their files would import."""
-    names: dict[str, Any] = {"msgspec": msgspec, "web": web, "Iterable": Iterable, "Mapping": Mapping,
-                             "Kit": Kit, "Route": Route, "Apply": Apply, "Foundation": Foundation,
-                             "check_admin": check_admin}
-    for code in (block("python", "class NoticeConfig"), block("python", "class NoticeKit")):
-        exec(compile(code, "docs/extending.md", "exec", dont_inherit=True), names)
-    return names
+def install(folder: Path) -> None:
+    """The page's kit file and entry point, in ``folder`` as a package of its own installs them."""
+    (folder / "notice_kit.py").write_text(block("python", "class NoticeKit"))
+    groups = tomllib.loads(block("toml", '"gateway.kits"'))["project"]["entry-points"]
+    info = folder / "notice_kit-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: notice-kit\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+        for group, points in groups.items()))
 
 
-EXAMPLE = example()
-NoticeConfig, NoticeKit = EXAMPLE["NoticeConfig"], EXAMPLE["NoticeKit"]
-# GatewayConfig with the example's section, as the page adds it.
-WithNotice = msgspec.defstruct("WithNotice", [("notice", NoticeConfig, msgspec.field(default_factory=NoticeConfig))],
-                               bases=(GatewayConfig,))
-
-
-@dataclass(frozen=True, eq=False)
-class WithNoticeKit(Assembly):
-    """The shipped kits and the example's: a field more, as the page adds it to ``Assembly``."""
-
-    notice: Any
-
-
-class NoticeSource(ConfigSource, frozen=True):
-    """A config file read into ``WithNotice`` (the shipped ``GatewayConfig`` has no ``notice``)."""
-
-    def reread(self) -> NoticeSource:
-        return NoticeSource(self.path, self.overrides, load(Path(self.path).read_text()), file_digest(self.path))
-
-
-def load(text: str) -> Any:
-    return msgspec.convert(yaml.safe_load(text), WithNotice)
-
-
-async def test_the_example_kit_composes_with_the_shipped_ones_serves_its_route_and_reloads_its_section(tmp_path):
+async def test_the_example_kit_installed_runs_serves_its_route_and_takes_its_options_again(tmp_path, monkeypatch):
+    install(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "gateway.yaml"
-    path.write_text(block("yaml", "notice:"))
-    source = NoticeSource(str(path), {}, load(path.read_text()), file_digest(str(path)))
-    config = source.loaded
-    shipped = build_gateway(config)
-    notice = NoticeKit(config.notice, shipped.foundation)  # build_gateway: the build line
-    kits = (*shipped.kits[:-1], notice)  # ... and one more name in ``kits``
-    gateway = WithNoticeKit(*kits[:-1], ReloadKit(config, source, kits, shipped.foundation), notice)
-    assert [f.name for f in fields(gateway)][-2:] == ["reload", "notice"] and gateway.kits[-1] is notice
-    assert "notice" in gateway.reload.requires  # it reloads a section: the reloader starts after it
+    path.write_text(block("yaml", "kits:"))
+    source = ConfigSource.read(str(path))
+    gateway = build_gateway(source.loaded, source=source)
+    notice = gateway.addons[0]
+    assert [kit.name for kit in gateway.addons] == ["notice"] and type(notice.kit).__name__ == "NoticeKit"
+    assert notice in gateway.kits and "notice" in gateway.reload.requires  # the reloader starts after it
 
     async with TestClient(TestServer(build_app(gateway))) as client:
-        page = await client.get("/debug/notice")
-        assert await page.json() == {"notice": "maintenance at 22:00 UTC: expect a restart"}
-        path.write_text("notice:\n  text: done\n")
-        gateway.reload.reloader.request()  # as SIGHUP does
-        for _ in range(200):
-            if (await (await client.get("/debug/notice")).json()) == {"notice": "done"}:
-                break
-            await asyncio.sleep(0.01)
-        assert (await (await client.get("/debug/notice")).json()) == {"notice": "done"}
+        async def page() -> dict[str, str]:
+            return await (await client.get("/debug/notice")).json()
+
+        assert await page() == {"notice": "maintenance at 22:00 UTC: expect a restart"}
+        path.write_text("kits:\n  notice:\n    text: done\n")
+        assert await gateway.reload.reloader.reload() == "applied"
+        assert await page() == {"notice": "done"}
+        for refused in ("kits:\n  notice: {text: x}\n  other: {}\n", "kits: {}\n", "kits:\n  notice: {txt: x}\n"):
+            path.write_text(refused)  # a kit added, one removed, an option it lacks
+            assert await gateway.reload.reloader.reload() == "invalid"
+        assert await page() == {"notice": "done"}
+
+
+def test_an_unknown_kit_or_option_stops_the_start_naming_it(tmp_path, monkeypatch):
+    install(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownPlugin, match="unknown kit 'noticeboard'; known: notice"):
+        build_gateway(msgspec.convert({"kits": {"noticeboard": {}}}, GatewayConfig))
+    with pytest.raises(PluginOptionsError, match=r"kit 'notice': bad options: .*txt"):
+        effective_plugin_options(msgspec.convert({"kits": {"notice": {"txt": "x"}}}, GatewayConfig))
 
 
 def test_the_route_and_option_examples_are_the_shipped_code():

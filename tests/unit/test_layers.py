@@ -162,6 +162,15 @@ def test_no_runtime_module_is_past_the_line_limit():
     assert not too_long, f"split these modules (over {MAX_MODULE_LINES} lines): {too_long}"
 
 
+# The assembly only composes kits: past this, a feature is being built there instead of in its kit.
+MAX_ASSEMBLY_LINES = 150
+
+
+def test_the_assembly_stays_a_composition():
+    lines = len((ROOT / "gateway/app.py").read_text().splitlines())
+    assert lines <= MAX_ASSEMBLY_LINES, f"gateway/app.py has {lines} lines (at most {MAX_ASSEMBLY_LINES})"
+
+
 def _package(module: str) -> str:
     """The package a module is part of (``gateway.pressure.monitor``: ``gateway.pressure``); a module at a
     package's top (``gateway.app``) is its own."""
