@@ -181,7 +181,8 @@ def build_gateway(config: GatewayConfig, tracer_provider: Any = None, identity: 
     signals = ContextSignals(wc.session_headers)
     rules = ModelRules(config.models, signals, sinks.models)
     adapters = AdapterLoader(config.models, pods, http, adapter_use, adapter_placement, metrics.registry)
-    usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False)
+    usage = SharedUsage(identity.origin, sinks.limits, partitioned=lambda: bus.redis_up is False,
+                        stalled=loop_lag.stalled_within)
     replicate(bus, ledger, tracker, sessions, working_set, index, service, workflow_flows, rules, adapter_use, usage)
     flow_metrics = FlowMetrics(metrics.registry, FlowLabels.of_keys(lambda: flow.config, config.auth.keys))
     flow = FlowController(fc, pods, detector, service, room_freed, flow_metrics, release_order)
