@@ -181,6 +181,10 @@ class LoopLagProbe:
         under_way = max(0.0, time.perf_counter() - self._asked - self._interval_s)
         return max([under_way, *(lag for ended, lag in self._stalls if ended >= since)])
 
+    def stalled_within(self, seconds: float) -> float:
+        """:meth:`stalled_since` the last ``seconds``."""
+        return self.stalled_since(time.perf_counter() - seconds)
+
     async def _run(self) -> None:
         interval, observe = self._interval_s, self._observe
         while True:

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import IO
 
 import msgspec
 
@@ -59,6 +60,16 @@ class MockPodProcess:
     count: int
     role: str
     planned: PodEndpoints | None = None  # where its one pod was told to listen (None: it chooses)
+    # Where a quiet fleet's process writes its errors, to say why it exited (None: the fleet's own stderr).
+    stderr: IO[bytes] | None = None
+
+    def last_error(self) -> str:
+        """The last line the process wrote to its captured stderr ("" when none or not captured)."""
+        if self.stderr is None:
+            return ""
+        self.stderr.seek(0)
+        lines = self.stderr.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
 
 
 def pods_per_process(config: MockPodsConfig, cores: int | None = None) -> int:
@@ -87,6 +98,15 @@ class MockPodFleet:
                          if config.prefill_pods and config.connector == "shared_storage" else None)
 
     def start(self, timeout_s: float = 120.0) -> list[PodConfig]:
+        """Spawn the pods and wait until they listen. A fleet whose process exits while starting is stopped
+        and started once more: a port chosen free can be taken before the pod binds it (another test's
+        listener), and a loaded machine widens that gap."""
+        try:
+            self.spawn()
+            return self.wait(timeout_s)
+        except PodExited as exc:
+            log.warning("simulated pods exited while starting (%s); starting them again", exc)
+            self._stop_processes()
         self.spawn()
         return self.wait(timeout_s)
 
@@ -146,9 +166,9 @@ class MockPodFleet:
             cmd += ["--synthetic-events", str(c.synthetic_events), "--synthetic-hold", str(c.synthetic_hold)]
         if c.prefill_pods:
             cmd += ["--kv-transfer-config", self._kv_transfer_config(role)]
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL if self.quiet else None)
-        return MockPodProcess(process, first, count, role, planned)
+        stderr = tempfile.NamedTemporaryFile(prefix="kvgw-mock-", suffix=".err") if self.quiet else None
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr)
+        return MockPodProcess(process, first, count, role, planned, stderr)
 
     def _pod_config(self, member: MockPodProcess, endpoints: PodEndpoints) -> PodConfig:
         c = self.config
@@ -180,10 +200,17 @@ class MockPodFleet:
             chunk = os.read(fd, 1 << 16) if ready else b""
             received += chunk
             if not chunk and process.poll() is not None:
-                raise PodExited(f"mock pods {member.first}.. exited with {process.returncode}")
+                said = member.last_error()
+                raise PodExited(f"mock pods {member.first}.. exited with {process.returncode}"
+                                + (f": {said}" if said else ""))
         return [msgspec.json.decode(line, type=PodEndpoints) for line in received.splitlines()[:member.count]]
 
     def stop(self) -> None:
+        self._stop_processes()
+        if self._storage is not None:
+            self._storage.cleanup()
+
+    def _stop_processes(self) -> None:
         for member in self.members:
             if member.process.poll() is None:
                 member.process.send_signal(signal.SIGTERM)
@@ -195,9 +222,9 @@ class MockPodFleet:
                 member.process.wait()
             if member.process.stdout is not None:
                 member.process.stdout.close()
+            if member.stderr is not None:
+                member.stderr.close()
         self.members.clear()
-        if self._storage is not None:
-            self._storage.cleanup()
 
     async def astart(self, timeout_s: float = 120.0) -> list[PodConfig]:
         return await asyncio.to_thread(self.start, timeout_s)

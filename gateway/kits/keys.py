@@ -31,7 +31,8 @@ class LimitsKit(Kit):
 
     def __init__(self, config: GatewayConfig, base: Foundation, shared: SharedState, flow: FlowKit) -> None:
         bus = shared.bus
-        self.usage = SharedUsage(base.identity.origin, shared.sinks.limits, partitioned=lambda: bus.redis_up is False)
+        self.usage = SharedUsage(base.identity.origin, shared.sinks.limits, partitioned=lambda: bus.redis_up is False,
+                                 stalled=base.loop_lag.stalled_within)
         key_tenants = {k.name: k.tenant for k in config.auth.keys if k.name and k.tenant}
         controller = flow.flow
 

@@ -126,7 +126,8 @@ class Used:
 class SharedUsage:
     def __init__(self, origin: str, publish: Publish = unshared, partitioned: Callable[[], bool] = lambda: False,
                  confirm_s: float = 0.05, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 stalled: Callable[[float], float] = lambda within_s: 0.0) -> None:
         self._origin = origin
         self._replica = origin.split("/", 1)[0]
         self._publish = publish
@@ -134,6 +135,9 @@ class SharedUsage:
         self._confirm_s = confirm_s
         self._clock = clock
         self._monotonic = monotonic
+        # The longest this process's event loop stood still within the last given seconds (one under way
+        # included): nothing here, nor in a process paused with it, heard anything meanwhile.
+        self._stalled = stalled
         self._own = _Counts()
         self._remote: dict[str, _Counts] = {}
         # Per scope, this process's charges within the confirmation window: what the others may not know yet.
@@ -263,12 +267,16 @@ class SharedUsage:
 
     def confirm_window_s(self) -> float:
         """How long this process's charges count as unconfirmed: ``confirm_s``, or twice the longest the others'
-        charges took to arrive of late if that is more."""
+        charges took to arrive of late if that is more; and longer by a stall of this loop within that window.
+        A stall is time no one heard anything: when the machine pauses, every process wakes at once with
+        requests waiting, and charges made before it are not yet known to the others however old they are
+        (4 gateways beside a CPU hog each stood still 1.5 s and ran 7 of a key's ``max_concurrent: 4``)."""
         lags, now = self._lags, self._monotonic()
         while lags and lags[0][0] < now - LAG_WINDOW_S:
             lags.popleft()
         longest = lags[0][1] if lags else 0.0
-        return min(MAX_CONFIRM_S, max(self._confirm_s, 2 * longest))
+        window = min(MAX_CONFIRM_S, max(self._confirm_s, 2 * longest))
+        return window + self._stalled(window)
 
     def _recent_of(self, scope: str) -> tuple[int, int, int]:
         """This process's tokens (input, output) and requests charged to ``scope`` that the others may not
@@ -276,7 +284,8 @@ class SharedUsage:
         now, window = self._monotonic(), self.confirm_window_s()
         recent, requests = self._recent.get(scope), self._recent_requests.get(scope)
         input_tokens, output_tokens, _ = recent.since(now - window) if recent is not None else (0, 0, 0)
-        begun = requests.since(now - max(window, MIN_REQUEST_CONFIRM_S))[2] if requests is not None else 0
+        request_window = max(window, MIN_REQUEST_CONFIRM_S + self._stalled(MIN_REQUEST_CONFIRM_S))
+        begun = requests.since(now - request_window)[2] if requests is not None else 0
         return input_tokens, output_tokens, begun
 
     def debug(self, scope: str) -> dict[str, float]:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 import urllib.request
 
 import msgspec
 
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
+from simulator import launcher
 from simulator.config import MockPodsConfig
 from simulator.group import MockPodGroup
 from simulator.launcher import MockPodFleet
 from simulator.pod import MockPodConfig
+from simulator.ports import free_ports
 from tests.integration.test_kv_subscriber import eventually
 
 MODEL = "mock-llama"
@@ -75,3 +79,23 @@ def test_the_launcher_spreads_a_fleet_over_processes_and_names_its_pods_in_order
     finally:
         fleet.stop()
     assert not fleet.members
+
+
+def test_a_pod_that_cannot_bind_its_port_is_started_again_on_others_and_says_why(monkeypatch, caplog):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen = iter([[taken.getsockname()[1], *free_ports(2)]])  # the first plan: a port another listener holds
+    monkeypatch.setattr(launcher, "free_ports", lambda n, host: next(chosen, None) or free_ports(n, host))
+    fleet = MockPodFleet(MockPodsConfig(count=1, speed=0), quiet=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="simulator"):
+            [pod] = fleet.start(timeout_s=60)
+        with urllib.request.urlopen(f"{pod.url}/v1/models", timeout=5) as resp:
+            assert resp.status == 200
+        assert launcher.port_of(pod.url) != taken.getsockname()[1]
+        [warning] = [r.getMessage() for r in caplog.records if "starting them again" in r.getMessage()]
+        assert "exited with 1: " in warning and "address" in warning.lower()  # the pod's own last word
+    finally:
+        fleet.stop()
+        taken.close()

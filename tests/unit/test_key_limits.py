@@ -93,6 +93,22 @@ def test_a_charge_stays_unconfirmed_as_long_as_the_others_take_to_hear_of_one():
     assert one.confirm_window_s() == 2.0
 
 
+def test_a_stall_of_the_loop_keeps_what_was_charged_before_it_unconfirmed():
+    """A paused machine pauses every process: what this one charged just before is no better known to the
+    others after 1.5 s of standing still, so its window grows by the stall while the stall is recent."""
+    clock, stall = Clock(), [0.0]
+    one = SharedUsage("ra/w0/1", clock=clock, monotonic=clock, stalled=lambda within_s: stall[0])
+    one.charge("key:a", 500, 0, requests=1)
+    clock.now += 1.5  # the loop stood still: nothing was sent or heard meanwhile
+    stall[0] = 1.5
+    assert one.confirm_window_s() == pytest.approx(1.55)
+    used = one.used("key:a")
+    assert (used.unconfirmed_input, used.unconfirmed_requests) == (500, 1)
+    stall[0] = 0.0  # the stall is out of the window: the charges have had their time
+    used = one.used("key:a")
+    assert (used.unconfirmed_input, used.unconfirmed_requests) == (0, 0)
+
+
 def limits(keys=None, tenants=None, tenant_of=lambda key: "team", clock=None, cut=None):
     clock = clock or Clock()
     config = LimitsConfig(keys={k: UsageLimits(**v) for k, v in (keys or {}).items()},
