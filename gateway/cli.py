@@ -261,6 +261,7 @@ def check_config(path: str, as_json: bool) -> int:
         effective["pressure"]["options"] = plugins["pressure"][config.pressure.source]
     effective["discovery"]["options"] = plugins["discovery"][config.discovery.source]
     effective["hooks"] = plugins["hooks"]
+    effective["kits"] = plugins["kits"]
     if as_json:
         print(msgspec.json.encode(effective).decode())
     else:

@@ -15,6 +15,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import build_app, build_gateway, effective_plugin_options
+from gateway.cli import check_config
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.plugin_registry import PluginOptionsError, UnknownPlugin
 
@@ -71,6 +72,18 @@ def test_an_unknown_kit_or_option_stops_the_start_naming_it(tmp_path, monkeypatc
         build_gateway(msgspec.convert({"kits": {"noticeboard": {}}}, GatewayConfig))
     with pytest.raises(PluginOptionsError, match=r"kit 'notice': bad options: .*txt"):
         effective_plugin_options(msgspec.convert({"kits": {"notice": {"txt": "x"}}}, GatewayConfig))
+
+
+def test_config_check_prints_each_kit_with_its_options_and_their_defaults(tmp_path, monkeypatch, capsys):
+    install(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "gateway.yaml"
+    path.write_text("pods: [{url: 'http://127.0.0.1:9'}]\nkits:\n  notice: {}\n")
+    assert check_config(str(path), as_json=False) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["kits"] == {"notice": {"text": ""}}
+    path.write_text("kits:\n  notice: {txt: x}\n")
+    assert check_config(str(path), as_json=False) == 2
+    assert "kit 'notice': bad options" in capsys.readouterr().err
 
 
 def test_the_route_and_option_examples_are_the_shipped_code():
