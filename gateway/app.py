@@ -63,8 +63,8 @@ class Assembly:
 
     @property
     def kits(self) -> tuple[Kit, ...]:
-        parts = [getattr(self, each.name) for each in fields(self)]
-        return tuple(kit for part in parts for kit in (part if isinstance(part, tuple) else (part,)))
+        shipped = [getattr(self, each.name) for each in fields(self) if each.name not in ("addons", "reload")]
+        return (*shipped, *self.addons, self.reload)
 
     def lifecycles(self) -> list[Lifecycle]:
         """Every kit's running parts, started in the order their requirements give (stopped in reverse)."""
