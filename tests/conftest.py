@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import pytest
@@ -206,13 +206,22 @@ def gateway_process(*args: str, env: dict[str, str] | None = None,
                     capture_stderr: bool = False, ready_path: str = "/readyz") -> Iterator[GatewayProcess]:
     """``gateway serve ARGS`` as a real process on a free port, ready when yielded (``ready_path`` answers
     200: ``/healthz`` for a gateway with no healthy pod), SIGTERMed after; its exit code and (if captured)
-    stderr are on the yielded object afterwards."""
+    stderr are on the yielded object afterwards. ``KVGW_TEST_GATEWAY_LOG=FILE`` appends the output of every
+    gateway not captured to FILE, access log on: each request's pod, hold and first byte, to tell where a slow
+    answer waited."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), *args],
-        env={**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false", **(env or {})},
-        stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
-    )
+    kept = os.environ.get("KVGW_TEST_GATEWAY_LOG")
+    with contextlib.ExitStack() as files:
+        stderr: int | IO[bytes] = subprocess.DEVNULL
+        if capture_stderr:
+            stderr = subprocess.PIPE
+        elif kept:
+            stderr = files.enter_context(open(kept, "ab"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port), *args],
+            env={**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "true" if kept else "false", **(env or {})},
+            stderr=stderr,
+        )
     run = GatewayProcess(f"http://127.0.0.1:{port}", proc)
     try:
         wait_http(f"{run.url}{ready_path}", 90, proc)
