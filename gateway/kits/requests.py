@@ -27,7 +27,7 @@ from gateway.pods.registry import PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.request.context_steps import ContextResolution, RoomForNewContexts
 from gateway.request.director import NoPlanner, RequestDirector
-from gateway.request.disaggregation import PrefillLegs
+from gateway.request.disaggregation import DisaggregationMetrics, PrefillLegs
 from gateway.request.hooks import RequestHooks
 from gateway.request.identity import KeyIdentity
 from gateway.request.observers import (
@@ -102,8 +102,9 @@ class RequestsKit(Kit):
                      "allow_strategy_header": config.routing.allow_strategy_header,
                      "max_body_bytes": config.server.max_body_bytes}
         router, ledger = routing.router, shared.ledger
-        self.prefill = PrefillLegs(config.disaggregation, pods, router, ledger, self.proxy, metrics,
-                                   dispatched=[kv.routed], default_consumption=load.load.default_consumption)
+        self.prefill = PrefillLegs(config.disaggregation, pods, router, ledger, self.proxy,
+                                   metrics.owned(DisaggregationMetrics), dispatched=[kv.routed],
+                                   default_consumption=load.load.default_consumption)
         self.director = RequestDirector(pipeline, router, workflows.planning, ledger, self.proxy, pods,
                                         prefill=self.prefill, models=rules, adapters=models.adapters, **directing)
         # Requests a pod answers without inferring (Anthropic's count_tokens): no tokenization, admission,

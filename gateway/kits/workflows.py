@@ -22,6 +22,7 @@ from gateway.request.steps import WorkflowPlanning
 from gateway.workflow.actions import CacheActionExecutor, CacheController
 from gateway.workflow.context import ContextSignals
 from gateway.workflow.keep_warm import KeepWarm
+from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.planning import WorkflowService
 from gateway.workflow.refresh import Refresher
 from gateway.workflow.tracker import WorkflowTracker
@@ -44,8 +45,9 @@ class WorkflowKit(Kit):
                  kv: KvKit) -> None:
         wc = config.workflow
         self.tracker = WorkflowTracker(wc, shared.ledger, shared.sinks.tracker)
-        self.executor = CacheActionExecutor(self.tracker, kv.working_set, base.pods, base.metrics,
-                                            cache_controllers(wc.controller), base.http, hard_flush=wc.hard_flush,
+        self.executor = CacheActionExecutor(self.tracker, kv.working_set, base.pods,
+                                            base.metrics.owned(WorkflowMetrics), cache_controllers(wc.controller),
+                                            base.http, hard_flush=wc.hard_flush,
                                             may_flush_pod=base.auth.may_flush_pod, retries=wc.flush_retries,
                                             retry_base_s=wc.flush_retry_base_s)
         self.signals = ContextSignals(wc.session_headers)

@@ -32,7 +32,7 @@ from gateway.core.errors import ErrorKind, GatewayError
 from gateway.core.inference_api import RequestKind
 from gateway.core.usage import Usage
 from gateway.load.ledger import InFlightLedger
-from gateway.metrics import LATENCY_BUCKETS, GatewayMetrics
+from gateway.metrics import LATENCY_BUCKETS
 from gateway.pods.registry import Leg, PodRegistry
 from gateway.proxy.forward import Proxy
 from gateway.proxy.outcome import RetryableFailure
@@ -85,25 +85,22 @@ class DisaggregationMetrics:
                                          "included", buckets=LATENCY_BUCKETS, registry=registry)
 
 
+@dataclasses.dataclass(eq=False)
 class PrefillLegs:
-    def __init__(self, config: DisaggregationConfig, pods: PodRegistry, router: Router, ledger: InFlightLedger,
-                 proxy: Proxy, metrics: GatewayMetrics, dispatched: list[DispatchStep], default_consumption: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._config = config
-        self._pods = pods
-        self._router = router
-        self._ledger = ledger
-        self._proxy = proxy
-        self._metrics = metrics.owned(DisaggregationMetrics)
-        # The steps that see a prefill leg dispatched (the blocks its pod will hold).
-        self._dispatched = dispatched
-        self._default_consumption = default_consumption
-        self._clock = clock
+    config: DisaggregationConfig
+    pods: PodRegistry
+    router: Router
+    ledger: InFlightLedger
+    proxy: Proxy
+    metrics: DisaggregationMetrics
+    dispatched: list[DispatchStep]  # the steps that see a prefill leg dispatched (the blocks its pod will hold)
+    default_consumption: float
+    clock: Callable[[], float] = time.monotonic
 
     def leg_of(self, kind: RequestKind, model: str) -> Leg | None:
         """The leg a request's own routing chooses a pod for: the decode leg for a generating request of a
         disaggregated model, else None (any pod serves it whole)."""
-        return "decode" if kind in _DECODED_KINDS and self._pods.disaggregated(model) else None
+        return "decode" if kind in _DECODED_KINDS and self.pods.disaggregated(model) else None
 
     async def run(self, attempt: Attempt) -> PrefillLeg:
         """The prefill leg of ``attempt`` (its decode pod chosen and counted), done or skipped."""
@@ -114,15 +111,15 @@ class PrefillLegs:
             client_body = msgspec.json.decode(attempt.sent_body)
         except msgspec.DecodeError:  # a number out of any float's range, in a field the gateway does not read
             return PrefillLeg(Split.UNSUPPORTED)
-        started = self._clock()
+        started = self.clock()
         routing = dataclasses.replace(attempt.routing, leg="prefill", filtered_out={}, prefix=None,
                                       prefix_tokens={}, placement={})
         exclude = {attempt.decision.pod.name}
         outcome = Split.NO_PREFILL_POD
         tries = 0
-        for number in range(self._config.prefill_attempts):
+        for number in range(self.config.prefill_attempts):
             try:
-                decision = self._router.route(routing, attempt.policy, frozenset(exclude))
+                decision = self.router.route(routing, attempt.policy, frozenset(exclude))
             except GatewayError as err:  # no prefill pod can take it: the decode pod serves it whole
                 if err.kind is not ErrorKind.NO_POD:
                     log.warning("request %s: no prefill pod (%s)", attempt.request.id, err.message)
@@ -143,8 +140,8 @@ class PrefillLegs:
         return PrefillLeg(outcome, None, routing, None, self._took(started) if tries else 0.0, tries)
 
     def _took(self, started: float) -> float:
-        seconds = self._clock() - started
-        self._metrics.prefill_seconds.observe(seconds)
+        seconds = self.clock() - started
+        self.metrics.prefill_seconds.observe(seconds)
         return seconds
 
     def _skipped(self, attempt: Attempt) -> Split | None:
@@ -154,7 +151,7 @@ class PrefillLegs:
             return Split.UNSUPPORTED
         prompt = request.prompt_tokens(routing.token_ids)
         cached = attempt.decision.prefix_tokens
-        if prompt - cached > self._config.uncached_token_threshold:
+        if prompt - cached > self.config.uncached_token_threshold:
             return None
         return Split.CACHED if cached else Split.SHORT
 
@@ -162,25 +159,25 @@ class PrefillLegs:
                     client_body: dict[str, Any]) -> tuple[_PrefillAnswer, bytes | None]:
         """One try on one prefill pod, counted in the ledger while it runs."""
         request, pod = attempt.request, decision.pod
-        nixl = self._config.connector_of(routing.base_model or request.model) == "nixl"
+        nixl = self.config.connector_of(routing.base_model or request.model) == "nixl"
         estimate = routing.estimates.get(pod.name)
-        dispatch = self._ledger.dispatch(request.id, pod.name,
-                                         estimate.consumption if estimate else self._default_consumption,
+        dispatch = self.ledger.dispatch(request.id, pod.name,
+                                         estimate.consumption if estimate else self.default_consumption,
                                          request.kind)
-        leg = Attempt(request, attempt.policy, routing, attempt.plan, decision, dispatch, number, self._clock(),
+        leg = Attempt(request, attempt.policy, routing, attempt.plan, decision, dispatch, number, self.clock(),
                       attempt.upstream_headers)
         status = 502
         try:
-            for step in self._dispatched:
+            for step in self.dispatched:
                 step.dispatched(leg)
-            async with asyncio.timeout(self._config.prefill_timeout_s):
-                status, body = await self._proxy.exchange(pod, request.path,
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                status, body = await self.proxy.exchange(pod, request.path,
                                                           prefill_body(request, client_body, nixl),
                                                           attempt.upstream_headers)
         except TimeoutError:
             status = 504
             log.warning("request %s: prefill pod %s took longer than %g s", request.id, pod.name,
-                        self._config.prefill_timeout_s)
+                        self.config.prefill_timeout_s)
             raise _Refused(Split.PREFILL_FAILED) from None
         except GatewayError as err:  # timed out or failed mid-answer: not worth another try
             status = 504 if err.kind is ErrorKind.UPSTREAM_TIMEOUT else 502
@@ -192,8 +189,8 @@ class PrefillLegs:
             status = 499  # the client went away
             raise
         finally:
-            self._ledger.finish(dispatch)
-            self._metrics.prefill_legs.labels(pod.name, str(status)).inc()
+            self.ledger.finish(dispatch)
+            self.metrics.prefill_legs.labels(pod.name, str(status)).inc()
         if status != 200:
             raise _Refused(Split.PREFILL_REFUSED)
         return self._accepted(request, pod.name, body, client_body, nixl)

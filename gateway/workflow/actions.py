@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal, Protocol
 
 import aiohttp
@@ -22,7 +23,6 @@ from gateway.background import cancel_and_wait
 from gateway.core.contexts import workflow_key
 from gateway.http_client import HttpClient
 from gateway.kv.working_set import ResumableWorkingSet
-from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.tracker import ActionKind, CacheAction, WorkflowTracker
@@ -43,33 +43,34 @@ class CacheController(Protocol):
     async def flush(self, session: aiohttp.ClientSession, pod: Pod) -> tuple[FlushOutcome, str]: ...
 
 
+@dataclass(eq=False)
 class CacheActionExecutor:
-    def __init__(self, tracker: WorkflowTracker, working_set: ResumableWorkingSet, pods: PodRegistry,
-                 metrics: GatewayMetrics,
-                 controller_for: Callable[[Pod], CacheController | None], http: HttpClient, *,
-                 hard_flush: bool = False, may_flush_pod: Callable[[str | None], bool] = lambda workflow: True,
-                 retries: int = 5, retry_base_s: float = 0.5) -> None:
-        self._tracker = tracker
-        self._working_set = working_set
-        self._pods = pods
-        self._metrics = metrics.owned(WorkflowMetrics)
-        self._controller_for = controller_for
-        self._hard_flush = hard_flush
-        self._may_flush_pod = may_flush_pod  # by the workflow's owner: the admin key's, with keys on
-        self._retries = retries
-        self._retry_base_s = retry_base_s
-        self._pending: dict[str, asyncio.Task[None]] = {}
-        self._http = http
-        self.hard_flushes: dict[str, int] = {}
+    """Carries out the workflow tracker's cache actions: records each, releases a flushed workflow's blocks and,
+    where allowed, empties the pod's cache (``hard_flush``, or the client's own flush; by the workflow's owner:
+    ``may_flush_pod``, the admin key's with keys on), retrying a pod that refuses while requests run."""
+
+    tracker: WorkflowTracker
+    working_set: ResumableWorkingSet
+    pods: PodRegistry
+    metrics: WorkflowMetrics
+    controller_for: Callable[[Pod], CacheController | None]
+    http: HttpClient
+    _: KW_ONLY
+    hard_flush: bool = False
+    may_flush_pod: Callable[[str | None], bool] = lambda workflow: True
+    retries: int = 5
+    retry_base_s: float = 0.5
+    hard_flushes: dict[str, int] = field(default_factory=dict)  # pod: hard flushes done
+    _pending: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
 
     def record(self, action: CacheAction) -> None:
-        self._metrics.cache_actions.labels(action.kind.value, action.reason, action.pod or "-").inc()
+        self.metrics.cache_actions.labels(action.kind.value, action.reason, action.pod or "-").inc()
 
     def carry_out(self, actions: list[CacheAction]) -> None:
         for action in actions:
             self.record(action)
             if action.kind is ActionKind.FLUSH and action.pod:
-                self._tracker.soft_flush(action.pod, action.workflow_id)
+                self.tracker.soft_flush(action.pod, action.workflow_id)
                 self._release(action)
                 self._maybe_hard_flush(action)
 
@@ -79,45 +80,45 @@ class CacheActionExecutor:
         if action.workflow_id is None:
             return
         key = workflow_key(action.workflow_id)
-        context = self._working_set.context(key)
+        context = self.working_set.context(key)
         if context is None or context.pod != action.pod:
             return
         if context.retained(time.monotonic()) and action.reason != "override":
             # Its client declared it will reuse the prompt: it stays resumable until that lapses.
             log.debug("workflow %s declared a retention: not released on %s", action.workflow_id, action.reason)
             return
-        self._working_set.release(key, completed=action.reason == "workflow_complete")
+        self.working_set.release(key, completed=action.reason == "workflow_complete")
 
     def _maybe_hard_flush(self, action: CacheAction) -> None:
-        pod = self._pods.get(action.pod or "")
+        pod = self.pods.get(action.pod or "")
         asked = action.reason == "override"  # the client's own x-stage-cache-policy: flush
-        if not (self._hard_flush or asked) or pod is None or self._controller_for(pod) is None:
+        if not (self.hard_flush or asked) or pod is None or self.controller_for(pod) is None:
             return
-        if not self._may_flush_pod(action.workflow_id):  # the soft flush (its own blocks) stands
-            self._metrics.cache_actions.labels("hard_flush_not_allowed", action.reason, pod.name).inc()
+        if not self.may_flush_pod(action.workflow_id):  # the soft flush (its own blocks) stands
+            self.metrics.cache_actions.labels("hard_flush_not_allowed", action.reason, pod.name).inc()
             return
         if pod.name not in self._pending or self._pending[pod.name].done():
             self._pending[pod.name] = asyncio.create_task(self._hard(pod, action), name=f"flush-{pod.name}")
 
     async def _hard(self, pod: Pod, action: CacheAction) -> None:
-        controller = self._controller_for(pod)
+        controller = self.controller_for(pod)
         assert controller is not None
-        delay, wait = self._retry_base_s, self._retry_base_s
+        delay, wait = self.retry_base_s, self.retry_base_s
         attempt = 0
-        while attempt <= self._retries:
+        while attempt <= self.retries:
             if (waiting_for := self._flush_waits_for(pod, action)) is not None:
                 # Not a try: the flush waits as long as another workflow uses the pod (on a slow machine its
                 # stage outlasted the tries' backoff, and the flush was dropped without being sent).
-                self._metrics.cache_actions.labels("hard_flush_deferred", waiting_for, pod.name).inc()
+                self.metrics.cache_actions.labels("hard_flush_deferred", waiting_for, pod.name).inc()
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, FLUSH_WAIT_POLL_MAX_S)
                 continue
             attempt += 1
-            outcome, detail = await controller.flush(self._http.session, pod)
-            self._metrics.cache_actions.labels(f"hard_flush_{outcome}", action.reason, pod.name).inc()
+            outcome, detail = await controller.flush(self.http.session, pod)
+            self.metrics.cache_actions.labels(f"hard_flush_{outcome}", action.reason, pod.name).inc()
             if outcome == "done":
                 self.hard_flushes[pod.name] = self.hard_flushes.get(pod.name, 0) + 1
-                self._tracker.soft_flush(pod.name)  # the whole pod's cache is gone, every workflow's
+                self.tracker.soft_flush(pod.name)  # the whole pod's cache is gone, every workflow's
                 return
             if outcome == "failed":
                 log.warning("hard flush of %s failed (%s); the soft flush stands", pod.name, detail)
@@ -125,7 +126,7 @@ class CacheActionExecutor:
             log.info("pod %s refused a flush (%s); retry %d in %.1f s", pod.name, detail, attempt, delay)
             await asyncio.sleep(delay)
             delay *= 2
-        log.warning("pod %s kept refusing to flush; giving up after %d tries", pod.name, self._retries + 1)
+        log.warning("pod %s kept refusing to flush; giving up after %d tries", pod.name, self.retries + 1)
 
     def _flush_waits_for(self, pod: Pod, action: CacheAction) -> str | None:
         """Why a hard flush of ``pod`` must wait, if it must. The flush is global to the pod: it waits until no
@@ -135,12 +136,12 @@ class CacheActionExecutor:
         workflow whose client declared a retention still running, unless that client asked for the flush."""
         now = time.monotonic()
         key = workflow_key(action.workflow_id or "")
-        if self._tracker.others_on(pod.name, action.workflow_id) or self._working_set.others_on(pod.name, key, now):
+        if self.tracker.others_on(pod.name, action.workflow_id) or self.working_set.others_on(pod.name, key, now):
             return "others_on_pod"
-        own = self._working_set.context(key)
+        own = self.working_set.context(key)
         if action.reason != "override" and own is not None and own.pod == pod.name and own.retained(now):
             return "declared_retention"
-        if self._tracker.requests_on(pod.name):
+        if self.tracker.requests_on(pod.name):
             return "own_requests_running"
         return None
 

@@ -67,6 +67,7 @@ from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.actions import CacheActionExecutor
 from gateway.workflow.context import ContextSignals
+from gateway.workflow.metrics import WorkflowMetrics
 from gateway.workflow.planning import NO_PLAN, WorkflowService
 from gateway.workflow.sessions import SessionAffinity
 from gateway.workflow.tracker import WorkflowTracker
@@ -276,8 +277,9 @@ async def test_room_for_new_contexts_holds_a_new_session_until_a_pod_has_room():
 
 def workflow_planning(ledger: InFlightLedger, registry: PodRegistry) -> tuple[WorkflowTracker, WorkflowPlanning]:
     tracker = WorkflowTracker(WorkflowConfig(preserve_threshold_tokens=100), ledger)
-    executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry, GatewayMetrics(),
-                                   lambda pod: None, HttpClient(), hard_flush=False)
+    executor = CacheActionExecutor(tracker, ResumableWorkingSet(PlacementConfig(), ledger), registry,
+                                   GatewayMetrics().owned(WorkflowMetrics), lambda pod: None, HttpClient(),
+                                   hard_flush=False)
     return tracker, WorkflowPlanning(WorkflowService(WorkflowConfig(), tracker, SessionAffinity(ledger), executor,
                                                      PressureModes(), ContextSignals()))
 
