@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from gateway.config import POD_ROLES
+from gateway.loop_histogram import LoopHistogram
 
 LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # A request's steps (gateway.request.timings): tens of microseconds (a parse) to seconds (a pod's prefill).
@@ -97,7 +98,7 @@ class GatewayMetrics:
         self.tokens = Counter(
             "gateway_tokens", "Tokens reported in usage, by model and kind", ["model", "kind"], registry=r
         )
-        self.request_steps = Histogram(
+        self.request_steps = LoopHistogram(
             "gateway_request_step_seconds",
             "Time of each step of a request, by step: parse, tokenize, prepare, admit, route, dispatch, prefill, "
             "connect (sent until the pod's headers), first_byte (headers until the first byte)",
@@ -157,7 +158,7 @@ class GatewayMetrics:
             "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
-        self.routing_plugin_seconds = Histogram(
+        self.routing_plugin_seconds = LoopHistogram(
             "gateway_routing_plugin_seconds", "Time of each call of a plugin, by kind and name: a routing policy's "
             "part (kind filter, preparer, scorer or picker; the router measures it) or a request hook (kind "
             "pre_request or response_complete; the director measures it)", ["kind", "plugin"],

@@ -16,7 +16,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core: request and answer types, domain errors, context names, shared facts", ("gateway.core",)),
     ("foundation: settings, the event loop, caches, the HTTP client, metrics, plugin and extension lookup",
      ("gateway.config", "gateway.config_reload", "gateway.background", "gateway.lru", "gateway.logs",
-      "gateway.http_client", "gateway.metrics", "gateway.plugin_registry", "gateway.extensions")),
+      "gateway.http_client", "gateway.metrics", "gateway.loop_histogram", "gateway.plugin_registry",
+      "gateway.extensions")),
     ("state: pods, load, what each pod caches, tokens, the Responses API's stored responses",
      ("gateway.pods", "gateway.load", "gateway.kv", "gateway.tokenization", "gateway.responses")),
     ("decisions: who may ask, admission and flow control, routing, workflows, pressure, and the plugins that "
