@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 from gateway.config import POD_ROLES
@@ -32,6 +33,7 @@ UNMATCHED_ROUTE = "unmatched"
 MAX_LABEL_CHARS = 256
 _DIGEST_CHARS = 8
 F = TypeVar("F")  # a feature's class of families (see GatewayMetrics.owned)
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 def capped(value: str) -> str:
@@ -41,6 +43,24 @@ def capped(value: str) -> str:
         return value
     digest = hashlib.blake2s(value.encode(errors="replace"), digest_size=_DIGEST_CHARS // 2).hexdigest()
     return f"{value[:MAX_LABEL_CHARS - _DIGEST_CHARS - 1]}~{digest}"
+
+
+class Children(Generic[M]):
+    """A family's children by their label values, each looked up once: ``labels()`` checks its arguments and
+    takes a lock, and costs more than the observation it serves. Only for values of a bounded set (names the
+    config or the fleet gives): every one asked for is kept."""
+
+    __slots__ = ("_children", "_family")
+
+    def __init__(self, family: M) -> None:
+        self._family = family
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._family.labels(*values)
+        return child
 
 
 class Answer(NamedTuple):
@@ -66,7 +86,6 @@ class GatewayMetrics:
         self._declare_pods(r)
         self._declare_routing(r)
         self._per_request: dict[Answer, tuple] = {}
-        self._decisions: dict[tuple[str, str], Counter] = {}
         self._owned: dict[type, object] = {}
 
     def owned(self, families: type[F]) -> F:
@@ -150,10 +169,12 @@ class GatewayMetrics:
             "gateway_routing_decisions", "Routing decisions by policy and reason", ["policy", "reason"],
             registry=r,
         )
+        self._decisions = Children(self.decisions)
         self.prefix_hit_tokens = Histogram(
             "gateway_prefix_hit_tokens", "Cached prompt tokens predicted on the chosen pod, per decision",
             ["policy"], buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
         )
+        self.prefix_hit_tokens_of = Children(self.prefix_hit_tokens)
         self.lookup_seconds = Histogram(
             "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
@@ -180,10 +201,7 @@ class GatewayMetrics:
                 gauge.remove(*labels)
 
     def decision_made(self, policy: str, reason: str) -> None:
-        child = self._decisions.get((policy, reason))
-        if child is None:
-            child = self._decisions[(policy, reason)] = self.decisions.labels(policy, reason)
-        child.inc()
+        self._decisions(policy, reason).inc()
 
     def request_done(
         self, answer: Answer, seconds: float, first_byte_s: float | None, usage: tuple[int, int] | None,

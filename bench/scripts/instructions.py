@@ -6,7 +6,9 @@ that another process's load does not move, for comparing two versions on a share
 The gateway (one worker) runs under callgrind with counting off while it starts and serves ``--warm`` requests,
 then counts an idle spell (its timers: the loop-lag probe, health checks) and ``--requests`` sequential 4 KB chat
 requests (``proxy_overhead.py``'s) to ``trivial_backend.py``. Per request: the requests' instructions, less the
-idle rate over their seconds, over their number. Two runs of one version agree within about 1.5%; wall-clock CPU
+idle rate over their seconds, over their number. The model has no tokenizer here: ``kv_aware`` asks the backend's
+``/tokenize`` for each request (a 404), as it does in ``proxy_overhead.py``; ``--tokenizer DIR`` gives it one
+(``tokenization.models``). Two runs of one version agree within about 1.5%; wall-clock CPU
 per request (``proxy_overhead.py``) moved up to 40% between runs here. ``--tree`` runs another checkout from its
 own directory (``python -m gateway`` puts the working directory first on ``sys.path``); its entry points come from
 ``--pythonpath``, a folder holding its installed metadata (``*.dist-info``) before the tree itself.
@@ -76,8 +78,13 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     env = {**os.environ, "GATEWAY_LOGGING__ACCESS_LOG": "false"}
     if args.pythonpath:
         env["PYTHONPATH"] = args.pythonpath
-    gateway = Callgrind([sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers", "1",
-                         "--policy", args.policy, "--pod", f"http://127.0.0.1:{backend_port}"], args.tree, env)
+    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers", "1", "--policy", args.policy,
+               "--pod", f"http://127.0.0.1:{backend_port}"]
+    if args.tokenizer:
+        config = Path(tempfile.mkdtemp(prefix="kvgw-instructions-")) / "gateway.json"
+        config.write_text(json.dumps({"tokenization": {"models": {"bench": {"path": args.tokenizer}}}}))
+        command += ["--config", str(config)]
+    gateway = Callgrind(command, args.tree, env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/readyz", timeout_s=600)
@@ -111,6 +118,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--tree", default=str(HERE.parents[1]), help="the checkout whose gateway runs")
     parser.add_argument("--pythonpath", help="PYTHONPATH of the gateway (another tree's metadata, then the tree)")
+    parser.add_argument("--tokenizer", help="a tokenizer directory for the model (none: the backend is asked)")
     args = parser.parse_args()
     print(json.dumps({"policy": args.policy, "tree": args.tree, **measure(args)}))
 

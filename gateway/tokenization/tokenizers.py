@@ -28,7 +28,7 @@ from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.lru import LruCache
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import Children, GatewayMetrics
 from gateway.pods.registry import PodRegistry
 from gateway.tokenization import openai_responses
 from gateway.tokenization.anthropic import NotRenderable
@@ -190,11 +190,14 @@ class TokenizationMetrics:
             "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=registry,
         )
+        # By the model's configured base name, mode and outcome: bounded sets.
+        self.attempts_of, self.seconds_of = Children(self.attempts), Children(self.seconds)
+        self.prompt_tokens_reused_of = Children(self.prompt_tokens_reused)
 
     def done(self, model: str, mode: str, outcome: str, seconds: float | None) -> None:
-        self.attempts.labels(model, mode, outcome).inc()
+        self.attempts_of(model, mode, outcome).inc()
         if seconds is not None:
-            self.seconds.labels(mode).observe(seconds)
+            self.seconds_of(mode).observe(seconds)
 
 
 class TokenizationService:
@@ -278,8 +281,8 @@ class TokenizationService:
                                         time.perf_counter() - started)
         if tokens is not None and tokens.fingerprint is not None:
             reused = tokens.earlier.length if tokens.earlier is not None else 0
-            self._families.prompt_tokens_reused.labels(base, "reused").inc(reused)
-            self._families.prompt_tokens_reused.labels(base, "new").inc(len(tokens.ids) - reused)
+            self._families.prompt_tokens_reused_of(base, "reused").inc(reused)
+            self._families.prompt_tokens_reused_of(base, "new").inc(len(tokens.ids) - reused)
         return tokens
 
     async def _wait_for_load(self) -> None:

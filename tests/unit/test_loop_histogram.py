@@ -1,13 +1,15 @@
-"""LoopHistogram exports what prometheus_client's Histogram exports for the same observations."""
+"""The cheap observations of the request path: LoopHistogram exports what prometheus_client's Histogram exports
+for the same observations; Children keeps a family's children by their label values."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from gateway.loop_histogram import LoopHistogram
+from gateway.metrics import Children
 
 BOUNDS = (0.001, 0.002, 0.005, 0.01)
 
@@ -47,3 +49,14 @@ def test_its_name_is_taken_in_the_registry_like_any_family():
     LoopHistogram("t_seconds", "a timing", ["step"], BOUNDS, registry)
     with pytest.raises(ValueError, match="Duplicated"):
         Histogram("t_seconds", "again", ["step"], buckets=BOUNDS, registry=registry)
+
+
+def test_children_looks_each_label_set_up_once_and_counts_into_the_family():
+    registry = CollectorRegistry()
+    family = Counter("t_total", "a count", ["model", "mode"], registry=registry)
+    children = Children(family)
+    assert children("m", "local") is children("m", "local") is family.labels("m", "local")
+    children("m", "local").inc()
+    children("m", "remote").inc(2)
+    assert registry.get_sample_value("t_total", {"model": "m", "mode": "local"}) == 1
+    assert registry.get_sample_value("t_total", {"model": "m", "mode": "remote"}) == 2
