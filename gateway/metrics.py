@@ -105,11 +105,11 @@ class GatewayMetrics:
             "client_gone, client_stalled)",
             ["model", "pod", "status", "route", "outcome"], registry=r,
         )
-        self.latency = Histogram(
+        self.latency = LoopHistogram(
             "gateway_request_duration_seconds", "Time from request received to response complete",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "gateway_time_to_first_byte_seconds",
             "Time from request received to the first response byte relayed (TTFT for streams)",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
@@ -170,13 +170,12 @@ class GatewayMetrics:
             registry=r,
         )
         self._decisions = Children(self.decisions)
-        self.prefix_hit_tokens = Histogram(
+        self.prefix_hit_tokens = LoopHistogram(
             "gateway_prefix_hit_tokens", "Cached prompt tokens predicted on the chosen pod, per decision",
             ["policy"], buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
         )
-        self.prefix_hit_tokens_of = Children(self.prefix_hit_tokens)
-        self.lookup_seconds = Histogram(
-            "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision",
+        self.lookup_seconds = LoopHistogram(
+            "gateway_prefix_lookup_seconds", "Prefix index lookup time per routing decision", [],
             buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01), registry=r,
         )
         self.routing_plugin_seconds = LoopHistogram(

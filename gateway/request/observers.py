@@ -31,7 +31,7 @@ class RoutingMetrics:
         decision = attempt.decision
         self._metrics.decision_made(decision.policy, decision.reason)
         if attempt.routing.token_ids is not None:
-            self._metrics.prefix_hit_tokens_of(decision.policy).observe(decision.prefix_tokens)
+            self._metrics.prefix_hit_tokens.labels(decision.policy).observe(decision.prefix_tokens)
 
 
 class PredictionCheck:

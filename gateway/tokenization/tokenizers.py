@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import TokenizationConfig
 from gateway.core.inference_api import InferenceRequest, RequestKind
 from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
+from gateway.loop_histogram import LoopHistogram
 from gateway.lru import LruCache
 from gateway.metrics import Children, GatewayMetrics
 from gateway.pods.registry import PodRegistry
@@ -186,18 +187,17 @@ class TokenizationMetrics:
             "gateway_prompt_tokens_reused", "Chat prompt tokens taken from the conversation's earlier turn "
             "(reused) or rendered and tokenized for this request (new)", ["model", "source"], registry=registry,
         )
-        self.seconds = Histogram(
+        self.seconds = LoopHistogram(
             "gateway_tokenization_seconds", "Time to get a request's token ids", ["mode"],
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=registry,
         )
         # By the model's configured base name, mode and outcome: bounded sets.
-        self.attempts_of, self.seconds_of = Children(self.attempts), Children(self.seconds)
-        self.prompt_tokens_reused_of = Children(self.prompt_tokens_reused)
+        self.attempts_of, self.prompt_tokens_reused_of = Children(self.attempts), Children(self.prompt_tokens_reused)
 
     def done(self, model: str, mode: str, outcome: str, seconds: float | None) -> None:
         self.attempts_of(model, mode, outcome).inc()
         if seconds is not None:
-            self.seconds_of(mode).observe(seconds)
+            self.seconds.labels(mode).observe(seconds)
 
 
 class TokenizationService:

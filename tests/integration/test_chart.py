@@ -160,12 +160,13 @@ def test_dashboard_queries_name_real_metrics():
 def test_dashboard_groups_by_labels_its_metrics_have_and_outcomes_the_records_give():
     from prometheus_client.metrics import MetricWrapperBase
 
+    from gateway.loop_histogram import LoopHistogram
     from gateway.proxy.outcome import Ending
     from gateway.request.types import result_of
 
     dashboard = json.loads((CHART / "dashboards" / "gateway.json").read_text())
     labels_of = {m._name: {*m._labelnames, "le"} for m in list(_gateway_metrics().registry._collector_to_names)
-                 if isinstance(m, MetricWrapperBase)}
+                 if isinstance(m, MetricWrapperBase | LoopHistogram)}
     outcomes = {result_of(200, ending) for ending in Ending} | {result_of(500)}
     shown = set()
     for target in (t for panel in dashboard["panels"] for t in panel["targets"]):
