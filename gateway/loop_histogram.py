@@ -5,9 +5,8 @@ it finds by walking the bounds: a few thousand instructions. The gateway times e
 every routing part of every decision, besides each request's duration, TTFT, tokenizing and prefix lookup (25
 observations a ``kv_aware`` request): the parts' timings alone were 5% of a request's instructions (callgrind:
 docs/benchmarks.md#kits-and-plugins-against-the-assembly-they-replaced). Here an observation is a bisection and
-two additions, with no lock: only the loop observes. The scrape, written on a
-thread, copies each child's counts in one step, so its buckets and count agree; its sum may miss an observation
-made meanwhile.
+two additions, with no lock: only the loop observes. The scrape, written on a thread, copies each child's counts
+in one step, so its buckets and count agree; its sum may miss an observation made meanwhile.
 """
 
 from __future__ import annotations
