@@ -303,6 +303,15 @@ def overload(seed: int = 0, start_rate: float = 4.0, end_rate: float = 40.0, sec
 
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
+# The overhead scripts' request (bench/scripts/proxy_overhead.py, epp_overhead.py, instructions.py): a 4 KB system
+# prompt and a short question, one token answered, so that what is measured is the gateway's work, not a pod's.
+OVERHEAD_SYSTEM = ("The gateway routes each request to the pod holding its prefix. " * 60)[:3900]
+
+
+def overhead_chat(model: str, question: str = "Say ok.") -> dict[str, Any]:
+    return {"model": model, "max_tokens": 1, "messages": [{"role": "system", "content": OVERHEAD_SYSTEM},
+                                                          {"role": "user", "content": question}]}
+
 
 def tenant_of(step: Step) -> str:
     """The flow a request is sent as: its fairness id, and ``@band`` when it names a priority (``x-priority``);

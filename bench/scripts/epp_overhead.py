@@ -36,11 +36,11 @@ import aiohttp
 import yaml
 
 from bench.runner import wait_http, wait_tcp
+from bench.workloads import overhead_chat
 from gateway.epp.envoy_config import BodyModes, bootstrap
 from simulator.pod import free_port
 
 IDLE_S = 5.0
-FILLER = "The gateway routes each request to the pod holding its prefix. " * 60
 
 
 def cpu_s(pid: int) -> float:
@@ -54,8 +54,7 @@ def cpu_s(pid: int) -> float:
 
 
 def body(tokens: int, n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": "mock-llama", "max_tokens": tokens, "messages": [
-        {"role": "system", "content": FILLER[:3900]}, {"role": "user", "content": f"Say ok {n}."}]}
+    out = overhead_chat("mock-llama", f"Say ok {n}.") | {"max_tokens": tokens}
     if tokens > 1:
         out |= {"stream": True, "stream_options": {"include_usage": True}}
     return out

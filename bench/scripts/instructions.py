@@ -27,12 +27,11 @@ import urllib.request
 from pathlib import Path
 
 from bench.runner import wait_http
+from bench.workloads import overhead_chat
 from simulator.pod import free_ports
 
 HERE = Path(__file__).resolve().parent
-FILLER = "The gateway routes each request to the pod holding its prefix. " * 60
-BODY = json.dumps({"model": "bench", "max_tokens": 1, "messages": [{"role": "system", "content": FILLER[:3900]},
-                                                                   {"role": "user", "content": "Say ok."}]}).encode()
+BODY = json.dumps(overhead_chat("bench")).encode()
 
 
 class Callgrind:
@@ -40,9 +39,10 @@ class Callgrind:
 
     def __init__(self, command: list[str], cwd: str, env: dict[str, str]) -> None:
         self.out = Path(tempfile.mkdtemp(prefix="kvgw-callgrind-"))
-        self.proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                                      f"--callgrind-out-file={self.out}/cg.%p", *command], cwd=cwd, env=env,
-                                     stderr=open(self.out / "valgrind.log", "w"))
+        with open(self.out / "valgrind.log", "w") as log:
+            self.proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                          f"--callgrind-out-file={self.out}/cg.%p", *command], cwd=cwd, env=env,
+                                         stderr=log)
         self._read: set[Path] = set()
 
     def control(self, *args: str) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.peers import PEERS, install_peer
 from bench.runner import wait_http
+from bench.workloads import overhead_chat
 from simulator.pod import free_ports
 
 HERE = Path(__file__).resolve().parent
@@ -47,10 +48,7 @@ KEY_LIMITS_CONFIG = {
 
 
 def wrk_script(path: Path, key: str | None = None) -> None:
-    filler = "The gateway routes each request to the pod holding its prefix. " * 60
-    body = json.dumps({"model": "bench", "max_tokens": 1,
-                       "messages": [{"role": "system", "content": filler[:3900]},
-                                    {"role": "user", "content": "Say ok."}]})
+    body = json.dumps(overhead_chat("bench"))
     auth = f'wrk.headers["Authorization"] = "Bearer {key}"\n' if key else ""
     path.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
                     'wrk.headers["Content-Type"] = "application/json"\n' + auth)
