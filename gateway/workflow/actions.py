@@ -60,7 +60,7 @@ class CacheActionExecutor:
     may_flush_pod: Callable[[str | None], bool] = lambda workflow: True
     retries: int = 5
     retry_base_s: float = 0.5
-    hard_flushes: dict[str, int] = field(default_factory=dict)  # pod: hard flushes done
+    hard_flushes: dict[str, int] = field(default_factory=dict, init=False)  # pod: hard flushes done
     _pending: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
 
     def record(self, action: CacheAction) -> None:
