@@ -7,7 +7,9 @@ completion prompts are tokenized *with* special tokens. Getting either wrong shi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from functools import cached_property
 from pathlib import Path
@@ -15,13 +17,39 @@ from typing import Any
 
 from gateway.tokenization.conversation import normalize_messages
 
+log = logging.getLogger("gateway.tokenization")
+
 # The tokenizer shipped with the package (a small Llama-style BPE): the simulated pods' model and the
 # benchmark's, so tests and the demo never reach a model hub (built by simulator.build_tokenizer).
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parent / "bundled"
 
+# Message keys transformers rewrites before rendering (it copies a model's reasoning under all three names): a
+# conversation with one of them takes transformers' own path.
+_REASONING_KEYS = frozenset({"reasoning_content", "thinking", "reasoning"})
+
+# Conversations on which the direct render must match transformers' before it is used: roles, whitespace,
+# unicode, a tool call, tools, and an empty content.
+_RENDER_PROBES: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
+    ([{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "naïve — 東京 ✓ 12 x=y"},
+      {"role": "assistant", "content": ""}, {"role": "user", "content": "Go on.  "}], None),
+    ([{"role": "user", "content": "Read a.py"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "x = 1"}],
+     [{"type": "function", "function": {"name": "read", "description": "Read a file.", "parameters": {
+         "type": "object", "properties": {"path": {"type": "string"}}}}}]),
+]
+
 # Normalizers that map each character by itself (or with the marks that follow it), so a cut before a
 # space changes nothing they do.
 _PER_CHARACTER_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+
+
+def _renders_as_given(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether transformers would hand the template these messages and tools as they are: message dicts with no
+    None value (it drops those keys) and no reasoning (it copies that under other names), tool schemas as dicts."""
+    return all(type(m) is dict and None not in m.values() and _REASONING_KEYS.isdisjoint(m) for m in messages) \
+        and (tools is None or all(type(t) is dict for t in tools))
 
 
 def _component_spec(component: Any) -> dict[str, Any]:
@@ -49,6 +77,8 @@ class HfTokenizer:
         self._encode_batch = getattr(self._backend, "encode_batch_fast", None) or getattr(
             self._backend, "encode_batch", None)
         self.eos_token_id: int | None = self._tok.eos_token_id
+        self._special_tokens: dict[str, Any] = {}
+        self._template = self._direct_template()
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -63,8 +93,20 @@ class HfTokenizer:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        messages = normalize_messages(messages)
+        if self._template is not None and chat_template is None and not continue_final_message \
+                and not chat_template_kwargs and _renders_as_given(messages, tools):
+            with contextlib.suppress(Exception):  # a template's own refusal: transformers' path raises it
+                return self._template.render(messages=messages, tools=tools, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **self._special_tokens)
+        return self._transformers_render(messages, add_generation_prompt, continue_final_message, tools,
+                                         chat_template, chat_template_kwargs)
+
+    def _transformers_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                             continue_final_message: bool, tools: list[dict[str, Any]] | None,
+                             chat_template: str | None, chat_template_kwargs: dict[str, Any] | None) -> str:
         return self._tok.apply_chat_template(
-            normalize_messages(messages),
+            messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -72,6 +114,35 @@ class HfTokenizer:
             chat_template=chat_template,
             **(chat_template_kwargs or {}),
         )
+
+    def _direct_template(self) -> Any:
+        """The model's chat template compiled as transformers compiles it, to render plain conversations
+        without ``apply_chat_template``'s per-call copying and checks (a next turn's two small renders cost
+        a third as much); None when the template is not one string, or renders any probe otherwise."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            if not isinstance(self._tok.chat_template, str):
+                return None
+            template = _compile_jinja_template(self._tok.chat_template)
+            self._special_tokens = dict(self._tok.special_tokens_map)
+        except Exception:  # no template, or transformers moved its compiler: render through transformers
+            return None
+        for messages, tools in _RENDER_PROBES:
+            for generation in (True, False):
+                try:
+                    expected = self._transformers_render(messages, generation, False, tools, None, None)
+                except Exception:  # a template that refuses a probe proves nothing either way
+                    continue
+                try:
+                    rendered = template.render(messages=messages, tools=tools, documents=None,
+                                               add_generation_prompt=generation, **self._special_tokens)
+                except Exception:
+                    rendered = None
+                if rendered != expected:
+                    log.warning("tokenizer %s: its chat template renders differently outside transformers; "
+                                "rendering through transformers", self.path)
+                    return None
+        return template
 
     @cached_property
     def system_first(self) -> bool:

@@ -141,8 +141,10 @@ class LocalTokenizer:
             return array("I", self.tokenizer.encode(text, add_special_tokens=False))
         layout = self.segments.layout(text)
         new = self.segments.uncached(layout)
-        if sum(map(len, new)) > self._offload_chars:
-            for piece, ids in zip(new, await self._encode_spread(new), strict=True):
+        if new:  # in one call into the Rust tokenizer (a next turn's answer and question: two pieces, one call)
+            encoded = await self._encode_spread(new) if sum(map(len, new)) > self._offload_chars \
+                else self.tokenizer.encode_many(new)
+            for piece, ids in zip(new, encoded, strict=True):
                 self.segments.remember(piece, ids)
         return self.segments.encode(layout)
 

@@ -236,3 +236,45 @@ async def test_remote_mode_matches_local(start_mock_pod, tokenizer, kind):
     finally:
         await http.stop()
     assert 'outcome="remote_error"' in service._metrics.render().decode()
+
+
+def test_plain_conversations_render_without_transformers_and_exactly_as_it_would(tokenizer, monkeypatch):
+    rng = random.Random(99)
+    conversations = [random_conversation(rng) for _ in range(100)]
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    expected = [tokenizer._transformers_render(c, g, False, t, None, None)
+                for c in conversations for g in (True, False) for t in (None, tools)]
+    calls = []
+    monkeypatch.setattr(tokenizer._tok, "apply_chat_template", lambda *a, **k: calls.append(a) or "")
+    assert [tokenizer.render_chat(c, add_generation_prompt=g, tools=t)
+            for c in conversations for g in (True, False) for t in (None, tools)] == expected
+    assert calls == []  # none of them went through transformers
+
+
+@pytest.mark.parametrize("case", [
+    {"messages": [{"role": "user", "content": "hi", "name": None}]},  # transformers drops None-valued keys
+    {"messages": [{"role": "assistant", "content": "ok", "reasoning": "r"}]},  # and aliases reasoning
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+     "continue_final_message": True, "add_generation_prompt": False},
+])
+def test_what_transformers_rewrites_is_rendered_by_transformers(tokenizer, monkeypatch, case):
+    real = tokenizer._tok.apply_chat_template
+    calls = []
+    monkeypatch.setattr(tokenizer._tok, "apply_chat_template", lambda *a, **k: calls.append(a) or real(*a, **k))
+    messages = case.pop("messages")
+    text = tokenizer.render_chat(messages, **case)
+    assert len(calls) == 1
+    assert text == real([{k: v for k, v in m.items() if v is not None} for m in messages], tokenize=False,
+                        **{"add_generation_prompt": True, **case.get("chat_template_kwargs", {}),
+                           **{k: v for k, v in case.items() if k != "chat_template_kwargs"}})
+
+
+def test_a_template_that_renders_otherwise_outside_transformers_is_left_to_it(monkeypatch, caplog):
+    real = HfTokenizer._transformers_render
+    monkeypatch.setattr(HfTokenizer, "_transformers_render", lambda self, *a: real(self, *a) + "!")
+    with caplog.at_level(logging.WARNING, logger="gateway.tokenization"):
+        variant = HfTokenizer(BUNDLED_TOKENIZER_DIR)
+    assert variant._template is None
+    assert "renders differently outside transformers" in caplog.text
+    assert variant.render_chat([{"role": "user", "content": "hi"}]).endswith("!")  # transformers' own path
