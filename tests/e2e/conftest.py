@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from simulator.pod import free_ports
+from tests.e2e.cpu_quota import PodCpuQuota, requested_share
 
 MODEL = "tiny"
 BLOCK_SIZE = 128  # vLLM's CPU backend
@@ -65,6 +66,7 @@ class VllmPod:
         self.pidfile = pidfile
         self.port, self.events_port, self.replay_port = ports_to_bind_later(3)
         self.process: subprocess.Popen[bytes] | None = None
+        self.cpu_quota: PodCpuQuota | None = None
 
     @property
     def url(self) -> str:
@@ -89,6 +91,9 @@ class VllmPod:
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         with open(self.pidfile, "a") as pids:
             pids.write(f"{self.process.pid}\n")
+        if (share := requested_share()) is not None:  # before the engine's processes start (they inherit it)
+            self.cpu_quota = self.cpu_quota or PodCpuQuota(self.name, share)
+            self.cpu_quota.join(self.process.pid)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -115,16 +120,18 @@ class VllmPod:
             self.process.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            self._signal_group(signal.SIGKILL)  # the engine core may outlive its parent
-            return
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        self._signal_group(signal.SIGKILL)
-        self.process.wait(timeout=10)
+        if self.process is not None and self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # the engine core may outlive its parent
+        if self.process is not None:
+            self.process.wait(timeout=10)
+        if self.cpu_quota is not None:
+            self.cpu_quota.remove()
+            self.cpu_quota = None
 
     def _signal_group(self, sig: signal.Signals) -> None:
         if self.process is not None:

@@ -35,6 +35,10 @@ cleanup() {
     while read -r pgid; do
         kill -KILL -- "-$pgid" 2>/dev/null || true
     done <"$pidfile"
+    if [ -n "${E2E_POD_CPU_QUOTA:-}" ]; then  # the pods' CPU cgroups, once their killed processes have left
+        sleep 1
+        rmdir /sys/fs/cgroup/cpu/"${run_dir##*/}"-* /sys/fs/cgroup/"${run_dir##*/}"-* 2>/dev/null || true
+    fi
     if [ "$status" -eq 0 ]; then
         rm -rf "$run_dir"
         echo "e2e: passed in $(( $(date +%s) - started )) s" >&2
