@@ -88,10 +88,14 @@ def port_of(endpoint: str | None) -> int:
 
 
 class MockPodFleet:
-    def __init__(self, config: MockPodsConfig, host: str = "127.0.0.1", quiet: bool = False) -> None:
+    def __init__(self, config: MockPodsConfig, host: str = "127.0.0.1", quiet: bool = False,
+                 avoid_ports: frozenset[int] = frozenset()) -> None:
+        """``avoid_ports``: ports another process is about to bind (a gateway starting beside its pods), which
+        a pod given its ports here must not be given (seen in CI: a pod bound the gateway's port first)."""
         self.config = config
         self.host = host
         self.quiet = quiet
+        self.avoid_ports = avoid_ports
         self.members: list[MockPodProcess] = []
         # Prefill/decode pods sharing their prompts through a directory (vLLM's ExampleConnector).
         self._storage = (tempfile.TemporaryDirectory(prefix="kvgw-kv-")
@@ -106,7 +110,11 @@ class MockPodFleet:
             return self.wait(timeout_s)
         except PodExited as exc:
             log.warning("simulated pods exited while starting (%s); starting them again", exc)
-            self._stop_processes()
+        return self.respawn(timeout_s)
+
+    def respawn(self, timeout_s: float = 120.0) -> list[PodConfig]:
+        """Stop the pods' processes and start them once more, on ports chosen anew."""
+        self._stop_processes()
         self.spawn()
         return self.wait(timeout_s)
 
@@ -135,7 +143,7 @@ class MockPodFleet:
     def _planned(self, index: int) -> PodEndpoints:
         """Where pod ``index`` (a process of its own) is to listen: ``base_port + index``, or a free port."""
         c, host = self.config, self.host
-        http, events, replay = free_ports(3, host)
+        http, events, replay = free_ports(3, host, avoid=self.avoid_ports)
         http = c.base_port + index if c.base_port else http
         return PodEndpoints(0, f"http://{host}:{http}", f"tcp://{host}:{events}", f"tcp://{host}:{replay}")
 
@@ -243,7 +251,15 @@ class PodsBesideGateway:
     async def started(self, timeout_s: float = 120.0) -> None:
         if self._started:
             return
-        self.pods = await asyncio.to_thread(self.fleet.wait, timeout_s)
+        planned = self.pods is not None
+        try:
+            self.pods = await asyncio.to_thread(self.fleet.wait, timeout_s)
+        except PodExited as exc:
+            if planned:  # their ports are in the gateway's config already
+                raise
+            # A process of several pods chose its own ports, and one was taken before it bound it.
+            log.warning("simulated pods exited while starting (%s); starting them again", exc)
+            self.pods = await asyncio.to_thread(self.fleet.respawn, timeout_s)
         self._started = True
         log.info("started %d simulated pods in %.1f s: %s", len(self.pods), time.monotonic() - self._began,
                  ", ".join(p.url for p in self.pods))
@@ -256,7 +272,7 @@ async def start_beside_gateway(config: GatewayConfig) -> tuple[GatewayConfig, Po
     """The pods ``config.mock_pods`` asks for, being started (waited for only when they choose their own
     ports); and the config with them among its pods, loading the tokenizer they use and passing KV over the
     connector they were started with."""
-    fleet = MockPodFleet(config.mock_pods)
+    fleet = MockPodFleet(config.mock_pods, avoid_ports=frozenset({config.server.port, config.epp.port}))
     log.info("starting %d simulated pods (gateway mock, %d at a time in each process)...", config.mock_pods.count,
              pods_per_process(config.mock_pods))
     pods = PodsBesideGateway(fleet, None)

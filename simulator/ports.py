@@ -32,18 +32,20 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> list[int]:
-    """``n`` distinct ports free now, chosen outside the kernel's ephemeral range. Whoever asked binds
-    them later; meanwhile a port from the ephemeral range can become the local end of any outgoing
-    connection (seen in CI: "Address already in use" on a simulated pod's KV-event replay port), a port
-    outside it only another listener's."""
+def free_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None,
+               avoid: frozenset[int] = frozenset()) -> list[int]:
+    """``n`` distinct ports free now, chosen outside the kernel's ephemeral range and outside ``avoid`` (ports
+    someone is about to bind: the gateway's own, beside its simulated pods). Whoever asked binds them later;
+    meanwhile a port from the ephemeral range can become the local end of any outgoing connection (seen in CI:
+    "Address already in use" on a simulated pod's KV-event replay port), a port outside it only another
+    listener's."""
     rng = rng or random.SystemRandom()
     low, high = _ephemeral_range()
     first, last = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535) if high < 64_000 else (1024, 65_535)
     chosen: list[int] = []
     while len(chosen) < n:
         port = rng.randint(first, last)
-        if port in chosen:
+        if port in chosen or port in avoid:
             continue
         with socket.socket() as probe:
             try:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import urllib.request
 
 import msgspec
+import pytest
 
+from gateway.config import GatewayConfig
 from gateway.kv.index import PrefixIndex
 from gateway.kv.subscriber import KvEventSubscriber
 from simulator import launcher
@@ -86,7 +89,7 @@ def test_a_pod_that_cannot_bind_its_port_is_started_again_on_others_and_says_why
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     chosen = iter([[taken.getsockname()[1], *free_ports(2)]])  # the first plan: a port another listener holds
-    monkeypatch.setattr(launcher, "free_ports", lambda n, host: next(chosen, None) or free_ports(n, host))
+    monkeypatch.setattr(launcher, "free_ports", lambda n, host, **kw: next(chosen, None) or free_ports(n, host, **kw))
     fleet = MockPodFleet(MockPodsConfig(count=1, speed=0), quiet=True)
     try:
         with caplog.at_level(logging.WARNING, logger="simulator"):
@@ -99,3 +102,59 @@ def test_a_pod_that_cannot_bind_its_port_is_started_again_on_others_and_says_why
     finally:
         fleet.stop()
         taken.close()
+
+
+class ScriptedPorts(random.Random):
+    """Draws the given ports in order (then any)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        super().__init__(0)
+        self.ports = ports
+
+    def randint(self, a: int, b: int) -> int:
+        return self.ports.pop(0) if self.ports else super().randint(a, b)
+
+
+def test_a_port_someone_is_about_to_bind_is_never_chosen():
+    gateway, other = free_ports(2)
+    assert free_ports(1, rng=ScriptedPorts([gateway, other]), avoid=frozenset({gateway})) == [other]
+    assert free_ports(1, rng=ScriptedPorts([gateway, other])) == [gateway]
+
+
+async def test_pods_beside_a_gateway_are_not_given_its_ports(monkeypatch):
+    asked: list[frozenset[int]] = []
+    monkeypatch.setattr(launcher, "free_ports", lambda n, host, **kw: asked.append(kw["avoid"]) or free_ports(n, host))
+    config = msgspec.convert({"server": {"port": 18123}, "epp": {"port": 18124},
+                              "mock_pods": {"count": 1, "speed": 0, "per_process": 1}}, GatewayConfig)
+    config, pods = await launcher.start_beside_gateway(config)
+    try:
+        await pods.started()
+        assert asked == [frozenset({18123, 18124})]
+        assert all(launcher.port_of(p.url) not in (18123, 18124) for p in config.pods)
+    finally:
+        pods.stop()
+
+
+@pytest.mark.parametrize("planned", [False, True])
+async def test_pods_that_exit_while_starting_are_started_again_unless_the_gateway_has_their_ports(planned, caplog,
+                                                                                                 http):
+    fleet = MockPodFleet(MockPodsConfig(count=2, speed=0, per_process=1 if planned else 2), quiet=True)
+    pods = launcher.PodsBesideGateway(fleet, fleet.spawn())
+    assert (pods.pods is not None) is planned
+    exited = fleet.members[0].process
+    exited.kill()  # as a pod that found its port taken exits
+    exited.wait()
+    try:
+        if planned:  # the gateway routes to the ports it was given: a pod elsewhere would be no pod of its
+            with pytest.raises(launcher.PodExited):
+                await pods.started(timeout_s=60)
+            return
+        with caplog.at_level(logging.WARNING, logger="simulator"):
+            await pods.started(timeout_s=60)
+        assert pods.pods is not None and len(pods.pods) == 2
+        for pod in pods.pods:
+            async with http.get(f"{pod.url}/v1/models") as resp:
+                assert resp.status == 200
+        assert any("starting them again" in r.getMessage() for r in caplog.records)
+    finally:
+        pods.stop()
