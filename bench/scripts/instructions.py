@@ -7,7 +7,7 @@ The gateway (one worker) runs under callgrind with counting off while it starts 
 then counts an idle spell (its timers: the loop-lag probe, health checks) and ``--requests`` sequential 4 KB chat
 requests (``proxy_overhead.py``'s) to ``trivial_backend.py``. Per request: the requests' instructions, less the
 idle rate over their seconds, over their number. The model has no tokenizer here: ``kv_aware`` asks the backend's
-``/tokenize`` for each request (a 404), as it does in ``proxy_overhead.py``; ``--tokenizer DIR`` gives it one
+``/tokenize`` once (a 404) and routes by text after, as in ``proxy_overhead.py``; ``--tokenizer DIR`` gives it one
 (``tokenization.models``). Two runs of one version agree within about 1.5%; wall-clock CPU
 per request (``proxy_overhead.py``) moved up to 40% between runs here. ``--tree`` runs another checkout from its
 own directory (``python -m gateway`` puts the working directory first on ``sys.path``); its entry points come from

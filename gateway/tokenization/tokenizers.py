@@ -58,6 +58,11 @@ class Tokens:
     messages: int = 0
 
 
+# A pod that answers ``/tokenize`` with 404 or 405 has no such route (an engine without it, a proxy that does
+# not pass it on): it is not asked again for this long (seen: one refused call more for every request), and an
+# engine upgraded meanwhile is asked again after it.
+NO_TOKENIZE_S = 300.0
+
 # A template renders in about 20 µs plus 3.5 µs a message, whatever their length, and the hop to a
 # thread and back costs about 100 µs: only a conversation longer than this renders off the loop.
 _RENDER_ON_LOOP_MESSAGES = 32
@@ -218,6 +223,7 @@ class TokenizationService:
         self._threads = config.threads or len(os.sched_getaffinity(0))
         self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenize")
         self._loading: asyncio.Future[None] | None = None  # the local tokenizers' load, once started
+        self._no_tokenize: dict[str, float] = {}  # pods without /tokenize: until when (monotonic) none is asked
 
     def load(self) -> None:
         """Load every configured local tokenizer (slow: call from a worker thread at start-up)."""
@@ -343,9 +349,16 @@ class TokenizationService:
         pods = self._pods.candidates(model)
         if not pods or not self._http.started:
             raise _NotTokenizable("remote_unavailable")
+        now = time.monotonic()
+        pods = [p for p in pods if (until := self._no_tokenize.get(p.name)) is None or until <= now]
+        if not pods:
+            self._warn_once(model, "its pods do not serve /tokenize")
+            raise _NotTokenizable("remote_unsupported")
         pod = min(pods, key=lambda p: self._ledger.on_pod(p.name))
         try:
             async with self._http.session.post(f"{pod.url}/tokenize", json=body, timeout=self._remote_timeout) as resp:
+                if resp.status in (404, 405):
+                    self._no_tokenize[pod.name] = now + NO_TOKENIZE_S
                 if resp.status != 200:
                     raise _NotTokenizable(f"remote_http_{resp.status}")
                 tokens = (await resp.json(content_type=None)).get("tokens")

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import shutil
+import time
 
 import pytest
 
@@ -278,3 +279,51 @@ def test_a_template_that_renders_otherwise_outside_transformers_is_left_to_it(mo
     assert variant._template is None
     assert "renders differently outside transformers" in caplog.text
     assert variant.render_chat([{"role": "user", "content": "hi"}]).endswith("!")  # transformers' own path
+
+
+async def test_a_pod_without_tokenize_is_not_asked_again_until_its_window_ends(start_mock_pod, tokenizer, caplog):
+    from aiohttp import web
+
+    from gateway.config import PodConfig
+    from gateway.tokenization import tokenizers
+
+    asked = []
+
+    async def no_route(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", no_route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    bare_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    registry = PodRegistry([PodConfig(url=bare_url, name="bare", models=["mock-llama"])], HealthConfig())
+    registry.all()[0].healthy = True
+    http = HttpClient()
+    service = TokenizationService(TokenizationConfig(default_mode="remote"), registry, GatewayMetrics(), http,
+                                  InFlightLedger())
+    await http.start()
+    req = InferenceRequest(model="mock-llama", prompt="remote please")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.tokenization"):
+            assert [await service.tokenize("mock-llama", "completions", req) for _ in range(3)] == [None] * 3
+        assert asked == ["/tokenize"]  # refused once, then not asked
+        assert "do not serve /tokenize" in caplog.text
+        metrics = service._metrics.render().decode()
+        assert 'outcome="remote_http_404"} 1.0' in metrics and 'outcome="remote_unsupported"} 2.0' in metrics
+        assert service._no_tokenize["bare"] - time.monotonic() > tokenizers.NO_TOKENIZE_S - 60
+        service._no_tokenize["bare"] = time.monotonic()  # its window over: asked again
+        assert await service.tokenize("mock-llama", "completions", req) is None and len(asked) == 2
+        # Another pod of the model that has /tokenize is asked instead.
+        pod = await start_mock_pod()
+        registry.add(PodConfig(url=pod.url, name="full", models=["mock-llama"]))
+        registry.get("full").healthy = True
+        service._no_tokenize["bare"] = float("inf")
+        assert (await service.tokenize("mock-llama", "completions", req)).ids == tokenizer.encode("remote please")
+        assert len(asked) == 2
+    finally:
+        await http.stop()
+        await runner.cleanup()
