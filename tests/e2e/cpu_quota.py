@@ -10,7 +10,6 @@ cgroup cpu controller (v1 or v2).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -58,10 +57,10 @@ class PodCpuQuota:
     def remove(self) -> None:
         """Remove the cgroup; its killed processes may take a moment to leave it."""
         for _ in range(50):
-            with contextlib.suppress(FileNotFoundError):
-                try:
-                    self.path.rmdir()
-                except OSError:  # busy: not empty yet
-                    time.sleep(0.1)
-                    continue
-            return
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # busy: not empty yet
+                time.sleep(0.1)
