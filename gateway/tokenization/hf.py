@@ -97,8 +97,7 @@ class HfTokenizer:
         if self._template is not None and chat_template is None and not continue_final_message \
                 and not chat_template_kwargs and _renders_as_given(messages, tools):
             with contextlib.suppress(Exception):  # a template's own refusal: transformers' path raises it
-                return self._template.render(messages=messages, tools=tools, documents=None,
-                                             add_generation_prompt=add_generation_prompt, **self._special_tokens)
+                return self._render_compiled(self._template, messages, tools, add_generation_prompt)
         return self._transformers_render(messages, add_generation_prompt, continue_final_message, tools,
                                          chat_template, chat_template_kwargs)
 
@@ -114,6 +113,12 @@ class HfTokenizer:
             chat_template=chat_template,
             **(chat_template_kwargs or {}),
         )
+
+    def _render_compiled(self, template: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         add_generation_prompt: bool) -> str:
+        """What ``render_jinja_template`` hands the compiled template, for what it would pass on unchanged."""
+        return template.render(messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self._special_tokens)
 
     def _direct_template(self) -> Any:
         """The model's chat template compiled as transformers compiles it, to render plain conversations
@@ -134,8 +139,7 @@ class HfTokenizer:
                 except Exception:  # a template that refuses a probe proves nothing either way
                     continue
                 try:
-                    rendered = template.render(messages=messages, tools=tools, documents=None,
-                                               add_generation_prompt=generation, **self._special_tokens)
+                    rendered = self._render_compiled(template, messages, tools, generation)
                 except Exception:
                     rendered = None
                 if rendered != expected:

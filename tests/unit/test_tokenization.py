@@ -281,7 +281,8 @@ def test_a_template_that_renders_otherwise_outside_transformers_is_left_to_it(mo
     assert variant.render_chat([{"role": "user", "content": "hi"}]).endswith("!")  # transformers' own path
 
 
-async def test_a_pod_without_tokenize_is_not_asked_again_until_its_window_ends(start_mock_pod, tokenizer, caplog):
+async def test_a_pod_without_tokenize_is_not_asked_again_until_its_window_ends(start_mock_pod, start_backend,
+                                                                               tokenizer, caplog):
     from aiohttp import web
 
     from gateway.config import PodConfig
@@ -295,11 +296,7 @@ async def test_a_pod_without_tokenize_is_not_asked_again_until_its_window_ends(s
 
     app = web.Application()
     app.router.add_post("/tokenize", no_route)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    bare_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    bare_url = await start_backend(app)
     registry = PodRegistry([PodConfig(url=bare_url, name="bare", models=["mock-llama"])], HealthConfig())
     registry.all()[0].healthy = True
     http = HttpClient()
@@ -326,4 +323,3 @@ async def test_a_pod_without_tokenize_is_not_asked_again_until_its_window_ends(s
         assert len(asked) == 2
     finally:
         await http.stop()
-        await runner.cleanup()
