@@ -15,7 +15,8 @@ for its second request; the credit bounds what it takes first.
 Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
 controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
 bus (:meth:`ServiceCounters.apply_remote`); they also say how many flows were served lately
-(:meth:`ServiceCounters.active_flows`). Counters of flows unheard of for ``idle_s`` are forgotten (as the
+(:meth:`ServiceCounters.active_flows`): charged in the last few seconds, or with an answer under way here (the
+flow-control step says when one starts and ends). Counters of flows unheard of for ``idle_s`` are forgotten (as the
 sweeps see it: a change is dated by the first sweep after it, to keep clocks off the request path; a
 flow that comes back is lifted when it has to wait). :class:`WorkflowFlows` remembers the flow each
 workflow began with, for its later stages.
@@ -42,6 +43,7 @@ class ServiceCounters:
         self._charged_now: set[FlowKey] = set()  # flows charged in this activity window, and in the last one
         self._charged_before: set[FlowKey] = set()
         self._window_at: float | None = None
+        self._answering: dict[FlowKey, int] = {}  # this process's attempts under way, by flow
         self._publish = publish
         self._shared = publish is not unshared  # with nobody to tell, no fact is made per charge
         self._idle_s = idle_s
@@ -87,13 +89,28 @@ class ServiceCounters:
             del self._served[key], self._seen[key]
         return len(gone)
 
+    def answering(self, key: FlowKey) -> None:
+        """An attempt of ``key`` was sent to a pod: the flow is served until it ends (:meth:`answered`)."""
+        self._answering[key] = self._answering.get(key, 0) + 1
+
+    def answered(self, key: FlowKey) -> None:
+        left = self._answering.get(key, 0) - 1
+        if left > 0:
+            self._answering[key] = left
+        else:
+            self._answering.pop(key, None)
+
     def active_flows(self, now: float) -> int:
-        """Flows charged within the last ``ACTIVE_S`` or so (here or, through the bus, elsewhere)."""
+        """Flows charged within the last ``ACTIVE_S`` or so (here or, through the bus, elsewhere), and those with
+        an answer under way here. A tenant that chats is charged as each request is sent and as it ends; where its
+        answers take longer than the window (a slower engine: 16 tokens beside a flood took 3-5 s on vLLM 5x
+        slower), it would drop out between the two, and the pod would count down the next flood prompt ahead of
+        its next request."""
         if self._window_at is None:
             self._window_at = now
         elif now - self._window_at >= ACTIVE_S:  # (after a long quiet, its flows may have been charged just now)
             self._charged_before, self._charged_now, self._window_at = self._charged_now, set(), now
-        return len(self._charged_now | self._charged_before)
+        return len(self._charged_now | self._charged_before | self._answering.keys())
 
     def tag(self, key: FlowKey, credit: float = 0.0) -> float:
         """``key``'s service as the tag of a request it sends now: its counter, lifted to the least counter of its

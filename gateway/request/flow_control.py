@@ -9,7 +9,8 @@
   released after waiting has the pods that had room then written to ``routing.room``: the router keeps to
   them; one that goes on at once is routed among all (the policy weighs load against cached prefixes);
 - dispatch: the attempt's expected service is charged to its flow (prompt tokens, those predicted cached at
-  a discount, and the predicted output), and the controller may release the next request;
+  a discount, and the predicted output), the flow counts as served until the attempt ends, and the controller
+  may release the next request;
 - finish: the charge is corrected to what the engine reported serving (its usage), and the tokens counted
   per flow; an attempt that failed before anything was relayed is refunded;
 - complete: a request released but never dispatched lets the next one go.
@@ -64,7 +65,7 @@ class FlowControlStep:
         self._pods = pods
         self._metrics = metrics
         self._requests: dict[ClientRequest, _InFlight] = {}
-        self._charges: dict[Attempt, _Charge] = {}
+        self._charges: dict[Attempt, tuple[FlowKey, _Charge]] = {}
 
     def admit(self, request: ClientRequest, policy: Policy, routing: RoutingRequest
               ) -> Admitted | Awaitable[Admitted]:
@@ -133,17 +134,22 @@ class FlowControlStep:
         prompt = attempt.request.prompt_tokens(routing.token_ids)
         cached = min(prompt, decision.prefix_tokens)
         charge = self._charge(prompt - cached, cached, routing.predicted_output_tokens, state.weight)
-        self._charges[attempt] = charge
+        self._charges[attempt] = state.key, charge
         self._controller.counters.charge(state.key, charge.amount)
+        self._controller.counters.answering(state.key)
         self._controller.queues.dispatched()
         if state.released is not None:
             held, state.released = state.released, None
             self._controller.landed(held)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
-        charged = self._charges.pop(attempt, None)
+        dispatched = self._charges.pop(attempt, None)
+        if dispatched is None:
+            return
+        key, charged = dispatched
+        self._controller.counters.answered(key)
         state = self._requests.get(attempt.request)
-        if charged is None or state is None:
+        if state is None:
             return
         usage = outcome.usage
         if usage is not None:

@@ -10,18 +10,24 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gateway.admission import SloPolicy
 from gateway.background import Doorbell
-from gateway.config import FlowControlConfig, SaturationConfig
+from gateway.config import AdmissionConfig, FlowControlConfig, SaturationConfig
+from gateway.core.usage import Usage
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
-from gateway.flow.service_counters import ServiceCounters
+from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.shared_table import SharedLoadTable
 from gateway.load.slo_profiles import ProfileStore
+from gateway.proxy.outcome import Ending, RelayOutcome
+from gateway.request.flow_control import FlowControlStep
+from gateway.request.types import Admitted
 from tests.unit.test_flow_control import MODEL, one_pod
+from tests.unit.test_pipeline import attempt_of, chat, client_request, policy, routing_of
 
 
 class Clock:
@@ -120,6 +126,64 @@ def test_flows_served_lately_are_counted_over_two_windows():
     counters.charge(FlowKey("a"), 10.0)
     assert counters.active_flows(104.2) == 1  # b was last charged two windows ago
     assert counters.active_flows(110.0) == 0  # long quiet: nothing is active
+
+
+def test_a_flow_with_an_answer_under_way_is_served_however_long_the_answer_takes():
+    counters = ServiceCounters()
+    a, b = FlowKey("a"), FlowKey("b")
+    counters.active_flows(100.0)
+    counters.charge(b, 10.0)
+    counters.answering(b)
+    counters.answering(b)  # two of b's requests are answered
+    assert counters.active_flows(102.1) == 1
+    counters.charge(a, 10.0)
+    assert counters.active_flows(104.2) == 2  # b was charged two windows ago, but its answers are under way
+    counters.answered(b)
+    assert counters.active_flows(104.3) == 2
+    counters.answered(b)
+    assert counters.active_flows(104.4) == 1
+    assert counters.active_flows(106.5) == 0
+
+
+def test_while_another_flows_answer_is_under_way_a_long_prompt_waits_for_the_queue_not_the_count_down():
+    """Issue 56: on vLLM 5x slower, B's 16-token answers beside a documents flood took 3-5 s, past the window of
+    flows served lately; between two of its requests the count-down sent A's next document early, and B's next
+    request waited for the rest of one document and all of the next (B's p90 1.64 floors)."""
+    clock, ledger, counters, detector = detector_on_one_pod(join_beside_prefill=False)
+    a, b = FlowKey("a"), FlowKey("b")
+    counters.active_flows(clock.now)
+    counters.charge(b, 1.0)
+    counters.answering(b)  # b's answer, slow to end
+    first = ledger.dispatch("a1", "p", 1.0, "chat", prefill_tokens=3700)
+    clock.now += 0.1
+    ledger.answering(first)  # 37,000 tokens a second
+    ledger.dispatch("a2", "p", 1.0, "chat", prefill_tokens=3700)
+    counters.charge(a, 1.0)
+    clock.now += 2.1
+    counters.active_flows(clock.now)
+    counters.charge(a, 1.0)
+    clock.now += 2.1  # a2 long counted down, b last charged two windows ago
+    long = Demand(prompt_tokens=3700, held=True)
+    assert detector.saturated_by("p", long) == "prefill"  # a3 waits for a2's answer to begin
+    counters.answered(b)
+    assert detector.saturated_by("p", long) is None  # a alone: the count-down keeps the steps full
+
+
+def test_the_flow_control_step_counts_a_flow_served_from_its_dispatch_to_the_end_of_its_attempt():
+    ledger, counters, controller = several_flows(1.0)
+    step = FlowControlStep(controller, SloPolicy(AdmissionConfig()), WorkflowFlows(), one_pod(),
+                           FlowMetrics(CollectorRegistry()))
+    request = client_request(chat(), headers={"x-gateway-inference-fairness-id": "b"})
+    routing = routing_of(request, token_ids=list(range(200)))
+    admitted = step.admit(request, policy(), routing)
+    assert isinstance(admitted, Admitted) and admitted.flow == FlowKey("b")
+    counters.active_flows(0.0)
+    attempt = attempt_of(request, routing, "p0", one_pod(), ledger)
+    step.dispatched(attempt)
+    assert counters.active_flows(10.0) == 1 and counters.active_flows(20.0) == 1  # answering, windows on
+    step.attempt_finished(attempt, RelayOutcome(200, Ending.COMPLETE, usage=Usage(prompt_tokens=200)))
+    counters.active_flows(30.0)  # (the correction at its end may charge b once more)
+    assert counters.active_flows(40.0) == 0
 
 
 def detector_on_one_pod(join_beside_prefill: bool = True
