@@ -48,7 +48,7 @@ from gateway.flow.flows import OVERFLOW_FAIRNESS_ID, Flow, FlowKey, FlowPolicy
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.release_order import Contender, ReleaseOrder, SoleRelease, pool_key
 from gateway.flow.saturation import Demand, SaturationDetector
-from gateway.flow.service_counters import ServiceCounters
+from gateway.flow.service_counters import ANNOUNCE_S, ServiceCounters
 from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("gateway.flow")
@@ -413,18 +413,21 @@ class FlowController:
 
     async def _run(self) -> None:
         assert self._has_queued is not None
-        swept_at = self._clock()
+        swept_at = announced_at = self._clock()
         while True:
             if self.queues.count:
                 look_in = TICK_S if self._look_at is None else min(TICK_S, max(0.0, self._look_at - self._clock()))
                 await self._doorbell.wait(look_in)
                 self._pump()
-            else:  # nothing held: wake only to sweep (the flows served meanwhile go idle too)
+            else:  # nothing held: wake only to sweep (the flows served meanwhile go idle too), and to announce
                 self._has_queued.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(SWEEP_S):
+                    async with asyncio.timeout(ANNOUNCE_S if self.counters.shared else SWEEP_S):
                         await self._has_queued.wait()
-            if (now := self._clock()) - swept_at >= SWEEP_S:
+            if (now := self._clock()) - announced_at >= ANNOUNCE_S:
+                announced_at = now
+                self.counters.announce_answering()
+            if now - swept_at >= SWEEP_S:
                 swept_at = now
                 self.queues.forget_idle()
 

@@ -15,8 +15,9 @@ for its second request; the credit bounds what it takes first.
 Owner: the :class:`ServiceCounters` own the counters: the flow-control step charges them, the flow
 controller lifts them, and the charges and lifts of the other workers and replicas arrive over the state
 bus (:meth:`ServiceCounters.apply_remote`); they also say how many flows were served lately
-(:meth:`ServiceCounters.active_flows`): charged in the last few seconds, or with an answer under way here (the
-flow-control step says when one starts and ends). Counters of flows unheard of for ``idle_s`` are forgotten (as the
+(:meth:`ServiceCounters.active_flows`): charged in the last few seconds, or with an answer under way (the
+flow-control step says when one starts and ends here; :meth:`ServiceCounters.announce_answering` tells the others
+every ``ANNOUNCE_S``). Counters of flows unheard of for ``idle_s`` are forgotten (as the
 sweeps see it: a change is dated by the first sweep after it, to keep clocks off the request path; a
 flow that comes back is lifted when it has to wait). :class:`WorkflowFlows` remembers the flow each
 workflow began with, for its later stages.
@@ -32,6 +33,8 @@ from gateway.flow.flows import FlowKey
 from gateway.lru import LruCache
 
 ACTIVE_S = 2.0  # a flow charged within about this long (this window or the last) is active
+ANNOUNCE_S = ACTIVE_S / 2  # how often the flows answered here are told to the others, while there are any
+ANNOUNCED_FLOWS = 2  # how many of them: what the count-down reads is whether more than one flow is served
 
 
 class ServiceCounters:
@@ -99,6 +102,18 @@ class ServiceCounters:
             self._answering[key] = left
         else:
             self._answering.pop(key, None)
+
+    def announce_answering(self) -> None:
+        """Tell the other workers and replicas (a charge of nothing: "served just now") of up to ``ANNOUNCED_FLOWS``
+        flows answered here, so that theirs count them served while the answers last."""
+        if self._shared:
+            for key in list(self._answering)[:ANNOUNCED_FLOWS]:
+                self._publish(ServiceCharged(key.fairness_id, key.priority, 0.0))
+
+    @property
+    def shared(self) -> bool:
+        """Whether other workers or replicas hear of this process's charges."""
+        return self._shared
 
     def active_flows(self, now: float) -> int:
         """Flows charged within the last ``ACTIVE_S`` or so (here or, through the bus, elsewhere), and those with

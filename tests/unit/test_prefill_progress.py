@@ -13,12 +13,13 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import SloPolicy
 from gateway.background import Doorbell
 from gateway.config import AdmissionConfig, FlowControlConfig, SaturationConfig
+from gateway.core.facts import ServiceCharged
 from gateway.core.usage import Usage
 from gateway.flow.controller import FlowController
 from gateway.flow.flows import Flow, FlowKey
 from gateway.flow.metrics import FlowMetrics
 from gateway.flow.saturation import Demand, SaturationDetector
-from gateway.flow.service_counters import ServiceCounters, WorkflowFlows
+from gateway.flow.service_counters import ANNOUNCE_S, ServiceCounters, WorkflowFlows
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pending import PendingLoad
 from gateway.load.shared_table import SharedLoadTable
@@ -167,6 +168,38 @@ def test_while_another_flows_answer_is_under_way_a_long_prompt_waits_for_the_que
     assert detector.saturated_by("p", long) == "prefill"  # a3 waits for a2's answer to begin
     counters.answered(b)
     assert detector.saturated_by("p", long) is None  # a alone: the count-down keeps the steps full
+
+
+async def test_the_flows_answered_here_are_announced_to_the_other_workers_while_their_answers_last():
+    """Worker 1 answers b (slowly) and c; worker 2 floods with a. Worker 2 hears every ``ANNOUNCE_S`` that two
+    flows are answered there (no more: more than one is what its count-down reads), and stops hearing once
+    the answers end."""
+    facts: list[ServiceCharged] = []
+    here = ServiceCounters(facts.append)
+    there = ServiceCounters()
+    config = FlowControlConfig(saturation=SaturationConfig(prefill_tokens=2048))
+    ledger = InFlightLedger()
+    detector = SaturationDetector(config.saturation, ledger, PendingLoad(ProfileStore(None), ledger, 4, str), False,
+                                  active_flows=here.active_flows)
+    controller = FlowController(config, one_pod(), detector, here, Doorbell(), FlowMetrics(CollectorRegistry()))
+    for flow in ("b", "c", "d"):
+        here.answering(FlowKey(flow))
+    controller.start()
+    try:
+        await asyncio.sleep(ANNOUNCE_S * 2.5)
+        announced = [fact for fact in facts if fact.amount == 0.0]
+        assert {f.fairness_id for f in announced} == {"b", "c"} and len(announced) in (4, 6), announced
+        for fact in announced:
+            there.apply_remote("worker-1", fact)
+        there.charge(FlowKey("a"), 1.0)
+        assert there.active_flows(time.monotonic()) == 3
+        for flow in ("b", "c", "d"):
+            here.answered(FlowKey(flow))
+        facts.clear()
+        await asyncio.sleep(ANNOUNCE_S * 1.5)
+        assert facts == []
+    finally:
+        await controller.stop()
 
 
 def test_the_flow_control_step_counts_a_flow_served_from_its_dispatch_to_the_end_of_its_attempt():
