@@ -9,7 +9,7 @@ import asyncio
 import msgspec
 import pytest
 
-from bench.metrics_text import keep_warm_spent
+from bench.metrics_text import KeepWarmSpent, keep_warm_spent
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_workflows import MODEL, stage
 
@@ -37,6 +37,21 @@ async def other_clients(http, gw, n: int) -> None:
         await asyncio.sleep(0.15)
 
 
+async def spent_and_debug(http, gw) -> tuple[KeepWarmSpent | None, dict]:
+    """What the refreshes cost (``/metrics``) and keep-warm's page, read until no refresh ended in between: the
+    workflow thinks again after its stage, and keep-warm goes on refreshing it while they are read."""
+    for _ in range(20):
+        async with http.get(f"{gw.url}/metrics") as resp:
+            before = keep_warm_spent(await resp.text()).get("pod0")
+        async with http.get(f"{gw.url}/debug/placement") as resp:
+            debug = (await resp.json())["keep_warm"]
+        async with http.get(f"{gw.url}/metrics") as resp:
+            after = keep_warm_spent(await resp.text()).get("pod0")
+        if before == after:
+            return after, debug
+    raise AssertionError("a refresh ended between every two reads of /metrics")
+
+
 @pytest.mark.parametrize("keep_warm", [True, False])
 async def test_a_thinking_workflow_keeps_its_blocks_through_traffic_that_would_evict_them(
         start_mock_pod, start_gateway, http, keep_warm):
@@ -47,10 +62,7 @@ async def test_a_thinking_workflow_keeps_its_blocks_through_traffic_that_would_e
     history.append({"role": "user", "content": "Step 2."})
     _, _, payload = await stage(http, gw, "wf", "s2", history)
     cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
-    async with http.get(f"{gw.url}/metrics") as resp:
-        spent = keep_warm_spent(await resp.text()).get("pod0")
-    async with http.get(f"{gw.url}/debug/placement") as resp:
-        debug = (await resp.json())["keep_warm"]
+    spent, debug = await spent_and_debug(http, gw)
     if keep_warm:
         # Refreshed while the others came and went: it found (nearly) all it left, at one computed token a
         # refresh.
