@@ -69,6 +69,8 @@ class StageBegan(Fact):
     model: str
     prompt_tokens: int
     complete: bool
+    # The stage it followed where it began: facts from two senders may arrive in either order.
+    after: str | None = None
 
 
 class StageDispatched(Fact):

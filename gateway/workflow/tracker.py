@@ -69,6 +69,7 @@ class Stage:
     started: float
     pod: str | None = None
     completed: bool = False
+    after: str | None = None  # the stage it followed where it began
 
 
 @dataclass(slots=True)
@@ -124,8 +125,9 @@ class WorkflowTracker:
                 else ActionKind.NOOP
             return Plan(wf, stage, CacheAction(kind, "same_stage", wf.id, pod) if kind is ActionKind.PRESERVE
                         else NOOP)
-        stage = self._new_stage(wf, stage_id, model, prompt_tokens, now)
-        self._publish(StageBegan(wf.id, stage_id, model, prompt_tokens, ctx.complete))
+        after = wf.order[-1] if wf.order else None
+        stage = self._new_stage(wf, Stage(stage_id, model, prompt_tokens, now, after=after))
+        self._publish(StageBegan(wf.id, stage_id, model, prompt_tokens, ctx.complete, stage.after))
         return Plan(wf, stage, self.decide(ctx, wf, stage))
 
     def _touch(self, workflow_id: str, complete: bool, now: float) -> Workflow:
@@ -137,9 +139,15 @@ class WorkflowTracker:
         return wf
 
     @staticmethod
-    def _new_stage(wf: Workflow, stage_id: str, model: str, prompt_tokens: int, now: float) -> Stage:
-        stage = wf.stages[stage_id] = Stage(stage_id, model, prompt_tokens, now)
-        wf.order.append(stage_id)
+    def _new_stage(wf: Workflow, stage: Stage) -> Stage:
+        """``stage`` in the workflow's order: after the stage it followed, before one known to have followed it
+        (another sender's stage can arrive before the one it followed), else last."""
+        order = wf.order
+        at = next((i for i, s in enumerate(order) if wf.stages[s].after == stage.id), None)
+        if at is None and stage.after in wf.stages:
+            at = order.index(stage.after) + 1
+        wf.stages[stage.id] = stage
+        order.insert(len(order) if at is None else at, stage.id)
         return stage
 
     def decide(self, ctx: WorkflowContext, wf: Workflow, stage: Stage) -> CacheAction:
@@ -263,7 +271,7 @@ class WorkflowTracker:
             case StageBegan():
                 wf = self._touch(fact.workflow, fact.complete, now)
                 if fact.stage not in wf.stages:
-                    self._new_stage(wf, fact.stage, fact.model, fact.prompt_tokens, now)
+                    self._new_stage(wf, Stage(fact.stage, fact.model, fact.prompt_tokens, now, after=fact.after))
             case StageDispatched():
                 if found := self._stage(fact.workflow, fact.stage):
                     wf, stage = found

@@ -8,6 +8,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import WorkflowConfig
 from gateway.core.contexts import session_key, workflow_key
 from gateway.core.errors import ErrorKind, GatewayError
+from gateway.core.facts import StageBegan
 from gateway.core.inference_api import InferenceRequest, Metadata
 from gateway.load.ledger import Dispatch, InFlightLedger
 from gateway.load.pressure_modes import PressureMode
@@ -62,6 +63,28 @@ def test_first_stage_is_noop_then_small_increment_preserves(tracker):
     plan, _, _ = run_stage(tracker, "s2", 1080)
     assert (plan.action.kind, plan.action.reason, plan.action.pod) == (ActionKind.PRESERVE, "small_increment", "a")
     assert tracker.workflows["wf"].entries["a"].preserved
+
+
+def test_stages_begun_elsewhere_keep_their_order_whichever_fact_arrives_first(tracker):
+    """Two replicas began s1 then s2 (then s3); a third hears of them from two senders, s2 first: it lists
+    them in the order they began, and s2's previous stage is s1 there too."""
+    facts: list[StageBegan] = []
+    one, two = WorkflowTracker(tracker.config, InFlightLedger(), facts.append), \
+        WorkflowTracker(tracker.config, InFlightLedger(), facts.append)
+    one.begin(ctx("s1"), "m", 1000)
+    two.apply_remote("one", facts[0])
+    two.begin(ctx("s2"), "m", 1100)
+    one.apply_remote("two", facts[1])
+    one.begin(ctx("s3"), "m", 1200)
+    assert [f.after for f in facts] == [None, "s1", "s2"]
+    for fact in (facts[2], facts[1], facts[0]):
+        tracker.apply_remote("elsewhere", fact)
+    wf = tracker.workflows["wf"]
+    assert wf.order == ["s1", "s2", "s3"] and wf.previous_stage("s2") is wf.stages["s1"]
+    fresh = LedgerTracker(tracker.config)
+    for fact in (facts[1], facts[0], facts[2]):
+        fresh.apply_remote("elsewhere", fact)
+    assert fresh.workflows["wf"].order == ["s1", "s2", "s3"]
 
 
 def test_large_increment_is_noop_and_threshold_header_overrides(tracker):
