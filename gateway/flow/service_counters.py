@@ -25,6 +25,7 @@ workflow began with, for its later stages.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -107,7 +108,7 @@ class ServiceCounters:
         """Tell the other workers and replicas (a charge of nothing: "served just now") of up to ``ANNOUNCED_FLOWS``
         flows answered here, so that theirs count them served while the answers last."""
         if self._shared:
-            for key in list(self._answering)[:ANNOUNCED_FLOWS]:
+            for key in itertools.islice(self._answering, ANNOUNCED_FLOWS):
                 self._publish(ServiceCharged(key.fairness_id, key.priority, 0.0))
 
     @property

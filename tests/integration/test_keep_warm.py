@@ -40,13 +40,15 @@ async def other_clients(http, gw, n: int) -> None:
 async def spent_and_debug(http, gw) -> tuple[KeepWarmSpent | None, dict]:
     """What the refreshes cost (``/metrics``) and keep-warm's page, read until no refresh ended in between: the
     workflow thinks again after its stage, and keep-warm goes on refreshing it while they are read."""
-    for _ in range(20):
+    async def spent() -> KeepWarmSpent | None:
         async with http.get(f"{gw.url}/metrics") as resp:
-            before = keep_warm_spent(await resp.text()).get("pod0")
+            return keep_warm_spent(await resp.text()).get("pod0")
+
+    for _ in range(20):
+        before = await spent()
         async with http.get(f"{gw.url}/debug/placement") as resp:
             debug = (await resp.json())["keep_warm"]
-        async with http.get(f"{gw.url}/metrics") as resp:
-            after = keep_warm_spent(await resp.text()).get("pod0")
+        after = await spent()
         if before == after:
             return after, debug
     raise AssertionError("a refresh ended between every two reads of /metrics")
