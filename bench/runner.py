@@ -96,6 +96,9 @@ CONTENDERS = {
         Contender("gateway-kv_aware-no-workflow", "gateway", "kv_aware", {"GATEWAY_WORKFLOW__ENABLED": "false"}),
         Contender("gateway-kv_aware-no-keep-warm", "gateway", "kv_aware",
                   {"GATEWAY_WORKFLOW__KEEP_WARM__ENABLED": "false"}),
+        # Routed by the prompt's text (the approximate index), no tokenizer: what exact tokenizing costs.
+        Contender("gateway-kv_aware-by-text", "gateway", "kv_aware",
+                  {"GATEWAY_TOKENIZATION__MODELS": "{}", "GATEWAY_TOKENIZATION__DEFAULT_MODE": "none"}),
         Contender("gateway-kv_aware-no-flow-control", "gateway", "kv_aware",
                   {"GATEWAY_FLOW_CONTROL__ENABLED": "false"}),
         # Pods that serve the lowest request priority first (vLLM --scheduling-policy priority).
@@ -713,8 +716,8 @@ class BenchRunner:
         if self.split_dir is not None:
             env["GATEWAY_LOGGING__JSON"] = "true"
         env["GATEWAY_DISAGGREGATION__CONNECTOR"] = "nixl"
-        if self.tokenizer:  # else the gateway asks the pods' /tokenize
-            env["GATEWAY_TOKENIZATION__MODELS"] = json.dumps({self.model: {"path": str(self.tokenizer)}})
+        if self.tokenizer:  # else the gateway asks the pods' /tokenize (a contender may name its own)
+            env.setdefault("GATEWAY_TOKENIZATION__MODELS", json.dumps({self.model: {"path": str(self.tokenizer)}}))
         return cmd
 
     def _vllm_router_command(self, binary: str, contender: Contender, pods: list[PodConfig], port: int,
