@@ -9,10 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PYTEST=${PYTEST:-.venv/bin/pytest}
-# The suite takes ~9 min here; where vLLM runs 5x slower (a machine of our kind without AMX, or one beside a
+# The suite takes ~9 min here; where vLLM runs 5x slower (a slower machine of our kind, or one beside a
 # CPU hog per core) its timed runs stretch with it (they are sized by answers, capped in measured floors):
-# 60 min leaves test-fast its share of CI's 90. E2E_POD_CPU_QUOTA=0.8 caps each pod at 0.8 of a CPU: vLLM
-# about 5.5x slower here, nothing else (tests/e2e/cpu_quota.py, docs/flow-isolation.md).
+# 60 min leaves test-fast its share of CI's 90. E2E_POD_CPU_QUOTA=S caps each pod at S of a CPU, nothing
+# else: 0.8 made vLLM about 5.5x slower on one machine of our kind and 2.3x on another, where 0.4 made it
+# 5.3x; measure it first (tests/e2e/cpu_quota.py, docs/flow-isolation.md).
 TIMEOUT=${E2E_TIMEOUT:-60m}
 cache_root=${KVGW_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kv-gateway}
 started=$(date +%s)
