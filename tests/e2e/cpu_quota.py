@@ -1,11 +1,11 @@
 """A machine of our kind with slower engines, simulated: each vLLM pod's processes in a cgroup of their own
 whose CPU time is capped (``E2E_POD_CPU_QUOTA``: the share of one CPU a pod may use, per 100 ms).
 
-Machines of our kind differ up to 5x in vLLM's CPU speed. CPU hogs beside the suite slow the
-gateway and the test clients too, and by a factor the kernel's autogroups make hard to set; a quota slows the
-engines alone. The factor is not the quota's inverse (the engine's threads share it, and a throttled step
-waits for the next period), and it differs between machines: measured, with the quota for 5x on two, in
-docs/flow-isolation.md. Needs root and the cgroup cpu controller (v1 or v2).
+Machines of our kind differ up to 5x in vLLM's CPU speed. CPU hogs beside the suite slow the gateway and the
+test clients too, and by a factor the kernel's autogroups make hard to set; a quota slows the engines alone.
+The factor is not the quota's inverse (the engine's threads share it, and a throttled step waits for the next
+period), and it differs between machines: measured, with the quota for 5x on two, in docs/flow-isolation.md.
+Needs root and the cgroup cpu controller (v1 or v2).
 """
 
 from __future__ import annotations
