@@ -44,7 +44,8 @@ from simulator.engine import EngineLimits, MockEngine, SchedulingPolicy, TimingM
 from simulator.kvcache import PagedKvCache
 from tests.conftest import gateway_process
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, VllmPod, running_pods
-from tests.e2e.test_keep_warm import replayed_batches, reset
+from tests.e2e.kv_replay import replayed_batches
+from tests.e2e.test_keep_warm import reset
 from tests.e2e.test_real_vllm import pod_metric, post
 from tests.tenant_flood import (
     Answer,

@@ -15,20 +15,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-import zmq
-import zmq.asyncio
 
-from gateway.kv.events import (
-    END_OF_REPLAY_SEQ,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-    decode_batch,
-    decode_seq,
-    encode_seq,
-)
+from gateway.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet, VllmPod, running_pods
+from tests.e2e.kv_replay import replayed_batches
 from tests.e2e.test_real_vllm import pod_metric, post
 
 NUM_BLOCKS = 48
@@ -40,46 +30,6 @@ def small_pod(model_dir: str) -> Iterator[VllmPod]:
     fleet: VllmFleet
     for fleet in running_pods(model_dir, [("keepwarm", ("--num-gpu-blocks-override", str(NUM_BLOCKS)), {})]):
         yield fleet[0]
-
-
-async def replayed_batches(endpoint: str, attempts: int = 3, timeout_s: float = 20.0) -> list[list[KvEvent]]:
-    """Every event batch the pod still buffers (one per engine step that made any), in order, from its replay
-    endpoint. A replay that lost batches on the way (the pod's ROUTER drops what a slow reader has not taken),
-    its end marker with them, is asked for again."""
-    for attempt in range(attempts):
-        try:
-            return await asyncio.wait_for(_replay(endpoint), timeout_s)
-        except (TimeoutError, ReplayHole):
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("no attempt made")
-
-
-class ReplayHole(Exception):
-    """A replay missing batches in its middle."""
-
-
-async def _replay(endpoint: str) -> list[list[KvEvent]]:
-    ctx = zmq.asyncio.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVHWM, 0)  # no limit on this side: the pod's whole buffer fits on the way
-    dealer.connect(endpoint)
-    batches: list[list[KvEvent]] = []
-    last: int | None = None
-    try:
-        await dealer.send_multipart([b"", encode_seq(0)])
-        while True:
-            frames = await dealer.recv_multipart()
-            if frames[-2] == END_OF_REPLAY_SEQ or not frames[-1]:
-                return batches
-            seq = decode_seq(frames[-2])
-            if last is not None and seq != last + 1:
-                raise ReplayHole(f"batches {last + 1}..{seq - 1} lost on the way")
-            last = seq
-            batches.append(decode_batch(frames[-1]).events)
-    finally:
-        dealer.close(linger=0)
 
 
 async def replayed_events(endpoint: str) -> list[KvEvent]:
