@@ -2,8 +2,8 @@
 
 The pod's ROUTER drops what does not fit its send high-water mark (vLLM keeps ZMQ's default, 1,000 messages)
 while the reader is taking them, so the replay of a long buffer (a pod that served many tests) comes with
-holes: seen on vLLM 0.32, 97 to 197 batches lost after the first 1,000 to 2,500 of 4,000, or the end marker
-alone. Like the gateway's subscriber (``gateway/kv/subscriber.py``), the reader keeps what came and asks again
+holes: seen on vLLM 0.32, 94 to 197 batches lost after the first 1,000 to 2,500 of a few thousand, or the end
+marker alone. Like the gateway's subscriber (``gateway/kv/subscriber.py``), the reader keeps what came and asks again
 from the hole; a fresh request starts with an empty pipe, so each pass brings at least a high-water mark's
 worth more.
 """
