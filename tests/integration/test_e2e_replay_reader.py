@@ -88,7 +88,8 @@ async def test_a_pass_whose_end_marker_was_lost_is_asked_again_from_where_it_got
     pod = ScriptedPod(lambda n, start: (range(start, 4) if n else range(0, 2), n > 0))
     serve(pod)
     batches = await replayed_batches(pod.endpoint, quiet_s=0.2)
-    assert seqs_of(batches) == [0, 1, 2, 3] and pod.asked == [0, 2]
+    # Asked again from 2 (from 1 on a machine so busy that batch 1 came over 0.2 s after batch 0).
+    assert seqs_of(batches) == [0, 1, 2, 3] and pod.asked[0] == 0 and pod.asked[1:] in ([2], [1])
 
 
 async def test_a_pod_that_no_longer_buffers_the_batches_after_a_hole_is_an_error_not_a_silent_gap(serve):
