@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from gateway.kv.events import END_OF_REPLAY_SEQ, KvEvent, decode_batch, decode_seq, encode_seq
 
-PASSES = 20  # vLLM buffers 10,000 batches: 10 passes at the high-water mark, and room for slow ones
+PASSES = 20  # vLLM buffers 10,000 batches: 10 passes at the high-water mark, the last one's check, and room
 
 
 class ReplayHole(Exception):
@@ -35,10 +35,13 @@ async def replayed_batches(endpoint: str, passes: int = PASSES, timeout_s: float
                            quiet_s: float = 1.0) -> list[list[KvEvent]]:
     """Every event batch the pod still buffers (one per engine step that made any), in order. A pass waits up
     to ``timeout_s`` for its first batch; once batches flow, ``quiet_s`` without one means the rest, the end
-    marker too, was dropped (the pod sends its whole buffer at once), so the next pass asks from there."""
+    marker too, was dropped (the pod sends its whole buffer at once), so the next pass asks from there. The
+    end marker does not say which seq came last, and the batches just before it may have been dropped while it
+    was not: the replay is whole once a pass brings the end marker and nothing before it."""
     replayed = _Replayed()
     for _ in range(passes):
-        if await _replay_pass(endpoint, replayed, timeout_s, quiet_s):
+        asked = replayed.next_seq
+        if await _replay_pass(endpoint, replayed, timeout_s, quiet_s) and replayed.next_seq == asked:
             return replayed.batches
     raise ReplayHole(f"no whole replay in {passes} passes: batches from {replayed.next_seq} on still missing")
 
@@ -62,6 +65,8 @@ async def _replay_pass(endpoint: str, replayed: _Replayed, timeout_s: float, qui
             if frames[-2] == END_OF_REPLAY_SEQ or not frames[-1]:
                 return True
             seq = decode_seq(frames[-2])
+            if seq < replayed.next_seq:  # not asked for: already here
+                continue
             if seq > replayed.next_seq and replayed.batches:
                 if first_of_pass:  # a pass starts with an empty pipe: its first batch is the oldest buffered
                     raise ReplayHole(f"the pod no longer buffers batches {replayed.next_seq}..{seq - 1}")

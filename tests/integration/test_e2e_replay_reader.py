@@ -81,15 +81,15 @@ async def test_a_replay_with_holes_is_asked_again_from_each_hole_and_comes_back_
     serve(pod)
     batches = await replayed_batches(pod.endpoint)
     assert seqs_of(batches) == list(range(10))
-    assert pod.asked == [0, 3, 6]
+    assert pod.asked == [0, 3, 6, 10]  # the last: nothing after 9, the end marker alone
 
 
 async def test_a_pass_whose_end_marker_was_lost_is_asked_again_from_where_it_got_to(serve):
     pod = ScriptedPod(lambda n, start: (range(start, 4) if n else range(0, 2), n > 0))
     serve(pod)
     batches = await replayed_batches(pod.endpoint, quiet_s=0.2)
-    # Asked again from 2 (from 1 on a machine so busy that batch 1 came over 0.2 s after batch 0).
-    assert seqs_of(batches) == [0, 1, 2, 3] and pod.asked[0] == 0 and pod.asked[1:] in ([2], [1])
+    # Asked again from 2 (from 1 on a machine so busy that batch 1 came over 0.2 s after batch 0), then from 4.
+    assert seqs_of(batches) == [0, 1, 2, 3] and pod.asked[0] == 0 and pod.asked[1:] in ([2, 4], [1, 4])
 
 
 async def test_a_pod_that_no_longer_buffers_the_batches_after_a_hole_is_an_error_not_a_silent_gap(serve):
@@ -101,9 +101,22 @@ async def test_a_pod_that_no_longer_buffers_the_batches_after_a_hole_is_an_error
 
 
 async def test_a_replay_that_starts_later_than_zero_is_the_oldest_the_pod_still_buffers(serve):
-    pod = ScriptedPod(lambda n, start: (range(7, 10), True))
+    pod = ScriptedPod(lambda n, start: (range(max(start, 7), 10), True))
     serve(pod)
-    assert seqs_of(await replayed_batches(pod.endpoint)) == [7, 8, 9] and pod.asked == [0]
+    assert seqs_of(await replayed_batches(pod.endpoint)) == [7, 8, 9] and pod.asked == [0, 10]
+
+
+async def test_batches_dropped_just_before_a_delivered_end_marker_are_asked_for_again(serve):
+    # A full ROUTER can drop the last batches and still deliver the end marker after them.
+    pod = ScriptedPod(lambda n, start: (range(0, 3) if n == 0 else range(start, 5), True))
+    serve(pod)
+    assert seqs_of(await replayed_batches(pod.endpoint)) == [0, 1, 2, 3, 4] and pod.asked == [0, 3, 5]
+
+
+async def test_batches_the_pod_sends_from_before_the_seq_asked_for_are_not_taken_twice(serve):
+    pod = ScriptedPod(lambda n, start: (range(0, 3), True))  # a pod that ignores the seq asked for
+    serve(pod)
+    assert seqs_of(await replayed_batches(pod.endpoint)) == [0, 1, 2] and pod.asked == [0, 3]
 
 
 async def test_a_real_router_past_its_high_water_mark_is_read_whole(serve):
@@ -111,7 +124,7 @@ async def test_a_real_router_past_its_high_water_mark_is_read_whole(serve):
     some on the way (how many depends on the machine); the reader still returns every one, in order."""
     pod = ScriptedPod(lambda n, start: (range(start, 2_000), True), sndhwm=100)
     serve(pod)
-    # Each pass brings 100 at least, and one more may end in a dropped end marker.
-    batches = await replayed_batches(pod.endpoint, passes=2_000 // 100 + 2)
+    # Each pass brings 100 at least; one more may end in a dropped end marker, and one more checks the end.
+    batches = await replayed_batches(pod.endpoint, passes=2_000 // 100 + 3)
     assert seqs_of(batches) == list(range(2_000))
     assert pod.asked[0] == 0 and pod.asked == sorted(set(pod.asked))  # each pass from a later hole
