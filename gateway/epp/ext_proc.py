@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 import msgspec
@@ -89,10 +90,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
 
 class Readiness:
     """Keeps the gRPC health statuses true: live while the process serves; ready (and the ext_proc service
-    serving) while a pod can take requests and the EPP is not draining."""
+    serving) while a pod can take requests, the local tokenizers have loaded and the EPP is not draining: what
+    the HTTP port's ``/readyz`` says."""
 
-    def __init__(self, front: FrontDoor, servicer: health.aio.HealthServicer, interval_s: float = 1.0) -> None:
+    def __init__(self, front: FrontDoor, servicer: health.aio.HealthServicer, loading: Callable[[], bool],
+                 interval_s: float = 1.0) -> None:
         self._front = front
+        self._loading = loading  # the tokenizers still load (the EPP listens at once; its requests would wait)
         self._servicer = servicer
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -109,7 +113,7 @@ class Readiness:
             await self._servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def update(self) -> None:
-        ready = not self._front.draining and self._front.ready_pods() > 0
+        ready = not self._front.draining and not self._loading() and self._front.ready_pods() > 0
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", "readiness", EXT_PROC_SERVICE):
             await self._servicer.set(service, status)

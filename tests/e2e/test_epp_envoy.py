@@ -16,7 +16,7 @@ from gateway.epp.grpc_server import EppServer
 from simulator.pod import free_port
 from tests.conftest import eventually
 from tests.e2e.conftest import BLOCK_SIZE, MODEL, VllmFleet
-from tests.integration.test_epp_envoy import Envoy
+from tests.integration.test_epp_envoy import Envoy, grpc_ready
 
 WORDS = "cache prefix router token block engine agent stage latency pod gateway kernel tensor batch".split()
 
@@ -118,6 +118,7 @@ async def test_envoy_and_the_epp_route_real_pods_as_the_proxy_does(vllm: VllmFle
     try:
         await envoy.ready()
         await eventually(lambda: all(p.healthy for p in epp.kits.foundation.pods.all()), 20.0)
+        await grpc_ready(epp.grpc_port)  # its tokenizer loaded, as a Kubernetes readiness probe waits for
         through_envoy = await replay(http, envoy.url, vllm, settled_in(epp.kits))
         # The same hits, request by request, as the proxy on the same trace.
         assert [c for _, c in through_envoy] == [c for _, c in through_proxy], (through_envoy, through_proxy)

@@ -5,25 +5,31 @@ hint and immediate responses, and the same precise hits as the HTTP proxy on the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import msgspec
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
 from gateway.config import hash_api_key, load_config
 from gateway.epp.envoy_config import bootstrap
+from gateway.epp.ext_proc import EXT_PROC_SERVICE
 from gateway.epp.grpc_server import EppServer
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
+from gateway.tokenization.tokenizers import TokenizationService
 from simulator.pod import MockPod, free_port
 from tests.conftest import answers_ok, eventually
 
@@ -66,6 +72,25 @@ class Envoy:
             self.process.wait()
 
 
+async def grpc_health(port: int, service: str) -> int:
+    """What the EPP's gRPC health service says of ``service`` (as a Kubernetes gRPC probe asks it)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                timeout=5)
+    return reply.status
+
+
+async def grpc_ready(port: int, serving: bool = True, within_s: float = 30.0) -> None:
+    """Once the EPP says over gRPC that it is ready (or, ``serving=False``, that it is not), as a Kubernetes
+    readiness probe waits for it."""
+    wanted = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while await grpc_health(port, "readiness") != wanted:
+        assert loop.time() < deadline, f"the EPP's readiness did not become {wanted}"
+        await asyncio.sleep(0.1)
+
+
 def endpoint(pod: MockPod) -> tuple[str, int]:
     host, port = pod.url.removeprefix("http://").split(":")
     return host, int(port)
@@ -85,7 +110,8 @@ class Stack:
         self.pods = [await self._start_mock_pod(**pod_kw) for _ in range(n)]
         return self.pods
 
-    async def start_epp(self, fallbacks: int = 0, **overrides: Any) -> EppServer:
+    async def start_epp(self, fallbacks: int = 0, ready: bool = True, **overrides: Any) -> EppServer:
+        """The EPP over the pods, once they are healthy and (``ready``) it says over gRPC that it is ready."""
         overrides.setdefault("tokenization", {"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}}})
         overrides.setdefault("routing", {"policy": "kv_aware"})
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 0.5})
@@ -97,6 +123,8 @@ class Stack:
         self.epp = EppServer(config)
         await self.epp.start()
         await eventually(lambda: all(p.healthy for p in self.epp.kits.foundation.pods.all()), within_s=10)
+        if ready:
+            await grpc_ready(self.epp.grpc_port)
         return self.epp
 
     async def start_envoy(self, epp_port: int | None = None, **kwargs: Any) -> Envoy:
@@ -311,3 +339,35 @@ async def test_refusals_are_immediate_responses_in_the_apis_shape(stack, http, b
     status, headers, body = await post(http, envoy.url, chat(0, "once more"), **bearer)
     assert status == 429 and int(headers["retry-after"]) > 0, (status, headers, body)
     assert stack.served() == [2]
+
+
+async def test_the_epp_is_ready_over_grpc_once_its_tokenizers_load_and_not_once_it_drains(stack, http, monkeypatch):
+    """gRPC readiness (what llm-d's manifests probe) says what ``/readyz`` says. With the tokenizers' load held
+    at a gate, though live and with a healthy pod: readiness, the ext_proc service and the server as a whole
+    are not serving, and ``/readyz`` says why; serving once the gate opens; not serving once it drains. Fails
+    where readiness looks only at the pods (it said ready while its tokenizers loaded)."""
+    gate = threading.Event()
+    load = TokenizationService.load
+
+    def held_load(self: TokenizationService) -> None:
+        gate.wait(30)
+        load(self)
+
+    monkeypatch.setattr(TokenizationService, "load", held_load)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    await stack.start_pods(1)
+    try:
+        epp = await stack.start_epp(ready=False)
+        assert epp.kits.tokens.tokens.loading
+        assert await grpc_health(epp.grpc_port, "liveness") == serving
+        assert [await grpc_health(epp.grpc_port, s) for s in ("readiness", EXT_PROC_SERVICE, "")] == [not_serving] * 3
+        async with http.get(f"http://127.0.0.1:{epp.http_port}/readyz") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "loading tokenizers"
+    finally:
+        gate.set()
+    await grpc_ready(epp.grpc_port, within_s=15)
+    assert epp.kits.tokens.tokens.local(MODEL) is not None
+    assert await grpc_health(epp.grpc_port, EXT_PROC_SERVICE) == serving
+    epp.kits.serving.drain()
+    await grpc_ready(epp.grpc_port, serving=False, within_s=15)
+    assert await grpc_health(epp.grpc_port, "liveness") == serving
