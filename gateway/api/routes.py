@@ -108,16 +108,24 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
 
-async def readyz(draining: Callable[[], bool], ready_pods: Callable[[], int], tokens: TokenizationService,
-                 health: HealthChecker, request: web.Request) -> web.Response:
+READY = "ready"
+
+
+def readiness(draining: Callable[[], bool], ready_pods: Callable[[], int], tokens: TokenizationService,
+              health: HealthChecker) -> tuple[str, int]:
+    """Whether the process takes requests (:data:`READY`, else why not) and how many pods can: what ``/readyz``
+    and the EPP's gRPC readiness both answer."""
     pods = ready_pods()
     if draining():
-        return web.json_response({"status": "draining", "ready_pods": pods}, status=503)
+        return "draining", pods
     if tokens.loading:  # it listens at once; requests would wait for the tokenizers
-        return web.json_response({"status": "loading tokenizers", "ready_pods": pods}, status=503)
+        return "loading tokenizers", pods
     if any(p.config.deployment == SIMULATED for p in health.unanswered()):
         # serve --mock-pods starts them beside the gateway (it stops if one fails to): ready once all answer.
-        return web.json_response({"status": "starting simulated pods", "ready_pods": pods}, status=503)
-    if not pods:
-        return web.json_response({"status": "no healthy pod", "ready_pods": 0}, status=503)
-    return web.json_response({"status": "ready", "ready_pods": pods})
+        return "starting simulated pods", pods
+    return (READY, pods) if pods else ("no healthy pod", 0)
+
+
+async def readyz(ready: Callable[[], tuple[str, int]], request: web.Request) -> web.Response:
+    status, pods = ready()
+    return web.json_response({"status": status, "ready_pods": pods}, status=200 if status == READY else 503)

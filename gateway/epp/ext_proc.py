@@ -90,13 +90,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
 
 class Readiness:
     """Keeps the gRPC health statuses true: live while the process serves; ready (and the ext_proc service
-    serving) while a pod can take requests, the local tokenizers have loaded and the EPP is not draining: what
-    the HTTP port's ``/readyz`` says."""
+    serving) while ``ready`` says so: what the HTTP port's ``/readyz`` says (pods, tokenizers, draining)."""
 
-    def __init__(self, front: FrontDoor, servicer: health.aio.HealthServicer, loading: Callable[[], bool],
-                 interval_s: float = 1.0) -> None:
-        self._front = front
-        self._loading = loading  # the tokenizers still load (the EPP listens at once; its requests would wait)
+    def __init__(self, ready: Callable[[], bool], servicer: health.aio.HealthServicer, interval_s: float = 1.0
+                 ) -> None:
+        self._ready = ready
         self._servicer = servicer
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -113,8 +111,7 @@ class Readiness:
             await self._servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def update(self) -> None:
-        ready = not self._front.draining and not self._loading() and self._front.ready_pods() > 0
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if self._ready() else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", "readiness", EXT_PROC_SERVICE):
             await self._servicer.set(service, status)
 

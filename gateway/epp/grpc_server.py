@@ -39,8 +39,7 @@ class EppServer:
         self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=config.server.shutdown_grace_s, **SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()
-        tokens = self.kits.tokens.tokens
-        self._readiness = Readiness(front, self._health, loading=lambda: tokens.loading)
+        self._readiness = Readiness(self.kits.serving.ready, self._health)
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcService(front, self.access_logs, config.epp), self._grpc)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from gateway.api.routes import healthz, openapi, readyz
+from gateway.api.routes import READY, healthz, openapi, readiness, readyz
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.config_reload import ConfigReloader, ReloadMetrics
 from gateway.kits.fleet import FleetKit
@@ -29,10 +29,14 @@ class ServingKit(Kit):
     def __init__(self, requests: RequestsKit, tokens: TokensKit, fleet: FleetKit, flow: FlowKit) -> None:
         self._front = requests.front
         self._flow = flow.flow
-        self._ready = partial(readyz, self._draining, self._front.ready_pods, tokens.tokens, fleet.health)
+        self.readiness = partial(readiness, self._draining, self._front.ready_pods, tokens.tokens, fleet.health)
 
     def _draining(self) -> bool:
         return self._front.draining
+
+    def ready(self) -> bool:
+        """Whether ``/readyz`` says ready (:func:`~gateway.api.routes.readiness`)."""
+        return self.readiness()[0] == READY
 
     def drain(self) -> None:
         """Shutting down: not ready any more, and nothing new waits for capacity."""
@@ -41,7 +45,7 @@ class ServingKit(Kit):
 
     def routes(self) -> Iterable[Route]:
         return [Route("GET", "/healthz", healthz), Route("GET", "/openapi.json", openapi),
-                Route("GET", "/readyz", self._ready)]
+                Route("GET", "/readyz", partial(readyz, self.readiness))]
 
 
 class TracingKit(Kit):
