@@ -5,7 +5,9 @@ tokenizer, the conversation's earlier turn remembered), the whole replay ``--rou
 request's cost is its fastest round (what it costs when nothing else takes the core), first turns and next
 turns apart.
 
-    python bench/scripts/turn_tokenizing.py [--conversations 120] [--rounds 7]
+    python bench/scripts/turn_tokenizing.py [--conversations 120] [--rounds 7] [--fast-bpe]
+
+``--fast-bpe``: text encoded through tiktoken, as the gateway does by default (``tokenization.fast_bpe``).
 
 Run it from two trees alternated (``PYTHONPATH=TREE``) to compare a change; one tree's runs differ by up to 20%
 on this machine.
@@ -56,9 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--fast-bpe", action="store_true")
     args = parser.parse_args()
     reqs = requests(args.conversations)
-    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR)
+    tokenizer = HfTokenizer(BUNDLED_TOKENIZER_DIR, fast_bpe=args.fast_bpe)
     fastest = [float("inf")] * len(reqs)
     for _ in range(args.rounds):
         asyncio.run(replay(tokenizer, reqs, fastest))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.tokenization.conversation import normalize_messages
+from gateway.tokenization.fast_bpe import ByteLevelBpe, UnsupportedTokenizer, agrees
 
 log = logging.getLogger("gateway.tokenization")
 
@@ -59,7 +60,9 @@ def _component_spec(component: Any) -> dict[str, Any]:
 
 
 class HfTokenizer:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, fast_bpe: bool = False) -> None:
+        """``fast_bpe``: encode text between added tokens through tiktoken where it computes the same ids
+        (:mod:`gateway.tokenization.fast_bpe`); the simulated pods leave it off, tokenizing as vLLM does."""
         # Never reach a model hub: tokenizers come from local directories only.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -79,6 +82,7 @@ class HfTokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
         self._special_tokens: dict[str, Any] = {}
         self._template = self._direct_template()
+        self._fast = self._fast_bpe() if fast_bpe else None
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -148,6 +152,31 @@ class HfTokenizer:
                     return None
         return template
 
+    def _fast_bpe(self) -> ByteLevelBpe | None:
+        """The tiktoken encoder for this tokenizer, where it gives the Rust tokenizer's ids; else None, and why."""
+        if self._encode_batch is None:
+            return None
+        spec = json.loads(self._backend.to_str())
+        try:
+            fast = ByteLevelBpe(spec, name=self.path)
+        except UnsupportedTokenizer as unsupported:
+            log.info("tokenizer %s: encoded by the Rust tokenizer (tiktoken cannot take its %s)", self.path,
+                     unsupported)
+            return None
+        except Exception:  # a pattern tiktoken's regex engine refuses, a vocabulary it cannot load
+            log.warning("tokenizer %s: tiktoken refused it; encoded by the Rust tokenizer", self.path, exc_info=True)
+            return None
+        if not agrees(fast, lambda texts: [e.ids for e in self._encode_batch(texts, add_special_tokens=False)], spec):
+            log.warning("tokenizer %s: tiktoken's ids differ on probes; encoded by the Rust tokenizer", self.path)
+            return None
+        log.info("tokenizer %s: text between added tokens encoded through tiktoken", self.path)
+        return fast
+
+    @property
+    def fast_bpe(self) -> bool:
+        """Whether text between added tokens is encoded through tiktoken."""
+        return self._fast is not None
+
     @cached_property
     def system_first(self) -> bool:
         """Whether the chat template refuses a system message after the first, as vLLM probes it (then a
@@ -182,8 +211,12 @@ class HfTokenizer:
             return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        """Several texts at once, without special tokens (one call into the Rust tokenizer, GIL released)."""
+    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """Texts with no added token in them (what lies between a rendered prompt's added tokens), without
+        special tokens: through tiktoken where it agrees, else in one call into the Rust tokenizer (either
+        releases the GIL)."""
+        if self._fast is not None:
+            return self._fast.encode_many(texts)
         if self._encode_batch is not None:
             return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
         return [self.encode(t, add_special_tokens=False) for t in texts]

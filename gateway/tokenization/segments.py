@@ -110,7 +110,7 @@ class SegmentEncoder:
         ids = self._cache.touch(text)
         if ids is None:
             self.misses += 1
-            ids = array("I", self._tok.encode(text, add_special_tokens=False))
+            ids = array("I", self._tok.encode_pieces([text])[0])
             self._cache.put(text, ids)
         else:
             self.hits += 1
@@ -141,6 +141,6 @@ class SegmentEncoder:
         whole = self._tok.encode(_CUT_PROBE, add_special_tokens=False)
         for size in (1, 7, 40):
             pieces = cut_at_spaces(_CUT_PROBE, size)
-            if [i for ids in self._tok.encode_many(pieces) for i in ids] != whole:
+            if [i for ids in self._tok.encode_pieces(pieces) for i in ids] != whole:
                 return False
         return True

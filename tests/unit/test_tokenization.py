@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import shutil
+import threading
 import time
 
 import pytest
@@ -194,6 +195,23 @@ async def test_long_new_text_is_tokenized_off_the_loop_with_the_same_result(toke
     ids = (await service.tokenize("m", "chat", InferenceRequest(model="m", messages=messages))).ids
     assert list(ids) == tokenizer.encode_chat(messages)
     assert local.segments.misses == misses  # the new segments were encoded in the worker thread
+
+
+@pytest.mark.parametrize(("fast_bpe", "threshold"), [(False, 100), (True, 300)])
+async def test_new_text_goes_to_a_thread_past_what_its_encoder_does_in_the_same_time(monkeypatch, fast_bpe, threshold):
+    """tiktoken encodes three times as fast as the Rust tokenizer: three times the text stays on the loop."""
+    local = make_service(local_models(), offload_chars=100, fast_bpe=fast_bpe).local("m")
+    assert isinstance(local, LocalTokenizer) and local.tokenizer.fast_bpe is fast_bpe
+    threads = []
+    encode = local.tokenizer.encode_pieces
+    monkeypatch.setattr(local.tokenizer, "encode_pieces",
+                        lambda texts: threads.append(threading.current_thread()) or encode(texts))
+    for size, on_loop in ((threshold - 30, True), (threshold + 10, False)):  # the template adds a few
+        threads.clear()
+        text = ("word " * size)[:size]
+        ids = (await local.chat([{"role": "user", "content": text}], InferenceRequest(model="m"), None)).ids
+        assert list(ids) == local.tokenizer.encode_chat([{"role": "user", "content": text}])
+        assert threads and all((t is threading.main_thread()) is on_loop for t in threads), (size, threads)
 
 
 async def test_unknown_model_is_counted_and_logged_once(caplog):
