@@ -154,6 +154,9 @@ def test_openai_sdk_through_a_gateway_process(vllm: VllmFleet, model_dir: str, t
 
 async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vllm: VllmFleet, http) -> None:
     gw = await start_kv_gateway()
+    # The text between added tokens is encoded through tiktoken (tokenization.fast_bpe), the engine's through
+    # the Rust tokenizer: the ids must still be the engine's.
+    assert gw.kits.tokens.tokens.local(MODEL).tokenizer.fast_bpe
     doc = document("tokenize", 120)
     chats = [
         [{"role": "user", "content": "Hello there"}],
