@@ -60,6 +60,17 @@ def _bytes_to_unicode() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
+_BYTE_OF_CHAR = _bytes_to_unicode()
+
+
+def sequence_steps(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """A tokenizer component's steps as tokenizer.json lists them: a ``Sequence``'s (under ``key``:
+    ``normalizers``, ``pretokenizers``), else the component alone; none without one."""
+    if not component:
+        return []
+    return component.get(key, []) if component.get("type") == "Sequence" else [component]
+
+
 class ByteLevelBpe:
     """Text with no added token in it, encoded without special tokens (see the module docstring)."""
 
@@ -86,16 +97,14 @@ class ByteLevelBpe:
 
 def _normalizer(normalizer: dict[str, Any] | None) -> bool:
     """Whether to apply NFC first."""
-    if not normalizer:
-        return False
-    steps = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
-    if [step.get("type") for step in steps] == ["NFC"]:
-        return True
-    raise UnsupportedTokenizer(f"normalizer {normalizer.get('type')}")
+    kinds = [step.get("type") for step in sequence_steps(normalizer, "normalizers")]
+    if kinds in ([], ["NFC"]):
+        return bool(kinds)
+    raise UnsupportedTokenizer(f"normalizer {' + '.join(map(str, kinds))}")
 
 
 def _pattern(pre: dict[str, Any] | None) -> str:
-    steps = (pre or {}).get("pretokenizers", [pre]) if (pre or {}).get("type") == "Sequence" else [pre or {}]
+    steps = sequence_steps(pre, "pretokenizers")
     kinds = [step.get("type") for step in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
         return GPT2_PATTERN
@@ -107,7 +116,7 @@ def _pattern(pre: dict[str, Any] | None) -> str:
             if any(m.end() == m.start() for m in regex.finditer(source, PROBE_TEXT + "\n")):
                 raise UnsupportedTokenizer("a pre-tokenizer regex that matches empty text")
             return str(source)
-    raise UnsupportedTokenizer(f"pre-tokenizer {' + '.join(map(str, kinds))}")
+    raise UnsupportedTokenizer(f"pre-tokenizer {' + '.join(map(str, kinds)) or 'none'}")
 
 
 def _ranks(model: dict[str, Any], added: set[str]) -> dict[bytes, int]:
@@ -115,10 +124,9 @@ def _ranks(model: dict[str, Any], added: set[str]) -> dict[bytes, int]:
     if model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") \
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         raise UnsupportedTokenizer(f"model {model.get('type')} with options tiktoken has not")
-    alphabet = _bytes_to_unicode()
     vocab: dict[str, int] = model.get("vocab") or {}
     try:
-        ranks = {bytes(alphabet[c] for c in token): i for token, i in vocab.items() if token not in added}
+        ranks = {bytes(_BYTE_OF_CHAR[c] for c in token): i for token, i in vocab.items() if token not in added}
     except KeyError:
         raise UnsupportedTokenizer("a token outside the byte-level alphabet") from None
     if len(ranks) != len(vocab) - len(added & vocab.keys()) or not all(bytes([b]) in ranks for b in range(256)):
@@ -135,12 +143,11 @@ def _ranks(model: dict[str, Any], added: set[str]) -> dict[bytes, int]:
 
 def vocabulary_probe(spec: dict[str, Any]) -> str:
     """The vocabulary as text, one token a line (those whose bytes are text and hold no added token)."""
-    alphabet = _bytes_to_unicode()
     added = [t["content"] for t in spec.get("added_tokens") or []]
     words = []
     for token in (spec.get("model") or {}).get("vocab") or {}:
         try:
-            word = bytes(alphabet[c] for c in token).decode()
+            word = bytes(_BYTE_OF_CHAR[c] for c in token).decode()
         except (KeyError, UnicodeDecodeError):
             continue
         if not any(a in word for a in added):

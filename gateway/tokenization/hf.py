@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.tokenization.conversation import normalize_messages
-from gateway.tokenization.fast_bpe import ByteLevelBpe, UnsupportedTokenizer, agrees
+from gateway.tokenization.fast_bpe import ByteLevelBpe, UnsupportedTokenizer, agrees, sequence_steps
 
 log = logging.getLogger("gateway.tokenization")
 
@@ -166,7 +166,7 @@ class HfTokenizer:
         except Exception:  # a pattern tiktoken's regex engine refuses, a vocabulary it cannot load
             log.warning("tokenizer %s: tiktoken refused it; encoded by the Rust tokenizer", self.path, exc_info=True)
             return None
-        if not agrees(fast, lambda texts: [e.ids for e in self._encode_batch(texts, add_special_tokens=False)], spec):
+        if not agrees(fast, self._rust_pieces, spec):
             log.warning("tokenizer %s: tiktoken's ids differ on probes; encoded by the Rust tokenizer", self.path)
             return None
         log.info("tokenizer %s: text between added tokens encoded through tiktoken", self.path)
@@ -215,8 +215,9 @@ class HfTokenizer:
         """Texts with no added token in them (what lies between a rendered prompt's added tokens), without
         special tokens: through tiktoken where it agrees, else in one call into the Rust tokenizer (either
         releases the GIL)."""
-        if self._fast is not None:
-            return self._fast.encode_many(texts)
+        return self._fast.encode_many(texts) if self._fast is not None else self._rust_pieces(texts)
+
+    def _rust_pieces(self, texts: list[str]) -> list[list[int]]:
         if self._encode_batch is not None:
             return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
         return [self.encode(t, add_special_tokens=False) for t in texts]
@@ -237,14 +238,11 @@ class HfTokenizer:
         :class:`~gateway.tokenization.segments.SegmentEncoder` checks the claim on probes before it relies on it."""
         if self._backend is None:
             return False
-        normalizer = _component_spec(self._backend.normalizer)
-        normalizers = normalizer.get("normalizers", [normalizer]) if normalizer else []
+        normalizers = sequence_steps(_component_spec(self._backend.normalizer), "normalizers")
         if any(n.get("type") not in _PER_CHARACTER_NORMALIZERS for n in normalizers):
             return False
-        pre = _component_spec(self._backend.pre_tokenizer)
-        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         regex_split = False
-        for step in steps:
+        for step in sequence_steps(_component_spec(self._backend.pre_tokenizer), "pretokenizers"):
             kind = step.get("type")
             if kind == "ByteLevel" and not step.get("add_prefix_space"):
                 regex_split = regex_split or bool(step.get("use_regex"))

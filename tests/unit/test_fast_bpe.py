@@ -6,14 +6,19 @@ import json
 import logging
 import pydoc_data.topics
 import random
-import shutil
 
 import pytest
 
 from gateway.config import ModelTokenizerConfig
 from gateway.tokenization.fast_bpe import ByteLevelBpe, UnsupportedTokenizer
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
-from tests.unit.test_tokenization import BYTE_LEVEL, LLAMA3_SPLIT, make_service
+from tests.unit.test_tokenization import (
+    BYTE_LEVEL,
+    LLAMA3_SPLIT,
+    make_service,
+    merge_letters_with_spaces_first,
+    tokenizer_with,
+)
 
 # Characters of every class a pre-tokenizer tells apart, for random text.
 ALPHABET = [*"abcdefXYZ'\u20190123456789 .,;:!?-_()[]{}\"#\t\n\r", "  ", "\u00a0", "é", "e\u0301", "東京", "🙂", "ß"]
@@ -31,11 +36,7 @@ def random_text(rng: random.Random, n: int) -> str:
 
 def variant(tmp_path, change) -> HfTokenizer:
     """The bundled tokenizer with its tokenizer.json changed by ``change``, fast path asked for."""
-    shutil.copytree(BUNDLED_TOKENIZER_DIR, tmp_path, dirs_exist_ok=True)
-    spec = json.loads((tmp_path / "tokenizer.json").read_text())
-    change(spec)
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    return HfTokenizer(tmp_path, fast_bpe=True)
+    return tokenizer_with(tmp_path, change, fast_bpe=True)
 
 
 def assert_same_ids(tokenizer: HfTokenizer, texts: list[str]) -> None:
@@ -89,10 +90,7 @@ def add_unbuilt_token(spec: dict) -> None:
 
 def put_merges_before_their_rank(spec: dict) -> None:
     """Merges of a letter with the space after it applied first, but ranked last (ids after every other)."""
-    model = spec["model"]
-    for letter in "abcdefghijklmnopqrstuvwxyz":
-        model["vocab"][letter + "Ġ"] = len(model["vocab"])
-    model["merges"] = [[letter, "Ġ"] for letter in "abcdefghijklmnopqrstuvwxyz"] + model["merges"]
+    merge_letters_with_spaces_first(spec)
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": r"\S+\s*"}, "behavior": "Isolated", "invert": False}, BYTE_LEVEL]}
 

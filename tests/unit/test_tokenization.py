@@ -9,6 +9,8 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -98,18 +100,30 @@ def test_prompts_sharing_a_long_prefix_tokenize_only_the_pieces_after_it(tokeniz
     assert len(encoder.layout(text)) > 10
 
 
-def tokenizer_variant(tmp_path, pre_tokenizer: dict) -> HfTokenizer:
-    """The mock tokenizer with another pre-tokenizer, and merges of a letter with the space after it first
-    (as a tokenizer trained on pre-tokens that hold both would have: only there can a cut change the ids)."""
+def tokenizer_with(tmp_path, change: Callable[[dict], None], **options: Any) -> HfTokenizer:
+    """The bundled tokenizer with its tokenizer.json changed in place by ``change``."""
     shutil.copytree(BUNDLED_TOKENIZER_DIR, tmp_path, dirs_exist_ok=True)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
-    spec["pre_tokenizer"] = pre_tokenizer
+    change(spec)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    return HfTokenizer(tmp_path, **options)
+
+
+def merge_letters_with_spaces_first(spec: dict) -> None:
+    """Merges of a letter with the space after it, applied first (as a tokenizer trained on pre-tokens that hold
+    both would have: only there can a cut change the ids) but ranked last (ids after every other token)."""
     model = spec["model"]
     for letter in "abcdefghijklmnopqrstuvwxyz":
         model["vocab"][letter + "Ġ"] = len(model["vocab"])
     model["merges"] = [[letter, "Ġ"] for letter in "abcdefghijklmnopqrstuvwxyz"] + model["merges"]
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    return HfTokenizer(tmp_path)
+
+
+def tokenizer_variant(tmp_path, pre_tokenizer: dict) -> HfTokenizer:
+    """The mock tokenizer with another pre-tokenizer, and merges of a letter with the space after it first."""
+    def change(spec: dict) -> None:
+        spec["pre_tokenizer"] = pre_tokenizer
+        merge_letters_with_spaces_first(spec)
+    return tokenizer_with(tmp_path, change)
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
