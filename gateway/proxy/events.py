@@ -10,12 +10,15 @@ whole events are let through (one cut in two waits for its end), as a client rea
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 _DONE = b"[DONE]"
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+# Either end, leftmost first (one cannot start inside the other): one pass over a chunk of many events.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
 
 
 class _Event(msgspec.Struct):
@@ -56,10 +59,8 @@ class EventCheck:
         return self._checked(held)
 
     def _checked(self, data: bytes) -> bytes:
-        if data.startswith(b"data: ") and data.endswith(b"\n\n") and data.count(b"\n") == 2:
-            events: list[bytes] = [data]  # one bare event, as engines write them: no need to look for more
-        else:
-            events = _events(data)
+        # One bare event, as engines mostly write them: no need to look for more.
+        events = [data] if _bare_data(data) else _events(data)
         good = 0
         for event in events:
             error = _error(*_fields(event))
@@ -74,16 +75,23 @@ class EventCheck:
 def _events(data: bytes) -> list[bytes]:
     """Each event with its separator (so their lengths add up to ``data``'s)."""
     events, start = [], 0
-    while start < len(data):
-        ends = [i + len(sep) for sep in _EVENT_ENDS if (i := data.find(sep, start)) >= 0]
-        end = min(ends) if ends else len(data)
-        events.append(data[start:end])
-        start = end
+    for end in _EVENT_END.finditer(data):
+        events.append(data[start:end.end()])
+        start = end.end()
+    if start < len(data):
+        events.append(data[start:])
     return events
+
+
+def _bare_data(event: bytes) -> bool:
+    """Whether ``event`` is one ``data:`` line and its blank line, as engines write their events."""
+    return event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
 
 
 def _fields(event: bytes) -> tuple[bytes | None, bytes | None]:
     """An event's name and its data (its ``data:`` lines joined, as SSE defines; None: it has none)."""
+    if _bare_data(event):
+        return None, event[6:-2]
     name, data = None, []
     for line in event.splitlines():
         field, _, value = line.partition(b":")

@@ -41,3 +41,15 @@ def test_a_multi_line_data_event_is_joined_as_sse_says_and_a_last_unfinished_eve
     assert check.chunk(b'data: {"b": 2}') == b""
     assert check.rest() == b'data: {"b": 2}' and not check.malformed
     assert check.chunk(b"data: {oops") == b"" and check.rest() == b"" and check.malformed
+
+
+def test_a_chunk_of_many_events_with_both_line_ends_is_cut_event_by_event():
+    crlf = OK.replace(b"\n", b"\r\n")
+    events = [OK, crlf] * 300 + [ERROR]
+    check = EventCheck()
+    assert check.chunk(b"".join(events) + b"data: {cut") == b"".join(events)
+    assert check.engine_error and not check.malformed
+    # A malformed event deep in such a chunk still stops it exactly there.
+    check = EventCheck()
+    assert check.chunk(b"".join(events[:401]) + b"data: {bad\r\n\r\n" + OK) == b"".join(events[:401])
+    assert check.malformed
