@@ -2,7 +2,8 @@
 
     E2E_VLLM_PYTHON=$(tools/vllm-env.sh)/bin/python E2E_MODEL_DIR=<the e2e suite's tiny model> \\
         python bench/scripts/agentic_real_pods.py --contender gateway-kv_aware \\
-        --contender gateway-kv_aware-no-workflow --seed 3 --seed 4 --seed 5 [--think 1 4] [--blocks 48]
+        --contender gateway-kv_aware-no-workflow --seed 3 --seed 4 --seed 5 [--think 1 4] [--blocks 48] \\
+        [--workload shared-prefix]
 
 Two pods, each on a core of its own, with ``--blocks`` KV blocks of 128 tokens (one is vLLM's null block),
 take the e2e suite's agentic trace (``agentic_shared``: 30 workflows of 4-5 stages over two role prompts
@@ -11,6 +12,9 @@ twice what the pods hold. Every contender runs on the same pods, reset between r
 run: the pods' own hit ratio (keep-warm refreshes taken out), the oracle's sticky-LRU and keep-warm
 bounds, TTFT, a workflow's time from its first request to its last answer (session), requests per pod,
 and what keep-warm spent. ``tests/e2e/run.sh`` shows how the environment and the model are made.
+
+``--workload shared-prefix``: instead, one-request sessions in 8 groups of 12 sharing a long system prompt
+(700 words, a question of 100 each, 6 a second), the shared-prefix traffic of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.runner import CONTENDERS, BenchRunner
-from bench.workloads import agentic_shared
+from bench.workloads import Trace, agentic_shared, shared_prefix
 from gateway.config import PodConfig
 from tests.e2e.conftest import MODEL, VllmPod
 
@@ -33,6 +37,14 @@ from tests.e2e.conftest import MODEL, VllmPod
 EXTRAS = ("cpu_ms_per_req_router", "step_tokenize_ms_p50", "prompt_tokens", "keep_warm_refreshes",
           "keep_warm_cancelled", "keep_warm_computed_tokens", "keep_warm_kept", "keep_warm_lost",
           "lost_evicted_while_thinking")
+
+
+def workload(args: argparse.Namespace, seed: int) -> Trace:
+    if args.workload == "shared-prefix":
+        return shared_prefix(seed=seed, groups=8, per_group=12, shared_words=700, question_words=100, rate=6.0)
+    return agentic_shared(seed=seed, workflows=args.workflows, min_stages=args.stages[0], max_stages=args.stages[1],
+                          roles=2, common_words=220, role_words=80, task_words=40, tool_words=100,
+                          think_min_s=args.think[0], think_max_s=args.think[1], rate=3.0, max_tokens=8)
 
 
 def main() -> None:
@@ -43,6 +55,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks per pod (vLLM's null block included)")
     parser.add_argument("--workflows", type=int, default=30)
     parser.add_argument("--stages", nargs=2, type=int, default=(4, 5), metavar=("MIN", "MAX"))
+    parser.add_argument("--workload", choices=("agentic", "shared-prefix"), default="agentic")
     args = parser.parse_args()
     python, model_dir = os.environ.get("E2E_VLLM_PYTHON"), os.environ.get("E2E_MODEL_DIR")
     if not python or not model_dir:
@@ -62,10 +75,7 @@ def main() -> None:
         runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=configs, progress=False,
                              router_logs=str(run_dir / "routers"))
         for seed in args.seed:
-            trace = agentic_shared(seed=seed, workflows=args.workflows, min_stages=args.stages[0],
-                                   max_stages=args.stages[1], roles=2, common_words=220,
-                                   role_words=80, task_words=40, tool_words=100, think_min_s=args.think[0],
-                                   think_max_s=args.think[1], rate=3.0, max_tokens=8)
+            trace = workload(args, seed)
             for name in args.contender:
                 r = runner.run(CONTENDERS[name], trace)
                 print(json.dumps({

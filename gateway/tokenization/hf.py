@@ -80,7 +80,7 @@ class HfTokenizer:
         self._encode_batch = getattr(self._backend, "encode_batch_fast", None) or getattr(
             self._backend, "encode_batch", None)
         self.eos_token_id: int | None = self._tok.eos_token_id
-        self._special_tokens: dict[str, Any] = {}
+        self._render_globals: dict[str, Any] = {}  # the compiled template's globals and the special tokens
         self._template = self._direct_template()
         self._fast = self._fast_bpe() if fast_bpe else None
 
@@ -120,9 +120,13 @@ class HfTokenizer:
 
     def _render_compiled(self, template: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          add_generation_prompt: bool) -> str:
-        """What ``render_jinja_template`` hands the compiled template, for what it would pass on unchanged."""
-        return template.render(messages=messages, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self._special_tokens)
+        """What ``render_jinja_template`` hands the compiled template, for what it would pass on unchanged. As
+        ``Template.render`` does, but on the template's globals merged once (``render`` reads them through a
+        ``ChainMap`` each call: half of what a next turn's small render cost)."""
+        context = template.new_context({**self._render_globals, "messages": messages, "tools": tools,
+                                        "documents": None, "add_generation_prompt": add_generation_prompt},
+                                       shared=True)
+        return template.environment.concat(template.root_render_func(context))
 
     def _direct_template(self) -> Any:
         """The model's chat template compiled as transformers compiles it, to render plain conversations
@@ -133,7 +137,7 @@ class HfTokenizer:
             if not isinstance(self._tok.chat_template, str):
                 return None
             template = _compile_jinja_template(self._tok.chat_template)
-            self._special_tokens = dict(self._tok.special_tokens_map)
+            self._render_globals = {**template.globals, **self._tok.special_tokens_map}
         except Exception:  # no template, or transformers moved its compiler: render through transformers
             return None
         for messages, tools in _RENDER_PROBES:
