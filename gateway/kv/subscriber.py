@@ -216,7 +216,7 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 1_000)  # a pod that starts is read within a second
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)

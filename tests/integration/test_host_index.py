@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import signal
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import msgspec
@@ -74,6 +75,35 @@ async def test_indexers_share_the_pods_and_readers_see_every_block_and_eviction(
             await indexer.stop()
 
 
+async def every_worker_sees_every_pod(http: aiohttp.ClientSession, url: str, workers: int, pods: int) -> None:
+    """Wait until each worker has seen every pod pass its health check. A gateway is ready once a worker is,
+    and each worker checks the pods itself: one that found them still starting asks again up to a check
+    interval later, and meanwhile routes among the pods it has seen."""
+    ready: set[str] = set()
+    for _ in range(300):
+        async with http.get(f"{url}/debug/pods") as resp:
+            if sum(pod["healthy"] for pod in (await resp.json())["pods"]) == pods:
+                ready.add(resp.headers["x-gateway-worker"])
+        if len(ready) == workers:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"only workers {sorted(ready)} saw all {pods} pods healthy")
+
+
+async def holders_blocks_indexed(index_of_a_worker: Callable[[], Awaitable[dict]], pod: str, at_least: int,
+                                 not_by: int | None = None) -> int:
+    """Wait until a worker's ``/debug/index`` shows ``at_least`` blocks of ``pod`` (written by an indexer other
+    than ``not_by``); the blocks shown. The indexer may connect to a pod seconds after it turned healthy
+    (ZeroMQ's reconnect backoff while the pod was starting): its replay buffer then fills the index."""
+    for _ in range(150):
+        info = await index_of_a_worker()
+        blocks = sum(view["blocks"] for view in info["views"] if view["pod"] == pod)
+        if blocks >= at_least and not_by not in info["memory"]["writer_pids"]:
+            return blocks
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{pod}'s blocks did not reach the index: {info}")
+
+
 async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_path):
     """`serve --workers 2 --policy kv_aware`: no worker applies an event itself, yet a prompt returns to the pod
     holding it whichever worker takes it; a killed indexer is started again, rebuilds the index from the pods'
@@ -100,8 +130,9 @@ async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_p
                 return await resp.json()
 
         await wait_ready(url, http, proc)
+        await every_worker_sees_every_pod(http, url, workers=2, pods=3)
         first_worker, holder, _ = await ask()
-        await asyncio.sleep(0.5)  # the pod's events reach the indexer
+        held = await holders_blocks_indexed(index_of_a_worker, holder, at_least=250 // 16)
         seen = {first_worker}
         for _ in range(12):
             worker, pod, cached = await ask()
@@ -113,13 +144,7 @@ async def test_workers_route_by_the_indexers_index_and_survive_its_restart(tmp_p
         (indexer_pid,) = info["memory"]["writer_pids"]
         assert indexer_pid not in (os.getpid(), proc.pid)
         os.kill(indexer_pid, signal.SIGKILL)
-        for _ in range(100):  # started again: a new writer, the index rebuilt from the pods' replays
-            info = await index_of_a_worker()
-            if info["memory"]["writer_pids"] != [indexer_pid] and info["indexed_blocks"] > 0:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the indexer was not started again, or did not rebuild the index")
+        await holders_blocks_indexed(index_of_a_worker, holder, at_least=held, not_by=indexer_pid)
         for _ in range(4):
             _, pod, cached = await ask()
             assert pod == holder and cached > 250
