@@ -8,13 +8,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from typing import Any
 
 import msgspec
 
-from gateway.background import run_loop
+from gateway.background import cancel_and_wait, run_loop
 from gateway.extensions import Command, Simulator
 from gateway.kv.events import Encoding
 from simulator.config import MockPodConfig, MockPodsConfig
@@ -28,6 +29,9 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--pods", type=int, help="run N pods in this process, pod i on --port + i, its events and replay "
                    "on --events-port + 2i and --replay-port + 2i (0: any free port); prints one JSON line per pod "
                    "(index, url, events, replay) once all listen")
+    m.add_argument("--exit-with-parent", action="store_true",
+                   help="stop once the process that started this one is gone (the launcher beside a gateway passes "
+                        "it: a gateway killed outright leaves no pods behind)")
     m.add_argument("--synthetic-events", type=float, default=0.0, metavar="R",
                    help="with --pods: each pod publishes R block events a second (stored and removed) with no "
                         "requests, to measure ingest alone")
@@ -96,6 +100,7 @@ async def serve_pods(config: MockPodConfig, args: argparse.Namespace) -> None:
     from simulator.group import MockPodGroup
     from simulator.pod import MockPod
 
+    parent = os.getppid()  # before the pods start: the launcher waits for them, alive
     if args.pods is not None:
         group = MockPodGroup(config, args.pods, synthetic_events=args.synthetic_events,
                              synthetic_hold=args.synthetic_hold)
@@ -118,10 +123,20 @@ async def serve_pods(config: MockPodConfig, args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    orphaned = asyncio.create_task(_stop_when_orphaned(stop, parent)) if args.exit_with_parent else None
     try:
         await stop.wait()
     finally:
+        await cancel_and_wait(orphaned)
         await stop_pods()
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, parent: int) -> None:
+    """Sets ``stop`` once the process ``parent`` has gone (this one is then another's child)."""
+    while os.getppid() == parent:  # noqa: ASYNC110 (no event to wait for: the parent changes)
+        await asyncio.sleep(1.0)
+    log.warning("the process that started these pods is gone: stopping")
+    stop.set()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -161,7 +161,7 @@ class MockPodFleet:
             "--port", str(ports[0]), "--events-port", str(ports[1]), "--replay-port", str(ports[2]),
             "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--speed", str(c.speed),
             "--flavor", c.flavor, "--model", c.model, "--max-model-len", str(c.max_model_len),
-            "--scheduling-policy", c.scheduling,
+            "--scheduling-policy", c.scheduling, "--exit-with-parent",
         ]
         if c.enable_lora or c.lora_adapters:
             cmd += ["--enable-lora", "--max-loras", str(c.max_loras)]

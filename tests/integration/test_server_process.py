@@ -115,6 +115,46 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
         await stop_cleanly(proc, timeout_s=20)
 
 
+def live_children(parent: int, marker: bytes) -> set[int]:
+    """The processes whose parent is ``parent`` and whose command line holds ``marker`` (zombies are not live)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(parent) and marker in cmdline and not fields["State"].startswith("Z"):
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+async def test_simulated_pods_stop_when_their_gateway_is_killed_outright(http):
+    """`serve --mock-pods` killed with SIGKILL (no chance to stop its pods): the pods notice and stop, so a
+    crashed gateway or a failed test leaves no processes and ports behind."""
+    port = free_port()
+    async with gateway_subprocess("--mock-pods", "2", "--mock-speed", "0", "--port", str(port)) as proc:
+        await wait_ready(f"http://127.0.0.1:{port}", http, proc)
+        pods = live_children(proc.pid, b"gateway\x00mock")
+        assert len(pods) == 2  # one process a pod when started beside a gateway
+        proc.kill()
+        # Bounded: the pods inherited the gateway's stderr pipe, and its end is reported once they are gone too.
+        await asyncio.wait_for(proc.wait(), timeout=30)
+    for _ in range(150):  # they look for their parent once a second
+        if not any(alive(pid) for pid in pods):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"simulated pods {sorted(p for p in pods if alive(p))} outlived their gateway")
+
+
 async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
     """`serve --workers 2`: both workers answer on one port, /metrics counts every worker's requests, a
     killed worker is started again while the other serves, and SIGTERM stops them all."""
