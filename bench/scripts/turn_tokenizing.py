@@ -7,7 +7,7 @@ turns apart.
 
     python bench/scripts/turn_tokenizing.py [--conversations 120] [--rounds 7] [--fast-bpe]
 
-``--fast-bpe``: text encoded through tiktoken, as the gateway does by default (``tokenization.fast_bpe``).
+``--fast-bpe``: text encoded through tiktoken, as the gateway does with ``tokenization.fast_bpe: true``.
 
 Run it from two trees alternated (``PYTHONPATH=TREE``) to compare a change; one tree's runs differ by up to 20%
 on this machine.

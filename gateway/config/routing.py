@@ -113,8 +113,9 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     reuse_tokens: int = 20_000_000
     # Text between a prompt's added tokens encoded through tiktoken, for the byte-level BPE tokenizers where it
     # gives the same ids (checked at load: gateway/tokenization/fast_bpe.py); about 3x faster than the Rust
-    # tokenizer on real text. False: the Rust tokenizer always.
-    fast_bpe: bool = True
+    # tokenizer on real text. Off by default: on two real vLLM pods it was not shown to keep TTFT p90 and the
+    # hit ratio (docs/benchmarks.md, "Shared-prefix traffic on real pods, tiktoken against itself off").
+    fast_bpe: bool = False
 
 
 class KvIndexConfig(msgspec.Struct, forbid_unknown_fields=True):

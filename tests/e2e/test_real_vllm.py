@@ -89,8 +89,8 @@ def start_kv_gateway(start_gateway, empty_caches: VllmFleet, model_dir: str):
     async def start(**overrides: Any):
         overrides.setdefault("routing", {"policy": "kv_aware"})
         overrides.setdefault("health", {"interval_s": 0.3, "timeout_s": 2.0, "failure_threshold": 2})
-        return await start_gateway(empty_caches.gateway_pods(),
-                                   tokenization={"models": {MODEL: {"path": model_dir}}}, **overrides)
+        tokenization = {"models": {MODEL: {"path": model_dir}}, **overrides.pop("tokenization", {})}
+        return await start_gateway(empty_caches.gateway_pods(), tokenization=tokenization, **overrides)
     return start
 
 
@@ -152,11 +152,13 @@ def test_openai_sdk_through_a_gateway_process(vllm: VllmFleet, model_dir: str, t
     assert gw.proc.returncode == 0
 
 
-async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vllm: VllmFleet, http) -> None:
-    gw = await start_kv_gateway()
-    # The text between added tokens is encoded through tiktoken (tokenization.fast_bpe), the engine's through
-    # the Rust tokenizer: the ids must still be the engine's.
-    assert gw.kits.tokens.tokens.local(MODEL).tokenizer.fast_bpe
+@pytest.mark.parametrize("fast_bpe", [False, True])
+async def test_local_tokenization_equals_the_pods_tokenize(start_kv_gateway, vllm: VllmFleet, http,
+                                                           fast_bpe: bool) -> None:
+    gw = await start_kv_gateway(tokenization={"fast_bpe": fast_bpe})
+    # With tokenization.fast_bpe the text between added tokens is encoded through tiktoken, the engine's
+    # through the Rust tokenizer: the ids must still be the engine's.
+    assert gw.kits.tokens.tokens.local(MODEL).tokenizer.fast_bpe is fast_bpe
     doc = document("tokenize", 120)
     chats = [
         [{"role": "user", "content": "Hello there"}],
