@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -33,6 +34,13 @@ async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
         await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def parent_gone(parent: int) -> None:
+    """Returns once the process ``parent`` is no longer this one's parent: it died, and the process was handed
+    to another (a child killed with it would otherwise live on). Looked at once a second."""
+    while os.getppid() == parent:  # noqa: ASYNC110 (no event to wait for: the parent changes)
+        await asyncio.sleep(1.0)
 
 
 class LoopShare:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.background import name_process, run_loop
+from gateway.background import name_process, parent_gone, run_loop
 from gateway.cluster.identity import WorkerIdentity, new_replica_id
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.flow.release_order import SharedReleaseOrder
@@ -288,8 +288,7 @@ def _run_child(ready: multiprocessing.connection.Connection, label: str,
 
 async def _drain_if_orphaned(supervisor: int) -> None:
     """A supervisor killed outright cannot stop its workers: each notices and drains itself."""
-    while os.getppid() == supervisor:  # noqa: ASYNC110 (no event to wait for: the parent changes)
-        await asyncio.sleep(1.0)
+    await parent_gone(supervisor)
     log.warning("the supervisor is gone: this worker drains and stops")
     os.kill(os.getpid(), signal.SIGTERM)
 

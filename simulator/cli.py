@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.background import cancel_and_wait, run_loop
+from gateway.background import cancel_and_wait, parent_gone, run_loop
 from gateway.extensions import Command, Simulator
 from gateway.kv.events import Encoding
 from simulator.config import MockPodConfig, MockPodsConfig
@@ -132,9 +132,8 @@ async def serve_pods(config: MockPodConfig, args: argparse.Namespace) -> None:
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int) -> None:
-    """Sets ``stop`` once the process ``parent`` has gone (this one is then another's child)."""
-    while os.getppid() == parent:  # noqa: ASYNC110 (no event to wait for: the parent changes)
-        await asyncio.sleep(1.0)
+    """Sets ``stop`` once the process ``parent`` has gone."""
+    await parent_gone(parent)
     log.warning("the process that started these pods is gone: stopping")
     stop.set()
 

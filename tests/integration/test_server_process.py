@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from simulator.pod import free_port
-from tests.conftest import answers_ok, chat_body
+from tests.conftest import answers_ok, chat_body, eventually
 from tests.integration.test_errors import backend
 
 
@@ -115,26 +115,34 @@ async def test_serve_with_mock_pods_answers_an_openai_client(http):
         await stop_cleanly(proc, timeout_s=20)
 
 
-def live_children(parent: int, marker: bytes) -> set[int]:
-    """The processes whose parent is ``parent`` and whose command line holds ``marker`` (zombies are not live)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError):  # not a process, or gone meanwhile
-            continue
-        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-        if fields.get("PPid", "").strip() == str(parent) and marker in cmdline and not fields["State"].startswith("Z"):
-            found.add(int(entry.name))
-    return found
+def status(pid: int) -> dict[str, str]:
+    """The process's ``/proc/<pid>/status`` fields; none once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
 def alive(pid: int) -> bool:
-    try:
-        return not Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return False
+    """Running, not gone and not a zombie."""
+    return not status(pid).get("State", "Z").startswith("Z")
+
+
+def live_children(parent: int, marker: bytes) -> set[int]:
+    """The live processes whose parent is ``parent`` and whose command line holds ``marker``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(entry.name)
+        if marker in cmdline and status(pid).get("PPid", "").strip() == str(parent) and alive(pid):
+            found.add(pid)
+    return found
 
 
 async def test_simulated_pods_stop_when_their_gateway_is_killed_outright(http):
@@ -148,11 +156,7 @@ async def test_simulated_pods_stop_when_their_gateway_is_killed_outright(http):
         proc.kill()
         # Bounded: the pods inherited the gateway's stderr pipe, and its end is reported once they are gone too.
         await asyncio.wait_for(proc.wait(), timeout=30)
-    for _ in range(150):  # they look for their parent once a second
-        if not any(alive(pid) for pid in pods):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"simulated pods {sorted(p for p in pods if alive(p))} outlived their gateway")
+    await eventually(lambda: not any(alive(pid) for pid in pods))  # they look for their parent once a second
 
 
 async def test_workers_share_one_port_merge_metrics_and_are_restarted(tmp_path):
