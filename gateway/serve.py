@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.api.connections import GatewayRunner
 from gateway.api.records import RECORDS_KEY, runner_options
 from gateway.app import build_app, build_gateway
-from gateway.background import raise_open_files_limit
+from gateway.background import freeze_start_up_heap, raise_open_files_limit
 from gateway.cluster.identity import WorkerIdentity
 from gateway.config import ConfigSource, GatewayConfig, ServerConfig
 from gateway.tokenization.tokenizers import TokenizationService
@@ -93,6 +93,7 @@ async def run_gateway(config: GatewayConfig, ready: asyncio.Event | None = None,
                  len(config.pods), "; loading its tokenizers..." if tokens.loading else "")
         on_signals(stop, reloader.request if reloader is not None else None)
         if await _loaded(tokens, stop):
+            freeze_start_up_heap()
             log.info("gateway %sstarted (%.1f s after its imports): tokenizers loaded, %d of %d pods healthy", name,
                      time.monotonic() - began, gateway.requests.front.ready_pods(), len(config.pods))
             if ready:

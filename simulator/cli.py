@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.background import cancel_and_wait, parent_gone, run_loop
+from gateway.background import cancel_and_wait, freeze_start_up_heap, parent_gone, run_loop
 from gateway.extensions import Command, Simulator
 from gateway.kv.events import Encoding
 from simulator.config import MockPodConfig, MockPodsConfig
@@ -118,6 +118,9 @@ async def serve_pods(config: MockPodConfig, args: argparse.Namespace) -> None:
         log.info("mock %s pod %s on %s (events %s, replay %s)", config.flavor, config.model, pod.url,
                  pub.endpoint if pub else None, pub.replay_endpoint if pub else None)
         stop_pods = pod.stop
+    # As vLLM does once started (vllm/utils/gc_utils.py, freeze_gc_heap): without it a simulated pod stalled
+    # 40-150 ms in each full collection, walking its tokenizer, and every router's tail showed it.
+    freeze_start_up_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

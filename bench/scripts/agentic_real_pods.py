@@ -3,7 +3,7 @@
     E2E_VLLM_PYTHON=$(tools/vllm-env.sh)/bin/python E2E_MODEL_DIR=<the e2e suite's tiny model> \\
         python bench/scripts/agentic_real_pods.py --contender gateway-kv_aware \\
         --contender gateway-kv_aware-no-workflow --seed 3 --seed 4 --seed 5 [--think 1 4] [--blocks 48] \\
-        [--workload shared-prefix]
+        [--workload shared-prefix] [--split DIR]
 
 Two pods, each on a core of its own, with ``--blocks`` KV blocks of 128 tokens (one is vLLM's null block),
 take the e2e suite's agentic trace (``agentic_shared``: 30 workflows of 4-5 stages over two role prompts
@@ -12,6 +12,9 @@ twice what the pods hold. Every contender runs on the same pods, reset between r
 run: the pods' own hit ratio (keep-warm refreshes taken out), the oracle's sticky-LRU and keep-warm
 bounds, TTFT, a workflow's time from its first request to its last answer (session), requests per pod,
 and what keep-warm spent. ``tests/e2e/run.sh`` shows how the environment and the model are made.
+
+``--split DIR``: each request's TTFT split and chosen pod (bench.split) in ``DIR/<scenario>-<contender>-seed<N>-
+<time>.csv``, one file a run, so that runs of two settings can be compared request by request.
 
 ``--workload shared-prefix``: instead, one-request sessions in 8 groups of 12 sharing a long system prompt
 (700 words, a question of 100 each, 6 a second), the shared-prefix traffic of docs/benchmarks.md.
@@ -24,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--workflows", type=int, default=30)
     parser.add_argument("--stages", nargs=2, type=int, default=(4, 5), metavar=("MIN", "MAX"))
     parser.add_argument("--workload", choices=("agentic", "shared-prefix"), default="agentic")
+    parser.add_argument("--split", metavar="DIR", help="write each request's TTFT split and pod here")
     args = parser.parse_args()
     python, model_dir = os.environ.get("E2E_VLLM_PYTHON"), os.environ.get("E2E_MODEL_DIR")
     if not python or not model_dir:
@@ -73,11 +78,14 @@ def main() -> None:
         configs = [PodConfig(url=p.url, name=p.name, kv_events=f"tcp://127.0.0.1:{p.events_port}",
                              kv_replay=f"tcp://127.0.0.1:{p.replay_port}") for p in pods]
         runner = BenchRunner(model=MODEL, tokenizer=model_dir, existing_pods=configs, progress=False,
-                             router_logs=str(run_dir / "routers"))
+                             router_logs=str(run_dir / "routers"), split_dir=args.split)
         for seed in args.seed:
             trace = workload(args, seed)
             for name in args.contender:
                 r = runner.run(CONTENDERS[name], trace)
+                if args.split:  # the runner names its file by scenario and contender: keep each run's
+                    written = Path(args.split) / f"{r.scenario}-{r.name}.csv"
+                    written.rename(written.with_name(f"{written.stem}-seed{seed}-{time.strftime('%H%M%S')}.csv"))
                 print(json.dumps({
                     "seed": seed, "contender": name, "hit_ratio": round(r.hit_ratio, 4), "skipped": r.skipped,
                     "sticky_lru": r.sticky_lru and round(r.sticky_lru, 4), "keep_warm_bound": r.keep_warm and

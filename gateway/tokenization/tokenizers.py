@@ -63,10 +63,6 @@ class Tokens:
 # engine upgraded meanwhile is asked again after it.
 NO_TOKENIZE_S = 300.0
 
-# How many times faster tiktoken encodes new text than the Rust tokenizer, measured on real text
-# (bench/scripts/bpe_encoders.py: 3.0-3.3x on 450-character chunks, 4.4x on a 400,000-character document).
-FAST_BPE_SPEEDUP = 3
-
 # A template renders in about 20 µs plus 3.5 µs a message, whatever their length, and the hop to a
 # thread and back costs about 100 µs: only a conversation longer than this renders off the loop.
 _RENDER_ON_LOOP_MESSAGES = 32
@@ -85,8 +81,6 @@ class LocalTokenizer:
                         tokenizer.path)
         self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
         self._offload_chars = config.offload_chars
-        # tiktoken encodes a character in about a third of the Rust tokenizer's time: as long on the loop.
-        self._offload_piece_chars = config.offload_chars * (FAST_BPE_SPEEDUP if tokenizer.fast_bpe else 1)
         self._executor = executor
         self._threads = threads
         self.reuse = TemplateReuse(tokenizer.render_chat, Splitter(self.segments.split)) if self.segments.exact \
@@ -153,7 +147,7 @@ class LocalTokenizer:
         layout = self.segments.layout(text)
         new = self.segments.uncached(layout)
         if new:  # in one call (a next turn's answer and question: two pieces, one call)
-            encoded = await self._encode_spread(new) if sum(map(len, new)) > self._offload_piece_chars \
+            encoded = await self._encode_spread(new) if sum(map(len, new)) > self._offload_chars \
                 else self.tokenizer.encode_pieces(new)
             for piece, ids in zip(new, encoded, strict=True):
                 self.segments.remember(piece, ids)

@@ -127,7 +127,7 @@ def test_a_tokenizer_tiktoken_would_encode_otherwise_keeps_the_rust_tokenizer(tm
         assert forced.encode(text) != tokenizer.encode_pieces([text])[0]
 
 
-async def test_the_gateways_local_tokenizers_use_it_only_when_configured_on():
+async def test_the_gateways_local_tokenizers_use_it_unless_configured_off():
     models = {"m": ModelTokenizerConfig(path=str(BUNDLED_TOKENIZER_DIR))}
-    assert not make_service(models)._local["m"].tokenizer.fast_bpe
-    assert make_service(models, fast_bpe=True)._local["m"].tokenizer.fast_bpe
+    assert make_service(models)._local["m"].tokenizer.fast_bpe
+    assert not make_service(models, fast_bpe=False)._local["m"].tokenizer.fast_bpe
