@@ -102,7 +102,7 @@ def allow_sockets(context: Any, sockets: int) -> None:
 def freeze_start_up_heap() -> None:
     """Keep what the process built to start (modules, its tokenizers' vocabularies and templates: about
     100,000 objects with a local tokenizer) out of every later full garbage collection. They live as long as
-    the process, yet each full collection walked them all: ~50 ms with a tokenizer loaded, during which the
+    the process, yet each full collection walked them all: 30-90 ms with a tokenizer loaded, during which the
     event loop served nothing. Called once started; the garbage of the start is collected first."""
     gc.collect()
     gc.freeze()

@@ -104,8 +104,8 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # and back costs the request about 0.1 ms (more on a busy host); 2,000 characters take about 0.35 ms to
     # tokenize, which every other request would wait for on the loop. On the Mooncake replay, 2,000 rather
     # than 8,000 halved the loop lag's p99 (5.3 to 2.2 ms) and the added TTFT's p90, its p50 unchanged.
-    # With tiktoken (``fast_bpe``) too: past three times this (as long on the loop) a group's first prompts
-    # were encoded on the loop, and on two real vLLM pods seed 1's hit ratio fell by 0.013 (docs/benchmarks.md).
+    # The same for tiktoken (``fast_bpe``): at three times this (as long on the loop), a group's first prompts
+    # stayed on the loop and on two real vLLM pods one seed's hit ratio fell by 0.013 (docs/benchmarks.md).
     offload_chars: int = 2_000
     # Threads tokenizing long new text; none: one per core this process may use.
     threads: int | None = None
@@ -114,9 +114,9 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     reuse_tokens: int = 20_000_000
     # Text between a prompt's added tokens encoded through tiktoken, for the byte-level BPE tokenizers where it
     # gives the same ids (checked at load: gateway/tokenization/fast_bpe.py); about 3x faster than the Rust
-    # tokenizer on real text, 1.7x less CPU for a long new prompt. On two real vLLM pods the same hit ratio and
-    # TTFT, request by request (docs/benchmarks.md, "Shared-prefix traffic on real pods, tiktoken against
-    # itself off"); off: the Rust tokenizer alone.
+    # tokenizer on real text, half the CPU for a long new prompt. On two real vLLM pods the hit ratio within
+    # 0.01 and TTFT p90 no worse (docs/benchmarks.md, "tiktoken back, at the Rust tokenizer's threshold");
+    # off: the Rust tokenizer alone.
     fast_bpe: bool = True
 
 

@@ -9,6 +9,7 @@ requests in flight finish, streams included, for up to ``server.shutdown_grace_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -18,10 +19,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gateway.app import Assembly, build_app, build_gateway
+from gateway.background import cancel_and_wait, freeze_start_up_heap
 from gateway.config import ConfigSource, GatewayConfig
 from gateway.epp.access_log import AccessLogs, AccessLogService
 from gateway.epp.ext_proc import ExtProcService, Readiness
 from gateway.serve import SERVER_OPTIONS, on_signals, start_runner
+from gateway.tokenization.tokenizers import TokenizationService
 
 log = logging.getLogger("gateway.epp")
 
@@ -81,12 +84,21 @@ class EppServer:
 async def run_epp(config: GatewayConfig, source: ConfigSource | None = None) -> None:
     server = EppServer(config, source)
     await server.start()
+    frozen = asyncio.ensure_future(_freeze_when_loaded(server.kits.tokens.tokens))
     stop = asyncio.Event()
     reloader = server.kits.reload.reloader
     on_signals(stop, reloader.request if reloader is not None else None)
     try:
         await stop.wait()
     finally:
+        await cancel_and_wait(frozen)
         log.info("shutting down: draining in-flight requests for up to %.0f s", config.server.shutdown_grace_s)
         await server.stop()
         log.info("endpoint picker stopped")
+
+
+async def _freeze_when_loaded(tokens: TokenizationService) -> None:
+    """As ``gateway serve`` does once its tokenizers have loaded (the endpoint picker answers meanwhile)."""
+    with contextlib.suppress(Exception):  # they failed to load: readiness says so, and nothing is frozen
+        await tokens.loaded()
+        freeze_start_up_heap()
