@@ -71,7 +71,8 @@ def rows(requests: Iterable[tuple[str, int, int, float]], access: dict[str, dict
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank: the smallest value with at least ``q`` of them at or below)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
@@ -84,8 +85,8 @@ def summary(table: list[dict[str, float | str | None]]) -> dict[str, float]:
                    *(f"{s}_ms" for s in BEFORE_DISPATCH)):
         values = [float(v) for r in table if isinstance(v := r.get(column), (int, float))]
         if values:
-            out[f"split_{column}_p50"] = round(_pct(values, 0.5), 3)
-            out[f"split_{column}_p90"] = round(_pct(values, 0.9), 3)
+            out[f"split_{column}_p50"] = round(percentile(values, 0.5), 3)
+            out[f"split_{column}_p90"] = round(percentile(values, 0.9), 3)
     flights = [float(v) for r in table if isinstance(v := r.get("pod_in_flight"), (int, float))]
     if flights:
         out["split_pod_in_flight_mean"] = round(sum(flights) / len(flights), 3)

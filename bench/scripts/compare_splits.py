@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import random
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.split import percentile as pct
 
 Run = tuple[int, list[dict[str, str]]]  # (seed, rows)
 
@@ -30,11 +34,6 @@ def runs_in(directory: str) -> list[Run]:
         with open(path, newline="") as f:
             out.append((int(seed.group(1)) if seed else 0, list(csv.DictReader(f))))
     return out
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def ttfts(runs: list[Run]) -> list[float]:
