@@ -28,7 +28,7 @@ from gateway.config import TokenizationConfig
 from gateway.core.inference_api import InferenceRequest
 from gateway.kv.hashing import PromptHashes
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
-from gateway.tokenization.tokenizers import LocalTokenizer
+from gateway.tokenization.local import LocalTokenizer
 
 
 def requests(count: int) -> list[InferenceRequest]:

@@ -112,6 +112,16 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Token ids of earlier chat prompts kept so that a conversation's next turn tokenizes only what it
     # adds: each conversation's latest prompt, its ids and block hashes (about 7 bytes a token).
     reuse_tokens: int = 20_000_000
+    # Text no pod can hold yet is tokenized after routing, when the request's attempt ends, rather than
+    # before it (docs/routing.md, "What is tokenized before routing"): a conversation's next turn is routed on
+    # its earlier prompt, a prompt from its first message on the ids as far as its first new piece past which
+    # no pod holds it (the prefix index says). Not where a count must be exact first (a key whose input tokens
+    # are limited, a prompt that might pass the context, a drifting model, a prefill leg). Off: every prompt
+    # is tokenized whole before it is routed.
+    defer_new_text: bool = True
+    # At most this much text is left for when the attempt ends (tokenized on the loop then, about 0.3 ms
+    # through tiktoken); a prompt with more new text is tokenized whole before routing, as with the above off.
+    defer_max_chars: int = 4_000
     # Text between a prompt's added tokens encoded through tiktoken, for the byte-level BPE tokenizers where it
     # gives the same ids (checked at load: gateway/tokenization/fast_bpe.py); about 3x faster than the Rust
     # tokenizer on real text, half the CPU for a long new prompt. On two real vLLM pods the hit ratio within

@@ -132,9 +132,11 @@ class RequestsKit(Kit):
         admit = [flow.admit] if flow.admit is not None else []
         recency = [keep_warm.recency] if keep_warm.recency is not None else []
         hold_new_s = config.placement.hold_new_s
+        tokenization = PromptTokenization(pods, tokens.tokens, kv.verifier, config.server, limits.limits.counts_input,
+                                          kv.index if config.tokenization.defer_new_text else None)
         return RequestPipeline(
             resolve=[self.validation, KeyIdentity(lambda: flow.flow.policy, metrics.registry), responses.state],
-            prepare=[PromptTokenization(pods, tokens.tokens, kv.verifier, config.server, limits.limits.counts_input),
+            prepare=[tokenization,
                      ContextResolution(pods, kv.index, kv.working_set, workflows.signals),
                      LoadEstimation(pods, load.load, load.predictor, metrics, config.admission.enabled)],
             # A starting context waits for KV room first: a request flow control lets go is dispatched at once.
@@ -143,7 +145,8 @@ class RequestsKit(Kit):
                      if hold_new_s else []), *admit],
             # Cache recency reads a context as it was before this request: before placement holds it anew.
             dispatch=[RoutingMetrics(metrics), kv.routed, *recency, kv.placement, planning, *admit, models.tracking],
-            finish=[*admit, planning, kv.placement, *recency, models.tracking],
+            # A next turn's prompt is whole first: the rest hold and return what it holds.
+            finish=[tokenization, *admit, planning, kv.routed, kv.placement, *recency, models.tracking],
             complete=[*admit, *([PredictionCheck(kv.verifier)] if config.verification.enabled else []),
                       OutputLearning(load.predictor, metrics), RequestMetrics(metrics, self.served), models.use,
                       limits.step, limits.accounting, self.steps, AccessLog()],

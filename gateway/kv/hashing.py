@@ -71,12 +71,14 @@ class PromptHashes:
     the blocks of their ``shared_tokens`` leading tokens are taken as they are, so only the new tail is
     ever hashed."""
 
-    __slots__ = ("_by_size", "_tokens", "root", "token_count")
+    __slots__ = ("_by_size", "_tokens", "more_follow", "root", "token_count")
 
     def __init__(self, root: int, token_ids: Sequence[int], earlier: PromptHashes | None = None,
-                 shared_tokens: int = 0) -> None:
+                 shared_tokens: int = 0, more_follow: bool = False) -> None:
         self.root = root
         self.token_count = len(token_ids)
+        # The ids are a prompt's head, its other tokens still to be tokenized: its last token is not the prompt's.
+        self.more_follow = more_follow
         self._tokens = token_ids
         self._by_size: dict[int, list[int]] = {}
         if earlier is not None and earlier.root == root:
@@ -100,6 +102,11 @@ class PromptHashes:
                 parent = _hash(data[offset : offset + step], parent)
                 done.append(parent)
         return done
+
+    def usable(self, block_size: int) -> int:
+        """How many of its blocks a pod's cache can serve: the engine always computes a prompt's last token,
+        so a block that ends the prompt is never a hit."""
+        return (self.token_count - (0 if self.more_follow else 1)) // block_size
 
     def full(self, block_size: int) -> list[int]:
         """The hashes of every full block of the prompt."""

@@ -134,7 +134,7 @@ class PrefixLookup:
         expected = self._expected if self._expected else None
         for (store, bs), views in groups.items():
             # The engine always recomputes the last prompt token: it never counts as a hit.
-            usable = (hashes.token_count - 1) // bs
+            usable = hashes.usable(bs)
             offloaded = store.offload_held() > 0
             for view, confirmed in zip(views, leading_runs(store, [v.bit for v in views], hashes, bs, usable),
                                        strict=True):
@@ -161,7 +161,7 @@ class PrefixLookup:
         for store in self._stores:
             by_bit = self._views.pod_of_bit.get(store, {})
             for bs in self._block_sizes(store, by_bit, now):
-                usable = (prompt.token_count - 1) // bs
+                usable = prompt.usable(bs)
                 deepest = walk(store, -1, prompt, bs, usable, closed=True)
                 hashes = prompt.first(bs, min(usable, deepest + 1))
                 if deepest < len(hashes) and self._expected:  # pods just routed the block, not confirmed yet
@@ -176,6 +176,25 @@ class PrefixLookup:
                             names[pod] = None
                     at //= 2
         return list(names)[:limit]
+
+    def reaches_end(self, prompt: PromptHashes) -> bool:
+        """Whether any pod holds, or is expected to hold, the last block of ``prompt`` a lookup counts, at any
+        block size the pods cut prompts by. If none does, no pod's run of the prompt reaches that block, and no
+        token after the prompt can add to any pod's match. Undecided (True) where offloaded copies are
+        indexed: a run on the offload tier is walked past the GPU's."""
+        self._views.sync()
+        now = time.monotonic()
+        for store in self._stores:
+            if store.offload_held():
+                return True
+            for bs in self._block_sizes(store, self._views.pod_of_bit.get(store, {}), now):
+                usable = prompt.usable(bs)
+                if usable < 1:
+                    return True
+                last = prompt.first(bs, usable)[usable - 1]
+                if store.holders(last)[0] or (self._expected and self._expected.bits(last, now)):
+                    return True
+        return False
 
     def _block_sizes(self, store: BlockIndex, bits: dict[int, str], now: float) -> set[int]:
         """The block sizes of the store's views (as their events say, else their engines' metrics), read again
@@ -350,6 +369,11 @@ class PrefixIndex:
         match is worth looking at, found without looking at every pod. Each pod's exact match is
         :meth:`lookup`'s; this only names candidates (a few holders per block, from the deepest held)."""
         return self._lookup.holders(prompt, limit)
+
+    def reaches_end(self, prompt: PromptHashes) -> bool:
+        """Whether a pod may hold ``prompt`` to its end (:meth:`PrefixLookup.reaches_end`): if not, what
+        follows it cannot change any pod's match."""
+        return self._lookup.reaches_end(prompt)
 
     # Speculative insertion (the routed-prefix step's side)
 

@@ -125,6 +125,25 @@ class ResumableWorkingSet:
         self._publish(fact)
         return self._hold(fact, now)
 
+    def grew(self, key: str, pod: str, block_size: int, hashes: list[int], prompt_tokens: int) -> None:
+        """The request that holds the context on ``pod`` was held with its prompt's head: these are the whole
+        prompt's blocks (the same hold: nothing learnt, no stage counted). A context gone, or held since
+        elsewhere, keeps what it has."""
+        ctx = self._contexts.get(key)
+        if ctx is not None and ctx.pod == pod:
+            fact = ContextHeld(key, ctx.keyed, pod, block_size, hashes, prompt_tokens, ctx.retention_s, grown=True)
+            self._publish(fact)
+            self._grow(fact)
+
+    def _grow(self, fact: ContextHeld) -> None:
+        ctx = self._contexts.get(fact.key)
+        if ctx is None or ctx.pod != fact.pod:
+            return
+        kept = shared_blocks(ctx.hashes, fact.hashes)
+        self._unplace(ctx, kept)
+        ctx.block_size, ctx.prompt_tokens, ctx.hashes = fact.block_size, fact.prompt_tokens, fact.hashes
+        self._place(ctx, kept)
+
     def _hold(self, fact: ContextHeld, now: float) -> Context:
         key, keyed, pod, hashes, prompt_tokens = fact.key, fact.keyed, fact.pod, fact.hashes, fact.prompt_tokens
         kept = 0  # leading blocks still counted for this context: its prompt usually grew on the same pod
@@ -183,7 +202,10 @@ class ResumableWorkingSet:
         now = time.monotonic()
         self.lapse(now)
         if isinstance(fact, ContextHeld):
-            self._hold(fact, now)
+            if fact.grown:
+                self._grow(fact)
+            else:
+                self._hold(fact, now)
         elif isinstance(fact, ContextIdled):
             if fact.key in self._running:
                 self._idle(self._contexts[fact.key], now)

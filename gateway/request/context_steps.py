@@ -56,9 +56,10 @@ class ContextResolution:
         block_size = next((bs for p in pods if (bs := self._index.block_size(p.name))), None)
         if block_size is None:  # no pod's events have said how they cut prompts: nothing can be held
             return
-        blocks = hashes.full(block_size)
-        earlier = routing.continued_tokens
-        continued = self._working_set.continued(blocks, earlier // block_size - 1 if earlier else None)
+        # Looked for first where the earlier prompt ended (its own last block: a next turn routed on its
+        # earlier prompt's head may not reach it).
+        blocks = routing.continued.full(block_size) if routing.continued is not None else hashes.full(block_size)
+        continued = self._working_set.continued(blocks, len(blocks) - 1 if routing.continued is not None else None)
         routing.context_key = continued.key if continued is not None else self._working_set.anonymous_key()
 
 
@@ -130,7 +131,9 @@ class PlacementLosses:
 class ContextPlacement:
     """dispatch: the request's context is resumable on the chosen pod from now on (its prompt's full
     blocks there), and what its placement lost is counted; finish: when its last request ends, it starts
-    thinking."""
+    thinking. A request routed on its prompt's head (a next turn whose new messages are tokenized when its
+    attempt ends: :class:`~gateway.request.steps.PromptTokenization`) holds its context with the head, and
+    with the whole prompt once it is known, before the context starts thinking."""
 
     def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet, losses: PlacementLosses,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -138,6 +141,7 @@ class ContextPlacement:
         self._working_set = working_set
         self._losses = losses
         self._clock = clock
+        self._on_heads: set[Attempt] = set()  # attempts dispatched on their prompt's head, not yet finished
 
     def dispatched(self, attempt: Attempt) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
@@ -148,12 +152,22 @@ class ContextPlacement:
         if attempt.number == 0:  # a retry's losses are the failed pod's, not placement's
             self._losses.record(attempt, self._working_set.context(routing.context_key), block_size)
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
-                               hashes.full(block_size), hashes.token_count,
+                               hashes.full(block_size), hashes.token_count + routing.untokenized_tokens,
                                self._clock(), routing.retention_s)
+        if routing.untokenized_tokens:
+            self._on_heads.add(attempt)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
-        if attempt.routing.context_key is not None:
-            self._working_set.idle(attempt.routing.context_key, self._clock())
+        routing = attempt.routing
+        if routing.context_key is None:
+            return
+        if attempt in self._on_heads:
+            self._on_heads.discard(attempt)
+            block_size, hashes = self._index.block_size(attempt.decision.pod.name), routing.hashes
+            if not routing.untokenized_tokens and hashes is not None and block_size:  # now the whole prompt
+                self._working_set.grew(routing.context_key, attempt.decision.pod.name, block_size,
+                                       hashes.full(block_size), hashes.token_count)
+        self._working_set.idle(routing.context_key, self._clock())
 
 
 class CacheRecency:
@@ -168,6 +182,9 @@ class CacheRecency:
         self._queues = queues
         self._keep_warm = keep_warm
         self._working_set = working_set
+        # Attempts dispatched on their prompt's head (a next turn whose new messages are tokenized when it
+        # ends), not yet finished: how many blocks they took.
+        self._heads: dict[Attempt, int] = {}
 
     def dispatched(self, attempt: Attempt) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
@@ -175,6 +192,8 @@ class CacheRecency:
         if blocks is None:
             self._keep_warm.routed(pod, 0)
             return
+        if routing.untokenized_tokens:
+            self._heads[attempt] = len(blocks)
         held = routing.prefix.pods.get(pod) if routing.prefix is not None else None
         found = held.gpu_tokens - held.speculative_tokens if held is not None else 0
         self._keep_warm.routed(pod, len(blocks) - found // (self._index.block_size(pod) or 1))
@@ -189,14 +208,22 @@ class CacheRecency:
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
+        taken = self._heads.pop(attempt, None)
         blocks = self._blocks(routing, pod)
         if blocks is None or routing.hashes is None:
             return
         held = self._index.lookup(routing.base_model or routing.model, routing.lora_name, routing.hashes, [pod])[pod]
         block_size = self._index.block_size(pod) or 1
-        usable = (routing.hashes.token_count - 1) // block_size
-        cached = held.gpu_tokens // block_size
-        self._queues.returned(pod, blocks, len(blocks) if cached >= usable else cached)
+        usable = routing.hashes.usable(block_size)
+        cached = len(blocks) if held.gpu_tokens // block_size >= usable else held.gpu_tokens // block_size
+        if taken is not None and not routing.untokenized_tokens:
+            # It took its head's blocks and held the whole prompt's: taken as a whole (the head once more), the
+            # head's second hold let go, so that all of them go back together below, as one request's.
+            self._queues.taken(pod, blocks)
+            self._queues.returned(pod, blocks[:taken], min(cached, taken))
+            if routing.context_key is not None and routing.token_ids is not None:
+                self._keep_warm.dispatched(routing.context_key, pod, routing.model, routing.token_ids)
+        self._queues.returned(pod, blocks, cached)
 
     def _blocks(self, routing: RoutingRequest, pod: str) -> list[int] | None:
         """The request's prompt's full blocks as the pod cuts them (None: not tokenized, or no block size)."""
@@ -209,11 +236,13 @@ class CacheRecency:
 
 class RoutedPrefix:
     """dispatch: the chosen pod will hold this prompt's blocks: speculative in the precise index until the
-    pod's events confirm them, or recorded in the approximate (text) history."""
+    pod's events confirm them, or recorded in the approximate (text) history. finish: a prompt routed on its
+    head that the pod answered: the rest of its blocks, now that they are known."""
 
     def __init__(self, index: PrefixIndex, approximate: ApproximatePrefixIndex) -> None:
         self._index = index
         self._approximate = approximate
+        self._on_heads: dict[Attempt, int] = {}  # attempts dispatched on their prompt's head: its tokens
 
     def dispatched(self, attempt: Attempt) -> None:
         match, routing, pod = attempt.routing.prefix, attempt.routing, attempt.decision.pod.name
@@ -224,8 +253,17 @@ class RoutedPrefix:
             confirmed = held.gpu_tokens - held.speculative_tokens if held is not None else 0
             self._index.expect(pod, routing.base_model or routing.model, routing.lora_name, match.hashes,
                                confirmed_tokens=confirmed)
+            if routing.untokenized_tokens:
+                self._on_heads[attempt] = match.hashes.token_count
         elif match.text:
             self._approximate.record(match.text, pod)
+
+    def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
+        routing = attempt.routing
+        head = self._on_heads.pop(attempt, None)
+        if head is not None and routing.hashes is not None and not routing.untokenized_tokens and outcome.complete:
+            self._index.expect(attempt.decision.pod.name, routing.base_model or routing.model, routing.lora_name,
+                               routing.hashes, confirmed_tokens=head)
 
 
 class RoomForNewContexts:

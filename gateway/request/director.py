@@ -275,7 +275,7 @@ class RequestDirector:
         dispatch = self._ledger.dispatch(
             request.id, decision.pod.name, estimate.consumption if estimate else self._default_consumption,
             request.kind, context=routing.context_key, stage=plan.stage_owner,
-            prefill_tokens=request.prompt_tokens(routing.token_ids) - decision.prefix_tokens)
+            prefill_tokens=request.prompt_tokens(routing) - decision.prefix_tokens)
         attempt = Attempt(request, policy, routing, plan, decision, dispatch, run.attempts, started,
                           upstream_headers(headers, run.admitted, decision.pod),
                           run.body if run.body is not request.body else None)

@@ -149,7 +149,7 @@ class PrefillLegs:
         request, routing = attempt.request, attempt.routing
         if request.kind not in SPLIT_KINDS or _several_prompts(request.parsed.prompt):
             return Split.UNSUPPORTED
-        prompt = request.prompt_tokens(routing.token_ids)
+        prompt = request.prompt_tokens(routing)
         cached = attempt.decision.prefix_tokens
         if prompt - cached > self.config.uncached_token_threshold:
             return None

@@ -91,7 +91,7 @@ class FlowControlStep:
             raise
         if workflow is not None:
             self._workflows.began(workflow, flow.key)
-        demand = Demand(request.kind, request.prompt_tokens(routing.token_ids), routing.estimates)
+        demand = Demand(request.kind, request.prompt_tokens(routing), routing.estimates)
         if not controller.goes_now(pods, demand):
             allowed = self._slo.wait_allowed(pods, routing.estimates, slo)
             if allowed is not None:  # its TTFT runs from its arrival: the waits at targets it fell back from count
@@ -131,7 +131,7 @@ class FlowControlStep:
         if state is None:
             return
         routing, decision = attempt.routing, attempt.decision
-        prompt = attempt.request.prompt_tokens(routing.token_ids)
+        prompt = attempt.request.prompt_tokens(routing)
         cached = min(prompt, decision.prefix_tokens)
         charge = self._charge(prompt - cached, cached, routing.predicted_output_tokens, state.weight)
         self._charges[attempt] = state.key, charge

@@ -33,7 +33,7 @@ class KeyLimitsStep:
             return
         parsed = request.parsed
         output = parsed.max_completion_tokens or parsed.max_tokens or routing.predicted_output_tokens
-        admission = self._limits.admit(limited_name(key.config), request.prompt_tokens(routing.token_ids), output)
+        admission = self._limits.admit(limited_name(key.config), request.prompt_tokens(routing), output)
         if admission is not None:
             self._admitted[request] = admission
 
@@ -67,7 +67,7 @@ class UsageAccounting:
         name = key.config.name if key is not None and key.config.name else NO_KEY
         outcome = done.outcome
         usage = outcome.usage if outcome is not None else None
-        prompt = done.request.prompt_tokens(done.routing.token_ids if done.routing is not None else None)
+        prompt = done.request.prompt_tokens(done.routing)
         input_tokens, output_tokens = served(outcome, prompt)
         cached = (usage.cached_tokens or 0) if usage is not None else 0
         self._tally.add(name, self._tenant_of(name) if name != NO_KEY else NO_KEY, done.model, input_tokens, cached,

@@ -13,7 +13,6 @@ fields each name their one writer).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -57,9 +56,12 @@ class ClientRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", self.parsed.model or "")
 
-    def prompt_tokens(self, token_ids: Sequence[int] | None) -> int:
-        """The prompt's length in tokens: exact once tokenized, else guessed from the body (4 bytes a token)."""
-        return len(token_ids) if token_ids else max(1, len(self.body) // 4)
+    def prompt_tokens(self, routing: RoutingRequest | None) -> int:
+        """The prompt's length in tokens: exact once tokenized (a next turn routed before its new messages
+        were: its head's, and their estimate), else guessed from the body (4 bytes a token)."""
+        if routing is None or not routing.token_ids:
+            return max(1, len(self.body) // 4)
+        return len(routing.token_ids) + routing.untokenized_tokens
 
 
 # Where a pod that orders its own queue by priority reads a request's (vLLM 0.32: before the body's

@@ -75,9 +75,14 @@ class RoutingRequest:
     token_ids: Sequence[int] | None = None
     probe_tokens: int | None = None
     # Prompt tokenization, too: the prompt's block hashes (computed lazily, shared by everyone who looks
-    # the prompt up), and the length of the conversation's earlier prompt they reuse (None: none).
+    # the prompt up), and the block hashes of the conversation's earlier prompt they reuse (None: none).
     hashes: PromptHashes | None = None
-    continued_tokens: int | None = None
+    continued: PromptHashes | None = None
+    # Prompt tokenization, too: a conversation's next turn is routed on its earlier prompt, its new messages
+    # tokenized when its attempt ends (``complete_prompt``, called once by the first step to finish); until
+    # then ``token_ids`` and ``hashes`` are the prompt's head and about this many tokens follow it (0: whole).
+    untokenized_tokens: int = 0
+    complete_prompt: Callable[[], None] | None = None
     # Context resolution: the context the request continues (a workflow, a session, or a conversation
     # recognised by its prompt; None: it cannot be told), and whether the client named it.
     context_key: str | None = None

@@ -13,11 +13,8 @@ import contextlib
 import logging
 import os
 import time
-from array import array
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
@@ -28,158 +25,25 @@ from gateway.http_client import HttpClient
 from gateway.kv.hashing import PromptHashes
 from gateway.load.ledger import InFlightLedger
 from gateway.loop_histogram import LoopHistogram
-from gateway.lru import LruCache
 from gateway.metrics import Children, GatewayMetrics
 from gateway.pods.registry import PodRegistry
 from gateway.tokenization import openai_responses
 from gateway.tokenization.anthropic import NotRenderable
 from gateway.tokenization.conversation import CHAT_KINDS, chat_messages, chat_tools
 from gateway.tokenization.hf import HfTokenizer
-from gateway.tokenization.reuse import ConversationMemory, RememberedPrompt, Splitter, TemplateReuse, fingerprints
-from gateway.tokenization.segments import SegmentEncoder
+from gateway.tokenization.local import LocalTokenizer, PastEveryMatch, Tokens
 
 log = logging.getLogger("gateway.tokenization")
-T = TypeVar("T")
 
 # How long a request waits for the local tokenizers still loading at start (a load takes 1-3 s, more on a
 # loaded machine); a load that failed stops the gateway's start.
 LOAD_WAIT_S = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
-    """A prompt's token ids, and what they reused: the conversation's earlier prompt whose ids they
-    begin with (None: tokenized whole)."""
-
-    ids: Sequence[int]  # a packed array for chat prompts (cheap to extend and to copy), else a list
-    earlier: RememberedPrompt | None = None
-    # Local chat prompts only: where to remember this prompt for the conversation's next turn.
-    fingerprint: int | None = None
-    messages: int = 0
-
-
 # A pod that answers ``/tokenize`` with 404 or 405 has no such route (an engine without it, a proxy that does
 # not pass it on): it is not asked again for this long (seen: one refused call more for every request), and an
 # engine upgraded meanwhile is asked again after it.
 NO_TOKENIZE_S = 300.0
-
-# A template renders in about 20 µs plus 3.5 µs a message, whatever their length, and the hop to a
-# thread and back costs about 100 µs: only a conversation longer than this renders off the loop.
-_RENDER_ON_LOOP_MESSAGES = 32
-
-
-class LocalTokenizer:
-    """A model's local tokenizer, its caches (segments, completion prompts, conversations) and the
-    threads long new text is tokenized on."""
-
-    def __init__(self, tokenizer: HfTokenizer, config: TokenizationConfig, executor: Executor | None = None,
-                 threads: int = 1) -> None:
-        self.tokenizer = tokenizer
-        self.segments = SegmentEncoder(tokenizer, config.segment_cache_size, config.piece_chars)
-        if not self.segments.self_check():
-            log.warning("tokenizer %s: segments do not tokenize independently; encoding prompts whole",
-                        tokenizer.path)
-        self._prompts: LruCache[str, list[int]] = LruCache(config.prompt_cache_size)
-        self._offload_chars = config.offload_chars
-        self._executor = executor
-        self._threads = threads
-        self.reuse = TemplateReuse(tokenizer.render_chat, Splitter(self.segments.split)) if self.segments.exact \
-            else None
-        self.memory = ConversationMemory(config.reuse_tokens)
-        generation = self.reuse.generation_prompt if self.reuse is not None else None
-        self._generation_ids = self.segments.encode(generation) if generation else array("I")
-        if self.reuse is not None and not self.reuse.plain:
-            log.info("tokenizer %s: its chat template re-renders earlier turns; conversations are tokenized "
-                     "whole each turn", tokenizer.path)
-
-    async def _off_loop(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
-
-    async def chat(self, messages: list[dict[str, Any]], req: InferenceRequest,
-                   tools: list[dict[str, Any]] | None, prefix: Sequence[int] = ()) -> Tokens:
-        """A conversation's prompt, after ``prefix`` (the special tokens vLLM puts before a Responses
-        prompt; a conversation's next turn reuses only an earlier prompt with the same prefix)."""
-        render = {"add_generation_prompt": req.add_generation_prompt if req.add_generation_prompt is not None else True,
-                  "continue_final_message": bool(req.continue_final_message), "tools": tools,
-                  "chat_template_kwargs": req.chat_template_kwargs}
-        reuse = self.reuse
-        if reuse is None or not reuse.plain or render["continue_final_message"]:
-            return Tokens(await self._whole(messages, render, prefix))
-        prints = fingerprints(messages, [tools, req.chat_template_kwargs, render["add_generation_prompt"],
-                                         *([tuple(prefix)] if prefix else [])])
-        earlier = self.memory.longest(prints) if reuse.allows(messages, tools) else None
-        if earlier is not None:
-            tail = reuse.tail(messages[earlier.messages - 1], messages[earlier.messages:], **render)
-            if tail is not None:
-                ids = earlier.ids[: earlier.length]  # one copy, grown in place (a 100k-token prompt is 400 kB)
-                ids.extend(await self._encode(tail))
-                return Tokens(ids, earlier, prints[-1], len(messages))
-        return Tokens(await self._whole(messages, render, prefix), None, prints[-1], len(messages))
-
-    def remember(self, tokens: Tokens, hashes: PromptHashes) -> None:
-        """Remember a chat prompt (with its block hashes, once made) for the conversation's next turn."""
-        generation, ids = self._generation_ids, tokens.ids
-        if tokens.fingerprint is None or not isinstance(ids, array) or ids[len(ids) - len(generation):] != generation:
-            return  # not a prompt this template ends as usual: the next turn renders whole
-        self.memory.remember(RememberedPrompt(tokens.fingerprint, tokens.messages, ids, len(ids) - len(generation),
-                                              hashes), supersedes=tokens.earlier)
-
-    async def _whole(self, messages: list[dict[str, Any]], render: dict[str, Any], prefix: Sequence[int] = ()
-                     ) -> array[int]:
-        """A prompt rendered and tokenized from its first message: a long conversation's template on the
-        tokenization threads, long new text too (:meth:`_encode`), the piece cache read and filled on the
-        event loop (it is not shared)."""
-        if len(messages) > _RENDER_ON_LOOP_MESSAGES:
-            text = await self._off_loop(lambda: self.tokenizer.render_chat(messages, **render))
-        else:
-            text = self.tokenizer.render_chat(messages, **render)
-        if not prefix:
-            return await self._encode(text)
-        ids = array("I", prefix)
-        ids.extend(await self._encode(text))
-        return ids
-
-    async def _encode(self, text: str) -> array[int]:
-        if not self.segments.exact:
-            if len(text) > self._offload_chars:
-                return array("I", await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False)))
-            return array("I", self.tokenizer.encode(text, add_special_tokens=False))
-        layout = self.segments.layout(text)
-        new = self.segments.uncached(layout)
-        if new:  # in one call (a next turn's answer and question: two pieces, one call)
-            encoded = await self._encode_spread(new) if sum(map(len, new)) > self._offload_chars \
-                else self.tokenizer.encode_pieces(new)
-            for piece, ids in zip(new, encoded, strict=True):
-                self.segments.remember(piece, ids)
-        return self.segments.encode(layout)
-
-    async def _encode_spread(self, texts: list[str]) -> list[list[int]]:
-        """New segments grouped over the tokenization threads, about as many characters each: a prompt of
-        many new messages is tokenized by every core rather than one (so is one long segment, where the tokenizer
-        allows it to be cut into pieces)."""
-        shares = self._threads
-        size = -(-sum(map(len, texts)) // shares)
-        groups: list[list[str]] = [[]]
-        filled = 0
-        for text in texts:
-            if filled >= size and len(groups) < shares:
-                groups.append([])
-                filled = 0
-            groups[-1].append(text)
-            filled += len(text)
-        done = await asyncio.gather(*(self._off_loop(lambda g=g: self.tokenizer.encode_pieces(g)) for g in groups))
-        return [ids for group in done for ids in group]
-
-    async def prompt(self, prompt: str) -> list[int]:
-        ids = self._prompts.touch(prompt)
-        if ids is None:
-            if len(prompt) > self._offload_chars:
-                ids = await self._off_loop(lambda: self.tokenizer.encode(prompt))
-            else:
-                ids = self.tokenizer.encode(prompt)
-            self._prompts.put(prompt, ids)
-        return ids
-
 
 class TokenizationMetrics:
     """Tokenization's families, on the gateway's registry (:meth:`GatewayMetrics.owned`). Producer:
@@ -263,10 +127,11 @@ class TokenizationService:
         base = self._pods.base_model(model)
         return base in self._local and self.mode_of(base) == "local"
 
-    async def tokenize(self, model: str, kind: RequestKind, req: InferenceRequest, *, avoid_local: bool = False
-                       ) -> Tokens | None:
+    async def tokenize(self, model: str, kind: RequestKind, req: InferenceRequest, *, avoid_local: bool = False,
+                       past_every_match: PastEveryMatch | None = None) -> Tokens | None:
         """The prompt's token ids, or None. ``avoid_local``: ask a pod even if a local tokenizer is
-        configured (its predictions drift from the engines')."""
+        configured (its predictions drift from the engines'). ``past_every_match``: a chat prompt may come back
+        with new text left out (``rest``: :meth:`finish`), :meth:`LocalTokenizer.chat` says what."""
         base = self._pods.base_model(model)
         mode = self.mode_of(base)
         started = time.perf_counter()
@@ -274,7 +139,7 @@ class TokenizationService:
             await self._wait_for_load()
         try:
             if mode == "local" and base in self._local and not avoid_local:
-                tokens = await self._local_tokens(self._local[base], kind, req)
+                tokens = await self._local_tokens(self._local[base], kind, req, past_every_match)
             elif mode in ("local", "remote"):
                 mode = "remote"
                 ids = await self._remote_tokens(model, kind, req)
@@ -287,11 +152,22 @@ class TokenizationService:
             return None
         self._families.done(base, mode, "ok" if tokens is not None else "unavailable",
                                         time.perf_counter() - started)
-        if tokens is not None and tokens.fingerprint is not None:
-            reused = tokens.earlier.length if tokens.earlier is not None else 0
-            self._families.prompt_tokens_reused_of(base, "reused").inc(reused)
-            self._families.prompt_tokens_reused_of(base, "new").inc(len(tokens.ids) - reused)
+        if tokens is not None and tokens.fingerprint is not None and tokens.rest is None:
+            self._count_reuse(base, tokens)
         return tokens
+
+    def finish(self, model: str, tokens: Tokens) -> Tokens:
+        """The whole prompt of one :meth:`tokenize` left text out of."""
+        base = self._pods.base_model(model)
+        tokens = self._local[base].finish(tokens)
+        if tokens.fingerprint is not None:
+            self._count_reuse(base, tokens)
+        return tokens
+
+    def _count_reuse(self, base: str, tokens: Tokens) -> None:
+        reused = tokens.earlier.length if tokens.earlier is not None else 0
+        self._families.prompt_tokens_reused_of(base, "reused").inc(reused)
+        self._families.prompt_tokens_reused_of(base, "new").inc(len(tokens.ids) - reused)
 
     async def _wait_for_load(self) -> None:
         """A request that arrived while the tokenizers load waits for them (they tokenize as its pod would;
@@ -306,13 +182,15 @@ class TokenizationService:
         if local is not None and tokens.fingerprint is not None:
             local.remember(tokens, hashes)
 
-    async def _local_tokens(self, local: LocalTokenizer, kind: RequestKind, req: InferenceRequest) -> Tokens | None:
+    async def _local_tokens(self, local: LocalTokenizer, kind: RequestKind, req: InferenceRequest,
+                            past_every_match: PastEveryMatch | None = None) -> Tokens | None:
         try:
             if kind in CHAT_KINDS:
                 messages = chat_messages(kind, req, merge_inline_system=local.tokenizer.system_first)
                 if not messages:
                     return None
-                return await local.chat(messages, req, chat_tools(kind, req), self._special_prefix(local, kind))
+                return await local.chat(messages, req, chat_tools(kind, req), self._special_prefix(local, kind),
+                                        past_every_match)
             prompt = first_prompt(req.prompt)
             if isinstance(prompt, str):
                 return Tokens(await local.prompt(prompt))

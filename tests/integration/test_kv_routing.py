@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import msgspec
+import pytest
 
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR
 from tests.integration.test_kv_subscriber import eventually
@@ -174,3 +175,40 @@ async def test_restarted_gateway_rebuilds_its_index_from_replay(start_mock_pod, 
     await synced(second, pods)  # from the pods' replay buffers, before any new event
     routed, predicted, usage = await ask(http, second, 4, "after the restart")
     assert routed == pod and predicted == usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("defer", [True, False])
+async def test_a_conversations_next_turns_stay_with_its_cache_whether_tokenized_before_or_after(
+        start_mock_pod, start_gateway, http, tokenizer, defer):
+    # defer: each next turn is routed on its earlier prompt and its new messages tokenized once answered.
+    pods, gw = await fleet(start_mock_pod, start_gateway, n=3, kv_index={"speculative_ttl_s": 0},
+                           tokenization={"models": {MODEL: {"path": str(BUNDLED_TOKENIZER_DIR)}},
+                                         "defer_new_text": defer})
+    messages = [{"role": "system", "content": system_prompt(5)}, {"role": "user", "content": "Summarise it."}]
+    chosen, working_set, index, prompted = [], gw.kits.kv.working_set, gw.kits.kv.index, 0
+    for turn in range(4):
+        async with http.post(f"{gw.url}/v1/chat/completions",
+                             json={"model": MODEL, "max_tokens": 6, "messages": messages}) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+            pod, predicted = resp.headers["x-gateway-pod"], int(resp.headers["x-gateway-prefix-tokens"])
+        whole = tokenizer.encode_chat(messages)
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert answer["usage"]["prompt_tokens"] == len(whole)
+        chosen.append(pod)
+        prompted += len(whole)
+        if turn:  # every block predicted was there; routed on its earlier prompt's head, only the head's
+            assert 0 < predicted <= cached and (defer or predicted == cached), (turn, predicted, cached)
+        # Once answered, the conversation's context holds the whole prompt: its next turn is recognised by it.
+        context = working_set.continued(index.prompt_hashes(MODEL, None, whole).full(16))
+        assert context is not None and context.stages == turn + 1 and working_set.size == 1
+        await synced(gw, pods)
+        messages = [*messages, answer["choices"][0]["message"], {"role": "user", "content": f"And then {turn}?"}]
+    assert len(set(chosen)) == 1, chosen
+    registry = gw.kits.foundation.metrics.registry
+    reused, new = (registry.get_sample_value("gateway_prompt_tokens_reused_total", {"model": MODEL, "source": source})
+                   for source in ("reused", "new"))
+    assert reused and new and reused + new == prompted  # every turn counted once, the next turns mostly reused
+    for outcome in ("prompt_tokens_mismatch", "over"):  # the whole prompt's count is the engine's
+        assert not registry.get_sample_value("gateway_kv_prediction_exact_total",
+                                             {"model": MODEL, "pod": chosen[0], "outcome": outcome})

@@ -20,7 +20,7 @@ from gateway.request.validation import check_body, check_headers
 from gateway.responses.store import MemoryResponses, ResponsesMetrics, StoredResponse, decode, encode
 from gateway.tokenization import openai_responses as responses
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
-from gateway.tokenization.tokenizers import LocalTokenizer
+from gateway.tokenization.local import LocalTokenizer
 
 CODEX = json.loads((Path(__file__).parents[1] / "fixtures" / "codex_responses_request.json").read_text())
 

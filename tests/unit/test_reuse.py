@@ -15,8 +15,8 @@ from gateway.config import TokenizationConfig
 from gateway.core.inference_api import InferenceRequest
 from gateway.kv.hashing import PromptHashes
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.local import LocalTokenizer
 from gateway.tokenization.reuse import ConversationMemory, RememberedPrompt, fingerprints
-from gateway.tokenization.tokenizers import LocalTokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 # What each template's probes must conclude: reuse for every conversation, for plain ones, or never.

@@ -22,8 +22,9 @@ from gateway.load.ledger import InFlightLedger
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import PodRegistry
 from gateway.tokenization.hf import BUNDLED_TOKENIZER_DIR, HfTokenizer
+from gateway.tokenization.local import LocalTokenizer
 from gateway.tokenization.segments import SegmentEncoder, cut_at_spaces
-from gateway.tokenization.tokenizers import LocalTokenizer, TokenizationService
+from gateway.tokenization.tokenizers import TokenizationService
 
 WORDS = ["the", "gateway", " routes", "naïve", "東京", "  ", "\n", "\n\n", "\t", "x=1;", "<|eot_id|>", "🙂",
          "<|start_header_id|>", "Ünïcödé", "12345", " ", ".", "KV-cache", "'quoted'", "<|", "|>"]
