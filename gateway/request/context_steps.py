@@ -128,12 +128,17 @@ class PlacementLosses:
                          for cause in self.CAUSES}}
 
 
+def _grown_from(attempt: Attempt) -> int | None:
+    """The head's tokens, for an attempt dispatched on its prompt's head whose whole prompt is known now."""
+    return attempt.head_tokens if not attempt.routing.untokenized_tokens else None
+
+
 class ContextPlacement:
     """dispatch: the request's context is resumable on the chosen pod from now on (its prompt's full
     blocks there), and what its placement lost is counted; finish: when its last request ends, it starts
-    thinking. A request routed on its prompt's head (a next turn whose new messages are tokenized when its
-    attempt ends: :class:`~gateway.request.steps.PromptTokenization`) holds its context with the head, and
-    with the whole prompt once it is known, before the context starts thinking."""
+    thinking. A request dispatched on its prompt's head (the rest tokenized when its attempt ends:
+    :class:`~gateway.request.steps.PromptTokenization`) holds its context with the head, and with the whole
+    prompt once it is known, before the context starts thinking."""
 
     def __init__(self, index: PrefixIndex, working_set: ResumableWorkingSet, losses: PlacementLosses,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -141,7 +146,6 @@ class ContextPlacement:
         self._working_set = working_set
         self._losses = losses
         self._clock = clock
-        self._on_heads: set[Attempt] = set()  # attempts dispatched on their prompt's head, not yet finished
 
     def dispatched(self, attempt: Attempt) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
@@ -154,19 +158,15 @@ class ContextPlacement:
         self._working_set.hold(routing.context_key, routing.context_keyed, pod, block_size,
                                hashes.full(block_size), hashes.token_count + routing.untokenized_tokens,
                                self._clock(), routing.retention_s)
-        if routing.untokenized_tokens:
-            self._on_heads.add(attempt)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         routing = attempt.routing
         if routing.context_key is None:
             return
-        if attempt in self._on_heads:
-            self._on_heads.discard(attempt)
-            block_size, hashes = self._index.block_size(attempt.decision.pod.name), routing.hashes
-            if not routing.untokenized_tokens and hashes is not None and block_size:  # now the whole prompt
-                self._working_set.grew(routing.context_key, attempt.decision.pod.name, block_size,
-                                       hashes.full(block_size), hashes.token_count)
+        block_size, hashes = self._index.block_size(attempt.decision.pod.name), routing.hashes
+        if _grown_from(attempt) is not None and hashes is not None and block_size:
+            self._working_set.grew(routing.context_key, attempt.decision.pod.name, block_size,
+                                   hashes.full(block_size), hashes.token_count)
         self._working_set.idle(routing.context_key, self._clock())
 
 
@@ -182,9 +182,6 @@ class CacheRecency:
         self._queues = queues
         self._keep_warm = keep_warm
         self._working_set = working_set
-        # Attempts dispatched on their prompt's head (a next turn whose new messages are tokenized when it
-        # ends), not yet finished: how many blocks they took.
-        self._heads: dict[Attempt, int] = {}
 
     def dispatched(self, attempt: Attempt) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
@@ -192,8 +189,6 @@ class CacheRecency:
         if blocks is None:
             self._keep_warm.routed(pod, 0)
             return
-        if routing.untokenized_tokens:
-            self._heads[attempt] = len(blocks)
         held = routing.prefix.pods.get(pod) if routing.prefix is not None else None
         found = held.gpu_tokens - held.speculative_tokens if held is not None else 0
         self._keep_warm.routed(pod, len(blocks) - found // (self._index.block_size(pod) or 1))
@@ -208,7 +203,6 @@ class CacheRecency:
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         routing, pod = attempt.routing, attempt.decision.pod.name
-        taken = self._heads.pop(attempt, None)
         blocks = self._blocks(routing, pod)
         if blocks is None or routing.hashes is None:
             return
@@ -216,9 +210,10 @@ class CacheRecency:
         block_size = self._index.block_size(pod) or 1
         usable = routing.hashes.usable(block_size)
         cached = len(blocks) if held.gpu_tokens // block_size >= usable else held.gpu_tokens // block_size
-        if taken is not None and not routing.untokenized_tokens:
+        if (head := _grown_from(attempt)) is not None:
             # It took its head's blocks and held the whole prompt's: taken as a whole (the head once more), the
             # head's second hold let go, so that all of them go back together below, as one request's.
+            taken = head // block_size
             self._queues.taken(pod, blocks)
             self._queues.returned(pod, blocks[:taken], min(cached, taken))
             if routing.context_key is not None and routing.token_ids is not None:
@@ -242,7 +237,6 @@ class RoutedPrefix:
     def __init__(self, index: PrefixIndex, approximate: ApproximatePrefixIndex) -> None:
         self._index = index
         self._approximate = approximate
-        self._on_heads: dict[Attempt, int] = {}  # attempts dispatched on their prompt's head: its tokens
 
     def dispatched(self, attempt: Attempt) -> None:
         match, routing, pod = attempt.routing.prefix, attempt.routing, attempt.decision.pod.name
@@ -253,15 +247,12 @@ class RoutedPrefix:
             confirmed = held.gpu_tokens - held.speculative_tokens if held is not None else 0
             self._index.expect(pod, routing.base_model or routing.model, routing.lora_name, match.hashes,
                                confirmed_tokens=confirmed)
-            if routing.untokenized_tokens:
-                self._on_heads[attempt] = match.hashes.token_count
         elif match.text:
             self._approximate.record(match.text, pod)
 
     def attempt_finished(self, attempt: Attempt, outcome: RelayOutcome) -> None:
         routing = attempt.routing
-        head = self._on_heads.pop(attempt, None)
-        if head is not None and routing.hashes is not None and not routing.untokenized_tokens and outcome.complete:
+        if (head := _grown_from(attempt)) is not None and routing.hashes is not None and outcome.complete:
             self._index.expect(attempt.decision.pod.name, routing.base_model or routing.model, routing.lora_name,
                                routing.hashes, confirmed_tokens=head)
 

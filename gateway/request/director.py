@@ -278,7 +278,8 @@ class RequestDirector:
             prefill_tokens=request.prompt_tokens(routing) - decision.prefix_tokens)
         attempt = Attempt(request, policy, routing, plan, decision, dispatch, run.attempts, started,
                           upstream_headers(headers, run.admitted, decision.pod),
-                          run.body if run.body is not request.body else None)
+                          run.body if run.body is not request.body else None,
+                          routing.hashes.token_count if routing.untokenized_tokens and routing.hashes else None)
         run.attempts += 1
         return attempt
 

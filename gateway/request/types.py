@@ -96,6 +96,9 @@ class Attempt:
     upstream_headers: dict[str, str]
     # The body sent when it is not the client's: its model rewritten for the target (gateway.models.rules).
     body: bytes | None = None
+    # Dispatched on its prompt's head, this many tokens of it (the rest is tokenized when the attempt ends:
+    # gateway.request.steps.PromptTokenization); None: on the whole prompt, or on none.
+    head_tokens: int | None = None
 
     @property
     def sent_body(self) -> bytes:

@@ -7,6 +7,8 @@ free queue, keep-warm's kept prompt) ends up holding all of it."""
 from __future__ import annotations
 
 import time
+from array import array
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from gateway.auth import ApiKey
 from gateway.config import ApiKeyConfig, PlacementConfig, ServerConfig, VerificationConfig
 from gateway.core.facts import ContextHeld
 from gateway.kv.events import BlockStored
+from gateway.kv.hashing import PromptHashes, namespace_root
 from gateway.kv.index import PrefixIndex
 from gateway.kv.verification import PredictionVerifier
 from gateway.kv.working_set import ResumableWorkingSet
@@ -23,7 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.outcome import Ending, RelayOutcome
 from gateway.request.context_steps import ContextPlacement, ContextResolution, PlacementLosses
 from gateway.request.steps import PromptTokenization
-from gateway.routing.policy import RoutingRequest
+from gateway.routing.policy import Decision, PrefixMatch, RoutingRequest
 from gateway.tokenization.tokenizers import TokenizationService
 from gateway.workflow.context import ContextSignals
 from tests.unit.test_keep_warm_cost import Conversation
@@ -159,7 +162,7 @@ def test_the_working_set_holds_the_head_then_the_whole_prompt_as_one_stage_and_t
     resolution.prepare(request, policy(), routing)
     assert routing.context_key == "anon-7"
 
-    attempt = attempt_of(request, routing, "p1", registry, ledger)
+    attempt = replace(attempt_of(request, routing, "p1", registry, ledger), head_tokens=60)
     placement.dispatched(attempt)
     context = working_set.context("anon-7")
     assert context is not None and context.stages == 2 and len(context.hashes) == 3 and context.prompt_tokens == 100
@@ -181,23 +184,25 @@ def test_the_working_set_holds_the_head_then_the_whole_prompt_as_one_stage_and_t
 def test_a_turn_dispatched_on_its_head_leaves_all_its_blocks_in_the_free_queue_and_keep_warm_the_whole_prompt():
     conversation = Conversation()
     conversation.grow_to(640)
-    conversation.recency.dispatched = _on_head(conversation.recency.dispatched)  # type: ignore[method-assign]
-    conversation.turn()
-    blocks = conversation.hashes.full(BS)  # type: ignore[union-attr]
+    earlier = conversation.hashes
+    whole = conversation.ids + array("I", range(9000, 9040))  # the next turn: its head is the earlier prompt
+    hashes = PromptHashes(namespace_root("m"), whole, earlier, len(conversation.ids))
+    request = client_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    routing = RoutingRequest(request.id, "m", "chat", request.parsed, base_model="m", token_ids=conversation.ids,
+                             hashes=earlier, untokenized_tokens=10, context_key="workflow:w", context_keyed=True)
+    routing.prefix = PrefixMatch(True, earlier, conversation.index.lookup("m", None, earlier, ["p0"]))
+    attempt = replace(attempt_of(request, routing, "p0", conversation.pods, conversation.ledger),
+                      decision=Decision(conversation.pods.get("p0"), "kv_aware", "cache_hit"), head_tokens=640)
+    conversation.recency.dispatched(attempt)
+    blocks = hashes.full(BS)
+    stored = conversation.stored  # the pod computes the rest and its events store it
+    conversation.index.apply(conversation.view, [BlockStored(
+        block_hashes=blocks[stored:], parent_block_hash=blocks[stored - 1],
+        token_ids=list(whole[stored * BS: len(blocks) * BS]),
+        block_size=BS)])
+    routing.token_ids, routing.hashes, routing.untokenized_tokens = whole, hashes, 0  # tokenized as it ended
+    conversation.ledger.finish(attempt.dispatch)
+    conversation.recency.attempt_finished(attempt, RelayOutcome(200, Ending.COMPLETE))
     assert conversation.queues.free_blocks("p0") == len(blocks)
     kept = conversation.keep_warm.prompts.get("workflow:w")
-    assert kept is not None and list(kept.ids) == list(conversation.ids)
-
-
-def _on_head(dispatched: Any) -> Any:
-    """The recency step's dispatch as a next turn routed on its head sees it: the last 40 tokens not there yet
-    (they are again when the attempt finishes, as after tokenization completes)."""
-    def on_head(attempt: Any) -> None:
-        routing = attempt.routing
-        whole_ids, whole_hashes = routing.token_ids, routing.hashes
-        head = whole_ids[: len(whole_ids) - 40]
-        routing.token_ids, routing.untokenized_tokens = head, 10
-        routing.hashes = type(whole_hashes)(whole_hashes.root, head)
-        dispatched(attempt)
-        routing.token_ids, routing.hashes, routing.untokenized_tokens = whole_ids, whole_hashes, 0
-    return on_head
+    assert kept is not None and list(kept.ids) == list(whole)
