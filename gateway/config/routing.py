@@ -113,7 +113,7 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # adds: each conversation's latest prompt, its ids and block hashes (about 7 bytes a token).
     reuse_tokens: int = 20_000_000
     # Text no pod can hold yet is tokenized after routing, when the request's attempt ends, rather than
-    # before it (docs/routing.md, "What is tokenized before routing"): a conversation's next turn is routed on
+    # before it (docs/routing.md, "KV-aware routing"): a conversation's next turn is routed on
     # its earlier prompt, a prompt from its first message on the ids as far as its first new piece past which
     # no pod holds it (the prefix index says). Not where a count must be exact first (a key whose input tokens
     # are limited, a prompt that might pass the context, a drifting model, a prefill leg). Off: every prompt

@@ -51,8 +51,8 @@ class ContextHeld(Fact):
     hashes: list[int]
     prompt_tokens: int
     retention_s: float | None = None
-    # The prompt of the request that holds it grew (it was held with its head while its new messages were
-    # tokenized): the same hold, its blocks now the whole prompt's.
+    # The prompt of the request that holds it grew (it was held with its head while the rest was tokenized):
+    # the same hold, its blocks now the whole prompt's.
     grown: bool = False
 
 

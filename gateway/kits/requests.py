@@ -145,7 +145,7 @@ class RequestsKit(Kit):
                      if hold_new_s else []), *admit],
             # Cache recency reads a context as it was before this request: before placement holds it anew.
             dispatch=[RoutingMetrics(metrics), kv.routed, *recency, kv.placement, planning, *admit, models.tracking],
-            # A next turn's prompt is whole first: the rest hold and return what it holds.
+            # A prompt routed on its head is made whole first: the rest hold and return all of it.
             finish=[tokenization, *admit, planning, kv.routed, kv.placement, *recency, models.tracking],
             complete=[*admit, *([PredictionCheck(kv.verifier)] if config.verification.enabled else []),
                       OutputLearning(load.predictor, metrics), RequestMetrics(metrics, self.served), models.use,

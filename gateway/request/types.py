@@ -57,8 +57,8 @@ class ClientRequest:
         object.__setattr__(self, "model", self.parsed.model or "")
 
     def prompt_tokens(self, routing: RoutingRequest | None) -> int:
-        """The prompt's length in tokens: exact once tokenized (a next turn routed before its new messages
-        were: its head's, and their estimate), else guessed from the body (4 bytes a token)."""
+        """The prompt's length in tokens: exact once tokenized (one routed on its head: the head's, and the
+        rest's estimate), else guessed from the body (4 bytes a token)."""
         if routing is None or not routing.token_ids:
             return max(1, len(self.body) // 4)
         return len(routing.token_ids) + routing.untokenized_tokens

@@ -78,7 +78,7 @@ class RoutingRequest:
     # the prompt up), and the block hashes of the conversation's earlier prompt they reuse (None: none).
     hashes: PromptHashes | None = None
     continued: PromptHashes | None = None
-    # Prompt tokenization, too: a conversation's next turn is routed on its earlier prompt, its new messages
+    # Prompt tokenization, too: a prompt may be routed on its head (a next turn on its earlier prompt), the rest
     # tokenized when its attempt ends (``complete_prompt``, called once by the first step to finish); until
     # then ``token_ids`` and ``hashes`` are the prompt's head and about this many tokens follow it (0: whole).
     untokenized_tokens: int = 0

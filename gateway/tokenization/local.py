@@ -181,11 +181,9 @@ class LocalTokenizer:
             return array("I", await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False)))
         layout = self.segments.layout(text)
         new = self.segments.uncached(layout)
-        if new:
-            encoded = await self._encode_spread(new) if sum(map(len, new)) > self._offload_chars \
-                else self.tokenizer.encode_pieces(new)
-            self._remember_pieces(new, encoded)
-        return self.segments.encode(layout)
+        if sum(map(len, new)) > self._offload_chars:
+            self._remember_pieces(new, await self._encode_spread(new))
+        return self._encode_layout(layout)
 
     def _encode_here(self, text: str) -> array[int]:
         """Text tokenized on the calling thread."""
