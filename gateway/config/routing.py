@@ -116,9 +116,8 @@ class TokenizationConfig(msgspec.Struct, forbid_unknown_fields=True):
     # before it (docs/routing.md, "KV-aware routing"): a conversation's next turn is routed on
     # its earlier prompt, a prompt from its first message on the ids as far as its first new piece past which
     # no pod holds it (the prefix index says). Not where a count must be exact first (a key whose input tokens
-    # are limited, a prompt that might pass the context, a drifting model, a prefill leg). Off by default: with
-    # a CPU hog beside the e2e suite, flow control's floor for tenant B beside a flood of documents failed with
-    # it on (2 of 2) and held with it off, and on real pods it showed no significant gain (docs/benchmarks.md).
+    # are limited, a prompt that might pass the context, a drifting model, a prefill leg). Off by default: on real
+    # pods it showed no significant gain against itself off (docs/benchmarks.md).
     defer_new_text: bool = False
     # At most this much text is left for when the attempt ends (tokenized on the loop then: 4,000 characters
     # took 0.37 ms at p50 through tiktoken, on an idle loop); more new text is tokenized before routing.
