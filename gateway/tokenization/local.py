@@ -141,12 +141,15 @@ class LocalTokenizer:
             text = await self._off_loop(lambda: self.tokenizer.render_chat(messages, **render))
         else:
             text = self.tokenizer.render_chat(messages, **render)
+        ids = array("I", prefix)
         if past_every_match is not None and self.segments.exact:
-            head = self._head(self.segments.layout(text), prefix, past_every_match)
+            layout = self.segments.layout(text)
+            head = self._head(layout, prefix, past_every_match)
             if head is not None:
                 return head
-        ids = array("I", prefix)
-        ids.extend(await self._encode(text))
+            ids.extend(await self._encode_laid_out(layout))  # laid out once, whether or not it stopped early
+        else:
+            ids.extend(await self._encode(text))
         return ids, None
 
     def _head(self, layout: list[str | int], prefix: Sequence[int], past_every_match: PastEveryMatch
@@ -179,7 +182,10 @@ class LocalTokenizer:
             return self._encode_here(text)
         if not self.segments.exact:
             return array("I", await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False)))
-        layout = self.segments.layout(text)
+        return await self._encode_laid_out(self.segments.layout(text))
+
+    async def _encode_laid_out(self, layout: list[str | int]) -> array[int]:
+        """A laid-out text's ids, its new pieces on the tokenization threads where they pass ``offload_chars``."""
         new = self.segments.uncached(layout)
         if sum(map(len, new)) > self._offload_chars:
             self._remember_pieces(new, await self._encode_spread(new))
